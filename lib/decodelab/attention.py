@@ -1,0 +1,51 @@
+"""Scaled dot-product attention for a decoder: causal, with grouped-query K/V heads.
+
+Queries may start part-way through the sequence (``q_offset``): with a KV cache the new
+tokens sit at positions q_offset .. q_offset + T - 1 and may look at every cached key
+before them. Grouped-query attention: H query heads share H_kv key/value heads, each KV
+head serving H / H_kv consecutive query heads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def repeat_kv(x: torch.Tensor, num_queries_per_kv: int) -> torch.Tensor:
+    """[B, H_kv, S, D] -> [B, H_kv * num_queries_per_kv, S, D]: KV head j serves query heads
+    j*n .. j*n + n - 1, as in Llama and `transformers`."""
+    if num_queries_per_kv == 1:
+        return x
+    b, h_kv, s, d = x.shape
+    return x[:, :, None].expand(b, h_kv, num_queries_per_kv, s, d).reshape(b, h_kv * num_queries_per_kv, s, d)
+
+
+def causal_mask(num_queries: int, num_keys: int, q_offset: int, device=None,
+                sliding_window: int | None = None) -> torch.Tensor:
+    """Boolean [T, S]: True where query t (at position q_offset + t) may attend to key s."""
+    q_pos = torch.arange(q_offset, q_offset + num_queries, device=device)[:, None]
+    k_pos = torch.arange(num_keys, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+    return allowed
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of q [B, H, T, D] over k, v [B, H_kv, S, D] (S = q_offset + T); returns [B, H, T, D].
+
+    The softmax runs in float32 inside SDPA for fp32 inputs; half-precision inputs use the
+    backend's own accumulation, as `transformers` does.
+    """
+    num_queries, num_keys = q.shape[2], k.shape[2]
+    if num_keys != q_offset + num_queries:
+        raise ValueError(f"attention got {num_keys} keys for {num_queries} queries at offset {q_offset}")
+    group = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, group), repeat_kv(v, group)
+    if sliding_window is None and num_queries == 1:
+        return F.scaled_dot_product_attention(q, k, v)  # one new token sees everything before it
+    if sliding_window is None and q_offset == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = causal_mask(num_queries, num_keys, q_offset, q.device, sliding_window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -1,0 +1,77 @@
+"""`python -m decodelab`: generate text from the command line, prepare the default model.
+
+    python -m decodelab generate "What is gravity?" [--model smollm2|tiny|tiny-draft|DIR]
+        [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
+        [--repetition-penalty R] [--device D] [--dtype fp32|bf16|fp16] [--no-chat] [--json]
+    python -m decodelab prepare        # convert SmolLM2 into the cache once
+
+Text streams to stdout; with --json exactly one JSON object is printed there instead.
+Progress and errors go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m decodelab", description="Decode Lab inference engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, tiny-draft, or a model folder")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
+    gen.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
+    gen.add_argument("--no-chat", action="store_true", help="feed the prompt as is, without the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, output_ids, text")
+    commands.add_parser("prepare", help="convert the default model (SmolLM2) into the cache")
+    return parser
+
+
+def run_generate(args) -> int:
+    from .generate import Completion, encode_prompt, stream_text
+    from .models import load
+    from .params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            repetition_penalty=args.repetition_penalty, max_tokens=args.max_new_tokens,
+                            seed=args.seed)
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    prompt_ids = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat)
+    completion = Completion(prompt_ids)
+    for piece in stream_text(model, tokenizer, prompt_ids, params, completion):
+        if not args.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    if args.json:
+        print(json.dumps({"prompt_ids": completion.prompt_ids, "output_ids": completion.output_ids,
+                          "text": completion.text, "finish_reason": completion.finish_reason}))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "prepare":
+            from .models import prepare_smollm2
+            print(prepare_smollm2(), file=sys.stderr)
+            return 0
+        return run_generate(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
