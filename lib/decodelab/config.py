@@ -99,6 +99,18 @@ class ModelConfig:
                                "num_hidden_layers", "num_attention_heads") if n not in raw]
         if missing:
             raise ConfigError(f"config is missing required field(s): {', '.join(missing)}")
+        raw = dict(raw)
+        rope = raw.pop("rope_parameters", None)
+        if rope is not None:
+            # transformers >= 5 writes rope_theta and the scaling together as rope_parameters
+            # (and no rope_theta / rope_scaling); read it back into the older fields.
+            if not isinstance(rope, dict) or isinstance(rope.get("rope_theta", 0), dict):
+                raise ConfigError(f"rope_parameters must be one JSON object, got {rope!r}")
+            rope = dict(rope)
+            if "rope_theta" in rope:
+                raw.setdefault("rope_theta", rope.pop("rope_theta"))
+            if rope.get("rope_type", rope.get("type", "default")) != "default":
+                raw.setdefault("rope_scaling", rope)
         kwargs = {k: v for k, v in raw.items() if k in known}
         if kwargs.get("model_type") == "qwen2" and not raw.get("use_sliding_window", False):
             kwargs["sliding_window"] = None  # Qwen2 stores a window it does not use

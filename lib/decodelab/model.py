@@ -117,8 +117,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, kv_cache=None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32.
+
+        logits_indices [M]: compute logits only at these token indices -> [B, M, V]; the
+        vocabulary projection is the largest matmul, so skipping unused rows matters.
 
         positions: [T] or [B, T] token positions; by default they continue after the
         tokens already in `kv_cache` (or start at 0 without one). `kv_cache` is any object
@@ -140,6 +143,8 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache)
         if last_only:
             x = x[:, -1:]
+        elif logits_indices is not None:
+            x = x[:, logits_indices]
         return self.lm_head(self.model.norm(x)).float()
 
     def num_parameters(self) -> int:

@@ -16,7 +16,9 @@ from .config import ModelConfig
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     """The rotation speed of each channel pair, after rope_scaling. Shape [head_dim / 2], float32."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # float32 throughout, exactly as `transformers` computes it: float64 here differs in the
+    # last bit for some channels, which moves logits by ~1e-4 after a few hundred positions.
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     scaling = config.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "linear":

@@ -37,6 +37,8 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """
     if not 0 < p <= 1:
         raise ValueError(f"top-p needs 0 < p <= 1, got {p}")
+    if p == 1:  # keeps all; below, float32 rounding can make the mass before a tiny tail exactly 1.0
+        return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     sorted_probs = sorted_logits.softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [..., V]: mass of strictly better tokens

@@ -1,0 +1,1 @@
+"""Decode Lab autograder: check functions shared by CI and the notebooks' hidden-test cells."""

@@ -1,0 +1,659 @@
+"""Checks for notebook 01, `decodelab.sampling`: temperature, top-k, top-p, repetition penalty, sampling.
+
+Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
+version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and either
+returns None or raises ``AssertionError`` whose message gives the input, the expected and the
+actual result.
+
+Two kinds of expected results:
+
+* Hand-made cases whose answers are computed here by small plain-torch references (``_ref_*``,
+  in float64). They never call ``decodelab.sampling``, so a bug in the library is caught too,
+  and they run whether or not ``transformers`` is installed.
+* Random logits with several leading dims, compared with the Hugging Face logits processors
+  (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, RepetitionPenaltyLogitsProcessor)
+  when ``transformers`` is importable, else with the plain-torch references.
+
+Sampling tolerance (``check_sample``). N draws from an exact distribution p (computed here in
+float64): the count of token i is Binomial(N, p_i), so its frequency f_i has standard error
+s_i = sqrt(p_i (1 - p_i) / N), and by the normal approximation (every N p_i (1 - p_i) >= 100
+here) P(|f_i - p_i| > z s_i) ~= 2 (1 - Phi(z)). Testing K categories at once with a total
+false-alarm rate ALPHA, Bonferroni gives the per-category bound z = Phi^-1(1 - ALPHA / (2 K)):
+a correct sampler, whatever order it consumes random numbers in, fails with probability at
+most ~ALPHA = 1e-6. Tokens with probability exactly 0 (filtered out) must never be drawn.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import types
+from statistics import NormalDist
+
+import torch
+
+__all__ = [
+    "check_apply_temperature",
+    "check_top_k_filter",
+    "check_top_p_filter",
+    "check_repetition_penalty",
+    "check_sample",
+    "check_probs",
+]
+
+NEG_INF = float("-inf")
+ALPHA = 1e-6          # total false-alarm probability of one check_sample frequency test
+N_DRAWS = 20_000      # draws per frequency test
+TOP_P_AMBIGUOUS = 1e-5  # |cumulative mass - p| below this: float32 rounding may decide either way
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+
+@functools.lru_cache(maxsize=None)
+def _load_hf():
+    """The four Hugging Face processors, or None when transformers is not importable."""
+    try:
+        from transformers import (
+            RepetitionPenaltyLogitsProcessor,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+    except Exception:  # not installed, or an install that fails to import: analytic cases only
+        return None
+    return types.SimpleNamespace(
+        temperature=TemperatureLogitsWarper,
+        top_k=TopKLogitsWarper,
+        top_p=TopPLogitsWarper,
+        repetition=RepetitionPenaltyLogitsProcessor,
+    )
+
+
+def _hf_apply(processor, logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Run a Hugging Face processor (which wants [B, V] scores, [B, n] ids) on [..., V] logits."""
+    vocab = logits.shape[-1]
+    scores = logits.reshape(-1, vocab).clone()
+    if token_ids is None:
+        ids = torch.zeros(scores.shape[0], 1, dtype=torch.long)
+    else:
+        ids = token_ids.reshape(scores.shape[0], -1).long()
+    return processor(ids, scores).reshape(logits.shape)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def _ref_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits.double() / temperature
+
+
+def _ref_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep every logit >= the k-th largest (so ties with the k-th are kept)."""
+    x = logits.double()
+    k = min(k, x.shape[-1])
+    kth = x.sort(dim=-1, descending=True).values[..., k - 1 : k]
+    return x.masked_fill(x < kth, NEG_INF)
+
+
+def _top_p_keep_counts(row: torch.Tensor, p: float) -> tuple[int, set[int]]:
+    """For one 1-D row: (n, allowed) where n is the size of the smallest set of most likely
+    tokens with mass >= p (float64), and allowed the counts float32 rounding may also give."""
+    finite = row.double()[torch.isfinite(row)]
+    if finite.numel() == 0:
+        return 0, {0}
+    if p >= 1:
+        return finite.numel(), {finite.numel()}
+    probs = finite.softmax(dim=-1).sort(descending=True).values
+    cum = probs.cumsum(dim=-1).tolist()
+    n = next((i + 1 for i, c in enumerate(cum) if c >= p), len(cum))
+    allowed = {n}
+    if n >= 2 and p - cum[n - 2] < TOP_P_AMBIGUOUS:
+        allowed.add(n - 1)
+    if cum[n - 1] - p < TOP_P_AMBIGUOUS and n < len(cum):
+        allowed.add(n + 1)
+    return n, allowed
+
+
+def _ref_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens with mass >= p (float64; no ties expected)."""
+    x = logits.double()
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.full_like(rows, NEG_INF)
+    for r, row in enumerate(rows):
+        n, _ = _top_p_keep_counts(row, p)
+        keep = row.sort(descending=True).indices[:n]
+        out[r, keep] = row[keep]
+    return out.reshape(x.shape)
+
+
+def _ref_repetition(logits: torch.Tensor, token_ids: torch.Tensor, penalty: float) -> torch.Tensor:
+    x = logits.double()
+    seen = torch.zeros(x.shape, dtype=torch.bool)
+    if token_ids.shape[-1] > 0:
+        seen = seen.scatter(-1, token_ids.long(), True)
+    penalized = torch.where(x < 0, x * penalty, x / penalty)
+    return torch.where(seen, penalized, x)
+
+
+def _ref_sampling_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The exact distribution to sample from: temperature, then top-k, then top-p, softmax."""
+    x = logits.double()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(x.argmax(dim=-1), x.shape[-1]).double()
+    x = _ref_temperature(x, temperature)
+    if top_k >= 1:
+        x = _ref_top_k(x, top_k)
+    if top_p < 1:
+        x = _ref_top_p(x, top_p)
+    return x.softmax(dim=-1)
+
+
+# --------------------------------------------------------------------------- message helpers
+
+
+def _fmt_num(v: float) -> str:
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "-inf" if v < 0 else "inf"
+    return f"{v:.6g}"
+
+
+def _fmt(x) -> str:
+    """A tensor or nested list as [a, b, ...]; large tensors by shape only."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() > 24:
+            return f"<tensor of shape {list(x.shape)}>"
+        x = x.detach().cpu().tolist()
+    if isinstance(x, (list, tuple)):
+        return "[" + ", ".join(_fmt(v) for v in x) + "]"
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, float):
+        return _fmt_num(x)
+    return str(x)
+
+
+def _row_name(index: int, lead_shape: torch.Size) -> str:
+    if len(lead_shape) == 0:
+        return ""
+    coords = []
+    for size in reversed(lead_shape):
+        coords.append(index % size)
+        index //= size
+    coords = coords[0] if len(coords) == 1 else tuple(reversed(coords))
+    return f" in row {coords} of a batch with leading dims {list(lead_shape)}"
+
+
+def _call(desc: str, fn, *args):
+    """Call the function under test; its own exceptions become a readable AssertionError."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - any crash is a failed check
+        raise AssertionError(f"{desc} raised {type(e).__name__}: {e}") from e
+
+
+def _expect_value_error(desc: str, why: str, fn, *args) -> None:
+    try:
+        out = fn(*args)
+    except ValueError:
+        return
+    except Exception as e:  # noqa: BLE001
+        raise AssertionError(f"{desc} should raise ValueError ({why}); it raised {type(e).__name__}: {e}") from e
+    raise AssertionError(f"{desc} should raise ValueError ({why}); it returned {_fmt(out)}")
+
+
+def _check_tensor(desc: str, got, like: torch.Tensor) -> None:
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{desc} returned {type(got).__name__}; "
+                             f"expected a torch.Tensor of shape {list(like.shape)}")
+    if got.shape != like.shape:
+        raise AssertionError(f"{desc} returned shape {list(got.shape)}; "
+                             f"expected {list(like.shape)} (the shape of the logits)")
+    if not got.is_floating_point():
+        raise AssertionError(f"{desc} returned dtype {got.dtype}; expected floating-point logits")
+
+
+def _check_unchanged(desc: str, before: torch.Tensor, after: torch.Tensor) -> None:
+    if not torch.equal(before, after):
+        raise AssertionError(
+            f"{desc} modified its input logits in place: {_fmt(before)} became {_fmt(after)}; "
+            "return a new tensor instead (the caller may still need the original logits)"
+        )
+
+
+def _compare(desc: str, x: torch.Tensor, expected: torch.Tensor, got, *, source: str,
+             note: str = "", rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """got must equal expected: the same entries at -inf, the others close."""
+    _check_tensor(desc, got, x)
+    vocab = x.shape[-1]
+    xs = x.detach().double().reshape(-1, vocab)
+    es = expected.detach().double().reshape(-1, vocab)
+    gs = got.detach().cpu().double().reshape(-1, vocab)
+    e_removed, g_removed = es == NEG_INF, gs == NEG_INF
+    both_finite = ~e_removed & ~g_removed
+    close = torch.isclose(gs, es, rtol=rtol, atol=atol) | (e_removed & g_removed)
+    bad = ~close | (e_removed != g_removed) | torch.isnan(gs) | (both_finite & ~torch.isfinite(gs))
+    if not bad.any():
+        return
+    r = int(bad.any(dim=-1).nonzero()[0])
+    lines = [f"{desc}: wrong result{_row_name(r, x.shape[:-1])}."]
+    if note:
+        lines.append(f"  ({note})")
+    n_exp, n_got = int((~e_removed[r]).sum()), int((~g_removed[r]).sum())
+    if n_exp != n_got:
+        lines.append(f"  kept {n_got} of {vocab} tokens; expected {n_exp}.")
+    if (e_removed[r] & ~g_removed[r] & (gs[r] < -1e30)).any():
+        lines.append(_NOT_MINUS_INF)
+    if vocab <= 16:
+        lines += [f"  input:    {_fmt(xs[r])}",
+                  f"  expected: {_fmt(es[r])}   ({source})",
+                  f"  got:      {_fmt(gs[r])}"]
+    else:
+        lines.append(f"  expected from {source}; wrong tokens:")
+        for i in bad[r].nonzero().flatten()[:6].tolist():
+            lines.append(f"    token {i}: input {_fmt_num(xs[r, i].item())}, expected {_fmt_num(es[r, i].item())}, "
+                         f"got {_fmt_num(gs[r, i].item())}")
+    raise AssertionError("\n".join(lines))
+
+
+_NOT_MINUS_INF = "  (filtered entries must be exactly float('-inf'), not a large negative number)"
+
+
+def _random_logits(shape, seed: int, scale: float = 3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * scale
+
+
+# --------------------------------------------------------------------------- temperature
+
+
+def check_apply_temperature(fn) -> None:
+    """fn(logits [..., V], temperature) -> logits / temperature; ValueError for temperature <= 0."""
+    hf = _load_hf()
+    cases = [
+        ([2.0, -1.0, 0.0, 0.5], 0.5, "temperature < 1 sharpens: logits / 0.5 = 2 x logits"),
+        ([2.0, -1.0, 0.0, 0.5], 2.0, "temperature > 1 flattens: logits / 2"),
+        ([2.0, -1.0, 0.0, 0.5], 1.0, "temperature 1 changes nothing"),
+        ([1e4, -1e4, NEG_INF, 3.0], 0.5, "extreme values; -inf stays -inf"),
+        ([[1.0, -2.0, 3.0], [0.0, 4.0, NEG_INF]], 0.25, "leading dim [2]"),
+    ]
+    for values, t, note in cases:
+        x = torch.tensor(values)
+        before = x.clone()
+        desc = f"apply_temperature(logits, temperature={t})"
+        got = _call(f"{desc} on logits {_fmt(x)}", fn, x, t)
+        _check_unchanged(desc, before, x)
+        _compare(desc, x, _ref_temperature(x, t), got, source="logits / temperature", note=note)
+    for i, (shape, t) in enumerate([((7,), 0.7), ((3, 11), 1.8), ((2, 3, 50), 0.3), ((2, 3, 50), 1.0)]):
+        x = _random_logits(shape, seed=100 + i)
+        desc = f"apply_temperature(logits, temperature={t}) on random logits of shape {list(shape)}"
+        got = _call(desc, fn, x.clone(), t)
+        if hf is not None:
+            expected, source = _hf_apply(hf.temperature(float(t)), x), "Hugging Face TemperatureLogitsWarper"
+        else:
+            expected, source = _ref_temperature(x, t), "logits / temperature"
+        _compare(desc, x, expected, got, source=source)
+    x = torch.tensor([1.0, 2.0, 3.0])
+    for t in (0.0, -1.0):
+        _expect_value_error(f"apply_temperature(logits, temperature={t})",
+                            "temperature must be > 0; 0 means greedy decoding, which never divides", fn, x, t)
+
+
+# --------------------------------------------------------------------------- top-k
+
+
+def check_top_k_filter(fn) -> None:
+    """fn(logits [..., V], k) keeps the k largest and every logit tied with the k-th; others -inf."""
+    hf = _load_hf()
+    tie_note = "every token tied with the k-th largest is kept"
+    cases = [
+        ([3.0, 1.0, 2.0, 2.0, 0.5], 2, f"tie at the boundary: {tie_note}, so 3 tokens stay"),
+        ([1.0, 1.0, 1.0, 1.0], 1, f"all tied: {tie_note}, so all 4 stay"),
+        ([0.5, -1.0, 2.0, 0.0], 1, "k = 1 keeps only the largest"),
+        ([0.5, -1.0, 2.0], 3, "k = vocabulary size keeps everything"),
+        ([0.5, -1.0, 2.0], 10, "k > vocabulary size keeps everything"),
+        ([1e4, NEG_INF, -1e4, 0.0, NEG_INF], 2, "extreme values, -inf already present"),
+        ([1e4, NEG_INF, -1e4, 0.0, NEG_INF], 4, "k reaches the -inf entries: all finite ones stay"),
+        ([[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 3.0, 1.0]], 2, f"each row on its own; {tie_note}"),
+        ([[[0.1, 0.4, 0.2]], [[0.3, 0.3, 0.9]]], 2, "leading dims [2, 1]"),
+    ]
+    for values, k, note in cases:
+        x = torch.tensor(values)
+        before = x.clone()
+        desc = f"top_k_filter(logits, k={k})"
+        got = _call(f"{desc} on logits {_fmt(x)}", fn, x, k)
+        _check_unchanged(desc, before, x)
+        _compare(desc, x, _ref_top_k(x, k), got, source="keep logits >= the k-th largest", note=note)
+    randoms = [((9,), 3, 2.0), ((4, 13), 1, 2.0), ((4, 13), 5, 2.0), ((2, 3, 50), 10, 2.0), ((2, 3, 50), 50, 2.0)]
+    for i, (shape, k, scale) in enumerate(randoms):
+        x = _random_logits(shape, seed=200 + i, scale=scale)
+        _top_k_random(fn, hf, x, k, f"random logits of shape {list(shape)}")
+    g = torch.Generator().manual_seed(250)
+    ties = torch.randint(-3, 4, (4, 20), generator=g).float()  # many ties at every boundary
+    for k in (1, 4, 9):
+        _top_k_random(fn, hf, ties, k, "random integer logits [4, 20] (many ties)")
+    x = torch.tensor([1.0, 2.0, 3.0])
+    for k in (0, -1):
+        _expect_value_error(f"top_k_filter(logits, k={k})", "k must be an integer >= 1", fn, x, k)
+
+
+def _top_k_random(fn, hf, x, k, what):
+    desc = f"top_k_filter(logits, k={k}) on {what}"
+    got = _call(desc, fn, x.clone(), k)
+    if hf is not None:
+        expected, source = _hf_apply(hf.top_k(k), x), "Hugging Face TopKLogitsWarper"
+    else:
+        expected, source = _ref_top_k(x, k), "keep logits >= the k-th largest"
+    _compare(desc, x, expected, got, source=source, note="every token tied with the k-th largest is kept")
+
+
+# --------------------------------------------------------------------------- top-p
+
+
+def _validate_top_p(desc: str, x: torch.Tensor, p: float, got, *, note: str = "",
+                    hf_expected: torch.Tensor | None = None) -> None:
+    """Kept entries unchanged, the rest -inf, the kept set a top set of the right size."""
+    _check_tensor(desc, got, x)
+    vocab = x.shape[-1]
+    xs = x.detach().double().reshape(-1, vocab)
+    gs = got.detach().cpu().double().reshape(-1, vocab)
+    hs = None if hf_expected is None else hf_expected.double().reshape(-1, vocab)
+    for r in range(xs.shape[0]):
+        row, out = xs[r], gs[r]
+        where = _row_name(r, x.shape[:-1])
+        shown = f"logits {_fmt(row)}" if vocab <= 16 else f"random logits of shape {list(x.shape)}"
+        removed = out == NEG_INF
+        kept = ~removed
+        n_got = int((kept & torch.isfinite(row)).sum())
+        n_exp, allowed = _top_p_keep_counts(row, p)
+
+        def fail(msg: str):
+            lines = [f"{desc}{where}: {msg}"]
+            if note:
+                lines.append(f"  ({note})")
+            if vocab <= 16:
+                probs = row.softmax(dim=-1)
+                lines += [f"  input:         {_fmt(row)}",
+                          f"  probabilities: {_fmt([round(v, 4) for v in probs.tolist()])}",
+                          f"  expected:      {_fmt(_ref_top_p(row, p))}",
+                          f"  got:           {_fmt(out)}"]
+            raise AssertionError("\n".join(lines))
+
+        if torch.isnan(out).any():
+            fail("the result contains NaN")
+        if (torch.isfinite(out) & (out < -1e30) & (row > -1e30)).any():
+            fail("filtered entries must be exactly float('-inf'), not a large negative number")
+        changed = kept & ~torch.isclose(out, row, rtol=1e-6, atol=0.0)
+        if changed.any():
+            i = int(changed.nonzero()[0])
+            fail(f"kept token {i} must keep its logit {_fmt_num(row[i].item())} unchanged, "
+                 f"got {_fmt_num(out[i].item())} "
+                 "(filtered tokens become -inf, the others stay as they are)")
+        if n_exp >= 1 and n_got == 0:
+            fail(f"kept 0 tokens for p={p}; top-p always keeps at least the most likely token")
+        if n_got not in allowed:
+            fail(f"top_p_filter kept {n_got} tokens for p={p} on {shown}; the smallest set of most likely "
+                 f"tokens with mass >= {p} has {n_exp}")
+        if kept.any() and removed.any() and torch.isfinite(row[removed]).any():
+            lowest_kept, highest_removed = row[kept].min().item(), row[removed].max().item()
+            if highest_removed > lowest_kept:
+                fail(f"removed a token with logit {_fmt_num(highest_removed)} but kept one with "
+                     f"{_fmt_num(lowest_kept)}; top-p keeps the MOST likely tokens")
+        ordered = row[torch.isfinite(row)].sort(descending=True).values
+        tie_at_boundary = 0 < n_exp < ordered.numel() and ordered[n_exp - 1] == ordered[n_exp]
+        if hs is not None and len(allowed) == 1 and not tie_at_boundary:
+            h_kept = hs[r] != NEG_INF
+            if not torch.equal(h_kept, kept):
+                fail(f"kept tokens {kept.nonzero().flatten().tolist()}; Hugging Face TopPLogitsWarper keeps "
+                     f"{h_kept.nonzero().flatten().tolist()}")
+
+
+def check_top_p_filter(fn) -> None:
+    """fn(logits [..., V], p) keeps the smallest set of most likely tokens with mass >= p; others -inf."""
+    hf = _load_hf()
+    cases = [
+        ([2.0, 1.0, 0.5, -1.0], 0.9, "probabilities 0.61, 0.22, 0.14, 0.03: the first two hold only 0.83 < 0.9"),
+        ([2.0, 1.0, 0.5, -1.0], 0.8, "the first two hold 0.83 >= 0.8"),
+        ([2.0, 1.0, 0.5, -1.0], 0.5, "the most likely token alone holds 0.61 >= 0.5"),
+        ([-1.0, 0.5, 2.0, 1.0], 0.9, "same logits shuffled: the result must follow the tokens back to their places"),
+        ([1.0, 0.9, 0.8], 1e-6, "tiny p: top-p keeps at least the most likely token"),
+        ([10.0, 0.0, 0.0, 0.0], 0.9, "one dominant token (probability 0.99986)"),
+        ([10.0, 0.0, 0.0, 0.0], 0.999, "one dominant token (probability 0.99986)"),
+        ([2.0, 1.0, -1.0, -3.0, NEG_INF], 1.0, "p = 1 keeps every token (-inf stays -inf)"),
+        ([0.0, -20.0], 1.0, "p = 1 keeps every token, even one of probability 2e-9; in float32 the mass "
+                            "before it can round to exactly 1.0, so treat p = 1 as 'no filtering'"),
+        ([1e4, 0.0, -1e4, NEG_INF], 0.5, "extreme values, -inf already present"),
+        ([1e4, 1e4, -1e4, NEG_INF], 0.6, "two tied dominant tokens of probability 0.5 each: both are needed"),
+        ([1e4, 1e4, -1e4, NEG_INF], 0.4, "two tied dominant tokens: either one alone holds 0.5 >= 0.4"),
+        ([[2.0, 1.0, 0.5, -1.0], [-1.0, 0.5, 1.0, 2.0]], 0.9, "each row on its own"),
+        ([[[3.0, 0.0, 0.0]], [[0.0, 0.0, 3.0]]], 0.5, "leading dims [2, 1]"),
+    ]
+    for values, p, note in cases:
+        x = torch.tensor(values)
+        before = x.clone()
+        desc = f"top_p_filter(logits, p={p})"
+        got = _call(f"{desc} on logits {_fmt(x)}", fn, x, p)
+        _check_unchanged(desc, before, x)
+        _validate_top_p(desc, x, p, got, note=note)
+    randoms = [((9,), 0.5), ((4, 13), 0.1), ((4, 13), 0.9), ((2, 3, 40), 0.97), ((2, 3, 40), 0.7)]
+    for i, (shape, p) in enumerate(randoms):
+        x = _random_logits(shape, seed=300 + i, scale=2.0)
+        desc = f"top_p_filter(logits, p={p}) on random logits of shape {list(shape)}"
+        got = _call(desc, fn, x.clone(), p)
+        hf_expected = _hf_apply(hf.top_p(p), x) if hf is not None else None
+        _validate_top_p(desc, x, p, got, hf_expected=hf_expected)
+    x = torch.tensor([1.0, 2.0, 3.0])
+    for p in (0.0, -0.1, 1.5):
+        _expect_value_error(f"top_p_filter(logits, p={p})", "p must be in (0, 1]", fn, x, p)
+
+
+# --------------------------------------------------------------------------- repetition penalty
+
+
+def check_repetition_penalty(fn) -> None:
+    """fn(logits [..., V], token_ids [..., n], penalty): CTRL's rule once per distinct id."""
+    hf = _load_hf()
+    once = "each distinct id is penalized once, however often it occurs"
+    cases = [
+        ([2.0, -2.0, 0.5, 1.0, 0.0], [0, 0, 1, 1, 1, 4], 2.0,
+         f"positive logits are divided by the penalty, negative ones multiplied; {once}"),
+        ([2.0, -2.0, 0.5, 1.0, 0.0], [0, 0, 1, 1, 1, 4], 0.5, f"penalty < 1 rewards repeats; {once}"),
+        ([2.0, -2.0, 0.5], [2, 1, 2], 1.0, "penalty 1 changes nothing"),
+        ([2.0, -2.0, 0.5], [], 3.0, "no history: nothing changes"),
+        ([1e4, -1e4, NEG_INF, 1.0], [0, 1, 2, 2], 1.5, "extreme values; -inf stays -inf"),
+        ([[1.0, -1.0, 3.0], [1.0, -1.0, 3.0]], [[0, 0], [1, 2]], 1.5,
+         "leading dims [B, n]: each row uses only its own history"),
+        ([[[1.0, -1.0, 3.0, 2.0]], [[-4.0, 2.0, 0.5, 1.0]]], [[[3, 3, 1]], [[0, 0, 0]]], 1.25,
+         "leading dims [2, 1]"),
+    ]
+    for values, ids, penalty, note in cases:
+        x = torch.tensor(values)
+        token_ids = torch.tensor(ids, dtype=torch.long).reshape(*x.shape[:-1], -1)
+        before = x.clone()
+        desc = f"apply_repetition_penalty(logits, token_ids={_fmt(token_ids)}, penalty={penalty})"
+        got = _call(f"{desc} on logits {_fmt(x)}", fn, x, token_ids, penalty)
+        _check_unchanged(desc, before, x)
+        _compare(desc, x, _ref_repetition(x, token_ids, penalty), got,
+                 source="x / penalty if x > 0 else x * penalty, for every id in token_ids", note=note)
+    randoms = [((30,), 12, 1.3), ((4, 30), 20, 2.0), ((2, 3, 40), 25, 0.7), ((2, 3, 40), 60, 1.1)]
+    for i, (shape, n, penalty) in enumerate(randoms):
+        g = torch.Generator().manual_seed(400 + i)
+        x = torch.randn(*shape, generator=g) * 3
+        token_ids = torch.randint(0, shape[-1], (*shape[:-1], n), generator=g)  # with duplicates
+        desc = (f"apply_repetition_penalty(logits, token_ids, penalty={penalty}) on random logits of shape "
+                f"{list(shape)}, token_ids of shape {list(token_ids.shape)} (with repeated ids)")
+        got = _call(desc, fn, x.clone(), token_ids.clone(), penalty)
+        if hf is not None:
+            expected = _hf_apply(hf.repetition(float(penalty)), x, token_ids)
+            source = "Hugging Face RepetitionPenaltyLogitsProcessor"
+        else:
+            expected, source = _ref_repetition(x, token_ids, penalty), "CTRL's rule once per id"
+        _compare(desc, x, expected, got, source=source, note=once)
+    x, token_ids = torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0, 1])
+    for penalty in (0.0, -1.0):
+        _expect_value_error(f"apply_repetition_penalty(logits, token_ids, penalty={penalty})",
+                            "the penalty must be > 0", fn, x, token_ids, penalty)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+# (logits, temperature, top_k, top_p): the frequency tests. Case A is sensitive to the order of
+# the filters (top-k first, then top-p on the renormalised top-k distribution, keeps 2 tokens;
+# top-p first would keep 3) and to a missing filter; case B (no filters) to the temperature.
+_FREQUENCY_CASES = [
+    ([2.0, 1.6, 1.1, 0.5, -0.3, -1.2], 0.8, 3, 0.75),
+    ([2.0, 1.6, 1.1, 0.5, -0.3, -1.2], 1.5, 0, 1.0),
+]
+
+
+def _params(temperature: float, top_k: int = 0, top_p: float = 1.0):
+    from decodelab.params import SamplingParams
+
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def _params_str(temperature, top_k=0, top_p=1.0) -> str:
+    return f"SamplingParams(temperature={temperature}, top_k={top_k}, top_p={top_p})"
+
+
+def _check_ids(desc: str, ids, lead_shape: torch.Size, vocab: int) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise AssertionError(f"{desc} returned {type(ids).__name__}; "
+                             f"expected a tensor of token ids of shape {list(lead_shape)}")
+    if ids.shape != lead_shape:
+        raise AssertionError(f"{desc} returned shape {list(ids.shape)}; expected {list(lead_shape)} "
+                             "(one id per row: the logits' shape without the vocabulary dim)")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise AssertionError(f"{desc} returned dtype {ids.dtype}; expected integer token ids (torch.int64)")
+    ids = ids.detach().cpu().long()
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
+        raise AssertionError(f"{desc} returned id {int(ids.min() if ids.min() < 0 else ids.max())}, "
+                             f"outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def _z_bound(categories: int) -> float:
+    """Per-category number of standard errors: Bonferroni over `categories` at total ALPHA."""
+    return NormalDist().inv_cdf(1 - ALPHA / (2 * categories))
+
+
+def check_sample(fn) -> None:
+    """fn(logits [..., V], params, generator) -> ids [...]: draws from the filtered distribution,
+    greedy (lowest id among ties) at temperature 0, repeatable with the same generator seed."""
+    # Temperature 0: argmax, lowest id among exact ties, whatever top_k / top_p say.
+    greedy_cases = [
+        ([[0.5, 3.0, 3.0, -1.0], [4.0, 4.0, 1.0, NEG_INF]], [1, 0]),
+        ([[[0.0, 7.0, 7.0]], [[-1.0, -1.0, -2.0]]], [[1], [0]]),
+        ([0.0, 7.0, 7.0, 6.5], 1),
+    ]
+    for values, want in greedy_cases:
+        x, want = torch.tensor(values), torch.tensor(want)
+        for top_k, top_p in ((0, 1.0), (2, 0.5)):
+            desc = f"sample(logits, {_params_str(0.0, top_k, top_p)}, generator) on logits {_fmt(x)}"
+            got = _check_ids(desc, _call(desc, fn, x.clone(), _params(0.0, top_k, top_p),
+                                         torch.Generator().manual_seed(0)), x.shape[:-1], x.shape[-1])
+            if not torch.equal(got, want):
+                raise AssertionError(f"{desc}: expected {_fmt(want)}, got {_fmt(got)} (temperature 0 is greedy: the "
+                                     "argmax, and the lowest id among tied maxima)")
+
+    # top_k = 1 leaves one token per row: each row must get its own argmax (no mixing of rows).
+    x = _random_logits((2, 3, 17), seed=500)
+    desc = f"sample(logits, {_params_str(0.8, 1)}, generator) on random logits of shape [2, 3, 17]"
+    got = _check_ids(desc, _call(desc, fn, x.clone(), _params(0.8, 1), torch.Generator().manual_seed(1)),
+                     x.shape[:-1], 17)
+    want = x.argmax(dim=-1)
+    if not torch.equal(got, want):
+        raise AssertionError(f"{desc}: top_k=1 leaves only each row's largest logit, so expected ids {_fmt(want)}, "
+                             f"got {_fmt(got)}")
+
+    # Frequencies over N draws against the exact distribution.
+    exact = [_ref_sampling_probs(torch.tensor(v), t, k, p) for v, t, k, p in _FREQUENCY_CASES]
+    categories = sum(int((q > 0).sum()) for q in exact)
+    z = _z_bound(categories)
+    for (values, t, k, p), q in zip(_FREQUENCY_CASES, exact):
+        if any(0 < qi and N_DRAWS * qi * (1 - qi) < 100 for qi in q.tolist()):
+            raise RuntimeError("internal: a frequency case is too small for the normal approximation")
+        x = torch.tensor(values)
+        desc = f"sample(logits, {_params_str(t, k, p)}, generator) on logits {_fmt(x)}, drawn {N_DRAWS} times"
+        batch = x.repeat(N_DRAWS, 1)
+        ids = _check_ids(desc, _call(desc, fn, batch, _params(t, k, p), torch.Generator().manual_seed(2024)),
+                         batch.shape[:-1], x.shape[-1])
+        counts = torch.bincount(ids, minlength=x.shape[-1]).double()
+        freq = counts / N_DRAWS
+        table = (f"exact probabilities {_fmt([round(v, 4) for v in q.tolist()])}, "
+                 f"drawn frequencies {_fmt([round(v, 4) for v in freq.tolist()])}")
+        for i, qi in enumerate(q.tolist()):
+            if qi == 0 and counts[i] > 0:
+                raise AssertionError(
+                    f"{desc}: drew token {i} {int(counts[i])} times, but after temperature, top-k and top-p "
+                    f"(in that order) its probability is 0; {table}")
+        for i, (qi, fi) in enumerate(zip(q.tolist(), freq.tolist())):
+            bound = z * math.sqrt(qi * (1 - qi) / N_DRAWS)
+            if qi > 0 and abs(fi - qi) > bound:
+                raise AssertionError(
+                    f"{desc}: token {i} was drawn with frequency {fi:.4f}, but its exact probability is {qi:.4f} "
+                    f"(allowed: +/- {bound:.4f} = {z:.2f} standard errors); {table}")
+
+    # One row at a time: a 0-d id per call, always inside the support.
+    values, t, k, p = _FREQUENCY_CASES[0]
+    x = torch.tensor(values)
+    support = set((exact[0] > 0).nonzero().flatten().tolist())
+    g = torch.Generator().manual_seed(7)
+    desc = f"sample(logits, {_params_str(t, k, p)}, generator) on 1-D logits {_fmt(x)}"
+    for _ in range(20):
+        i = int(_check_ids(desc, _call(desc, fn, x.clone(), _params(t, k, p), g), torch.Size([]), x.shape[-1]))
+        if i not in support:
+            raise AssertionError(f"{desc}: drew token {i}, which the filters remove (possible: {sorted(support)})")
+
+    # The generator decides: same seed -> same ids (even if the global RNG moved), other seed -> other ids.
+    batch = x.repeat(2000, 1)
+    params = _params(t, k, p)
+    desc = f"sample(logits, {_params_str(t, k, p)}, generator) on logits {_fmt(x)} x 2000 rows"
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(11)
+        first = _call(desc, fn, batch.clone(), params, torch.Generator().manual_seed(1234))
+        torch.manual_seed(22)
+        again = _call(desc, fn, batch.clone(), params, torch.Generator().manual_seed(1234))
+        other = _call(desc, fn, batch.clone(), params, torch.Generator().manual_seed(4321))
+    finally:
+        torch.random.set_rng_state(state)
+    first, again, other = (_check_ids(desc, v, batch.shape[:-1], x.shape[-1]) for v in (first, again, other))
+    if not torch.equal(first, again):
+        n = int((first != again).sum())
+        raise AssertionError(f"{desc}: two calls with generators seeded 1234 gave different ids ({n} of 2000 rows "
+                             "differ); draw every random number from the `generator` argument "
+                             "(e.g. torch.multinomial(..., generator=generator))")
+    if torch.equal(first, other):
+        raise AssertionError(f"{desc}: generators seeded 1234 and 4321 gave exactly the same 2000 ids; "
+                             "the draws must come from the `generator` argument")
+
+
+def check_probs(fn) -> None:
+    """fn(logits [..., V], params) -> the distribution sample draws from (one-hot when greedy)."""
+    cases = [(values, t, k, p) for values, t, k, p in _FREQUENCY_CASES]
+    cases += [
+        ([2.0, 1.0, 0.5, -1.0], 1.0, 0, 0.9),
+        ([3.0, 1.0, 2.0, 2.0, 0.5], 0.5, 2, 1.0),
+        ([[0.5, 3.0, 3.0, -1.0], [4.0, 4.0, 1.0, NEG_INF]], 0.0, 0, 1.0),
+        (_random_logits((2, 3, 12), seed=600).tolist(), 0.9, 5, 0.8),
+    ]
+    for values, t, k, p in cases:
+        x = torch.tensor(values)
+        desc = f"probs(logits, {_params_str(t, k, p)})"
+        got = _call(f"{desc} on logits {_fmt(x)}", fn, x.clone(), _params(t, k, p))
+        _check_tensor(desc, got, x)
+        expected = _ref_sampling_probs(x, t, k, p)
+        g = got.detach().cpu().double()
+        bad = ~torch.isclose(g, expected, rtol=1e-4, atol=1e-6) | ((expected == 0) & (g != 0))
+        if bad.any():
+            r = int(bad.reshape(-1, x.shape[-1]).any(dim=-1).nonzero()[0])
+            rows = lambda v: v.reshape(-1, x.shape[-1])[r]  # noqa: E731
+            raise AssertionError(
+                f"{desc}: wrong distribution{_row_name(r, x.shape[:-1])}"
+                + (" (temperature 0: a one-hot on the argmax, lowest id among ties)" if t == 0 else
+                   " (temperature, then top-k, then top-p, then softmax; filtered tokens get exactly 0)")
+                + f"\n  input:    {_fmt(rows(x))}\n  expected: {_fmt([round(v, 6) for v in rows(expected).tolist()])}"
+                + f"\n  got:      {_fmt([round(v, 6) for v in rows(g).tolist()])}")

@@ -1,0 +1,117 @@
+"""Attention that reads keys and values through block tables (PagedAttention by gather).
+
+`PagedKVStore` holds every layer's K and V for the whole block pool:
+    keys, values: [num_layers, num_blocks, block_size, H_kv, D]
+A forward pass over a *packed* batch — all new tokens of all scheduled sequences laid
+end to end, input_ids [1, N] — gets a `PagedBatch` as its `kv_cache`. In each layer it
+writes the new K/V rows into their slots, then lets every sequence's queries attend over
+the blocks in its table: gathered into a contiguous [H_kv, context, D] view, so the
+attention itself is the ordinary causal one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .attention import causal_attention, repeat_kv
+from .config import ModelConfig
+
+
+class PagedKVStore:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device=None, dtype=torch.float32):
+        shape = (config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.block_size = block_size
+        self.num_kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_blocks * block_size, H_kv, D] views: one row per slot."""
+        return (self.keys[layer].view(-1, self.num_kv_heads, self.head_dim),
+                self.values[layer].view(-1, self.num_kv_heads, self.head_dim))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write: duplicate a shared block's K/V in every layer."""
+        self.keys[:, dst] = self.keys[:, src]
+        self.values[:, dst] = self.values[:, src]
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype=torch.float32) -> int:
+        element = torch.tensor([], dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element
+
+
+@dataclass
+class SequenceSlice:
+    """One sequence's part of a packed batch: its new tokens are rows q_start .. q_start + q_len."""
+
+    q_start: int
+    q_len: int
+    context_len: int  # tokens attended to, new ones included
+    block_table: list[int]
+
+
+class PagedBatch:
+    """The `kv_cache` handed to the model for one packed forward pass.
+
+    slot_mapping [N]: the slot each new token's K/V is written to.
+    """
+
+    def __init__(self, store: PagedKVStore, slices: list[SequenceSlice], slot_mapping: torch.Tensor,
+                 sliding_window: int | None = None):
+        self.store, self.slices, self.slot_mapping = store, slices, slot_mapping
+        self.sliding_window = sliding_window
+        self.decode_only = all(s.q_len == 1 for s in slices)
+        if self.decode_only:  # gather indices for all sequences at once, padded to the longest
+            self._prepare_decode_gather(slot_mapping.device)
+
+    def _prepare_decode_gather(self, device) -> None:
+        block_size = self.store.block_size
+        max_blocks = max(-(-s.context_len // block_size) for s in self.slices)
+        tables = torch.zeros(len(self.slices), max_blocks, dtype=torch.long)
+        for i, s in enumerate(self.slices):
+            used = s.block_table[: -(-s.context_len // block_size)]
+            tables[i, : len(used)] = torch.tensor(used, dtype=torch.long)
+        offsets = torch.arange(block_size)
+        self.decode_slots = (tables[:, :, None] * block_size + offsets).reshape(len(self.slices), -1).to(device)
+        lengths = torch.tensor([s.context_len for s in self.slices])
+        key_pos = torch.arange(self.decode_slots.shape[1])
+        valid = key_pos[None, :] < lengths[:, None]  # [B, S]
+        if self.sliding_window is not None:
+            valid &= key_pos[None, :] >= (lengths[:, None] - self.sliding_window)
+        self.decode_mask = valid[:, None, None, :].to(device)  # [B, 1, 1, S]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [1, H, N, D], k/v [1, H_kv, N, D] for the N packed new tokens -> [1, H, N, D]."""
+        flat_k, flat_v = self.store.flat(layer)
+        flat_k[self.slot_mapping] = k[0].transpose(0, 1)  # [N, H_kv, D] into their slots
+        flat_v[self.slot_mapping] = v[0].transpose(0, 1)
+        if self.decode_only:
+            return self._attend_decode(flat_k, flat_v, q)
+        out = torch.empty_like(q)
+        for s in self.slices:
+            slots = self._context_slots(s, q.device)
+            k_ctx = flat_k[slots].transpose(0, 1)[None]  # [1, H_kv, context, D]
+            v_ctx = flat_v[slots].transpose(0, 1)[None]
+            q_seq = q[:, :, s.q_start:s.q_start + s.q_len]
+            out[:, :, s.q_start:s.q_start + s.q_len] = causal_attention(
+                q_seq, k_ctx, v_ctx, q_offset=s.context_len - s.q_len, sliding_window=self.sliding_window)
+        return out
+
+    def _context_slots(self, s: SequenceSlice, device) -> torch.Tensor:
+        block_size = self.store.block_size
+        positions = torch.arange(s.context_len)
+        table = torch.tensor(s.block_table, dtype=torch.long)
+        return (table[positions // block_size] * block_size + positions % block_size).to(device)
+
+    def _attend_decode(self, flat_k, flat_v, q):
+        batch = len(self.slices)
+        k_ctx = flat_k[self.decode_slots].permute(0, 2, 1, 3)  # [B, H_kv, S, D]
+        v_ctx = flat_v[self.decode_slots].permute(0, 2, 1, 3)
+        group = q.shape[1] // k_ctx.shape[1]
+        q_b = q[0].transpose(0, 1)[:, :, None]  # [B, H, 1, D]
+        out = F.scaled_dot_product_attention(q_b, repeat_kv(k_ctx, group), repeat_kv(v_ctx, group),
+                                             attn_mask=self.decode_mask)
+        return out[:, :, 0].transpose(0, 1)[None]  # [1, H, B, D]
