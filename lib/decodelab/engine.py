@@ -95,9 +95,10 @@ class LLM:
         self.device = self.model.device
         self.hooks = hooks or EngineHooks()
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
-        if num_kv_blocks is None:
+        if num_kv_blocks is None:  # the memory budget, but no more than max_num_seqs full contexts
             per_block = PagedKVStore.bytes_per_block(self.config, kv_block_size, self.model.dtype)
-            num_kv_blocks = max(1, kv_cache_memory // per_block)
+            enough = max_num_seqs * -(-self.max_model_len // kv_block_size)
+            num_kv_blocks = max(1, min(kv_cache_memory // per_block, enough))
         self.store = PagedKVStore(self.config, num_kv_blocks, kv_block_size, self.device, self.model.dtype)
         self.allocator = self.hooks.allocator(num_kv_blocks, kv_block_size, enable_prefix_caching)
         self.scheduler = self.hooks.scheduler(self.allocator, max_num_seqs, max_num_batched_tokens)
@@ -184,6 +185,8 @@ class LLM:
             return []
         if self.speculator is not None and not is_prefill:
             return self.speculator.step(seqs)
+        if not is_prefill:
+            return self.plain_decode(seqs)
         logits = self.forward(seqs)  # [len(seqs), V]
         events = []
         for seq, row in zip(list(seqs), logits):
@@ -191,33 +194,61 @@ class LLM:
                 for sibling in seq.siblings:  # n > 1: share the prompt's blocks, sample independently
                     sibling.block_table = self.allocator.fork(seq.block_table)
                     sibling.num_computed_tokens, sibling.status = seq.num_computed_tokens, Status.RUNNING
+                    sibling.draft_computed_tokens = seq.draft_computed_tokens
                     self.scheduler.running.append(sibling)
                     events.append(self.append_token(sibling, self.choose_token(sibling, row)))
                 seq.siblings = []
             events.append(self.append_token(seq, self.choose_token(seq, row)))
         return events
 
-    @torch.inference_mode()
+    def plain_decode(self, seqs: list[Sequence]) -> list[StreamEvent]:
+        """One token for every sequence."""
+        logits = self.forward(seqs)
+        return [self.append_token(seq, self.choose_token(seq, row)) for seq, row in zip(seqs, logits)]
+
     def forward(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed every scheduled sequence's uncomputed tokens in one pass -> last-token logits [B, V]."""
+        items = [(seq.token_ids[seq.num_computed_tokens:], seq.num_computed_tokens, seq.block_table) for seq in seqs]
+        logits = self.packed_forward(self.model, self.store, items)
+        if self.speculator is not None:  # the draft model keeps its own cache of the same tokens
+            self.speculator.prefill(seqs, items)
+        for seq in seqs:
+            seq.num_computed_tokens = len(seq)
+        return torch.stack(logits)
+
+    @torch.inference_mode()
+    def packed_forward(self, model, store: PagedKVStore, items, all_logits: bool = False) -> list[torch.Tensor]:
+        """One forward pass of `model` over several sequences' new tokens laid end to end.
+
+        items: (new token ids, position of the first, block table) per sequence. Returns per
+        item the logits of its last token [V], or of all its new tokens [T, V] (all_logits).
+        """
+        self.apply_copy_on_write()
+        ids, positions, slots, slices, wanted = [], [], [], [], []
+        block_size = store.block_size
+        for tokens, start, table in items:
+            end = start + len(tokens)
+            slices.append(SequenceSlice(len(ids), len(tokens), end, table))
+            wanted += range(len(ids), len(ids) + len(tokens)) if all_logits else [len(ids) + len(tokens) - 1]
+            ids += tokens
+            positions += range(start, end)
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        device = self.device
+        batch = PagedBatch(store, slices, torch.tensor(slots, device=device), model.config.sliding_window)
+        logits = model(torch.tensor([ids], device=device), positions=torch.tensor(positions, device=device),
+                       kv_cache=batch, logits_indices=torch.tensor(wanted, device=device))[0]
+        if not all_logits:
+            return list(logits)
+        sizes = [len(tokens) for tokens, _, _ in items]
+        return list(torch.split(logits, sizes))
+
+    def apply_copy_on_write(self) -> None:
+        """Copy the blocks the allocator duplicated, in every KV store (target and draft)."""
         for src, dst in self.allocator.copy_on_write_log:
             self.store.copy_block(src, dst)
+            if self.speculator is not None:
+                self.speculator.store.copy_block(src, dst)
         self.allocator.copy_on_write_log.clear()
-        ids, positions, slots, slices, last = [], [], [], [], []
-        block_size = self.store.block_size
-        for seq in seqs:
-            start, end = seq.num_computed_tokens, len(seq)
-            slices.append(SequenceSlice(len(ids), end - start, end, seq.block_table))
-            ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-            last.append(len(ids) - 1)
-            seq.num_computed_tokens = end
-        device = self.device
-        batch = PagedBatch(self.store, slices, torch.tensor(slots, device=device), self.config.sliding_window)
-        logits = self.model(torch.tensor([ids], device=device), positions=torch.tensor(positions, device=device),
-                            kv_cache=batch, logits_indices=torch.tensor(last, device=device))
-        return logits[0]
 
     def choose_token(self, seq: Sequence, logits: torch.Tensor) -> int:
         params = seq.params

@@ -172,6 +172,37 @@ class BlockAllocator:
             parent = self.blocks[block_table[-2]].hash if len(block_table) > 1 else None
             self._register_full_block(last, parent, token_ids[position + 1 - self.block_size:position + 1])
 
+    def reserve(self, block_table: list[int], num_tokens: int) -> bool:
+        """Grow a table to hold num_tokens slots for tokens not known yet (speculative drafts):
+        no block is named. Copies a shared last block first. False (and no change) if the
+        pool is too small."""
+        extra = self.blocks_needed(num_tokens) - len(block_table)
+        shared_tail = bool(block_table) and self.blocks[block_table[-1]].ref_count > 1
+        if extra + int(shared_tail) > self.num_free:
+            return False
+        if shared_tail:
+            copy = self._take_free_block()
+            self._release(block_table[-1])
+            self.copy_on_write_log.append((block_table[-1], copy.block_id))
+            block_table[-1] = copy.block_id
+        for _ in range(max(0, extra)):
+            block_table.append(self._take_free_block().block_id)
+        return True
+
+    def shrink(self, block_table: list[int], token_ids, num_computed: int) -> None:
+        """Keep just the blocks that token_ids occupy (rejected drafts are gone), and name the
+        blocks filled by computed tokens, so the prefix cache can find them."""
+        keep = self.blocks_needed(len(token_ids))
+        while len(block_table) > keep:
+            self._release(block_table.pop())
+        parent = None
+        for index, block_id in enumerate(block_table[: num_computed // self.block_size]):
+            block = self.blocks[block_id]
+            if block.hash is None:
+                chunk = token_ids[index * self.block_size:(index + 1) * self.block_size]
+                self._register_full_block(block, parent, chunk)
+            parent = block.hash
+
     def fork(self, block_table: list[int]) -> list[int]:
         """A second sequence sharing every block of this one (n > 1 samples of one prompt)."""
         for block_id in block_table:

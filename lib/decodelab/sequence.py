@@ -26,6 +26,7 @@ class Sequence:
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    draft_computed_tokens: int = 0  # the same for the draft model's cache (speculative decoding)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     text: str = ""
