@@ -1,4 +1,9 @@
-"""Decode Lab: a small, readable LLM inference engine that the course builds step by step."""
+"""Decode Lab: a small, readable LLM inference engine that the course builds step by step.
+
+    from decodelab import LLM, SamplingParams
+    llm = LLM(model="smollm2")
+    print(llm.generate("What is gravity?", SamplingParams(max_tokens=32))[0].outputs[0].text)
+"""
 import os as _os
 
 # OpenMP threads that spin while waiting made decode ~5-10x slower on a busy 2-core machine;
@@ -9,4 +14,17 @@ from .config import ModelConfig  # noqa: E402
 from .params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "ModelConfig", "EngineHooks", "RequestOutput", "CompletionOutput", "load",
+           "__version__"]
+
+_LAZY = {"LLM": "engine", "EngineHooks": "engine", "RequestOutput": "engine", "CompletionOutput": "engine",
+         "load": "models"}
+
+
+def __getattr__(name):
+    """Import the engine (and torch) only when it is first used: `import decodelab` stays quick."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'decodelab' has no attribute {name!r}")

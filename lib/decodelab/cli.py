@@ -36,13 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_generate(args) -> int:
-    from .generate import Completion, encode_prompt, stream_text
-    from .models import load
     from .params import SamplingParams
 
+    # Check the sampling values before importing torch, so a typo fails at once.
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             repetition_penalty=args.repetition_penalty, max_tokens=args.max_new_tokens,
                             seed=args.seed)
+    from .generate import Completion, encode_prompt, stream_text
+    from .models import load
+
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat)
     completion = Completion(prompt_ids)

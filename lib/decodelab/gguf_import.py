@@ -12,6 +12,7 @@ Three things need care:
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -186,20 +187,31 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     config = config_from_metadata(reader)
     state = state_dict_from_gguf(reader, config, progress)
     from .model import LlamaForCausalLM
+    from .weights import WeightsError, check_state_dict
 
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(config)
+    expected = {name: p.shape for name, p in skeleton.named_parameters(remove_duplicate=True)}
+    try:  # a missing or mis-shaped tensor would otherwise surface as a meta-tensor error
+        check_state_dict(state, expected, gguf_path)
+    except WeightsError as exc:
+        raise GGUFError(str(exc)) from None
     skeleton.load_state_dict({k: v for k, v in state.items()}, strict=False, assign=True)
     tmp = out_dir.with_name(out_dir.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_model(skeleton, tmp, dtype=torch.float32)
-    tokenizer_json, tokenizer_config = tokenizer_files_from_gguf(reader)
-    (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
-    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
-    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
-    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tmp.exists():  # left behind by a run that was killed
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        save_model(skeleton, tmp, dtype=torch.float32)
+        tokenizer_json, tokenizer_config = tokenizer_files_from_gguf(reader)
+        (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
+        generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out_dir.exists():
-        import shutil
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
     return out_dir

@@ -1,0 +1,154 @@
+"""Helpers shared by the tests: small random models and the greedy near-tie rule."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from typing import Callable, Sequence
+
+import torch
+
+from decodelab.config import ModelConfig
+from decodelab.model import LlamaForCausalLM
+
+NEAR_TIE = 1e-4  # two top logits closer than this may swap between two correct implementations
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            rms_norm_eps=1e-5, rope_theta=10000.0)
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    return ModelConfig(**{**TINY, **overrides})
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Re-draw every parameter so that activations and logits are O(1): with the default
+    tiny init (std 0.02) logits are ~1e-2 and a 1e-4 tolerance would prove nothing.
+    Norm weights and biases are random and nonzero too, so dropping one shows."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+        elif name.endswith(".bias"):
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        elif p.dim() == 2 and "embed_tokens" in name:
+            p.copy_(torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return model
+
+
+def random_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """Our model with a tiny random config, fp32, eval mode."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(**overrides))
+    return randomize_(model, seed).eval().requires_grad_(False)
+
+
+def random_ids(n: int, vocab: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def top2(logits: torch.Tensor) -> tuple[set[int], float]:
+    values, ids = torch.topk(logits.float(), 2)
+    return {int(ids[0]), int(ids[1])}, float(values[0] - values[1])
+
+
+def check_greedy_agreement(prompt_ids: Sequence[int], ours: Sequence[int], ref: Sequence[int],
+                           next_logits: Sequence[Callable[[list[int]], torch.Tensor]],
+                           tol: float = NEAR_TIE) -> int:
+    """Assert two greedy continuations agree, except for a swap at a genuine near-tie.
+
+    At the first step where they differ, every model in `next_logits` (ids -> logits [V] for
+    the next token) must rank exactly the two chosen tokens on top with a margin below
+    `tol`; after that step the sequences legitimately part ways. Returns the number of
+    tokens that agree. Without a divergence the two must have the same length.
+    """
+    ours, ref = [int(t) for t in ours], [int(t) for t in ref]
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        if a == b:
+            continue
+        prefix = list(prompt_ids) + ours[:step]
+        for fn in next_logits:
+            best, margin = top2(fn(prefix))
+            assert best == {a, b} and margin < tol, (
+                f"greedy outputs differ at step {step} ({a} vs {b}) but this is no near-tie: "
+                f"top-2 there {sorted(best)}, margin {margin:.3g} (allowed < {tol})")
+        return step
+    assert len(ours) == len(ref), f"same tokens but different lengths: {len(ours)} vs {len(ref)}"
+    return len(ours)
+
+
+def hf_greedy(hf_model, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+    """transformers' greedy generate (its own KV cache), new tokens only."""
+    x = torch.tensor([list(prompt_ids)])
+    with torch.no_grad():
+        out = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                                pad_token_id=eos_token_id if eos_token_id is not None else 0,
+                                top_p=None, top_k=None, temperature=None)
+    return out[0, x.shape[1]:].tolist()
+
+
+def last_logits_fn(model) -> Callable[[list[int]], torch.Tensor]:
+    """ids -> next-token logits [V] from a full forward pass (ours or transformers')."""
+    @torch.no_grad()
+    def fn(ids):
+        out = model(torch.tensor([list(ids)]))
+        return (out.logits if hasattr(out, "logits") else out)[0, -1].float()
+    return fn
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """No progress bars, info logs or warnings from transformers while loading."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    patches = []
+    try:  # the GGUF loader uses tqdm directly, outside transformers' own switch
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        patches.append((gguf_utils, "tqdm", gguf_utils.tqdm))
+        gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
+    except (ImportError, AttributeError):
+        pass
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield transformers
+    finally:
+        for module, name, original in patches:
+            setattr(module, name, original)
+
+
+_GGUF_READERS: dict = {}
+
+
+@contextlib.contextmanager
+def memoized_gguf_reading():
+    """transformers parses a GGUF file twice (config, then weights) and rebuilds gguf's
+    tensor-name map once per tensor: ~3/4 of its 30 s load on two cores. Within this block
+    both are memoized (pure functions of their arguments); what is computed is unchanged."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers = _GGUF_READERS  # kept for the session: the model and tokenizer fixtures share them
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original_reader(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(original_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_map
