@@ -66,8 +66,16 @@ def matmul_flops(device="cpu", size: int = 1024, dtype=torch.float32, repeats: i
 
 
 def parameter_bytes(model) -> int:
-    """Bytes of all distinct parameters: what one decode step must read at batch size 1."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the weights one decode step must read at batch size 1: every distinct tensor of
+    the state dict (parameters, and the packed weights and scales of quantized layers), a
+    tied embedding counted once."""
+    seen, total = set(), 0
+    for tensor in model.state_dict().values():
+        key = (tensor.data_ptr(), tensor.numel())
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return total
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_value: float) -> float:
@@ -93,3 +101,31 @@ class Roofline:
     def decode_tokens_per_second(self, bytes_per_token: float) -> float:
         """Upper bound for batch-1 decode: every weight byte is read once per token."""
         return self.bandwidth / bytes_per_token
+
+
+def decode_tokens_per_second_bound(num_params: float, bytes_per_param: float, bandwidth_bytes_per_s: float) -> float:
+    """The most tokens per second batch-1 decode can reach when every weight byte is read once
+    per token: bandwidth / (num_params x bytes_per_param). E.g. 70e9 fp16 parameters (2 bytes)
+    on 3.35e12 bytes/s: 140 GB per token, 42 ms, about 24 tokens/s."""
+    for name, value in (("num_params", num_params), ("bytes_per_param", bytes_per_param),
+                        ("bandwidth_bytes_per_s", bandwidth_bytes_per_s)):
+        if isinstance(value, bool) or not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+    return bandwidth_bytes_per_s / (num_params * bytes_per_param)
+
+
+def decode_speed(model, prompt_ids: list[int], num_tokens: int = 32) -> float:
+    """Tokens per second of batch-1 greedy decode after the prompt (the prefill is not counted):
+    the steps of `decodelab.generate.stream_token_ids`, timed between the first and last token."""
+    from .generate import stream_token_ids
+    from .params import SamplingParams
+
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
+    params = SamplingParams(temperature=0, max_tokens=num_tokens + 1, ignore_eos=True)
+    stamps = []
+    for _ in stream_token_ids(model, prompt_ids, params):  # each id is on the host: the step is done
+        stamps.append(time.perf_counter())
+    if len(stamps) < 2:
+        raise ValueError("the context is full after the prompt: no decode step to time")
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
