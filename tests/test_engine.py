@@ -238,3 +238,33 @@ def test_speculative_engine_sampling_runs_with_n(small_model):
                                                           ignore_eos=True), use_tqdm=False)[0]
     assert [len(c.token_ids) for c in out.outputs] == [9, 9]
     assert llm.allocator.num_free == llm.allocator.num_blocks
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_engine_matches_quantized_single_request(quantization):
+    """quantization= swaps the linear layers; the batched engine must still equal the same
+    quantized model decoding one request at a time."""
+    from decodelab.models import load
+    from decodelab.quant import quantize_model
+
+    llm = LLM("tiny", quantization=quantization, num_kv_blocks=64)
+    reference, tokenizer = load("tiny")
+    quantize_model(reference, bits=8 if quantization == "int8" else 4)
+    prompts = [tokenizer.encode(t) for t in ("def fibonacci(n):", "import os\n", "class Stack:")]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    for p, out in zip(prompts, outputs):
+        ref = single_greedy(reference, tokenizer, p, 12)
+        check_greedy_agreement(p, out.outputs[0].token_ids, ref, [last_logits_fn(reference)])
+
+
+def test_bad_engine_arguments_are_clear_errors(small_model):
+    model, tokenizer = small_model
+    with pytest.raises(ValueError, match="quantization"):
+        LLM((model, tokenizer), quantization="int3")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM((model, tokenizer), speculative_model=model, num_speculative_tokens=0)
+    llm = LLM((model, tokenizer), num_kv_blocks=16)
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate([[1], [2], [3]], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate([[1]], [{"temperature": 0}], use_tqdm=False)

@@ -84,12 +84,13 @@ class LLM:
                  kv_cache_memory: int = DEFAULT_KV_CACHE_BYTES, enable_prefix_caching: bool = True,
                  speculative_model=None, num_speculative_tokens: int = 4, max_model_len: int | None = None,
                  hooks: EngineHooks | None = None):
+        if quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {quantization!r}")
+        # model: a name ("smollm2", "tiny"), a model folder, or a (model, tokenizer) pair
         self.model, self.tokenizer = load(model, device=device, dtype=dtype) if isinstance(model, (str, os.PathLike)) \
             else model
         if quantization is not None:
             from .quant import quantize_model
-            if quantization not in ("int8", "int4"):
-                raise ValueError(f"quantization must be None, 'int8' or 'int4', got {quantization!r}")
             quantize_model(self.model, bits=8 if quantization == "int8" else 4)
         self.config = self.model.config
         self.device = self.model.device
