@@ -10,6 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Since torch 2.5 SDPA reads grouped K/V heads itself (enable_gqa); expanding them with
+# repeat_kv first would copy the whole cache to H heads at every decode step.
+SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
 
 def repeat_kv(x: torch.Tensor, num_queries_per_kv: int) -> torch.Tensor:
     """[B, H_kv, S, D] -> [B, H_kv * num_queries_per_kv, S, D]: KV head j serves query heads
@@ -42,10 +46,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
     if num_keys != q_offset + num_queries:
         raise ValueError(f"attention got {num_keys} keys for {num_queries} queries at offset {q_offset}")
     group = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, group), repeat_kv(v, group)
+    grouped = {}
+    if group > 1 and SDPA_HAS_GQA:
+        grouped = {"enable_gqa": True}
+    elif group > 1:
+        k, v = repeat_kv(k, group), repeat_kv(v, group)
     if sliding_window is None and num_queries == 1:
-        return F.scaled_dot_product_attention(q, k, v)  # one new token sees everything before it
+        return F.scaled_dot_product_attention(q, k, v, **grouped)  # one new token sees everything before it
     if sliding_window is None and q_offset == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **grouped)
     mask = causal_mask(num_queries, num_keys, q_offset, q.device, sliding_window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **grouped)

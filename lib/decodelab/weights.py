@@ -7,6 +7,7 @@ local disk) and checks every tensor's name and shape against the config before u
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -70,6 +71,22 @@ def check_state_dict(state: dict[str, torch.Tensor], expected: dict[str, torch.S
                                f"config expects {tuple(shape)}")
 
 
+@contextmanager
+def _without_random_init():
+    """Build the module tree with uninitialised weights: the checkpoint's replace them right away.
+    (Not the meta device: there, nn.init.normal_ and torch.arange run through torch._refs, whose
+    first use imports torch._dynamo, about 4 s in every fresh process.)"""
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
 def load_model(folder: str | Path, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = "float32") -> LlamaForCausalLM:
     """Build the model that folder/config.json describes and load its weights.
@@ -82,8 +99,8 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu",
         raise FileNotFoundError(f"model folder {folder} does not exist")
     config = ModelConfig.from_file(folder / "config.json")
     dtype = resolve_dtype(dtype)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    with _without_random_init():
+        model = LlamaForCausalLM(config)  # on the CPU, uninitialised: torch.empty costs nothing until written
     expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=True)}
     state = read_state_dict(folder)
     if config.tie_word_embeddings:
