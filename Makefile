@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # Spinning OpenMP threads slow decode 5-10x on a busy machine (see lib/decodelab/__init__.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup lab test gpu-check bench clean-venv
+.PHONY: setup lab test release gpu-check bench clean-venv
 
 setup: $(STAMP)
 
@@ -22,8 +22,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m decodelab prepare
 	touch $(STAMP)
 
+# From the repository root, so that the Validate button (nbgrader in the server) reads
+# ./nbgrader_config.py; JUPYTER_CONFIG_PATH lets `nbgrader validate` find it from any folder.
 lab: setup
-	$(BIN)/jupyter lab course/
+	JUPYTER_CONFIG_PATH="$(CURDIR)$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH}" \
+		$(BIN)/jupyter lab --ServerApp.root_dir=course $(if $(filter 0,$(shell id -u)),--allow-root)
+
+# Regenerate the student release course/NAME/ from solutions/NAME/ (nbgrader, nbgrader_config.py).
+# RELEASE="01_sampling" limits it to some notebooks.
+release: setup
+	$(BIN)/python -m autograder.release $(RELEASE)
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -1,0 +1,77 @@
+"""Generate the student release course/NAME/ from the source solutions/NAME/ with nbgrader.
+
+    python -m autograder.release                 # every notebook in solutions/ (what `make release` runs)
+    python -m autograder.release 01_sampling     # one
+    python -m autograder.release --out DIR       # somewhere else (the sync test compares DIR with course/)
+
+nbgrader runs in a throw-away course folder (its own gradebook), with the repository's
+nbgrader_config.py: solution regions become the `raise NotImplementedError(...)` stub, hidden
+tests and outputs are removed, test cells are locked and checksummed.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTIONS = ROOT / "solutions"
+COURSE = ROOT / "course"
+_IGNORE = shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", "*.pyc")
+
+
+def load_config():
+    """The repository's nbgrader_config.py as a traitlets Config."""
+    from traitlets.config.loader import PyFileConfigLoader
+
+    return PyFileConfigLoader("nbgrader_config.py", path=str(ROOT)).load_config()
+
+
+def assignments(solutions: Path = SOLUTIONS) -> list[str]:
+    """Names of the source notebooks: folders solutions/NAME/ holding NAME.ipynb."""
+    return sorted(p.parent.name for p in solutions.glob("*/*.ipynb") if p.stem == p.parent.name)
+
+
+def generate(names: list[str] | None = None, out: Path = COURSE, solutions: Path = SOLUTIONS) -> list[Path]:
+    """Write out/NAME/ (replacing it) for each name; returns the released notebooks."""
+    from nbgrader.apps import NbGraderAPI
+    from nbgrader.coursedir import CourseDirectory
+
+    names = names or assignments(solutions)
+    missing = [n for n in names if not (solutions / n / f"{n}.ipynb").exists()]
+    if missing:
+        raise FileNotFoundError(f"no source notebook for {missing}: expected solutions/NAME/NAME.ipynb")
+    written = []
+    with tempfile.TemporaryDirectory(prefix="decodelab-release-") as tmp:
+        config = load_config()
+        config.CourseDirectory.root = tmp
+        for name in names:
+            shutil.copytree(solutions / name, Path(tmp) / "solutions" / name, ignore=_IGNORE)
+        api = NbGraderAPI(CourseDirectory(config=config), config=config)
+        for name in names:
+            result = api.generate_assignment(name, force=True, create=True)
+            if not result["success"]:
+                raise RuntimeError(f"nbgrader generate_assignment {name} failed:\n{result.get('error', '')}"
+                                   f"\n{result.get('log', '')}")
+            target = Path(out) / name
+            if target.exists():
+                shutil.rmtree(target)
+            shutil.copytree(Path(tmp) / "course" / name, target, ignore=_IGNORE)
+            written.append(target / f"{name}.ipynb")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autograder.release", description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="assignments to release (default: all in solutions/)")
+    parser.add_argument("--out", type=Path, default=COURSE, help="folder to write NAME/ into (default: course/)")
+    args = parser.parse_args(argv)
+    for path in generate(args.names or None, args.out):
+        print(f"released {path.relative_to(args.out.resolve()) if path.is_relative_to(args.out.resolve()) else path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The course notebooks as the tests see them: which are ready, where they live, how to run one.
+
+A notebook joins every notebook test (solution runs clean, release fails exactly on its
+exercise tests, autograde gives full marks, release in sync, browser) by adding its name to
+READY.
+
+Cell conventions (nbgrader `grade_id`s), checked by tests/test_notebooks.py:
+* ``ex_<function>``: a solution cell (``### BEGIN SOLUTION`` / ``### END SOLUTION``) that
+  defines ``<function>``; the release keeps its signature and docstring and a stub that raises
+  NotImplementedError.
+* ``test_<function>``: the graded test cell of that exercise: visible tests, then a
+  ``### BEGIN HIDDEN TESTS`` block that only calls ``autograder.run.hidden(check, <function>)``.
+  In the release exactly these cells fail, and nothing else.
+* any other graded cell (e.g. ``check_<something>``) must pass in the release as well.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTIONS = ROOT / "solutions"
+COURSE = ROOT / "course"
+
+READY = ["00_meet_the_model", "01_sampling"]
+
+# Per exercise: the library's reference implementation ("module:function"); the hidden cell
+# names the check, tests/fixtures/ hold the plausible bugs each check and visible test must catch.
+REFERENCES = {
+    "count_parameters": "decodelab.kv_size:parameter_count",
+    "decode_tokens_per_second_bound": "decodelab.measure:decode_tokens_per_second_bound",
+    "apply_temperature": "decodelab.sampling:apply_temperature",
+    "top_k_filter": "decodelab.sampling:top_k_filter",
+    "top_p_filter": "decodelab.sampling:top_p_filter",
+    "apply_repetition_penalty": "decodelab.sampling:apply_repetition_penalty",
+    "sample": "decodelab.sampling:sample",
+}
+
+HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+HIDDEN_CALL = re.compile(r'hidden\("([\w.]+)",\s*(\w+)\)')
+
+
+def solution_path(name: str) -> Path:
+    return SOLUTIONS / name / f"{name}.ipynb"
+
+
+def release_path(name: str) -> Path:
+    return COURSE / name / f"{name}.ipynb"
+
+
+def read(path: Path):
+    return nbformat.read(str(path), as_version=4)
+
+
+def grade_id(cell) -> str | None:
+    return cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+
+
+def graded_cells(nb) -> dict[str, dict]:
+    """grade_id -> cell, for the cells nbgrader scores."""
+    return {grade_id(c): c for c in nb.cells if c.get("metadata", {}).get("nbgrader", {}).get("grade")}
+
+
+def exercise_test_ids(nb) -> set[str]:
+    return {g for g in graded_cells(nb) if g.startswith("test_")}
+
+
+def hidden_calls(cell_source: str) -> list[tuple[str, str]]:
+    """(check name, function name) of each hidden() call in a test cell's hidden block."""
+    if HIDDEN_BEGIN not in cell_source:
+        return []
+    block = cell_source.split(HIDDEN_BEGIN, 1)[1].split(HIDDEN_END, 1)[0]
+    return HIDDEN_CALL.findall(block)
+
+
+def visible_part(cell_source: str) -> str:
+    return cell_source.split(HIDDEN_BEGIN, 1)[0]
+
+
+def kernel_env(**extra: str) -> dict[str, str]:
+    """The environment of a notebook kernel in the tests: CI fast mode, quiet, the repo importable."""
+    env = dict(os.environ)
+    paths = [str(ROOT), str(ROOT / "lib"), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    env.update({
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+        "DECODELAB_FAST": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "PYDEVD_DISABLE_FILE_VALIDATION": "1",  # debugpy's frozen-modules note on the kernel's stderr
+        "JUPYTER_PLATFORM_DIRS": "1",
+    })
+    env.update(extra)
+    return env
+
+
+@dataclass
+class CellError:
+    index: int
+    label: str  # grade_id, or "cell N" for cells without one
+    ename: str
+    evalue: str
+
+    def __str__(self) -> str:
+        return f"{self.label} (cell {self.index}): {self.ename}: {self.evalue}"
+
+
+def cell_label(index: int, cell) -> str:
+    return grade_id(cell) or f"cell {index}"
+
+
+def errors(nb) -> list[CellError]:
+    found = []
+    for i, cell in enumerate(nb.cells):
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "error":
+                found.append(CellError(i, cell_label(i, cell), output.get("ename", ""), output.get("evalue", "")[:2000]))
+    return found
+
+
+def stderr_outputs(nb) -> list[tuple[str, str]]:
+    """(cell label, text) of everything a run wrote to stderr: nbgrader scores such a test cell 0."""
+    return [(cell_label(i, c), o.get("text", "")[:500]) for i, c in enumerate(nb.cells)
+            for o in c.get("outputs", []) if o.get("output_type") == "stream" and o.get("name") == "stderr"]
+
+
+def execute(path: Path, timeout: int = 300, env: dict | None = None):
+    """Run a copy of the notebook top to bottom in its own folder (errors recorded, not raised);
+    returns the executed notebook."""
+    from nbclient import NotebookClient
+
+    with tempfile.TemporaryDirectory(prefix=f"decodelab-{path.stem}-") as tmp:
+        folder = Path(tmp) / path.parent.name
+        shutil.copytree(path.parent, folder, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+        nb = read(folder / path.name)
+        client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                                resources={"metadata": {"path": str(folder)}})
+        client.execute(env=env or kernel_env(), cwd=str(folder))
+    return nb

@@ -1,0 +1,157 @@
+"""The helpers the notebooks lean on: the hidden-test runner (message only, never the hidden
+source), the stub-aware fallback, the visible tests' checking helpers, and the widgets
+(driven from Python: a slider change redraws the figure)."""
+from __future__ import annotations
+
+import sys
+import traceback
+
+import pytest
+import torch
+
+from autograder.run import HiddenTestFailed, hidden
+from decodelab import checking, course, measure, sampling
+
+
+# --------------------------------------------------------------------------- hidden runner
+
+
+def test_hidden_passes_quietly_on_the_reference(capsys):
+    hidden("sampling.check_top_k_filter", sampling.top_k_filter)
+    out = capsys.readouterr()
+    assert out.out.strip() == "hidden tests passed: top_k_filter" and out.err == ""
+
+
+def test_hidden_failure_shows_the_message_and_no_hidden_source():
+    def top_k_filter(logits, k):
+        return logits  # keeps everything
+
+    with pytest.raises(HiddenTestFailed) as info:
+        hidden("sampling.check_top_k_filter", top_k_filter)
+    failure = info.value
+    assert "hidden test failed: top_k_filter(logits, k=" in str(failure) and "expected" in str(failure)
+    assert failure.__cause__ is None and failure.__context__ is None and failure.__suppress_context__
+    frames = traceback.extract_tb(failure.__traceback__)
+    assert not any("checks" in frame.filename for frame in frames), [f.filename for f in frames]
+    shown = "".join(traceback.format_exception(failure))
+    assert "_compare(" not in shown and "def check_top_k_filter" not in shown
+
+
+def test_hidden_swallows_what_the_function_prints(capsys):
+    def noisy_temperature(logits, temperature):
+        print("debugging...", file=sys.stderr)
+        return sampling.apply_temperature(logits, temperature)
+
+    hidden("sampling.check_apply_temperature", noisy_temperature)
+    assert capsys.readouterr().err == ""
+
+
+def test_hidden_stub_and_unknown_check():
+    def stub(logits, temperature):
+        raise NotImplementedError("write this function")
+
+    with pytest.raises(HiddenTestFailed, match="raised NotImplementedError"):
+        hidden("sampling.check_apply_temperature", stub)
+    with pytest.raises(HiddenTestFailed, match="no hidden test named"):
+        hidden("sampling.check_nothing", stub)
+
+
+# --------------------------------------------------------------------------- stub fallback
+
+
+def test_use_or_reference(capsys):
+    def stub(logits, k):
+        raise NotImplementedError
+
+    def crashes(logits, k):
+        raise IndexError("off by one")
+
+    def mine(logits, k):
+        return logits
+
+    probe = (torch.zeros(3), 1)
+    assert course.use_or_reference(stub, sampling.top_k_filter, probe) is sampling.top_k_filter
+    out = capsys.readouterr()
+    assert "stub is not written yet" in out.out and "decodelab.sampling.top_k_filter" in out.out and out.err == ""
+    assert course.use_or_reference(crashes, sampling.top_k_filter, probe) is sampling.top_k_filter
+    assert "raised IndexError: off by one" in capsys.readouterr().out
+    assert course.use_or_reference(mine, sampling.top_k_filter, probe) is mine
+    assert capsys.readouterr().out == ""
+
+
+def test_fast_mode(monkeypatch):
+    monkeypatch.delenv("NBGRADER_EXECUTION", raising=False)
+    monkeypatch.setenv("DECODELAB_FAST", "0")
+    assert not course.fast_mode()
+    monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")
+    assert course.fast_mode()
+    monkeypatch.delenv("NBGRADER_EXECUTION")
+    monkeypatch.setenv("DECODELAB_FAST", "1")
+    assert course.fast_mode()
+
+
+# --------------------------------------------------------------------------- checking helpers
+
+
+def test_checking_messages_say_what_expected_and_got():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    wrong = logits.masked_fill(torch.tensor([False, False, True, True]), float("-inf"))
+    with pytest.raises(AssertionError, match=r"top_p_filter\(p=0.9\): kept tokens \[0, 1\] \(of 4\), expected to keep \[0, 1, 2\]"):
+        checking.expect_kept(wrong, logits, [0, 1, 2], "top_p_filter(p=0.9)")
+    checking.expect_kept(wrong, logits, [0, 1], "top_p_filter(p=0.8)")
+    with pytest.raises(AssertionError, match=r"bound: expected 23.93, got 0.0418"):
+        checking.expect_close(0.0418, 23.93, "bound")
+    with pytest.raises(AssertionError, match=r"expected -4 at index 1, got -1"):
+        checking.expect_close(torch.tensor([1.0, -1.0]), torch.tensor([1.0, -4.0]), "penalty")
+    with pytest.raises(AssertionError, match=r"expected shape \[3\], got shape \[2\]"):
+        checking.expect_close(torch.zeros(2), torch.zeros(3), "shape")
+    checking.expect_close(torch.tensor([float("-inf"), 1.0]), torch.tensor([float("-inf"), 1.0]), "inf entries")
+    with pytest.raises(AssertionError, match=r"expected the integer 7056, got float 7056.0 \(use //"):
+        checking.expect_int(7056.0, 7056, "count")
+    with pytest.raises(AssertionError, match=r"bound\(0\) should raise ValueError; it returned inf"):
+        checking.expect_raises(ValueError, lambda: float("inf"), what="bound(0)")
+    with pytest.raises(AssertionError, match="changed its input in place"):
+        checking.expect_unchanged(torch.zeros(2), torch.ones(2), "f")
+    with pytest.raises(AssertionError, match=r"expected \[1, 0\], got \[0, 0\]"):
+        checking.expect_equal([0, 0], [1, 0], "ids")
+
+
+# --------------------------------------------------------------------------- widgets
+
+
+def test_decode_bound_explorer_redraws_on_slider_change():
+    from decodelab import widgets
+
+    box = widgets.decode_bound_explorer(measure.decode_tokens_per_second_bound)
+    title = box.figure.layout.title.text
+    assert "70B parameters x 2 bytes = 140 GB" in title and "23.9 tokens/s" in title
+    box.controls["bandwidth"].value = 2000
+    assert "14.3 tokens/s" in box.figure.layout.title.text
+    box.controls["precision"].value = 1.0
+    assert "28.6 tokens/s" in box.figure.layout.title.text
+
+
+def test_sampling_explorer_uses_the_given_functions():
+    from decodelab import widgets
+
+    class Tokens:
+        def token_strings(self, ids):
+            return [f"t{i}" for i in ids]
+
+    calls = []
+
+    def counting_sample(logits, params, generator=None):
+        calls.append(tuple(logits.shape))
+        return sampling.sample(logits, params, generator)
+
+    fns = {"temperature": sampling.apply_temperature, "top_k": sampling.top_k_filter, "top_p": sampling.top_p_filter,
+           "repetition_penalty": sampling.apply_repetition_penalty, "sample": counting_sample}
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0, -2.0])
+    box = widgets.sampling_explorer(logits, torch.tensor([0]), Tokens(), fns, num_draws=50, shown=4)
+    assert calls == [(50, 6)] and "6 tokens can be drawn" in box.figure.layout.title.text
+    box.controls["top_k"].value = 2
+    assert "2 tokens can be drawn" in box.figure.layout.title.text
+    assert list(box.figure.data[0].x) == ["t0", "t1", "t2", "t3"]
+    assert sum(box.figure.data[1].y[:2]) == pytest.approx(1.0)  # draws only from the two kept tokens
+    box.controls["temperature"].value = 0.0
+    assert list(box.figure.data[0].y) == [1.0, 0.0, 0.0, 0.0]

@@ -1,0 +1,63 @@
+"""Notebook 00's hidden checks: they pass on the library's reference implementations and catch
+every kept bug (tests/fixtures/buggy_meet_the_model.py) with a message that names the case."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from autograder.checks import meet_the_model as checks
+from decodelab.kv_size import parameter_count
+from decodelab.measure import decode_tokens_per_second_bound
+
+
+def _load_buggy():
+    path = Path(__file__).parent / "fixtures" / "buggy_meet_the_model.py"
+    spec = importlib.util.spec_from_file_location("decodelab_tests_buggy_meet_the_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+buggy = _load_buggy()
+
+
+def test_reference_passes():
+    checks.check_count_parameters(parameter_count)
+    checks.check_decode_tokens_per_second_bound(decode_tokens_per_second_bound)
+
+
+def test_model_num_parameters_passes():
+    """The oracle itself: counting by building the model agrees with the checks."""
+    from decodelab.model import LlamaForCausalLM
+
+    checks.check_count_parameters(lambda config: LlamaForCausalLM(config).num_parameters()
+                                  if config.vocab_size * config.hidden_size < 10**6 else parameter_count(config))
+
+
+@pytest.mark.parametrize("bug", sorted(buggy.BUGS))
+def test_bug_is_caught(bug):
+    fn, check_name, what = buggy.BUGS[bug]
+    with pytest.raises(AssertionError) as info:
+        getattr(checks, check_name)(fn)
+    assert len(str(info.value)) > 40, f"{bug} ({what}): message too terse: {info.value}"
+
+
+def test_messages_name_the_case():
+    with pytest.raises(AssertionError, match="SmolLM2.*134,515,008|Llama-3.1-8B.*8,030,261,248"):
+        checks.check_count_parameters(buggy.count_always_untied)
+    with pytest.raises(AssertionError, match="expected the integer"):
+        checks.check_count_parameters(buggy.count_returns_float)
+    with pytest.raises(AssertionError, match="seconds per token"):
+        checks.check_decode_tokens_per_second_bound(buggy.bound_seconds_per_token)
+    with pytest.raises(AssertionError, match="bytes, not bits"):
+        checks.check_decode_tokens_per_second_bound(buggy.bound_in_bits)
+    with pytest.raises(AssertionError, match="should raise ValueError"):
+        checks.check_decode_tokens_per_second_bound(buggy.bound_no_validation)
+
+
+def test_real_checkpoint_count_matches_the_loaded_model(smollm2):
+    model, _ = smollm2
+    config, total = checks._smollm2_checkpoint()
+    assert total == model.num_parameters() == parameter_count(config) == 134_515_008

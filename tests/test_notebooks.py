@@ -1,0 +1,254 @@
+"""The course notebooks, end to end (the ones in tests/notebooks.py READY):
+
+* a solution notebook runs top to bottom with every test cell passing, nothing on stderr;
+* its student release runs with exactly the exercise test cells failing (`test_*`), the
+  cells that use an unfinished exercise falling back to the library's reference;
+* nbgrader autograde of the solution, submitted as a student, gives full marks;
+* course/ is what `make release` generates from solutions/ today, without outputs;
+* each visible test passes on the library's reference and fails on at least one kept bug
+  (tests/fixtures/buggy_*.py), and every hidden-test call names a check that exists.
+
+Notebooks run with nbclient in a temporary copy, in their own folder, with DECODELAB_FAST=1.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from notebooks import (COURSE, READY, REFERENCES, ROOT, SOLUTIONS, errors, execute, exercise_test_ids,
+                       grade_id, graded_cells, hidden_calls, kernel_env, read, release_path, solution_path,
+                       stderr_outputs, visible_part)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TIMINGS: dict[str, float] = {}
+
+
+def _timed(label: str, started: float) -> None:
+    TIMINGS[label] = time.perf_counter() - started
+    print(f"{label}: {TIMINGS[label]:.1f} s")
+
+
+def _report(problems: list) -> str:
+    return "\n  ".join(str(p) for p in problems)
+
+
+# --------------------------------------------------------------------------- structure (cheap)
+
+
+@pytest.mark.parametrize("name", READY)
+def test_conventions(name):
+    nb = read(solution_path(name))
+    solutions = {grade_id(c) for c in nb.cells if c.metadata.get("nbgrader", {}).get("solution")}
+    tests = exercise_test_ids(nb)
+    assert 2 <= len(tests) <= 5, f"{name}: {len(tests)} graded exercises; the course wants 2 to 5"
+    assert all(g.startswith("ex_") for g in solutions), f"{name}: solution cells must be named ex_<function>: {solutions}"
+    assert {g.removeprefix("ex_") for g in solutions} == {g.removeprefix("test_") for g in tests}, \
+        f"{name}: every ex_<function> needs a test_<function> and back: {sorted(solutions)} vs {sorted(tests)}"
+    for gid in sorted(tests):
+        cell, function = graded_cells(nb)[gid], gid.removeprefix("test_")
+        calls = hidden_calls(cell.source)
+        assert calls, f"{name}/{gid}: no `hidden(check, function)` call in a ### BEGIN HIDDEN TESTS block"
+        assert all(fn == function for _, fn in calls), f"{name}/{gid}: hidden tests must test {function}: {calls}"
+        module, _, check = calls[0][0].rpartition(".")
+        assert hasattr(importlib.import_module(f"autograder.checks.{module}"), check), \
+            f"{name}/{gid}: autograder.checks.{module} has no {check}"
+        assert function in REFERENCES, f"{function}: add its library reference to tests/notebooks.py REFERENCES"
+        assert f"def {function}(" in next(c.source for c in nb.cells if grade_id(c) == f"ex_{function}")
+    for cell in nb.cells:
+        if cell.cell_type == "code" and grade_id(cell) is None:
+            assert "autograder" not in cell.source, f"{name}: only hidden-test blocks may use autograder/"
+
+
+@pytest.mark.parametrize("folder", ["solutions", "course"])
+@pytest.mark.parametrize("name", READY)
+def test_committed_without_outputs(name, folder):
+    nb = read((SOLUTIONS if folder == "solutions" else COURSE) / name / f"{name}.ipynb")
+    dirty = [i for i, c in enumerate(nb.cells)
+             if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
+    assert not dirty, f"{folder}/{name}: cells {dirty} carry outputs; clear them before committing"
+
+
+@pytest.mark.parametrize("name", READY)
+def test_release_hides_solutions_and_hidden_tests(name):
+    text = release_path(name).read_text()
+    for marker in ("### BEGIN SOLUTION", "### BEGIN HIDDEN TESTS", "autograder"):
+        assert marker not in text, f"course/{name} contains {marker!r}"
+    nb = read(release_path(name))
+    for cell in nb.cells:
+        if (grade_id(cell) or "").startswith("ex_"):
+            assert 'raise NotImplementedError("' in cell.source, f"{name}/{grade_id(cell)}: no stub in the release"
+
+
+def test_release_in_sync(tmp_path):
+    """course/ equals a fresh `make release` (nbgrader generate_assignment) of solutions/."""
+    from autograder import release
+
+    started = time.perf_counter()
+    release.generate(READY, out=tmp_path)
+    _timed("release: generate all ready notebooks", started)
+    for name in READY:
+        fresh, committed = tmp_path / name, COURSE / name
+        assert sorted(p.name for p in fresh.iterdir()) == sorted(p.name for p in committed.iterdir()), \
+            f"course/{name}: the files differ from a fresh release; run `make release`"
+        for file in fresh.iterdir():
+            got = json.loads((committed / file.name).read_text()) if file.suffix == ".ipynb" else (committed / file.name).read_bytes()
+            want = json.loads(file.read_text()) if file.suffix == ".ipynb" else file.read_bytes()
+            assert got == want, f"course/{name}/{file.name} is stale: run `make release` and commit course/"
+
+
+# --------------------------------------------------------------------------- visible tests vs bugs
+
+
+def _fixture_bugs() -> dict[str, list[tuple[str, object]]]:
+    """check name (e.g. check_top_k_filter) -> [(bug name, function)] from tests/fixtures/buggy_*.py."""
+    bugs: dict[str, list] = {}
+    for path in sorted(FIXTURES.glob("buggy_*.py")):
+        spec = importlib.util.spec_from_file_location(f"decodelab_fixture_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception:  # noqa: BLE001 - a fixture of a module still being written
+            continue
+        for bug, (fn, check_name, _what) in getattr(module, "BUGS", {}).items():
+            bugs.setdefault(check_name, []).append((bug, fn))
+    return bugs
+
+
+def _reference(function: str):
+    module, _, attr = REFERENCES[function].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _run_visible(nb, gid: str, function: str, fn) -> Exception | None:
+    """Run the visible part of a test cell with `function` bound to fn, in a namespace made by the
+    notebook's first code cell (its imports); returns the exception it raised, if any."""
+    setup = next(c.source for c in nb.cells if c.cell_type == "code")
+    cell = next(c for c in nb.cells if grade_id(c) == gid)
+    namespace = {"__name__": "__visible_test__"}
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(setup, "<setup cell>", "exec"), namespace)  # noqa: S102 - our own notebook
+        namespace[function] = fn
+        try:
+            exec(compile(visible_part(cell.source), f"<{gid}>", "exec"), namespace)  # noqa: S102
+        except Exception as exc:  # noqa: BLE001
+            return exc
+    return None
+
+
+@pytest.mark.parametrize("name", READY)
+def test_visible_tests_pass_on_reference_and_catch_bugs(name):
+    nb = read(solution_path(name))
+    bugs = _fixture_bugs()
+    for gid in sorted(exercise_test_ids(nb)):
+        function = gid.removeprefix("test_")
+        failure = _run_visible(nb, gid, function, _reference(function))
+        assert failure is None, f"{name}/{gid}: the visible tests fail on the library's reference: {failure!r}"
+        check = hidden_calls(graded_cells(nb)[gid].source)[0][0].rpartition(".")[2]
+        candidates = bugs.get(check, [])
+        assert candidates, f"{name}/{gid}: no kept bug for {check} in tests/fixtures/buggy_*.py"
+        caught = [bug for bug, fn in candidates if isinstance(_run_visible(nb, gid, function, fn), AssertionError)]
+        assert caught, f"{name}/{gid}: the visible tests catch none of {[b for b, _ in candidates]}"
+
+
+# --------------------------------------------------------------------------- executions (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", READY)
+def test_solution_runs_clean(name):
+    started = time.perf_counter()
+    nb = execute(solution_path(name))
+    _timed(f"{name}: solution run", started)
+    assert not errors(nb), f"solutions/{name}: cells failed:\n  {_report(errors(nb))}"
+    assert not stderr_outputs(nb), f"solutions/{name}: output on stderr (nbgrader scores such a test cell 0):\n  " \
+                                   + _report(stderr_outputs(nb))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", READY)
+def test_release_fails_exactly_on_exercise_tests(name):
+    started = time.perf_counter()
+    nb = execute(release_path(name))
+    _timed(f"{name}: release run", started)
+    failed = {e.label for e in errors(nb)}
+    expected = exercise_test_ids(nb)
+    assert failed == expected, (
+        f"course/{name}: expected exactly the exercise tests to fail.\n"
+        f"  unexpected failures: {sorted(failed - expected)}\n  tests that passed on a stub: {sorted(expected - failed)}\n"
+        f"  errors:\n  {_report(errors(nb))}")
+    stub_failures = [e for e in errors(nb) if e.ename != "NotImplementedError"]
+    assert not stub_failures, f"course/{name}: exercise tests should fail on the stub itself:\n  {_report(stub_failures)}"
+    assert not stderr_outputs(nb), f"course/{name}: output on stderr:\n  {_report(stderr_outputs(nb))}"
+
+
+def autograde(name: str, submission: Path, course_root: Path, student: str = "student"):
+    """nbgrader autograde of one submitted notebook in a fresh course folder; returns
+    (score, max_score, {grade_id: (score, max)} of the cells that lost points)."""
+    from nbgrader.api import Gradebook
+    from nbgrader.apps import NbGraderAPI
+    from nbgrader.coursedir import CourseDirectory
+
+    from autograder.release import load_config
+
+    shutil.copytree(SOLUTIONS / name, course_root / "solutions" / name)
+    submitted = course_root / "submitted" / student / name
+    submitted.mkdir(parents=True)
+    shutil.copy(submission, submitted / f"{name}.ipynb")
+    config = load_config()
+    config.CourseDirectory.root = str(course_root)
+    api = NbGraderAPI(CourseDirectory(config=config), config=config)
+    for step, call in (("generate_assignment", lambda: api.generate_assignment(name)),
+                       ("autograde", lambda: api.autograde(name, student))):
+        result = call()
+        assert result["success"], f"nbgrader {step} {name} failed:\n{result.get('error')}\n{result.get('log')}"
+    with Gradebook(f"sqlite:///{course_root / 'gradebook.db'}") as gradebook:
+        notebook = gradebook.find_submission_notebook(name, name, student)
+        lost = {g.name: (g.score, g.max_score) for g in notebook.grades if g.score < g.max_score}
+        return notebook.score, notebook.max_score, lost
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Object of type .* not in session")  # nbgrader's own gradebook code
+@pytest.mark.parametrize("name", READY)
+def test_autograde_solution_full_marks(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    started = time.perf_counter()
+    score, max_score, lost = autograde(name, solution_path(name), tmp_path)
+    _timed(f"{name}: autograde", started)
+    assert max_score > 0
+    assert score == max_score, f"{name}: autograde gave {score} / {max_score}; cells that lost points: {lost}"
+
+
+@pytest.mark.slow
+def test_nbgrader_finds_the_config_from_any_folder(tmp_path):
+    """`nbgrader validate` from another folder, with the repository on JUPYTER_CONFIG_PATH (as
+    `make lab` sets it), loads nbgrader_config.py: its PYTHONPATH makes autograder importable."""
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                           "language": "python"}})
+    cell = nbformat.v4.new_code_cell("import autograder.run\nprint('config loaded')")
+    cell.metadata["nbgrader"] = {"grade": True, "grade_id": "check_config", "locked": True, "points": 1,
+                                 "schema_version": 3, "solution": False, "task": False}
+    nb.cells.append(cell)
+    nbformat.write(nb, str(tmp_path / "probe.ipynb"))
+    env = {k: v for k, v in kernel_env().items() if k != "PYTHONPATH"}
+    env["JUPYTER_CONFIG_PATH"] = str(ROOT)
+    bin_dir = Path(sys.executable).parent
+    result = subprocess.run([str(bin_dir / "nbgrader"), "validate", "probe.ipynb", "--Application.log_level=DEBUG"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    log = result.stdout + result.stderr
+    assert f"Loaded config file: {ROOT / 'nbgrader_config.py'}" in log, log[-3000:]
+    assert "Success! Your notebook passes all the tests." in log, log[-3000:]
