@@ -6,6 +6,8 @@ STAMP  := $(VENV)/.setup-done
 # Pins torch to the CPU build on this course's machines; see README for CUDA machines.
 CONSTRAINTS ?= constraints.txt
 PYTEST_ARGS ?=
+# The venv's tools first on PATH: nbgrader runs `alembic` (its gradebook migrations) as a command.
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 # Spinning OpenMP threads slow decode 5-10x on a busy machine (see lib/decodelab/__init__.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
