@@ -101,7 +101,7 @@ def main():
     out = Path(__file__).parent / "results" / f"decode_speed_{args.model}_{device.type}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"weights {weight_bytes / 1e6:.0f} MB; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
+    print(f"weights {weight_bytes / 1e6:.0f} MB; read bandwidth (GEMV) {bandwidth / 1e9:.1f} GB/s "
           f"-> roofline {result['roofline_tokens_per_s']:.1f} tok/s")
     for name, tps in result["tokens_per_s"].items():
         print(f"{name:>13}: {tps:6.1f} tok/s  ({100 * result['fraction_of_roofline'][name]:.0f}% of roofline)")
