@@ -152,3 +152,15 @@ def memoized_gguf_reading():
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_map
+
+
+def load_fixture(name: str):
+    """The kept-bug module tests/fixtures/<name>.py (loaded by path: tests/ is no package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent / "fixtures" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"decodelab_tests_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -6,10 +6,8 @@ reference modules and catch the kept buggy versions in fixtures/buggy_gqa.py.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,18 +23,10 @@ from decodelab.kv_cache import KVCache
 from decodelab.measure import Roofline
 from decodelab.model import LlamaForCausalLM
 from decodelab.params import SamplingParams
-from oracles import randomize_
+from oracles import randomize_, load_fixture
 
 
-def _load_buggy():
-    path = Path(__file__).parent / "fixtures" / "buggy_gqa.py"
-    spec = importlib.util.spec_from_file_location("decodelab_tests_buggy_gqa", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-buggy = _load_buggy()
+buggy = load_fixture("buggy_gqa")
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 

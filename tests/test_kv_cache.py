@@ -5,9 +5,7 @@ The kept wrong caches in fixtures/buggy_kv_cache.py show that these checks catch
 """
 from __future__ import annotations
 
-import importlib.util
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,21 +13,13 @@ import torch
 from decodelab.generate import stream_token_ids
 from decodelab.kv_cache import KVCache
 from decodelab.params import SamplingParams
-from oracles import random_ids, random_model
+from oracles import random_ids, random_model, load_fixture
 
 TOL = 1e-5
 SMOLLM2_REL_TOL = 1e-5  # of the largest |logit|; see test_smollm2_cached_logits_equal_full_sequence
 
 
-def _load_buggy():
-    path = Path(__file__).parent / "fixtures" / "buggy_kv_cache.py"
-    spec = importlib.util.spec_from_file_location("decodelab_tests_buggy_kv_cache", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-buggy = _load_buggy()
+buggy = load_fixture("buggy_kv_cache")
 
 
 def spans(total: int, sizes: list[int]) -> list[tuple[int, int]]:

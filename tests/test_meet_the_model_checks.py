@@ -2,25 +2,16 @@
 every kept bug (tests/fixtures/buggy_meet_the_model.py) with a message that names the case."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from autograder.checks import meet_the_model as checks
 from decodelab.kv_size import parameter_count
 from decodelab.measure import decode_tokens_per_second_bound
+from oracles import load_fixture
 
 
-def _load_buggy():
-    path = Path(__file__).parent / "fixtures" / "buggy_meet_the_model.py"
-    spec = importlib.util.spec_from_file_location("decodelab_tests_buggy_meet_the_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-buggy = _load_buggy()
+buggy = load_fixture("buggy_meet_the_model")
 
 
 def test_reference_passes():

@@ -13,10 +13,8 @@ checks allow s / 2 + 2 eps max|x|.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import math
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,20 +27,12 @@ from decodelab.generate import stream_token_ids
 from decodelab.kv_cache import KVCache
 from decodelab.params import SamplingParams
 from decodelab.perplexity import heldout_text, perplexity, token_nlls
-from oracles import random_ids, random_model
+from oracles import random_ids, random_model, load_fixture
 
 EPS = torch.finfo(torch.float32).eps
 
 
-def _load_buggy():
-    path = Path(__file__).parent / "fixtures" / "buggy_quant.py"
-    spec = importlib.util.spec_from_file_location("decodelab_tests_buggy_quant", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-buggy = _load_buggy()
+buggy = load_fixture("buggy_quant")
 
 
 def _slack(x: torch.Tensor) -> float:

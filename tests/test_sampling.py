@@ -2,9 +2,7 @@
 buggy versions (with and without transformers), plus SamplingParams validation and `probs`."""
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,17 +10,10 @@ import torch
 from autograder.checks import sampling as checks
 from decodelab import sampling
 from decodelab.params import SamplingParams
+from oracles import load_fixture
 
 
-def _load_buggy():
-    path = Path(__file__).parent / "fixtures" / "buggy_sampling.py"
-    spec = importlib.util.spec_from_file_location("decodelab_tests_buggy_sampling", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-buggy = _load_buggy()
+buggy = load_fixture("buggy_sampling")
 
 REFERENCE = {
     "check_apply_temperature": sampling.apply_temperature,

@@ -3,9 +3,7 @@ rules do not), greedy output equals target-only greedy (and kept buggy loops do 
 verify pass equals one-token-at-a-time decoding, the theory helpers, the lookup drafter."""
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,17 +20,10 @@ from decodelab.speculative import (SpeculativeStats, accept_draft_tokens, accept
                                    acceptance_rate, expected_speedup, expected_tokens_per_call,
                                    greedy_accept, speculative_generate, stream_speculative,
                                    truncated_draft, tvd)
+from oracles import load_fixture
 
 
-def _load_buggy():
-    path = Path(__file__).parent / "fixtures" / "buggy_speculative.py"
-    spec = importlib.util.spec_from_file_location("decodelab_tests_buggy_speculative", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-buggy = _load_buggy()
+buggy = load_fixture("buggy_speculative")
 
 # Rows i = 0..3 of the target's distributions p_i and rows 0..2 of the draft's q_i, V = 6. Each
 # position's rows are fixed (they do not depend on the tokens before), so the j-th emitted
