@@ -34,11 +34,22 @@ def assignments(solutions: Path = SOLUTIONS) -> list[str]:
     return sorted(p.parent.name for p in solutions.glob("*/*.ipynb") if p.stem == p.parent.name)
 
 
+def ensure_tools_on_path() -> None:
+    """nbgrader's gradebook runs the `alembic` command: find it beside this Python (a venv whose
+    bin/ is not on PATH, e.g. `.venv/bin/python -m autograder.release`)."""
+    import os
+
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+
+
 def generate(names: list[str] | None = None, out: Path = COURSE, solutions: Path = SOLUTIONS) -> list[Path]:
     """Write out/NAME/ (replacing it) for each name; returns the released notebooks."""
     from nbgrader.apps import NbGraderAPI
     from nbgrader.coursedir import CourseDirectory
 
+    ensure_tools_on_path()
     names = names or assignments(solutions)
     missing = [n for n in names if not (solutions / n / f"{n}.ipynb").exists()]
     if missing:

@@ -29,18 +29,28 @@ SOLUTIONS = ROOT / "solutions"
 COURSE = ROOT / "course"
 
 READY = ["00_meet_the_model", "01_sampling"]
+# DECODELAB_NOTEBOOKS=02_kv_cache,03_prefill_decode runs the notebook tests on just those (a
+# notebook being written, before it joins READY).
+if os.environ.get("DECODELAB_NOTEBOOKS"):
+    READY = [n.strip() for n in os.environ["DECODELAB_NOTEBOOKS"].split(",") if n.strip()]
 
-# Per exercise: the library's reference implementation ("module:function"); the hidden cell
-# names the check, tests/fixtures/ hold the plausible bugs each check and visible test must catch.
-REFERENCES = {
-    "count_parameters": "decodelab.kv_size:parameter_count",
-    "decode_tokens_per_second_bound": "decodelab.measure:decode_tokens_per_second_bound",
-    "apply_temperature": "decodelab.sampling:apply_temperature",
-    "top_k_filter": "decodelab.sampling:top_k_filter",
-    "top_p_filter": "decodelab.sampling:top_p_filter",
-    "apply_repetition_penalty": "decodelab.sampling:apply_repetition_penalty",
-    "sample": "decodelab.sampling:sample",
-}
+# Per exercise: the library's reference implementation ("module:function"). Each checks module
+# autograder/checks/<topic>.py declares its own in a module-level REFERENCES dict; the hidden cell
+# names the check, tests/fixtures/buggy_*.py hold the plausible bugs each check and visible test
+# must catch.
+def _references() -> dict[str, str]:
+    import importlib
+
+    found: dict[str, str] = {}
+    for path in sorted((ROOT / "autograder" / "checks").glob("*.py")):
+        if path.stem.startswith("_"):
+            continue
+        module = importlib.import_module(f"autograder.checks.{path.stem}")
+        found.update(getattr(module, "REFERENCES", {}))
+    return found
+
+
+REFERENCES = _references()
 
 HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 HIDDEN_CALL = re.compile(r'hidden\("([\w.]+)",\s*(\w+)\)')

@@ -201,8 +201,9 @@ def autograde(name: str, submission: Path, course_root: Path, student: str = "st
     from nbgrader.apps import NbGraderAPI
     from nbgrader.coursedir import CourseDirectory
 
-    from autograder.release import load_config
+    from autograder.release import ensure_tools_on_path, load_config
 
+    ensure_tools_on_path()
     shutil.copytree(SOLUTIONS / name, course_root / "solutions" / name)
     submitted = course_root / "submitted" / student / name
     submitted.mkdir(parents=True)

@@ -19,6 +19,13 @@ import math
 import numbers
 import random
 
+
+# exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
+REFERENCES = {
+    "count_parameters": "decodelab.kv_size:parameter_count",
+    "decode_tokens_per_second_bound": "decodelab.measure:decode_tokens_per_second_bound",
+}
+
 __all__ = ["check_count_parameters", "check_decode_tokens_per_second_bound"]
 
 # The config.json fields of two published checkpoints and the totals transformers reports for them.

@@ -31,6 +31,16 @@ from statistics import NormalDist
 
 import torch
 
+
+# exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
+REFERENCES = {
+    "apply_temperature": "decodelab.sampling:apply_temperature",
+    "top_k_filter": "decodelab.sampling:top_k_filter",
+    "top_p_filter": "decodelab.sampling:top_p_filter",
+    "apply_repetition_penalty": "decodelab.sampling:apply_repetition_penalty",
+    "sample": "decodelab.sampling:sample",
+}
+
 __all__ = [
     "check_apply_temperature",
     "check_top_k_filter",
