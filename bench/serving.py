@@ -95,10 +95,11 @@ def main():
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", help="engine weights: float32 or bfloat16 (transformers: float32)")
     parser.add_argument("--skip-slow", action="store_true", help="skip one-at-a-time and transformers")
     args = parser.parse_args()
 
-    llm = LLM(args.model, device="cpu", max_num_seqs=args.max_num_seqs)
+    llm = LLM(args.model, device="cpu", dtype=getattr(torch, args.dtype), max_num_seqs=args.max_num_seqs)
     prompts, params = workload(llm, args.requests, args.seed)
     total_tokens = sum(p.max_tokens for p in params)
     llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=4)] * 2, use_tqdm=False)  # warm-up

@@ -14,6 +14,7 @@ Hooks — swap a learner's function in for one stage (each notebook's closing ce
     accept_draft_tokens(draft_tokens, draft_probs, target_probs, generator) -> LongTensor
     allocator(num_blocks, block_size, enable_prefix_caching) -> a BlockAllocator-like object
     scheduler(allocator, max_num_seqs, max_num_batched_tokens) -> a Scheduler-like object
+    step(engine) -> list[StreamEvent]                     one iteration of the loop (`engine_step`)
 """
 from __future__ import annotations
 
@@ -48,6 +49,55 @@ class EngineHooks:
     accept_draft_tokens: Callable | None = None
     allocator: Callable = BlockAllocator
     scheduler: Callable = Scheduler
+    step: Callable | None = None  # None: engine_step
+
+
+def kv_blocks_for_memory(config, memory_bytes: int, block_size: int, dtype=torch.float32) -> int:
+    """How many KV blocks of `block_size` tokens fit in `memory_bytes`.
+
+    One block holds, for every layer, K and V rows of `block_size` tokens, each row
+    num_key_value_heads x head_dim values of `dtype`:
+        bytes per block = 2 x num_hidden_layers x block_size x num_key_value_heads x head_dim x element size.
+    Returns the whole number of blocks that fit (rounded down). Raises ValueError if
+    memory_bytes or block_size is not > 0, or if not even one block fits.
+    """
+    if not memory_bytes > 0 or not block_size > 0:
+        raise ValueError(f"memory_bytes and block_size must be > 0, got {memory_bytes!r} and {block_size!r}")
+    per_block = PagedKVStore.bytes_per_block(config, block_size, dtype)
+    blocks = int(memory_bytes // per_block)
+    if blocks < 1:
+        raise ValueError(f"{memory_bytes:,} bytes hold no KV block: one block of {block_size} tokens needs "
+                         f"{per_block:,} bytes")
+    return blocks
+
+
+def engine_step(engine: "LLM") -> list[StreamEvent]:
+    """One iteration of the serving loop; returns a StreamEvent per token it produced.
+
+    1. Ask the scheduler which sequences run: new requests to prefill, or every running
+       sequence for one decode step. If nothing can run, let the engine drop a request that
+       can never fit (`engine.drop_unschedulable()`) and return [].
+    2. Decode steps with a draft model go to `engine.speculator.step(seqs)` (draft, verify,
+       accept), which returns the events itself.
+    3. Otherwise run one packed forward pass, `engine.forward(seqs)` -> logits [len(seqs), V].
+    4. For each sequence and its logits row: after a prefill, start its n > 1 siblings
+       (`engine.start_siblings(seq, row)`, which returns their first events); then choose a
+       token (`engine.choose_token`) and append it (`engine.append_token`, which retires the
+       sequence when it stops).
+    """
+    seqs, is_prefill = engine.scheduler.schedule()
+    if not seqs:
+        engine.drop_unschedulable()
+        return []
+    if engine.speculator is not None and not is_prefill:
+        return engine.speculator.step(seqs)
+    logits = engine.forward(seqs)
+    events = []
+    for seq, row in zip(seqs, logits):
+        if is_prefill:
+            events += engine.start_siblings(seq, row)
+        events.append(engine.append_token(seq, engine.choose_token(seq, row)))
+    return events
 
 
 @dataclass
@@ -97,9 +147,9 @@ class LLM:
         self.hooks = hooks or EngineHooks()
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
         if num_kv_blocks is None:  # the memory budget, but no more than max_num_seqs full contexts
-            per_block = PagedKVStore.bytes_per_block(self.config, kv_block_size, self.model.dtype)
             enough = max_num_seqs * -(-self.max_model_len // kv_block_size)
-            num_kv_blocks = max(1, min(kv_cache_memory // per_block, enough))
+            num_kv_blocks = min(kv_blocks_for_memory(self.config, kv_cache_memory, kv_block_size, self.model.dtype),
+                                enough)
         self.store = PagedKVStore(self.config, num_kv_blocks, kv_block_size, self.device, self.model.dtype)
         self.allocator = self.hooks.allocator(num_kv_blocks, kv_block_size, enable_prefix_caching)
         self.scheduler = self.hooks.scheduler(self.allocator, max_num_seqs, max_num_batched_tokens)
@@ -177,29 +227,28 @@ class LLM:
             yield self.step()
 
     def step(self) -> list[StreamEvent]:
-        """One engine iteration: schedule, run one packed forward pass, sample, retire."""
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
-            if not self.scheduler.running and self.scheduler.waiting:
-                seq = self.scheduler.waiting.popleft()  # cannot fit even alone (a custom allocator?)
-                seq.status, seq.finish_reason = Status.FINISHED, "length"
-            return []
-        if self.speculator is not None and not is_prefill:
-            return self.speculator.step(seqs)
-        if not is_prefill:
-            return self.plain_decode(seqs)
-        logits = self.forward(seqs)  # [len(seqs), V]
+        """One engine iteration (`engine_step`, or the `step` hook): schedule, run one packed
+        forward pass, sample, retire."""
+        return (self.hooks.step or engine_step)(self)
+
+    def drop_unschedulable(self) -> None:
+        """Nothing could be scheduled: if nothing runs either, the first waiting request cannot
+        fit even alone (e.g. a custom allocator with too few blocks); finish it so the loop ends."""
+        if not self.scheduler.running and self.scheduler.waiting:
+            seq = self.scheduler.waiting.popleft()
+            seq.status, seq.finish_reason = Status.FINISHED, "length"
+
+    def start_siblings(self, seq: Sequence, logits: torch.Tensor) -> list[StreamEvent]:
+        """After `seq`'s prefill: its n > 1 siblings share the prompt's blocks (copy-on-write),
+        join the running sequences and sample their first tokens from the same logits [V]."""
         events = []
-        for seq, row in zip(list(seqs), logits):
-            if is_prefill and seq.siblings:
-                for sibling in seq.siblings:  # n > 1: share the prompt's blocks, sample independently
-                    sibling.block_table = self.allocator.fork(seq.block_table)
-                    sibling.num_computed_tokens, sibling.status = seq.num_computed_tokens, Status.RUNNING
-                    sibling.draft_computed_tokens = seq.draft_computed_tokens
-                    self.scheduler.running.append(sibling)
-                    events.append(self.append_token(sibling, self.choose_token(sibling, row)))
-                seq.siblings = []
-            events.append(self.append_token(seq, self.choose_token(seq, row)))
+        for sibling in seq.siblings:
+            sibling.block_table = self.allocator.fork(seq.block_table)
+            sibling.num_computed_tokens, sibling.status = seq.num_computed_tokens, Status.RUNNING
+            sibling.draft_computed_tokens = seq.draft_computed_tokens
+            self.scheduler.running.append(sibling)
+            events.append(self.append_token(sibling, self.choose_token(sibling, logits)))
+        seq.siblings = []
         return events
 
     def plain_decode(self, seqs: list[Sequence]) -> list[StreamEvent]:
