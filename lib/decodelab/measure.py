@@ -114,6 +114,25 @@ def decode_tokens_per_second_bound(num_params: float, bytes_per_param: float, ba
     return bandwidth_bytes_per_s / (num_params * bytes_per_param)
 
 
+def decode_roofline_fraction(tokens_per_s: float, batch_size: int, weight_bytes: float,
+                             bandwidth_bytes_per_s: float) -> float:
+    """How close a batched decode comes to the memory-bandwidth roofline, as a fraction.
+
+    Each decode step reads every weight byte once and yields one token for each of the
+    batch_size sequences, so no decode can beat batch_size x bandwidth / weight_bytes tokens
+    per second (KV-cache reads are left out, which makes the bound generous). Returns
+    tokens_per_s divided by that bound. Raises ValueError unless tokens_per_s >= 0 and the
+    other arguments are > 0.
+    """
+    if isinstance(tokens_per_s, bool) or not tokens_per_s >= 0:
+        raise ValueError(f"tokens_per_s must be >= 0, got {tokens_per_s!r}")
+    for name, value in (("batch_size", batch_size), ("weight_bytes", weight_bytes),
+                        ("bandwidth_bytes_per_s", bandwidth_bytes_per_s)):
+        if isinstance(value, bool) or not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+    return tokens_per_s / (batch_size * bandwidth_bytes_per_s / weight_bytes)
+
+
 def decode_speed(model, prompt_ids: list[int], num_tokens: int = 32) -> float:
     """Tokens per second of batch-1 greedy decode after the prompt (the prefill is not counted):
     the steps of `decodelab.generate.stream_token_ids`, timed between the first and last token."""
