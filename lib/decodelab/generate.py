@@ -40,13 +40,57 @@ def make_generator(seed: int | None, device) -> torch.Generator | None:
     return generator
 
 
+def _check_greedy_request(model, prompt_ids: list[int], max_new_tokens: int) -> None:
+    check_prompt(prompt_ids, model.config.max_position_embeddings, model.config.vocab_size)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if len(prompt_ids) + max_new_tokens > model.config.max_position_embeddings:
+        raise PromptTooLongError(f"{len(prompt_ids)} prompt + {max_new_tokens} new tokens exceed the model's "
+                                 f"context of {model.config.max_position_embeddings} tokens")
+
+
+@torch.inference_mode()
+def generate_without_cache(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy generation that recomputes the whole sequence at every step (no KV cache).
+
+    Each step runs the model on prompt + all tokens generated so far, [1, n], and appends
+    the argmax of the last position's logits. Returns the max_new_tokens new ids (no stop
+    token: it always generates max_new_tokens). The model's K/V work is 1 + 2 + ... + n rows.
+    """
+    _check_greedy_request(model, prompt_ids, max_new_tokens)
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids], device=model.device), last_only=True)  # [1, 1, V]
+        ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+@torch.inference_mode()
+def generate_with_cache(model, prompt_ids: list[int], max_new_tokens: int, cache_class=KVCache) -> list[int]:
+    """Greedy generation with a KV cache: the same ids as `generate_without_cache`.
+
+    Prefill feeds the whole prompt once, [1, P], into `cache_class(model.config, 1,
+    P + max_new_tokens, device=model.device, dtype=model.dtype)`; each later step feeds only
+    the newest token, [1, 1], whose K/V the cache appends. K/V work: n rows in all.
+    """
+    _check_greedy_request(model, prompt_ids, max_new_tokens)
+    cache = cache_class(model.config, 1, len(prompt_ids) + max_new_tokens, device=model.device, dtype=model.dtype)
+    inputs, new_ids = torch.tensor([prompt_ids], device=model.device), []
+    for _ in range(max_new_tokens):
+        logits = model(inputs, kv_cache=cache, last_only=True)  # [1, 1, V]
+        new_ids.append(int(logits[0, -1].argmax()))
+        inputs = torch.tensor([[new_ids[-1]]], device=model.device)
+    return new_ids
+
+
 @torch.inference_mode()
 def stream_token_ids(model, prompt_ids: list[int], params: SamplingParams,
-                     stop_token_ids: list[int] = ()) -> Iterator[int]:
+                     stop_token_ids: list[int] = (), cache_class=KVCache) -> Iterator[int]:
     """Yield generated ids one by one (a stop token is yielded, then generation ends).
 
     Ends early at the context's end. Prefill runs the whole prompt in one forward pass;
-    each later step feeds only the newest token, its K/V appended to the cache.
+    each later step feeds only the newest token, its K/V appended to the cache (a
+    `cache_class(config, 1, max_seq_len, device=..., dtype=...)`, `KVCache` by default).
     """
     config = model.config
     check_prompt(prompt_ids, config.max_position_embeddings, config.vocab_size)
@@ -54,7 +98,7 @@ def stream_token_ids(model, prompt_ids: list[int], params: SamplingParams,
     stops = set() if params.ignore_eos else set(stop_token_ids)
     stops |= set(params.stop_token_ids)
     device = model.device
-    cache = KVCache(config, 1, len(prompt_ids) + budget, device=device, dtype=model.dtype)
+    cache = cache_class(config, 1, len(prompt_ids) + budget, device=device, dtype=model.dtype)
     generator = make_generator(params.seed, device)
     history = torch.tensor([prompt_ids], device=device)  # [1, n] for the repetition penalty
     inputs = history
@@ -93,7 +137,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], chat: bool) ->
 
 
 def stream_text(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
-                completion: Completion | None = None) -> Iterator[str]:
+                completion: Completion | None = None, cache_class=KVCache) -> Iterator[str]:
     """Yield text pieces as tokens arrive; fills `completion` (ids, text, finish_reason).
 
     A stop string ends generation and is left out of the text, as in vLLM; text that could
@@ -105,7 +149,7 @@ def stream_text(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samp
     hold = max((len(s) for s in params.stop), default=1) - 1
     text, emitted = "", 0
     completion.finish_reason = "length"
-    for token_id in stream_token_ids(model, prompt_ids, params, tokenizer.stop_token_ids()):
+    for token_id in stream_token_ids(model, prompt_ids, params, tokenizer.stop_token_ids(), cache_class):
         completion.output_ids.append(token_id)
         if token_id in stop_ids and not (params.ignore_eos and token_id not in params.stop_token_ids):
             completion.finish_reason = "stop"
@@ -134,10 +178,12 @@ def first_stop_string(text: str, stop: list[str]) -> int | None:
 
 
 def generate(model, tokenizer: Tokenizer, prompt: str | list[dict], params: SamplingParams | None = None,
-             chat: bool = True) -> Completion:
-    """Generate a whole completion for one prompt (see `stream_text` for the streaming form)."""
+             chat: bool = True, cache_class=KVCache) -> Completion:
+    """Generate a whole completion for one prompt (see `stream_text` for the streaming form).
+
+    cache_class: the KV cache to generate with (notebook 02 passes the learner's own)."""
     params = params or SamplingParams()
     completion = Completion(encode_prompt(tokenizer, prompt, chat))
-    for _ in stream_text(model, tokenizer, completion.prompt_ids, params, completion):
+    for _ in stream_text(model, tokenizer, completion.prompt_ids, params, completion, cache_class):
         pass
     return completion

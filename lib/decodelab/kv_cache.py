@@ -18,8 +18,9 @@ class KVCache:
     """Per-layer K/V for a batch of B sequences that all have the same length.
 
     `append(layer, k, v)` writes new rows after the ones that layer already holds and
-    returns views of everything held; `truncate(n)` forgets all but the first n positions
-    (speculative decoding drops rejected draft tokens this way).
+    returns views of everything held (`view(layer)` gives the same without writing); `truncate(n)`
+    forgets all but the first n positions (speculative decoding drops rejected draft tokens this way).
+    Shapes: k, v [B, H_kv, T, D]; what a layer holds [B, H_kv, held, D].
     """
 
     def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
@@ -41,7 +42,8 @@ class KVCache:
         return self.lengths[-1]
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, H_kv, T, D] after this layer's rows; return views [B, H_kv, S + T, D]."""
+        """Store k, v [B, H_kv, T, D] after this layer's rows; return views [B, H_kv, S + T, D].
+        Raises ValueError if S + T would exceed max_seq_len."""
         start, new = self.lengths[layer], k.shape[2]
         end = start + new
         if end > self.max_seq_len:
@@ -49,10 +51,15 @@ class KVCache:
         self.keys[layer, :, :, start:end] = k
         self.values[layer, :, :, start:end] = v
         self.lengths[layer] = end
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        return self.view(layer)
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (no copy) of the keys and values this layer holds: [B, H_kv, held, D] each."""
+        held = self.lengths[layer]
+        return self.keys[layer, :, :, :held], self.values[layer, :, :, :held]
 
     def truncate(self, length: int) -> None:
-        """Keep the first `length` positions of every layer (0 <= length <= seq_len)."""
+        """Keep the first `length` positions of every layer (0 <= length <= seq_len), else ValueError."""
         if not 0 <= length <= min(self.lengths):
             raise ValueError(f"cannot truncate a cache of {min(self.lengths)} tokens to {length}")
         self.lengths = [length] * len(self.lengths)
