@@ -131,6 +131,18 @@ def test_decode_bound_explorer_redraws_on_slider_change():
     assert "28.6 tokens/s" in box.figure.layout.title.text
 
 
+def test_widget_views_start_from_the_first_drawing():
+    """A view created after the first redraw (Run All on a busy kernel) must not draw the empty
+    figure the widget was constructed with: the synced start state holds the first drawing."""
+    from decodelab import widgets
+
+    box = widgets.decode_bound_explorer(measure.decode_tokens_per_second_bound)
+    synced = box.figure._widget_layout
+    assert "23.9 tokens/s" in synced["title"]["text"]
+    assert len(box.figure._widget_data) == len(box.figure.data) > 0
+    assert all(len(trace.get("x", ())) > 0 for trace in box.figure._widget_data)
+
+
 def test_sampling_explorer_uses_the_given_functions():
     from decodelab import widgets
 

@@ -8,6 +8,7 @@ tests) can drive it without a browser: ``box.figure`` (the FigureWidget), ``box.
 """
 from __future__ import annotations
 
+import copy
 import html
 
 import ipywidgets as widgets
@@ -22,9 +23,22 @@ SEED_BANDWIDTHS = {"H100, 3.35 TB/s (seed)": 3.35e12, "2 TB/s (seed)": 2e12}
 _SLIDER = dict(style={"description_width": "170px"}, layout=widgets.Layout(width="440px"))
 
 
+def bake_current_state(fig) -> None:
+    """Make a FigureWidget's current traces and layout the state its views start from.
+
+    A FigureWidget sends each change as a one-off message that only views already on the page
+    apply; its synced start state stays what it was constructed with. When a view is created
+    after the first redraw (Run All on a busy kernel renders outputs late), it would draw that
+    empty start state. Call this after the first redraw, before the widget is displayed.
+    """
+    fig._widget_data = copy.deepcopy(fig._data)
+    fig._widget_layout = copy.deepcopy(fig._layout_obj._props)
+
+
 def _finish(box, fig, controls, redraw):
     box.figure, box.controls, box.redraw = fig, controls, redraw
     redraw()
+    bake_current_state(fig)
     return box
 
 

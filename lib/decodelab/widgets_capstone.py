@@ -11,6 +11,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from .plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR, si
+from .widgets import bake_current_state
 
 _SLIDER = dict(style={"description_width": "170px"}, layout=widgets.Layout(width="440px"))
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -68,4 +69,5 @@ def batch_roofline_explorer(fraction_fn, weight_bytes: float, num_params: float,
     box = widgets.VBox([widgets.HBox([batch, gbps]), bytes_per_weight, fig])
     box.figure, box.controls, box.redraw = fig, controls, redraw
     redraw()
+    bake_current_state(fig)
     return box
