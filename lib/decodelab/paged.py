@@ -70,7 +70,8 @@ class BlockAllocator:
         return -(-num_tokens // self.block_size)
 
     # ------------------------------------------------------------ primitives
-    def _take_free_block(self) -> Block:
+    def take_free_block(self) -> Block:
+        """The least recently freed block, now held once (ref_count 1), its old name dropped."""
         if not self.free:
             raise OutOfBlocksError("no free KV block left")
         block_id, _ = self.free.popitem(last=False)  # evict the least recently freed
@@ -86,7 +87,8 @@ class BlockAllocator:
             del self.free[block_id]  # a cached block comes back from the free list
         block.ref_count += 1
 
-    def _release(self, block_id: int) -> None:
+    def release(self, block_id: int) -> None:
+        """Drop one reference; a block nobody holds goes to the end of the free list."""
         block = self.blocks[block_id]
         if block.ref_count <= 0:
             raise RuntimeError(f"block {block_id} freed twice")
@@ -137,7 +139,7 @@ class BlockAllocator:
             table.append(block_id)
             parent = self.blocks[block_id].hash
         for index in range(len(cached), self.blocks_needed(len(token_ids))):
-            block = self._take_free_block()
+            block = self.take_free_block()
             chunk = token_ids[index * self.block_size:(index + 1) * self.block_size]
             if len(chunk) == self.block_size:
                 self._register_full_block(block, parent, chunk)
@@ -160,14 +162,9 @@ class BlockAllocator:
         """
         position = len(token_ids) - 1
         if position // self.block_size == len(block_table):
-            block_table.append(self._take_free_block().block_id)
+            block_table.append(self.take_free_block().block_id)
+        self.copy_on_write(block_table)
         last = self.blocks[block_table[-1]]
-        if last.ref_count > 1:
-            copy = self._take_free_block()
-            self._release(last.block_id)
-            self.copy_on_write_log.append((last.block_id, copy.block_id))
-            block_table[-1] = copy.block_id
-            last = copy
         if (position + 1) % self.block_size == 0:
             parent = self.blocks[block_table[-2]].hash if len(block_table) > 1 else None
             self._register_full_block(last, parent, token_ids[position + 1 - self.block_size:position + 1])
@@ -181,12 +178,9 @@ class BlockAllocator:
         if extra + int(shared_tail) > self.num_free:
             return False
         if shared_tail:
-            copy = self._take_free_block()
-            self._release(block_table[-1])
-            self.copy_on_write_log.append((block_table[-1], copy.block_id))
-            block_table[-1] = copy.block_id
+            self.copy_on_write(block_table)
         for _ in range(max(0, extra)):
-            block_table.append(self._take_free_block().block_id)
+            block_table.append(self.take_free_block().block_id)
         return True
 
     def shrink(self, block_table: list[int], token_ids, num_computed: int) -> None:
@@ -194,7 +188,7 @@ class BlockAllocator:
         blocks filled by computed tokens, so the prefix cache can find them."""
         keep = self.blocks_needed(len(token_ids))
         while len(block_table) > keep:
-            self._release(block_table.pop())
+            self.release(block_table.pop())
         parent = None
         for index, block_id in enumerate(block_table[: num_computed // self.block_size]):
             block = self.blocks[block_id]
@@ -202,6 +196,11 @@ class BlockAllocator:
                 chunk = token_ids[index * self.block_size:(index + 1) * self.block_size]
                 self._register_full_block(block, parent, chunk)
             parent = block.hash
+
+    def copy_on_write(self, block_table: list[int]) -> bool:
+        """Give a sequence its own copy of a shared last block before it writes there
+        (`copy_on_write_last_block`; a subclass may swap in another version)."""
+        return copy_on_write_last_block(self, block_table)
 
     def fork(self, block_table: list[int]) -> list[int]:
         """A second sequence sharing every block of this one (n > 1 samples of one prompt)."""
@@ -211,7 +210,7 @@ class BlockAllocator:
 
     def free_sequence(self, block_table: list[int]) -> None:
         for block_id in reversed(block_table):  # the tail is evicted before the shared head
-            self._release(block_id)
+            self.release(block_id)
         block_table.clear()
 
     def check_invariants(self, live_tables: list[list[int]]) -> None:
@@ -248,3 +247,22 @@ def kv_waste(sequence_lengths, block_size: int | None, max_len: int | None = Non
     else:
         reserved = sum(-(-n // block_size) * block_size for n in sequence_lengths)
     return 1 - used / reserved
+
+
+def copy_on_write_last_block(allocator: BlockAllocator, block_table: list[int]) -> bool:
+    """Copy-on-write: before a sequence writes into the last block of its (non-empty) table.
+
+    If that block is shared (ref_count > 1), take a free block (allocator.take_free_block()),
+    drop this sequence's reference to the shared one (allocator.release(block_id)), record
+    (shared block id, new block id) in allocator.copy_on_write_log so the KV store copies its
+    rows, and put the new block's id at the end of block_table, in place. Returns True if it
+    copied, False (and changes nothing) when the last block belongs to this sequence alone.
+    """
+    shared = block_table[-1]
+    if allocator.blocks[shared].ref_count <= 1:
+        return False
+    copy = allocator.take_free_block()
+    allocator.release(shared)
+    allocator.copy_on_write_log.append((shared, copy.block_id))
+    block_table[-1] = copy.block_id
+    return True

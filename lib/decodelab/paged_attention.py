@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import causal_attention, repeat_kv
+from .attention import causal_attention
 from .config import ModelConfig
 
 
@@ -41,6 +41,23 @@ class PagedKVStore:
     def bytes_per_block(config: ModelConfig, block_size: int, dtype=torch.float32) -> int:
         element = torch.tensor([], dtype=dtype).element_size()
         return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element
+
+
+def gather_kv(flat_cache: torch.Tensor, block_table: list[int], context_len: int, block_size: int) -> torch.Tensor:
+    """One sequence's keys (or values) read through its block table, in token order.
+
+    flat_cache [num_blocks * block_size, H_kv, D] (one row per slot) -> a new tensor
+    [H_kv, context_len, D] whose token i comes from slot
+    block_table[i // block_size] * block_size + i % block_size. Raises ValueError when the
+    table's blocks hold fewer than context_len slots.
+    """
+    if context_len > len(block_table) * block_size:
+        raise ValueError(f"context_len {context_len} needs {-(-context_len // block_size)} blocks of {block_size}, "
+                         f"the block table has {len(block_table)}")
+    positions = torch.arange(context_len, device=flat_cache.device)
+    table = torch.as_tensor(block_table, dtype=torch.long, device=flat_cache.device)
+    slots = table[positions // block_size] * block_size + positions % block_size  # [context_len]
+    return flat_cache[slots].transpose(0, 1)  # [H_kv, context_len, D]
 
 
 @dataclass
@@ -92,26 +109,21 @@ class PagedBatch:
             return self._attend_decode(flat_k, flat_v, q)
         out = torch.empty_like(q)
         for s in self.slices:
-            slots = self._context_slots(s, q.device)
-            k_ctx = flat_k[slots].transpose(0, 1)[None]  # [1, H_kv, context, D]
-            v_ctx = flat_v[slots].transpose(0, 1)[None]
+            k_ctx = gather_kv(flat_k, s.block_table, s.context_len, self.store.block_size)[None]  # [1, H_kv, context, D]
+            v_ctx = gather_kv(flat_v, s.block_table, s.context_len, self.store.block_size)[None]
             q_seq = q[:, :, s.q_start:s.q_start + s.q_len]
             out[:, :, s.q_start:s.q_start + s.q_len] = causal_attention(
                 q_seq, k_ctx, v_ctx, q_offset=s.context_len - s.q_len, sliding_window=self.sliding_window)
         return out
 
-    def _context_slots(self, s: SequenceSlice, device) -> torch.Tensor:
-        block_size = self.store.block_size
-        positions = torch.arange(s.context_len)
-        table = torch.tensor(s.block_table, dtype=torch.long)
-        return (table[positions // block_size] * block_size + positions % block_size).to(device)
-
     def _attend_decode(self, flat_k, flat_v, q):
-        batch = len(self.slices)
+        """One new token per sequence. The query heads sharing a KV head are folded into the
+        query-length axis, q [B, H_kv, group, D], so each KV head is read once, not copied
+        `group` times (no repeat_kv), and the padding mask [B, 1, 1, S] broadcasts."""
+        batch, num_heads, head_dim = len(self.slices), q.shape[1], q.shape[3]
         k_ctx = flat_k[self.decode_slots].permute(0, 2, 1, 3)  # [B, H_kv, S, D]
         v_ctx = flat_v[self.decode_slots].permute(0, 2, 1, 3)
-        group = q.shape[1] // k_ctx.shape[1]
-        q_b = q[0].transpose(0, 1)[:, :, None]  # [B, H, 1, D]
-        out = F.scaled_dot_product_attention(q_b, repeat_kv(k_ctx, group), repeat_kv(v_ctx, group),
-                                             attn_mask=self.decode_mask)
-        return out[:, :, 0].transpose(0, 1)[None]  # [1, H, B, D]
+        num_kv_heads = k_ctx.shape[1]
+        q_b = q[0].transpose(0, 1).reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(q_b, k_ctx, v_ctx, attn_mask=self.decode_mask)
+        return out.reshape(batch, num_heads, head_dim).transpose(0, 1)[None]  # [1, H, B, D]
