@@ -18,6 +18,7 @@ from .config import ModelConfig
 from .kv_size import PRESETS, config_fields, format_bytes, parameter_count
 from .model import LlamaForCausalLM
 from .plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR, log_range
+from .widgets import bake_current_state
 
 # The seed's table: position T -> (ms per token without a cache, with a cache), a 0.5M-parameter
 # numpy Transformer on a shared 2-core Xeon, one thread.
@@ -203,6 +204,7 @@ def kv_size_calculator(kv_bytes_fn, presets: dict[str, dict] | None = None):
     box = widgets.VBox([widgets.HBox([widgets.VBox([seq_len, batch]), widgets.VBox([preset, dtype])]), fig])
     box.figure, box.controls, box.redraw = fig, {"seq_len": seq_len, "batch": batch, "preset": preset, "dtype": dtype}, redraw
     redraw()
+    bake_current_state(fig)
     return box
 
 

@@ -12,6 +12,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from .plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR
+from .widgets import bake_current_state
 
 _SLIDER = dict(style={"description_width": "170px"}, layout=widgets.Layout(width="440px"))
 
@@ -66,6 +67,7 @@ def speculative_explorer(tokens_fn, speedup_fn, measured: dict | None = None, se
     box = widgets.VBox([widgets.VBox([alpha_slider, cost_slider, k_slider]), fig])
     box.figure, box.controls, box.redraw = fig, {"alpha": alpha_slider, "draft_cost": cost_slider, "max_k": k_slider}, redraw
     redraw()
+    bake_current_state(fig)
     return box
 
 
