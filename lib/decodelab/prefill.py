@@ -105,12 +105,32 @@ def arithmetic_intensity(config, num_tokens: int, kv_len: int = 0, bytes_per_par
     return flops / moved
 
 
-@torch.inference_mode()
-def measure_latency(model, prompt_ids, n: int) -> dict:
-    """Greedy-generate n tokens and time them as a user sees them.
+def latencies_from_timestamps(start_s: float, token_times_s: list[float]) -> dict:
+    """Time to first token and inter-token latencies from the clock readings of one request.
 
-    Returns {"ttft_s": time to first token (prefill + first sample), "itl_s": the n - 1
-    inter-token latencies, "token_ids": the n tokens}. The device is synchronized at
+    start_s: when the request was sent; token_times_s: when each generated token arrived, in
+    order, on the same clock (seconds). Returns {"ttft_s": first token time - start_s,
+    "itl_s": the len(token_times_s) - 1 gaps between consecutive tokens, a list}.
+    Raises ValueError if there is no token or a reading goes back in time (a token before
+    the start, or before the token ahead of it).
+    """
+    times = [float(t) for t in token_times_s]
+    if not times:
+        raise ValueError("token_times_s is empty: a request needs at least one token to have a TTFT")
+    for i, (earlier, later) in enumerate(zip([float(start_s)] + times, times)):
+        if later < earlier:
+            what = "the start" if i == 0 else f"token {i - 1}"
+            raise ValueError(f"token {i} arrived at {later} s, before {what} at {earlier} s: the times must not decrease")
+    return {"ttft_s": times[0] - float(start_s),
+            "itl_s": [later - earlier for earlier, later in zip(times, times[1:])]}
+
+
+@torch.inference_mode()
+def token_timestamps(model, prompt_ids, n: int) -> tuple[float, list[float], list[int]]:
+    """Greedy-generate n tokens and read the clock as a user would see them arrive.
+
+    Returns (start_s, token_times_s, token_ids): time.perf_counter() when the request starts,
+    then right after each token is produced (n readings). The device is synchronized at
     every token so asynchronous GPUs are timed honestly.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -124,10 +144,39 @@ def measure_latency(model, prompt_ids, n: int) -> dict:
         synchronize(model.device)
         stamps.append(time.perf_counter())
         token_ids.append(token_id)
-    return {"ttft_s": stamps[0] - start,
-            "itl_s": [later - earlier for earlier, later in zip(stamps, stamps[1:])],
-            "token_ids": token_ids}
+    return start, stamps, token_ids
+
+
+def measure_latency(model, prompt_ids, n: int) -> dict:
+    """Greedy-generate n tokens and time them as a user sees them.
+
+    Returns {"ttft_s": time to first token (prefill + first sample), "itl_s": the n - 1
+    inter-token latencies, "token_ids": the n tokens}. The device is synchronized at
+    every token so asynchronous GPUs are timed honestly.
+    """
+    start, stamps, token_ids = token_timestamps(model, prompt_ids, n)
+    return {**latencies_from_timestamps(start, stamps), "token_ids": token_ids}
+
+
+@torch.inference_mode()
+def decode_greedy(model, cache: KVCache, logits: torch.Tensor, max_tokens: int, stop_token_ids=()) -> list[int]:
+    """The decode phase after a prefill: greedy tokens, one forward pass of one token each.
+
+    cache: the KV cache the prefill filled (it grows by one position per step); logits [1, V]:
+    what the prefill returned. Stops after max_tokens or once a token in stop_token_ids has
+    been produced (it is included). Returns the generated ids.
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    token_ids = []
+    for _ in range(max_tokens):
+        token = logits.argmax(dim=-1)  # [1]
+        token_ids.append(int(token))
+        if token_ids[-1] in stop_token_ids or len(token_ids) == max_tokens:
+            break
+        logits = model(token[:, None], kv_cache=cache)[:, -1]  # [1, V]
+    return token_ids
 
 
 __all__ = ["prefill", "feed_one_by_one", "clone_cache", "reuse_prefix", "arithmetic_intensity",
-           "measure_latency"]
+           "latencies_from_timestamps", "token_timestamps", "measure_latency", "decode_greedy"]
