@@ -102,24 +102,25 @@ def pool_kv_heads(k_proj_weight: torch.Tensor, num_kv_heads_new: int, head_dim: 
     return pooled.reshape(num_kv_heads_new * head_dim, *rest).to(k_proj_weight.dtype)
 
 
-def _pooled_linear(linear: nn.Linear, num_kv_heads: int, head_dim: int) -> nn.Linear:
+def _pooled_linear(linear: nn.Linear, num_kv_heads: int, head_dim: int, pool=pool_kv_heads) -> nn.Linear:
     weight = linear.weight.detach()
     pooled = nn.Linear(weight.shape[1], num_kv_heads * head_dim, bias=linear.bias is not None,
                        device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
-        pooled.weight.copy_(pool_kv_heads(weight, num_kv_heads, head_dim))
+        pooled.weight.copy_(pool(weight, num_kv_heads, head_dim))
         if linear.bias is not None:
-            pooled.bias.copy_(pool_kv_heads(linear.bias.detach(), num_kv_heads, head_dim))
+            pooled.bias.copy_(pool(linear.bias.detach(), num_kv_heads, head_dim))
     return pooled.requires_grad_(linear.weight.requires_grad)
 
 
-def pool_model_kv_heads(model, num_kv_heads: int):
+def pool_model_kv_heads(model, num_kv_heads: int, pool=pool_kv_heads):
     """A copy of `model` with every layer's K/V heads mean-pooled down to num_kv_heads.
 
     The query and output projections are unchanged; k_proj and v_proj (and their biases)
     are pooled, and config.num_key_value_heads is updated, so the new model runs in the
     same engine and its KV cache is H_kv_old / num_kv_heads times smaller. The original
-    model is left untouched.
+    model is left untouched. `pool` pools one weight or bias (the signature of
+    `pool_kv_heads`; notebook 04 passes the learner's own).
     """
     config = model.config
     old = config.num_key_value_heads
@@ -131,8 +132,8 @@ def pool_model_kv_heads(model, num_kv_heads: int):
     pooled.config = dataclasses.replace(config, num_key_value_heads=num_kv_heads, extra=dict(config.extra))
     for layer in pooled.model.layers:
         attn = layer.self_attn
-        attn.k_proj = _pooled_linear(attn.k_proj, num_kv_heads, attn.head_dim)
-        attn.v_proj = _pooled_linear(attn.v_proj, num_kv_heads, attn.head_dim)
+        attn.k_proj = _pooled_linear(attn.k_proj, num_kv_heads, attn.head_dim, pool)
+        attn.v_proj = _pooled_linear(attn.v_proj, num_kv_heads, attn.head_dim, pool)
         attn.num_kv_heads = num_kv_heads
     return pooled
 
