@@ -11,7 +11,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 # Spinning OpenMP threads slow decode 5-10x on a busy machine (see lib/decodelab/__init__.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup lab test release gpu-check bench clean-venv
+.PHONY: setup lab test release grade gpu-check bench clean-venv
 
 setup: $(STAMP)
 
@@ -48,3 +48,13 @@ bench: setup
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Grade a class: make grade ASSIGNMENT=01_sampling SUBMISSIONS=path/to/submitted OUT=grades.csv
+# (SUBMISSIONS in nbgrader's <student>/<assignment>/<assignment>.ipynb layout; the sandbox needs root).
+ASSIGNMENT ?=
+SUBMISSIONS ?= submitted
+OUT ?= grades.csv
+GRADE_ARGS ?=
+grade: setup
+	$(if $(ASSIGNMENT),,$(error make grade needs ASSIGNMENT=NAME, e.g. ASSIGNMENT=01_sampling))
+	$(BIN)/python -m autograder grade --assignment $(ASSIGNMENT) --submissions $(SUBMISSIONS) --out $(OUT) $(GRADE_ARGS)

@@ -1,0 +1,710 @@
+"""Grade a whole class: one command, parallel, sandboxed, one CSV row per student.
+
+    python -m autograder grade --assignment 01_sampling --submissions DIR --out grades.csv \\
+        [--feedback FEEDBACK_DIR] [--workers N] [--no-sandbox]
+
+DIR is in nbgrader's layout, DIR/<student>/<assignment>/<assignment>.ipynb; the roster is the
+student folders in DIR. Built on nbgrader: `generate_assignment` of the source notebook makes
+the gradebook (checksums, locked test cells with their hidden tests); each submission then goes
+through nbgrader's sanitizing preprocessors (ClearOutput, DeduplicateIds, OverwriteKernelspec,
+OverwriteCells, CheckCellMetadata), nbgrader's Execute (here with a sandboxed kernel, see
+autograder/sandbox.py), LimitOutput, and SaveAutoGrades into the gradebook.
+
+Scoring trusts the kernel's execute replies, not what it displayed: a test cell whose reply says
+error (or that timed out, or never ran) earns 0 whatever its outputs show, and a test cell whose
+reply says ok is not zeroed by stray stderr. Before each test cell the grader drops the kernel's
+imported test helpers (autograder.*, decodelab.checking) so that an answer cell cannot patch them.
+
+status (the first that applies wins) | score
+  unreadable  not a valid notebook (bad JSON, empty file)             0
+  missing     no <assignment>.ipynb in the student's folder            0
+  crashed     the kernel died (os._exit, killed for memory/processes)  marks earned before the crash
+  timeout     a cell or the notebook ran past its limit               marks earned; timed-out tests 0
+  tampered    a test cell edited, deleted or stripped of metadata      restored cells graded; deleted 0
+  ok          none of the above                                        as graded
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STATUSES = ("unreadable", "missing", "crashed", "timeout", "tampered", "ok")
+COLUMNS = ("student", "assignment", "score", "max_score", "status", "notes")
+HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+NO_SANDBOX_NOTE = "graded WITHOUT the sandbox (--no-sandbox): the kernel ran as the grader"
+# Dropped from the kernel before each test cell, so that the test imports them afresh.
+RESET_HELPERS = ("import sys as _grader_sys\n"
+                 "for _grader_m in [m for m in _grader_sys.modules if m == 'autograder' or m.startswith('autograder.')"
+                 " or m == 'decodelab.checking']:\n"
+                 "    del _grader_sys.modules[_grader_m]\n"
+                 "del _grader_sys\n")
+
+
+@dataclass
+class Settings:
+    assignment: str
+    notebook: str                 # file name, <assignment>.ipynb
+    db_url: str
+    release: str                  # the released notebook nbgrader generated (trusted)
+    work: str                     # the grader's private work folder
+    cell_timeout: float = 300.0
+    notebook_timeout: float = 1800.0
+    output_limit: int = 1_000_000  # bytes kept per cell; the rest is cut (and never costs marks)
+    sandbox: bool = True
+    limits: dict = field(default_factory=dict)
+    hide: list = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    student: str
+    status: str = "ok"
+    notes: list = field(default_factory=list)
+    notebook: str | None = None    # the graded notebook (nbformat JSON text), None if it never ran
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _meta(cell) -> dict:
+    return cell.get("metadata", {}).get("nbgrader", {}) or {}
+
+
+def is_test_cell(cell) -> bool:
+    meta = _meta(cell)
+    return cell.get("cell_type") == "code" and bool(meta.get("grade")) and not meta.get("solution")
+
+
+def worst(statuses) -> str:
+    return min(statuses, key=STATUSES.index, default="ok")
+
+
+def _short(text: str, n: int = 120) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+# --------------------------------------------------------------------------- tampering
+
+def _without_hidden_tests(source: str) -> str:
+    if HIDDEN_BEGIN not in source:
+        return source
+    head, _, rest = source.partition(HIDDEN_BEGIN)
+    _, _, tail = rest.partition(HIDDEN_END)
+    lines = head.split("\n")
+    if lines and not lines[-1].strip():
+        lines = lines[:-1]
+    return ("\n".join(lines) + tail.lstrip("\n")).rstrip("\n") if tail.strip() else "\n".join(lines).rstrip("\n")
+
+
+def check_tampering(nb, release) -> tuple[list[str], bool]:
+    """Repair what can be repaired before nbgrader restores the test cells; returns (notes,
+    tampered). Trust comes from the release nbgrader generated here, never from the checksums a
+    submission carries."""
+    from nbgrader.utils import compute_checksum
+
+    notes, tampered = [], False
+    released = {_meta(c)["grade_id"]: c for c in release.cells if _meta(c).get("grade_id")}
+    released_tests = {gid: c for gid, c in released.items() if is_test_cell(c)}
+    seen: set[str] = set()
+    for cell in nb.cells:
+        meta = _meta(cell)
+        gid = meta.get("grade_id")
+        if not gid:
+            continue
+        if gid not in released:  # a graded cell the release never had: it earns nothing
+            if meta.get("grade") or meta.get("solution"):
+                notes.append(f"{gid}: a graded cell not in the release, ignored")
+                tampered = True
+            cell.metadata.pop("nbgrader", None)
+            continue
+        if gid in released_tests and gid not in seen:
+            want = released_tests[gid]
+            # A solution notebook's test cell still holds its hidden tests: compare without them.
+            visible = copy.deepcopy(cell)
+            visible.source = _without_hidden_tests(cell.source)
+            if compute_checksum(visible) != want.metadata.nbgrader.checksum:
+                notes.append(f"{gid} edited: restored from the release")
+                tampered = True
+        seen.add(gid)
+    for gid, want in released_tests.items():
+        if gid in seen:
+            continue
+        stripped = [c for c in nb.cells if c.cell_type == "code" and not _meta(c).get("grade_id")
+                    and c.source.strip() == want.source.strip()]
+        tampered = True
+        if stripped:
+            stripped[0].metadata["nbgrader"] = copy.deepcopy(want.metadata.nbgrader)
+            notes.append(f"{gid} lost its nbgrader metadata: restored from the release")
+        else:
+            notes.append(f"{gid} deleted: scored 0")
+    return notes, tampered
+
+
+# --------------------------------------------------------------------------- execution
+
+def executor_class():
+    """nbgrader's Execute with a sandboxed kernel, reply-based bookkeeping, time and output caps."""
+    import asyncio
+    from time import monotonic
+
+    from jupyter_core.utils import ensure_async, run_sync
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+    from nbformat import NotebookNode
+    from nbgrader.preprocessors import Execute
+
+    from autograder import sandbox
+
+    class SandboxedExecute(Execute):
+        def setup(self, box, settings: Settings):
+            self.box, self.settings = box, settings
+            self.timeout = int(settings.cell_timeout)
+            self.startup_timeout = 120
+            self.iopub_timeout = 10  # after an interrupt, the grace before the kernel is stopped
+            self.replies: dict[int, str] = {}      # cell index -> execute reply status
+            self.timed_out: set[int] = set()
+            self.not_run: dict[int, str] = {}      # cell index -> why
+            self.stopped: str | None = None        # "crashed" / "timeout" once the kernel is gone
+            self.events: list[str] = []
+            self.truncated: set[int] = set()
+            self.deadline = monotonic() + settings.notebook_timeout
+            self._current = -1
+
+        def create_kernel_manager(self):
+            self.km = sandbox.kernel_manager_class()(kernel_name="python3", config=self.config)
+            sandbox.configure_kernel_manager(self.km, self.box)
+            return self.km
+
+        def _label(self, index: int) -> str:
+            gid = _meta(self.nb.cells[index]).get("grade_id")
+            return f"cell {index}" + (f" ({gid})" if gid else "")
+
+        async def _async_handle_timeout(self, timeout, cell=None):
+            self.timed_out.add(self._current)
+            return await super()._async_handle_timeout(timeout, cell)
+
+        def on_cell_executed(self, **kwargs):
+            super().on_cell_executed(**kwargs)
+            self.replies[kwargs["cell_index"]] = kwargs["execute_reply"]["content"]["status"]
+
+        def output(self, outs, msg, display_id, cell_index):
+            content = msg.get("content", {})
+            size = len(json.dumps(content.get("data") or content.get("text") or content.get("traceback") or ""))
+            self._bytes[cell_index] = self._bytes.get(cell_index, 0) + size
+            if self._bytes[cell_index] > self.settings.output_limit and msg["msg_type"] != "error":
+                if cell_index not in self.truncated:
+                    self.truncated.add(cell_index)
+                    outs.append(NotebookNode(output_type="stream", name="stdout", text=(
+                        f"\n[the grader cut this cell's output at {self.settings.output_limit:,} bytes]\n")))
+                return None
+            return super().output(outs, msg, display_id, cell_index)
+
+        async def _reset_helpers(self):
+            msg_id = await ensure_async(self.kc.execute(RESET_HELPERS, silent=True, store_history=False))
+            try:
+                await asyncio.wait_for(self._wait_reply(msg_id), timeout=30)
+            except asyncio.TimeoutError:
+                pass
+
+        async def _wait_reply(self, msg_id):
+            while True:
+                msg = await ensure_async(self.kc.shell_channel.get_msg(timeout=None))
+                if msg["parent_header"].get("msg_id") == msg_id:
+                    return msg
+
+        async def _stop_kernel(self):
+            try:
+                await ensure_async(self.km.shutdown_kernel(now=True))
+            except Exception:  # noqa: BLE001 - it may be gone already
+                pass
+
+        def _exit_reason(self) -> str:
+            process = getattr(getattr(self.km, "provisioner", None), "process", None)
+            code = process.poll() if process is not None else None
+            if self.box.oom_killed():
+                gib = self.box.limits.memory_bytes / 2**30
+                return f"killed for memory (over {gib:.1f} GiB)"
+            if code is None:
+                return "stopped responding"
+            if code < 0:
+                import signal
+                name = signal.Signals(-code).name
+                if name == "SIGXCPU":
+                    return "killed at its CPU-time limit"
+                return f"killed by {name}"
+            return f"exited with code {code}"
+
+        async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
+            if cell.cell_type != "code" or not cell.source.strip():
+                return cell
+            if self.stopped:
+                self.not_run[cell_index] = self.stopped
+                cell.outputs = []
+                return cell
+            remaining = self.deadline - monotonic()
+            if remaining < 1:
+                self.stopped = "timeout"
+                self.events.append(f"the notebook ran past its {self.settings.notebook_timeout:g} s limit "
+                                   f"before {self._label(cell_index)}")
+                self.not_run[cell_index] = "timeout"
+                return cell
+            self.timeout = max(1, int(min(self.settings.cell_timeout, remaining)))
+            self._current = cell_index
+            try:
+                if is_test_cell(cell):
+                    await self._reset_helpers()
+                return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
+            except DeadKernelError:
+                if cell_index in self.timed_out:
+                    self.stopped = "timeout"
+                    self.events.append(f"{self._label(cell_index)} ran past {self.timeout} s; the kernel died")
+                else:
+                    reason = self._exit_reason()
+                    self.stopped = "timeout" if "CPU-time" in reason else "crashed"
+                    self.events.append(f"the kernel died in {self._label(cell_index)}: {reason}")
+                self.replies[cell_index] = "error"
+                cell.outputs.append(NotebookNode(output_type="error", ename="KernelDied",
+                                                 evalue=self.events[-1], traceback=[]))
+                return cell
+            except CellTimeoutError:  # no reply even after the interrupt: stop the kernel
+                self.timed_out.add(cell_index)
+                self.stopped = "timeout"
+                self.events.append(f"{self._label(cell_index)} ran past {self.timeout} s and ignored the "
+                                   "interrupt: the kernel was stopped")
+                await self._stop_kernel()
+                self.replies[cell_index] = "error"
+                cell.outputs.append(NotebookNode(output_type="error", ename="CellTimeoutError",
+                                                 evalue=self.events[-1], traceback=[]))
+                return cell
+            finally:
+                if cell_index in self.timed_out and not any("ran past" in e and self._label(cell_index) in e
+                                                            for e in self.events):
+                    self.events.append(f"{self._label(cell_index)} ran past {self.timeout} s: interrupted")
+
+        execute_cell = run_sync(async_execute_cell)
+
+        def preprocess(self, nb, resources=None, km=None):
+            self._bytes: dict[int, int] = {}
+            return super().preprocess(nb, resources, km)
+
+    return SandboxedExecute
+
+
+def settle_test_cells(nb, ex) -> list[str]:
+    """Make each test cell's outputs say what its execute reply said (nbgrader scores outputs):
+    ok -> no error, no stderr; error, timeout or never run -> an error output. Returns notes."""
+    from nbformat import NotebookNode
+
+    failures = []
+    for index, cell in enumerate(nb.cells):
+        if not is_test_cell(cell):
+            continue
+        gid = _meta(cell).get("grade_id")
+        status = ex.replies.get(index) if ex is not None else None
+        if status == "ok" and index not in ex.timed_out:
+            cell.outputs = [o for o in cell.outputs if o.output_type != "error"
+                            and not (o.output_type == "stream" and o.name == "stderr")]
+            continue
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        if index in getattr(ex, "timed_out", ()):
+            why = "timed out"
+        elif status is None:
+            why = "not run (the kernel had " + ("died" if ex is not None and ex.stopped == "crashed" else "stopped") + ")"
+        elif errors:
+            why = f"{errors[0].get('ename', 'error')}: {_short(errors[0].get('evalue', ''), 100)}"
+        else:
+            why = "error"
+        if not errors:
+            cell.outputs.append(NotebookNode(output_type="error", ename="NotScored", evalue=why, traceback=[]))
+        failures.append(f"{gid} failed: {why}")
+    return failures
+
+
+# --------------------------------------------------------------------------- one submission (a worker)
+
+_SLOT = 0
+
+
+def _quiet() -> None:
+    # nbgrader's own gradebook code warns about its SQLAlchemy sessions on every submission.
+    warnings.filterwarnings("ignore", message=".*not in session.*")
+    warnings.filterwarnings("ignore", module="sqlalchemy")
+
+
+def _init_worker(slots) -> None:
+    global _SLOT
+    _quiet()
+    if sys.platform.startswith("linux"):  # the grader killed: its workers (and so their kernels) go too
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    _SLOT = slots.get()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def grade_one(student: str, path: str, settings: Settings) -> Result:
+    """Read, check, sanitize (nbgrader), execute (sandboxed), settle: never raises."""
+    result = Result(student)
+    try:
+        _grade_one(result, Path(path), settings)
+    except Exception as exc:  # noqa: BLE001 - one submission never stops the class
+        result.status = worst([result.status, "crashed"])
+        result.notes.append(f"grader error: {type(exc).__name__}: {_short(exc, 200)}")
+        result.notes.append(_short(traceback.format_exc(limit=3), 300))
+    return result
+
+
+def _read(path: Path):
+    import nbformat
+
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise ValueError("the file is empty")
+    nb = nbformat.reads(raw.decode("utf-8"), as_version=4)
+    if not isinstance(nb.get("cells"), list):
+        raise ValueError("no cells")
+    for cell in nb.cells:
+        if cell.get("cell_type") not in ("code", "markdown", "raw") or not isinstance(cell.get("source"), str):
+            raise ValueError("a cell is not a notebook cell")
+        cell.setdefault("metadata", nbformat.NotebookNode())
+        if cell.cell_type == "code":
+            cell.setdefault("outputs", [])
+            cell.setdefault("execution_count", None)
+    return nb, raw
+
+
+def _grade_one(result: Result, path: Path, settings: Settings) -> None:
+    import nbformat
+    from nbgrader.preprocessors import (CheckCellMetadata, ClearOutput, DeduplicateIds, LimitOutput, OverwriteCells,
+                                        OverwriteKernelspec)
+
+    from autograder import integrity, sandbox
+
+    try:
+        nb, raw = _read(path)
+    except Exception as exc:  # noqa: BLE001 - anything that is not a notebook
+        result.status = "unreadable"
+        result.notes.append(f"{path.name} is not a valid notebook: {_short(exc, 150)}")
+        return
+    release = nbformat.read(settings.release, as_version=4)
+    notes, tampered = check_tampering(nb, release)
+    result.notes.extend(notes)
+    statuses = ["tampered"] if tampered else []
+    result.notes.extend(f"integrity: {flag}" for flag in integrity.scan(nb, release))
+
+    resources = {"nbgrader": {"notebook": Path(settings.notebook).stem, "assignment": settings.assignment,
+                              "student": result.student, "db_url": settings.db_url}}
+    for pp in (ClearOutput(), DeduplicateIds(), OverwriteKernelspec(), OverwriteCells(), CheckCellMetadata()):
+        nb, resources = pp.preprocess(nb, resources)
+
+    limits = sandbox.Limits(**settings.limits)
+    box = sandbox.Sandbox(Path(settings.work), result.student.replace(os.sep, "_"), _SLOT, limits,
+                          [Path(p) for p in settings.hide], enabled=settings.sandbox)
+    box.prepare(settings.notebook, raw)
+    ex = executor_class()(extra_arguments=["--HistoryManager.hist_file=:memory:"], allow_errors=True,
+                          interrupt_on_timeout=True, raise_on_iopub_timeout=True)
+    ex.setup(box, settings)
+    resources["metadata"] = {"path": str(box.scratch)}
+    try:
+        nb, resources = ex.preprocess(nb, resources)
+    except Exception as exc:  # noqa: BLE001 - e.g. the kernel never started
+        if not ex.stopped:
+            ex.stopped = "crashed"
+            ex.events.append(f"the kernel failed: {type(exc).__name__}: {_short(exc, 200)}")
+    finally:
+        box.cleanup()
+    if ex.stopped:
+        statuses.append(ex.stopped)
+    elif ex.timed_out:
+        statuses.append("timeout")
+    result.notes[:0] = ex.events
+    result.notes.extend(settle_test_cells(nb, ex))
+    if ex.truncated:
+        result.notes.append(f"output cut in {len(ex.truncated)} cell(s) (not scored)")
+    nb, resources = LimitOutput().preprocess(nb, resources)
+    result.status = worst(statuses)
+    result.notebook = nbformat.writes(nb)
+
+
+# --------------------------------------------------------------------------- the class
+
+def roster(submissions: Path) -> list[str]:
+    return sorted(p.name for p in submissions.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def find_submission(submissions: Path, student: str, assignment: str) -> tuple[Path | None, list[str]]:
+    """(the notebook, or None and what the student's folder holds instead)."""
+    target = submissions / student / assignment / f"{assignment}.ipynb"
+    if target.is_file():
+        return target, []
+    found = sorted(str(p.relative_to(submissions / student)) for p in (submissions / student).rglob("*")
+                   if p.is_file() and ".ipynb_checkpoints" not in p.parts)
+    return None, found
+
+
+def prepare_course(assignment: str, source: Path, work: Path, db_path: Path) -> tuple[str, Path]:
+    """nbgrader generate_assignment of the source notebook into a private course folder, with the
+    gradebook at db_path; returns (db_url, the released notebook)."""
+    from nbgrader.apps import NbGraderAPI
+    from nbgrader.coursedir import CourseDirectory
+
+    from autograder.release import ensure_tools_on_path, load_config
+
+    ensure_tools_on_path()
+    course = work / "course"
+    if not (source / assignment / f"{assignment}.ipynb").is_file():
+        raise SystemExit(f"no source notebook {source / assignment / (assignment + '.ipynb')}: "
+                         f"--assignment names a folder of {source}")
+    shutil.copytree(source / assignment, course / "solutions" / assignment,
+                    ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+    config = load_config()
+    config.CourseDirectory.root = str(course)
+    db_url = f"sqlite:///{db_path}"
+    config.CourseDirectory.db_url = db_url
+    api = NbGraderAPI(CourseDirectory(config=config), config=config)
+    outcome = api.generate_assignment(assignment, force=True, create=True)
+    if not outcome["success"]:
+        raise SystemExit(f"nbgrader generate_assignment {assignment} failed:\n{outcome.get('error')}\n{outcome.get('log')}")
+    os.chmod(db_path, 0o600)
+    return db_url, course / "course" / assignment / f"{assignment}.ipynb"
+
+
+def save_grades(result: Result, settings: Settings) -> tuple[float, float]:
+    """The graded notebook into the gradebook (nbgrader SaveAutoGrades); (score, max_score)."""
+    import nbformat
+    from nbgrader.api import Gradebook
+    from nbgrader.preprocessors import SaveAutoGrades
+
+    notebook_id = Path(settings.notebook).stem
+    with Gradebook(settings.db_url) as gb:
+        gb.update_or_create_student(result.student)
+        gb.update_or_create_submission(settings.assignment, result.student)
+        sub = gb.find_submission_notebook(notebook_id, settings.assignment, result.student)
+        for grade in sub.grades:  # a regrade starts from nothing
+            grade.auto_score = 0
+            grade.manual_score = None
+            grade.needs_manual_grade = False
+        gb.db.commit()
+    if result.notebook is not None:
+        nb = nbformat.reads(result.notebook, as_version=4)
+        resources = {"nbgrader": {"notebook": notebook_id, "assignment": settings.assignment,
+                                  "student": result.student, "db_url": settings.db_url}}
+        SaveAutoGrades().preprocess(nb, resources)
+    with Gradebook(settings.db_url) as gb:
+        sub = gb.find_submission_notebook(notebook_id, settings.assignment, result.student)
+        return float(sub.score), float(sub.max_score)
+
+
+def write_feedback(result: Result, settings: Settings, folder: Path, score: float, max_score: float) -> Path:
+    """HTML for the student, nbgrader's feedback template, no hidden test code anywhere."""
+    import html
+
+    import nbformat
+    from nbconvert.exporters import HTMLExporter
+    from nbgrader.preprocessors import ClearHiddenTests, GetGrades, LimitOutput
+    from traitlets.config import Config
+
+    target = folder / result.student / settings.assignment / f"{Path(settings.notebook).stem}.html"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    notes = [n for n in result.notes if not n.startswith("integrity:")]
+    if result.notebook is None:
+        body = (f"<html><body><h1>{html.escape(settings.assignment)}: {html.escape(result.status)}</h1>"
+                f"<p>Score: {score:g} / {max_score:g}</p><ul>"
+                + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul></body></html>")
+        target.write_text(body)
+        return target
+    nb = nbformat.reads(result.notebook, as_version=4)
+    resources = {"nbgrader": {"notebook": Path(settings.notebook).stem, "assignment": settings.assignment,
+                              "student": result.student, "db_url": settings.db_url}}
+    nb, resources = GetGrades().preprocess(nb, resources)
+    nb, resources = ClearHiddenTests().preprocess(nb, resources)
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            if output.output_type == "error":  # the traceback would quote the hidden-test lines
+                output.traceback = [f"{output.get('ename', '')}: {output.get('evalue', '')}"]
+        if HIDDEN_BEGIN in cell.source:  # belt and braces
+            cell.source = cell.source.split(HIDDEN_BEGIN)[0]
+    LimitOutput(max_lines=200).preprocess(nb, resources)
+    summary = nbformat.v4.new_markdown_cell(f"**Grader: {result.status}.** "
+                                            + html.escape("; ".join(notes) or "no problems"))
+    nb.cells.insert(0, summary)
+    c = Config()
+    c.HTMLExporter.template_name = "feedback"
+    import nbgrader
+
+    base = Path(nbgrader.__file__).parent / "server_extensions" / "formgrader"
+    c.HTMLExporter.extra_template_basedirs = [str(base / "templates")]
+    c.HTMLExporter.extra_template_paths = [str(base / "static" / "node_modules" / "bootstrap" / "dist" / "css")]
+    body, _ = HTMLExporter(config=c).from_notebook_node(nb, resources)
+    target.write_text(body)
+    return target
+
+
+def write_csv(path: Path, rows: dict[tuple[str, str], dict]) -> None:
+    """Atomically: every row kept, one per (student, assignment)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for key in sorted(rows, key=lambda k: (k[1], k[0])):
+            writer.writerow(rows[key])
+    os.replace(tmp, path)
+
+
+def read_csv(path: Path) -> dict[tuple[str, str], dict]:
+    if not path.exists():
+        return {}
+    with open(path, newline="") as f:
+        return {(r["student"], r["assignment"]): {k: r.get(k, "") for k in COLUMNS} for r in csv.DictReader(f)}
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path | None = None, workers: int = 2,
+                sandbox_on: bool = True, source: Path = ROOT / "solutions", gradebook: Path | None = None,
+                cell_timeout: float = 300, notebook_timeout: float = 1800, memory_bytes: int = 4 * 2**30,
+                max_processes: int = 128, output_limit: int = 1_000_000, progress: bool = True) -> list[dict]:
+    """Grade every student folder in submissions; returns the rows written for this run."""
+    from autograder import sandbox
+
+    submissions, out = submissions.resolve(), out.resolve()
+    gradebook = (gradebook or out.with_name("gradebook.db")).resolve()
+    if not submissions.is_dir():
+        raise SystemExit(f"--submissions {submissions}: no such folder")
+    limits = sandbox.Limits(memory_bytes=memory_bytes, max_processes=max_processes,
+                            cpu_seconds=int(notebook_timeout * 2) + 60)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="decodelab-grade-"))
+    os.chmod(work, 0o711)  # kernels traverse to their own folder; nothing else here is theirs
+    hide = [submissions, work / "course", gradebook, out] + ([feedback.resolve()] if feedback else [])
+    try:
+        if sandbox_on:
+            sandbox.preflight(work, limits, hide)
+        db_url, release = prepare_course(assignment, source, work / "c", gradebook)
+        settings = Settings(assignment=assignment, notebook=f"{assignment}.ipynb", db_url=db_url, release=str(release),
+                            work=str(work), cell_timeout=cell_timeout, notebook_timeout=notebook_timeout,
+                            output_limit=output_limit, sandbox=sandbox_on, limits=asdict(limits),
+                            hide=[str(p) for p in hide + [work / "c"]])
+        return _run(settings, submissions, out, feedback, workers, progress)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None, workers: int,
+         progress: bool) -> list[dict]:
+    import multiprocessing
+
+    from tqdm import tqdm
+
+    _quiet()
+    rows = read_csv(out)
+    written = []
+    students = roster(submissions)
+    results: list[Result] = []
+    jobs = {}
+    for student in students:
+        path, found = find_submission(submissions, student, settings.assignment)
+        if path is None:
+            what = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "") if found else "nothing"
+            results.append(Result(student, "missing", [f"no {settings.assignment}/{settings.notebook}; found: {what}"]))
+        else:
+            jobs[student] = path
+    ctx = multiprocessing.get_context("spawn")
+    slots = ctx.Queue()
+    for slot in range(max(1, workers)):
+        slots.put(slot)
+    bar = tqdm(total=len(students), desc=f"grading {settings.assignment}", unit="student", file=sys.stderr,
+               disable=not progress, dynamic_ncols=True)
+
+    def finish(result: Result) -> None:
+        if not settings.sandbox:
+            result.notes.insert(0, NO_SANDBOX_NOTE)
+        score, max_score = save_grades(result, settings)
+        if feedback is not None:
+            write_feedback(result, settings, feedback.resolve(), score, max_score)
+        row = {"student": result.student, "assignment": settings.assignment, "score": _fmt(score),
+               "max_score": _fmt(max_score), "status": result.status, "notes": "; ".join(result.notes)}
+        rows[(result.student, settings.assignment)] = row
+        written.append(row)
+        write_csv(out, rows)  # after every student: a crash of the grader loses nothing done
+        bar.set_postfix_str(f"{result.student}: {result.status}", refresh=False)
+        bar.update(1)
+
+    for result in results:
+        finish(result)
+    if jobs:
+        with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=_init_worker,
+                                 initargs=(slots,)) as pool:
+            futures = {pool.submit(grade_one, s, str(p), settings): s for s, p in jobs.items()}
+            for future in as_completed(futures):
+                try:
+                    result = future.result()
+                except Exception as exc:  # noqa: BLE001 - a worker process died
+                    result = Result(futures[future], "crashed", [f"grader worker died: {type(exc).__name__}: {exc}"])
+                finish(result)
+    bar.close()
+    return sorted(written, key=lambda r: r["student"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m autograder grade", description=__doc__.splitlines()[0])
+    parser.add_argument("--assignment", required=True, help="the assignment (a folder of the source directory)")
+    parser.add_argument("--submissions", required=True, type=Path, help="DIR/<student>/<assignment>/<assignment>.ipynb")
+    parser.add_argument("--out", required=True, type=Path, help="the CSV to write (rows of this assignment replaced)")
+    parser.add_argument("--feedback", type=Path, help="write HTML feedback to FEEDBACK/<student>/<assignment>/")
+    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="kernels at once")
+    parser.add_argument("--no-sandbox", action="store_true", help="grade without isolation (said in every row)")
+    parser.add_argument("--source", type=Path, default=ROOT / "solutions", help="nbgrader source notebooks")
+    parser.add_argument("--gradebook", type=Path, help="nbgrader gradebook (default: gradebook.db beside --out)")
+    parser.add_argument("--cell-timeout", type=float, default=300, help="seconds per cell (default 300)")
+    parser.add_argument("--notebook-timeout", type=float, default=1800, help="seconds per notebook (default 1800)")
+    parser.add_argument("--memory", type=float, default=4.0, help="GiB per kernel (default 4)")
+    parser.add_argument("--max-processes", type=int, default=128, help="processes/threads per kernel (default 128)")
+    parser.add_argument("--output-limit", type=int, default=1_000_000, help="bytes of output kept per cell")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.memory <= 0 or args.cell_timeout <= 0 or args.notebook_timeout <= 0:
+        parser.error("--memory, --cell-timeout and --notebook-timeout must be > 0")
+    from autograder import sandbox
+
+    if not args.no_sandbox:
+        reason = sandbox.unavailable_reason()
+        if reason:
+            print(f"autograder grade: refusing to run learners' code: {reason}", file=sys.stderr)
+            return 3
+    started = time.perf_counter()
+    try:
+        rows = grade_class(args.assignment, args.submissions, args.out, feedback=args.feedback, workers=args.workers,
+                           sandbox_on=not args.no_sandbox, source=args.source, gradebook=args.gradebook,
+                           cell_timeout=args.cell_timeout, notebook_timeout=args.notebook_timeout,
+                           memory_bytes=int(args.memory * 2**30), max_processes=args.max_processes,
+                           output_limit=args.output_limit, progress=not args.quiet)
+    except sandbox.SandboxUnavailable as exc:
+        print(f"autograder grade: refusing to run learners' code: {exc}", file=sys.stderr)
+        return 3
+    counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
+    print(f"graded {len(rows)} submissions of {args.assignment} in {time.perf_counter() - started:.0f} s: "
+          + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" -> {args.out}")
+    for row in rows:
+        flags = [n for n in row["notes"].split("; ") if n.startswith("integrity:")]
+        for flag in flags:
+            print(f"  {row['student']}: {flag}")
+    return 0

@@ -1,0 +1,422 @@
+"""The class grading command on a fake class of notebook 00 with every hostile or broken case
+of issue 7: each student's score and status, the integrity flags, the feedback (no hidden test
+code), nothing written outside the kernels' scratch folders, and a regrade that replaces rows.
+
+Most students submit a trimmed release (the imports cell, the two exercises and their tests;
+the learner may delete ungraded cells) so that the class grades in CI's budget; `correct` is
+the full solution notebook and `stub` the full release.
+
+The sandbox needs root (its own uid per worker, namespaces, cgroups). Not as root, these tests
+check the refusal and grade the cases that do not need isolation with --no-sandbox instead.
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import hashlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from notebooks import ROOT, read, release_path, solution_path
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:Object of type .* not in session")
+
+NAME = "00_meet_the_model"
+AS_ROOT = sys.platform.startswith("linux") and os.geteuid() == 0
+CELL_TIMEOUT = float(os.environ.get("DECODELAB_GRADE_CELL_TIMEOUT", "60"))
+MEMORY_GIB = 2.0
+SECRET = f"NEIGHBOUR-SECRET-{uuid.uuid4().hex}"
+MARK = f"ESCAPE-MARK-{uuid.uuid4().hex}"
+
+
+def _gid(cell):
+    return cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+
+
+def _solution_source(gid: str) -> str:
+    return next(c.source for c in read(solution_path(NAME)).cells if _gid(c) == gid)
+
+
+SOL_COUNT = _solution_source("ex_count_parameters")
+SOL_BOUND = _solution_source("ex_decode_tokens_per_second_bound")
+WRONG_COUNT = ("def count_parameters(config):\n"
+               "    V, E = config.vocab_size, config.hidden_size\n"
+               "    return V * E  # forgets the layers\n")
+REFERENCE_BOUND = "from decodelab.measure import decode_tokens_per_second_bound  # the library's own\n"
+
+
+def _trimmed(count: str = SOL_COUNT, bound: str = SOL_BOUND):
+    """The release without its ungraded demo cells, with these answers."""
+    nb = read(release_path(NAME))
+    keep = []
+    for i, cell in enumerate(nb.cells):
+        gid = _gid(cell)
+        if cell.cell_type == "markdown" or i == 1 or gid:
+            keep.append(cell)
+    nb.cells = keep
+    _answer(nb, "ex_count_parameters", count)
+    _answer(nb, "ex_decode_tokens_per_second_bound", bound)
+    return nb
+
+
+def _answer(nb, gid: str, source: str) -> None:
+    next(c for c in nb.cells if _gid(c) == gid).source = source
+
+
+def _cell(nb, gid: str):
+    return next(c for c in nb.cells if _gid(c) == gid)
+
+
+def _escape_source(paths: dict[str, str]) -> str:
+    """An answer cell that tries every way out, prints what happened, then answers correctly."""
+    return f"""
+import os, pathlib
+def attempt(name, fn):
+    try:
+        fn()
+        print("ATTEMPT", name, "SUCCEEDED")
+    except Exception as e:
+        print("ATTEMPT", name, "blocked", type(e).__name__)
+def _append(path):
+    with open(path, "ab") as f:
+        f.write(b"{MARK}")
+def _read_neighbour():
+    print(pathlib.Path({paths['neighbour']!r}).read_text()[-3000:])
+attempt("gradebook", lambda: _append({paths['gradebook']!r}))
+attempt("neighbour", _read_neighbour)
+attempt("submissions", lambda: _append({paths['own_submission']!r}))
+attempt("grades-folder", lambda: _append({paths['out_dir'] + '/pwned.txt'!r}))
+attempt("course-files", lambda: _append({paths['repo_file']!r}))
+attempt("tmp", lambda: _append({paths['tmp_marker']!r}))
+attempt("shm", lambda: _append({paths['shm_marker']!r}))
+attempt("chmod-scratch", lambda: os.chmod("..", 0o777))
+""" + SOL_COUNT
+
+
+SOCKET_SOURCE = """
+import socket
+for address in [("127.0.0.1", {port}), ("8.8.8.8", 53), ("localhost", {port})]:
+    try:
+        socket.create_connection(address, timeout=2).sendall(b"hello from the sandbox")
+        print("CONNECTED", address)
+    except OSError as e:
+        print("no network", address, type(e).__name__)
+""" + SOL_COUNT
+
+SILENCED_SOURCE = """
+ip = get_ipython()
+ip.showtraceback = lambda *a, **k: None      # no traceback on screen
+ip._showtraceback = lambda *a, **k: None
+import decodelab.checking, autograder.run
+decodelab.checking.expect_int = lambda *a, **k: None   # patch the visible-test helper
+autograder.run.hidden = lambda *a, **k: None           # and the hidden-test entry point
+""" + WRONG_COUNT
+
+BIG_OUTPUT_COUNT = SOL_COUNT.replace(
+    "def count_parameters(config: ModelConfig) -> int:",
+    "import sys\nprint('x' * 3_000_000)\nprint('e' * 3_000_000, file=sys.stderr)\n"
+    "def count_parameters(config: ModelConfig) -> int:\n    print('counting (a note on stderr)', file=sys.stderr)")
+
+SWALLOW_BOUND = """
+import time
+while True:   # swallows the grader's interrupt
+    try:
+        time.sleep(0.05)
+    except KeyboardInterrupt:
+        pass
+""" + SOL_BOUND
+
+FORK_BOMB_BOUND = SOL_BOUND + """
+import os
+children = 0
+try:
+    while True:
+        if os.fork() == 0:
+            while True:
+                try:
+                    os.fork()
+                except OSError:
+                    pass
+        children += 1
+except OSError as e:
+    print("fork refused after", children, "children:", type(e).__name__)
+"""
+
+# student -> (status, score) on 4 points; the sandbox-only ones are graded only as root
+EXPECTED = {
+    "correct": ("ok", 4),
+    "stub": ("ok", 0),
+    "wrong": ("ok", 2),
+    "infinite_loop": ("timeout", 2),
+    "swallows_interrupt": ("timeout", 2),
+    "os_exit": ("crashed", 2),
+    "memory_bomb": ("crashed", 2),
+    "fork_bomb": ("ok", 4),
+    "edited_test": ("tampered", 2),
+    "deleted_test": ("tampered", 2),
+    "stripped_metadata": ("tampered", 4),
+    "malformed_json": ("unreadable", 0),
+    "empty_file": ("unreadable", 0),
+    "wrong_file_name": ("missing", 0),
+    "big_output": ("ok", 4),
+    "socket": ("ok", 4),
+    "escape": ("ok", 4),
+    "silenced_tracebacks": ("ok", 2),
+}
+NEEDS_SANDBOX = {"memory_bomb", "fork_bomb", "socket", "escape"}
+
+
+def build_class(root: Path, port: int, out_dir: Path) -> Path:
+    subs = root / "submissions"
+
+    def put(student: str, nb=None, text: str | None = None, name: str = f"{NAME}.ipynb") -> Path:
+        folder = subs / student / NAME
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / name
+        if nb is not None:
+            nbformat.write(nb, str(path))
+        else:
+            path.write_text(text or "")
+        return path
+
+    correct = read(solution_path(NAME))
+    correct.cells.insert(0, nbformat.v4.new_markdown_cell(SECRET))
+    neighbour = put("correct", correct)
+    put("stub", read(release_path(NAME)))
+    put("wrong", _trimmed(count=WRONG_COUNT, bound=REFERENCE_BOUND))
+
+    nb = _trimmed(bound="while True:\n    pass\n" + SOL_BOUND)
+    _cell(nb, "test_count_parameters").source += "\n# a harmless edit: restored, still tampering"
+    put("infinite_loop", nb)
+    put("swallows_interrupt", _trimmed(bound=SWALLOW_BOUND))
+    put("os_exit", _trimmed(bound="import os\nos._exit(3)\n" + SOL_BOUND))
+    put("memory_bomb", _trimmed(bound="hoard = []\nwhile True:\n    hoard.append(bytearray(64 * 2**20))\n" + SOL_BOUND))
+    put("fork_bomb", _trimmed(bound=FORK_BOMB_BOUND))
+
+    nb = _trimmed(count=WRONG_COUNT)
+    _cell(nb, "test_count_parameters").source = "pass"
+    put("edited_test", nb)
+    nb = _trimmed()
+    nb.cells = [c for c in nb.cells if _gid(c) != "test_decode_tokens_per_second_bound"]
+    put("deleted_test", nb)
+    nb = _trimmed()
+    for cell in nb.cells:
+        cell.metadata.pop("nbgrader", None)
+    put("stripped_metadata", nb)
+
+    put("malformed_json", text='{"cells": [ {"cell_type": "code", "source": "print(1)"')
+    put("empty_file", text="")
+    put("wrong_file_name", _trimmed(), name="notebook.ipynb")
+
+    put("big_output", _trimmed(count=BIG_OUTPUT_COUNT))
+    put("socket", _trimmed(count=SOCKET_SOURCE.format(port=port)))
+    escape_nb = put("escape", _trimmed())
+    paths = {"gradebook": str(out_dir / "gradebook.db"), "neighbour": str(neighbour), "own_submission": str(escape_nb),
+             "out_dir": str(out_dir), "repo_file": str(ROOT / "autograder" / "run.py"),
+             "tmp_marker": f"/tmp/{MARK}", "shm_marker": f"/dev/shm/{MARK}"}
+    nb = _trimmed(count=_escape_source(paths))
+    nbformat.write(nb, str(escape_nb))
+    for shadow in ("decodelab.py", "autograder.py"):  # sent beside the notebook: must not shadow imports
+        (escape_nb.parent / shadow).write_text("raise SystemExit('a shadowing module was imported')\n")
+    put("silenced_tracebacks", _trimmed(count=SILENCED_SOURCE))
+    return subs
+
+
+def _snapshot(*folders: Path, files: tuple[Path, ...] = ()) -> dict[str, str]:
+    digest = {}
+    for folder in folders:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                digest[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+    for path in files:
+        digest[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "absent"
+    return digest
+
+
+def _grade(subs: Path, out: Path, *extra: str, timeout: int = 1800) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "lib")]), OMP_WAIT_POLICY="PASSIVE")
+    cmd = [sys.executable, "-m", "autograder", "grade", "--assignment", NAME, "--submissions", str(subs),
+           "--out", str(out), "--workers", "2", "--cell-timeout", str(CELL_TIMEOUT), "--notebook-timeout", "240",
+           "--memory", str(MEMORY_GIB), "--max-processes", "96", "--output-limit", "200000", *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(out: Path) -> dict[str, dict]:
+    with open(out, newline="") as f:
+        return {r["student"]: r for r in csv.DictReader(f)}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("class")
+    out_dir = root / "grades"
+    out_dir.mkdir()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.5)
+    accepted = []
+
+    def watch():
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept())
+            except OSError:
+                continue
+
+    stop = threading.Event()
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    subs = build_class(root, listener.getsockname()[1], out_dir)
+    if not AS_ROOT:
+        for student in NEEDS_SANDBOX:
+            subprocess.run(["rm", "-rf", str(subs / student)], check=True)
+    watched_files = (ROOT / "autograder" / "run.py", Path(f"/tmp/{MARK}"), Path(f"/dev/shm/{MARK}"),
+                     out_dir / "pwned.txt")
+    before = _snapshot(subs, files=watched_files)
+    out = out_dir / "grades.csv"
+    feedback = root / "feedback"
+    extra = ["--feedback", str(feedback)] + ([] if AS_ROOT else ["--no-sandbox"])
+    result = _grade(subs, out, *extra)
+    stop.set()
+    thread.join()
+    listener.close()
+    assert result.returncode == 0, f"grading failed:\n{result.stdout}\n{result.stderr[-5000:]}"
+    return dict(rows=_rows(out), out=out, subs=subs, feedback=feedback, before=before,
+                after=_snapshot(subs, files=watched_files), accepted=accepted, result=result, out_dir=out_dir)
+
+
+@pytest.mark.parametrize("student", sorted(EXPECTED))
+def test_status_and_score(graded, student):
+    if student in NEEDS_SANDBOX and not AS_ROOT:
+        pytest.skip("needs the sandbox (root)")
+    row = graded["rows"][student]
+    status, score = EXPECTED[student]
+    assert (row["status"], float(row["score"]), float(row["max_score"])) == (status, score, 4), row
+    if not AS_ROOT:
+        assert row["notes"].startswith("graded WITHOUT the sandbox"), row
+
+
+def test_one_row_per_student_and_progress(graded):
+    expected = {s for s in EXPECTED if AS_ROOT or s not in NEEDS_SANDBOX}
+    with open(graded["out"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["student", "assignment", "score", "max_score", "status", "notes"]
+    assert sorted(r["student"] for r in rows) == sorted(expected)
+    assert "grading 00_meet_the_model" in graded["result"].stderr  # the progress bar
+    assert "graded 18 submissions" in graded["result"].stdout or not AS_ROOT
+
+
+def test_notes_say_what_happened(graded):
+    notes = {s: r["notes"] for s, r in graded["rows"].items()}
+    assert "notebook.ipynb" in notes["wrong_file_name"]
+    assert "not a valid notebook" in notes["malformed_json"] and "empty" in notes["empty_file"]
+    assert "test_count_parameters edited" in notes["edited_test"]
+    assert "test_decode_tokens_per_second_bound deleted" in notes["deleted_test"]
+    assert "lost its nbgrader metadata" in notes["stripped_metadata"]
+    assert "ran past" in notes["infinite_loop"] and "edited" in notes["infinite_loop"]  # timeout beats tampered
+    assert "ignored the interrupt" in notes["swallows_interrupt"]
+    assert "exited with code 3" in notes["os_exit"]
+    assert "output cut" in notes["big_output"]
+    if AS_ROOT:
+        assert "killed for memory" in notes["memory_bomb"]
+
+
+def test_integrity_flags(graded):
+    notes = {s: r["notes"] for s, r in graded["rows"].items()}
+    assert "integrity: ex_decode_tokens_per_second_bound uses the reference decodelab.measure." \
+           "decode_tokens_per_second_bound" in notes["wrong"]
+    assert "integrity: ex_count_parameters touches the grader's files (autograder/)" in notes["silenced_tracebacks"]
+    flagged = {s for s, n in notes.items() if "integrity:" in n}
+    assert flagged <= {"wrong", "silenced_tracebacks", "escape"}, flagged
+    assert "correct" not in flagged and "stub" not in flagged
+
+
+def test_feedback_shows_no_hidden_tests(graded):
+    pages = {p.parts[-3]: p.read_text() for p in graded["feedback"].rglob("*.html")}
+    assert set(pages) == set(graded["rows"])
+    for student, page in pages.items():
+        assert "BEGIN HIDDEN TESTS" not in page and 'hidden("meet_the_model.' not in page, student
+    assert "expected 7056, got 1600" in pages["wrong"]  # the visible test's message
+    assert len(pages["big_output"]) < 2_000_000
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="the sandbox needs root")
+def test_sandbox_held(graded):
+    assert graded["before"] == graded["after"], "a submission changed files outside its scratch folder"
+    assert not graded["accepted"], "a kernel reached the grader's network"
+    assert MARK.encode() not in (graded["out_dir"] / "gradebook.db").read_bytes()
+    page = next(graded["feedback"].glob("escape/*/*.html")).read_text()
+    attempts = re.findall(r"ATTEMPT (\S+) (SUCCEEDED|blocked)", page)
+    # its private /tmp and /dev/shm may be written (they vanish with it); nothing else
+    assert len(attempts) == 8 and all(outcome == "blocked" for name, outcome in attempts
+                                      if name not in ("tmp", "shm")), attempts
+    assert SECRET not in page, "the escape student read its neighbour's notebook"
+    socket_page = next(graded["feedback"].glob("socket/*/*.html")).read_text()
+    # what the cell printed (its source shows the same words without the parenthesis)
+    assert not re.search(r"CONNECTED \(", socket_page) and len(re.findall(r"no network \(", socket_page)) == 3
+    assert "fork refused after" in next(graded["feedback"].glob("fork_bomb/*/*.html")).read_text()
+
+
+@pytest.mark.skipif(AS_ROOT, reason="as root the sandbox runs; the refusal is for other users")
+def test_refuses_without_root(tmp_path):
+    subs = tmp_path / "subs"
+    (subs / "someone" / NAME).mkdir(parents=True)
+    result = _grade(subs, tmp_path / "grades.csv")
+    assert result.returncode == 3 and "--no-sandbox" in result.stderr, result.stderr
+    assert not (tmp_path / "grades.csv").exists()
+
+
+def test_regrade_replaces_rows(graded, tmp_path):
+    """A second run over (part of) the class replaces those rows and keeps the others."""
+    subs = tmp_path / "subs"
+    for student in ("empty_file", "wrong_file_name"):
+        (subs / student / NAME).mkdir(parents=True)
+    (subs / "empty_file" / NAME / f"{NAME}.ipynb").write_text("not json")
+    (subs / "wrong_file_name" / NAME / f"{NAME}.ipynb").write_text("")
+    out = tmp_path / "grades.csv"
+    out.write_bytes(graded["out"].read_bytes())
+    before = _rows(out)
+    result = _grade(subs, out, *([] if AS_ROOT else ["--no-sandbox"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    after = _rows(out)
+    assert sorted(after) == sorted(before)  # nothing dropped, nothing duplicated
+    with open(out, newline="") as f:
+        assert len(list(csv.DictReader(f))) == len(before)
+    assert after["wrong_file_name"]["status"] == "unreadable" and after["empty_file"]["status"] == "unreadable"
+    assert after["correct"] == before["correct"]
+
+
+def test_status_precedence_and_tamper_check():
+    from autograder.grade import check_tampering, worst
+
+    assert worst(["ok", "tampered", "timeout", "crashed"]) == "crashed"
+    assert worst(["tampered", "timeout"]) == "timeout" and worst([]) == "ok"
+    release = read(release_path(NAME))
+    assert check_tampering(read(solution_path(NAME)), release) == ([], False)  # hidden tests are not edits
+    assert check_tampering(copy.deepcopy(release), release) == ([], False)
+    edited = copy.deepcopy(release)
+    _cell(edited, "test_count_parameters").metadata.nbgrader["points"] = 200
+    notes, tampered = check_tampering(edited, release)
+    assert tampered and notes == ["test_count_parameters edited: restored from the release"]
+
+
+def test_no_sandbox_says_so_in_every_row(tmp_path):
+    subs = tmp_path / "subs"
+    (subs / "a" / NAME).mkdir(parents=True)
+    (subs / "a" / NAME / f"{NAME}.ipynb").write_text("{")
+    (subs / "b" / NAME).mkdir(parents=True)
+    result = _grade(subs, tmp_path / "grades.csv", "--no-sandbox")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _rows(tmp_path / "grades.csv")
+    assert [rows[s]["status"] for s in ("a", "b")] == ["unreadable", "missing"]
+    assert all(r["notes"].startswith("graded WITHOUT the sandbox") for r in rows.values()), rows
