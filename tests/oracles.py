@@ -164,3 +164,17 @@ def load_fixture(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def expect_bug_caught(checks, bugs: dict, bug: str, min_message: int = 40) -> str:
+    """Run the check a kept bug names on the buggy function: it must fail with a message long
+    enough to say what went wrong (input, expected, got). Returns the message."""
+    import pytest
+
+    fn, check_name, what = bugs[bug]
+    with pytest.raises(AssertionError) as info:
+        getattr(checks, check_name)(fn)
+    message = str(info.value)
+    assert len(message) > min_message, f"{bug} ({what}): message too terse: {message}"
+    return message
+

@@ -9,7 +9,7 @@ import torch
 
 from autograder.checks import speculative_nb as checks
 from decodelab import speculative
-from oracles import load_fixture
+from oracles import expect_bug_caught, load_fixture
 
 buggy = load_fixture("buggy_speculative_nb")
 
@@ -28,10 +28,7 @@ def test_references_name_the_library_functions():
 
 @pytest.mark.parametrize("bug", sorted(buggy.BUGS))
 def test_bug_is_caught(bug):
-    fn, check_name, what = buggy.BUGS[bug]
-    with pytest.raises(AssertionError) as info:
-        getattr(checks, check_name)(fn)
-    assert len(str(info.value)) > 60, f"{bug} ({what}): message too terse: {info.value}"
+    expect_bug_caught(checks, buggy.BUGS, bug, min_message=60)
 
 
 def test_messages_name_the_case():
