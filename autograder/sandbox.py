@@ -318,15 +318,24 @@ def _setup_mounts(libc, spec: Spec) -> None:
             if top is not None:
                 closed.setdefault(top, []).append(path)
                 fds[str(path)] = os.open(path, os.O_PATH | os.O_DIRECTORY)
+    for path in readable:
+        fds.setdefault(str(path), os.open(path, os.O_PATH | os.O_DIRECTORY))
     hidden: list[Path] = []
     scratch_fs = "mode=1777,size=256m"
     for tmp in ("/tmp", "/var/tmp", "/dev/shm"):
         if Path(tmp).is_dir() and not Path(tmp).is_symlink():
             _mount(libc, "tmpfs", tmp, "tmpfs", MS_NOSUID | MS_NODEV, scratch_fs)
             hidden.append(Path(tmp))
+    # Readable folders the fresh /tmp just covered (a checkout or a venv under /tmp) come back
+    # read-only, outermost first; what must stay hidden inside them is hidden next.
+    rebound: list[Path] = []
+    for path in sorted(readable, key=lambda p: len(p.parts)):
+        if _under(path, hidden) and not _under(path, rebound):
+            _bind(libc, fds[str(path)], path, readonly=True)
+            rebound.append(path)
     for item in spec.hide:
         path = Path(item)
-        if not path.exists() or _under(path, hidden):
+        if not path.exists() or (_under(path, hidden) and not _under(path, rebound)):
             continue
         if path.is_dir():
             _mount(libc, "tmpfs", str(path), "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
