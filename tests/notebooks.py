@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"
 COURSE = ROOT / "course"
 
-READY = ["00_meet_the_model", "01_sampling", "02_kv_cache", "03_prefill_decode", "04_gqa", "05_quantization", "06_paged_kv", "07_continuous_batching", "08_speculative_decoding", "09_capstone_engine"]
+READY = ["00_meet_the_model", "01_sampling", "02_kv_cache", "03_prefill_decode", "04_gqa", "05_quantization", "06_paged_kv", "07_continuous_batching", "08_speculative_decoding", "09_capstone_engine",
+         "10_tiled_attention"]
 # DECODELAB_NOTEBOOKS=02_kv_cache,03_prefill_decode runs the notebook tests on just those (a
 # notebook being written, before it joins READY).
 if os.environ.get("DECODELAB_NOTEBOOKS"):

@@ -1,0 +1,207 @@
+"""decodelab.tiled_attention: the online softmax gives plain attention's result to float
+tolerance, with grouped heads, offsets and ragged last tiles, and never holds the [T, S] scores."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decodelab.attention import causal_attention, repeat_kv
+from decodelab.gqa import group_query_attention
+from decodelab.tiled_attention import (attention_memory_bytes, measure_tensor_memory, online_softmax_update,
+                                       tiled_attention)
+
+
+def _plain(q, k, v, causal=True, q_offset=0):
+    """SDPA on expanded heads in float64: the definition, nothing tiled."""
+    group = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, group).double(), repeat_kv(v, group).double()
+    mask = None
+    if causal:
+        mask = torch.arange(k.shape[2])[None, :] <= torch.arange(q_offset, q_offset + q.shape[2])[:, None]
+    return F.scaled_dot_product_attention(q.double(), k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes_match_sdpa(seed):
+    gen = torch.Generator().manual_seed(seed)
+    pick = lambda low, high: int(torch.randint(low, high + 1, (1,), generator=gen))  # noqa: E731
+    kv_heads, group = pick(1, 3), pick(1, 4)
+    batch, queries, offset, dim, tile = pick(1, 2), pick(1, 40), pick(0, 70), pick(1, 24), pick(1, 33)
+    q = torch.randn(batch, kv_heads * group, queries, dim, generator=gen)
+    k = torch.randn(batch, kv_heads, offset + queries, dim, generator=gen)
+    v = torch.randn(batch, kv_heads, offset + queries, dim, generator=gen)
+    got = tiled_attention(q, k, v, tile_size=tile, q_offset=offset)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    torch.testing.assert_close(got.double(), _plain(q, k, v, q_offset=offset), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, causal_attention(q, k, v, q_offset=offset), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tile", [1, 5, 16, 17, 64, 1000])
+def test_tile_sizes_including_ragged_and_oversized(tile):
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 6, 50, 8), torch.randn(2, 2, 50, 8), torch.randn(2, 2, 50, 8)  # 50 is no multiple of 16
+    torch.testing.assert_close(tiled_attention(q, k, v, tile_size=tile), group_query_attention(q, k, v),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_float64_is_exact_to_rounding():
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 4, 9, 16, dtype=torch.float64), torch.randn(1, 2, 30, 16, dtype=torch.float64),
+               torch.randn(1, 2, 30, 16, dtype=torch.float64))
+    got = tiled_attention(q, k, v, tile_size=7, q_offset=21)
+    assert got.dtype == torch.float64
+    assert (got - _plain(q, k, v, q_offset=21)).abs().max() < 1e-12
+
+
+def test_non_causal_sees_every_key_and_decode_step():
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 3, 4, 8), torch.randn(1, 3, 23, 8), torch.randn(1, 3, 23, 8)
+    torch.testing.assert_close(tiled_attention(q, k, v, tile_size=6, causal=False),
+                               _plain(q, k, v, causal=False).float(), atol=1e-5, rtol=1e-5)
+    one = q[:, :, :1]  # one decode step at the end of a 23-token cache
+    torch.testing.assert_close(tiled_attention(one, k, v, tile_size=4, q_offset=22),
+                               causal_attention(one, k, v, q_offset=22), atol=1e-5, rtol=1e-5)
+
+
+def test_large_scores_do_not_overflow():
+    """Scores of several hundred: exp() overflows without the running max."""
+    torch.manual_seed(4)
+    q, k, v = 30 * torch.randn(1, 2, 12, 8), 30 * torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    got = tiled_attention(q, k, v, tile_size=5)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), _plain(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_half_precision_returns_its_dtype():
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, 2, 10, 8), torch.randn(1, 1, 10, 8), torch.randn(1, 1, 10, 8)
+    got = tiled_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), tile_size=4)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), causal_attention(q, k, v), atol=2e-2, rtol=2e-2)
+
+
+def test_bad_arguments_are_errors():
+    q, kv = torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 5, 4)
+    with pytest.raises(ValueError, match="5 keys for 3 queries at offset 0"):
+        tiled_attention(q, kv, kv)
+    with pytest.raises(ValueError, match="tile_size must be at least 1"):
+        tiled_attention(q, kv, kv, tile_size=0, q_offset=2)
+    with pytest.raises(ValueError, match="tile_size must be at least 1"):
+        attention_memory_bytes(3, 5, tile_size=0)
+
+
+def test_online_update_equals_softmax_over_both_tiles():
+    torch.manual_seed(6)
+    s1, s2 = torch.randn(2, 3, 4, dtype=torch.float64), 3 + torch.randn(2, 3, 5, dtype=torch.float64)  # tile 2 raises the max
+    v1, v2 = torch.randn(2, 4, 6, dtype=torch.float64), torch.randn(2, 5, 6, dtype=torch.float64)
+    state = (torch.full((2, 3), -math.inf, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float64),
+             torch.zeros(2, 3, 6, dtype=torch.float64))
+    m, l, o = online_softmax_update(*online_softmax_update(*state, s1, v1), s2, v2)
+    scores, values = torch.cat([s1, s2], -1), torch.cat([v1, v2], -2)
+    assert torch.equal(m, scores.amax(-1))
+    torch.testing.assert_close(l, torch.exp(scores - m[..., None]).sum(-1))
+    torch.testing.assert_close(o / l[..., None], torch.softmax(scores, -1) @ values)
+
+
+def test_online_update_with_all_masked_tile_keeps_state_and_no_nan():
+    state = (torch.full((1, 2), -math.inf), torch.zeros(1, 2), torch.zeros(1, 2, 3))
+    masked = torch.full((1, 2, 4), -math.inf)
+    m, l, o = online_softmax_update(*state, masked, torch.randn(1, 4, 3))
+    assert torch.equal(m, state[0]) and torch.equal(l, state[1]) and torch.equal(o, state[2])
+    m, l, o = online_softmax_update(torch.tensor([[1.0, 2.0]]), torch.tensor([[2.0, 1.0]]), torch.ones(1, 2, 3),
+                                    masked, torch.randn(1, 4, 3))
+    assert torch.equal(m, torch.tensor([[1.0, 2.0]])) and torch.equal(l, torch.tensor([[2.0, 1.0]]))
+    assert torch.equal(o, torch.ones(1, 2, 3))
+
+
+def test_score_matrix_is_never_materialized():
+    torch.manual_seed(7)
+    batch, heads, kv_heads, queries, offset, dim, tile = 1, 4, 2, 64, 256, 8, 32
+    q = torch.randn(batch, heads, queries, dim)
+    k, v = torch.randn(batch, kv_heads, offset + queries, dim), torch.randn(batch, kv_heads, offset + queries, dim)
+    out, seen = measure_tensor_memory(tiled_attention, q, k, v, tile_size=tile, q_offset=offset)
+    torch.testing.assert_close(out, causal_attention(q, k, v, offset), atol=1e-5, rtol=1e-5)
+    assert seen.largest_numel == batch * heads * queries * tile, seen.largest_shape  # the [B, H, T, tile] block
+    assert seen.largest_numel < queries * (offset + queries)  # not even one head's [T, S]
+    _, plain = measure_tensor_memory(group_query_attention, q, k, v, offset)
+    assert plain.largest_shape == (batch, heads, queries, offset + queries)  # the tracker does see a [T, S] block
+
+
+def test_measured_peak_grows_linearly_for_tiled_and_quadratically_for_plain():
+    peaks = {}
+    for n in (128, 256, 512):
+        q, k, v = torch.randn(1, 2, n, 16), torch.randn(1, 1, n, 16), torch.randn(1, 1, n, 16)
+        peaks[n] = (measure_tensor_memory(tiled_attention, q, k, v, tile_size=32)[1].peak_bytes,
+                    measure_tensor_memory(group_query_attention, q, k, v)[1].peak_bytes)
+    for n in (128, 256):
+        tiled_ratio, plain_ratio = peaks[2 * n][0] / peaks[n][0], peaks[2 * n][1] / peaks[n][1]
+        assert 1.8 < tiled_ratio < 2.2, peaks
+        assert 3.5 < plain_ratio < 4.2, peaks
+    # plain attention holds at least its score matrix, which the formula counts
+    assert peaks[512][1] >= attention_memory_bytes(512, 512, num_heads=2)
+
+
+def test_tracker_frees_dropped_tensors_and_ignores_inputs():
+    x = torch.zeros(1000)
+
+    def make_and_drop(x):
+        for _ in range(5):
+            y = x + 1  # 4,000 bytes, dropped at the next iteration
+        return x[:10]  # a view of the input: no new memory
+
+    _, seen = measure_tensor_memory(make_and_drop, x)
+    assert seen.peak_bytes == 8000  # y and its successor overlap for one moment, never more
+    assert seen.largest_shape == (1000,)
+
+
+def test_memory_formula():
+    assert attention_memory_bytes(4096, 4096, num_heads=32) == 4096 * 4096 * 32 * 4
+    assert attention_memory_bytes(4096, 4096, num_heads=32, tile_size=128) == 4096 * 128 * 32 * 4
+    assert attention_memory_bytes(10, 20, tile_size=64, bytes_per_value=2, batch_size=3) == 3 * 10 * 20 * 2
+
+
+def test_explorer_redraws_with_the_first_slider_in_the_title():
+    widgets_tiled_nb = pytest.importorskip("decodelab.widgets_tiled_nb")
+    calls = []
+
+    def update(*args):
+        calls.append(1)
+        return online_softmax_update(*args)
+
+    box = widgets_tiled_nb.tiled_explorer(update)
+    assert calls, "the explorer must run the given update function"
+    before = box.figure.layout.title.text
+    assert before.startswith("tile size 16: tile 1 of 4")
+    box.controls["tile_size"].value = 8
+    assert box.figure.layout.title.text.startswith("tile size 8: tile 1 of 8")
+    box.controls["step"].value = 8
+    assert "tile 8 of 8 (keys 56–63)" in box.figure.layout.title.text
+    box.controls["tile_size"].value = 32  # fewer tiles: the step is clamped, not out of range
+    assert box.controls["step"].max == 2 and "tile 2 of 2" in box.figure.layout.title.text
+    running_max = box.figure.data[1].y
+    assert list(running_max) == pytest.approx(list(box.figure.data[2].y))  # all tiles seen: the true row max
+    assert max(box.figure.data[3].y) < 1e-5  # and the exact output
+
+
+def test_tiled_cache_generates_the_same_tokens():
+    from decodelab.generate import generate_with_cache
+    from decodelab.widgets_tiled_nb import tiled_cache_class
+    from oracles import randomize_, tiny_config
+    from decodelab.model import LlamaForCausalLM
+
+    model = randomize_(LlamaForCausalLM(tiny_config()).eval())
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["tile_size"])
+        return tiled_attention(*args, **kwargs)
+
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+    with torch.inference_mode():
+        want = generate_with_cache(model, prompt, 12)
+        got = generate_with_cache(model, prompt, 12, cache_class=tiled_cache_class(spy, 4))
+    assert got == want
+    assert calls and set(calls) == {4}
