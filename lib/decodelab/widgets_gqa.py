@@ -3,12 +3,11 @@ attention against the number of KV heads, its figure beside the seed's, and a wa
 model with another attention function (the learner's) inside the single-request generator.
 
 The explorer follows widgets.py: it returns an ipywidgets box with ``.figure`` (here a
-``go.Figure`` redrawn into an Output widget, see `kv_heads_explorer`), ``.controls`` and ``.redraw()``.
+a FigureWidget, see `kv_heads_explorer`), ``.controls`` and ``.redraw()``.
 """
 from __future__ import annotations
 
 import ipywidgets as widgets
-from IPython.display import clear_output, display
 import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
@@ -17,6 +16,7 @@ from .gqa import attention_kind
 from .kv_size import config_fields, format_bytes, kv_bytes
 from .measure import median, time_call
 from .plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR, si
+from .widgets import bake_current_state
 
 _SLIDER = dict(style={"description_width": "150px"}, layout=widgets.Layout(width="460px"))
 MiB = 2**20
@@ -163,22 +163,17 @@ def kv_heads_explorer(config="Llama-3.1-8B", dtype="fp16", kv_bytes_fn=kv_bytes)
                 f"head), {length:,} tokens<br>cache {format_bytes(chosen)}, {versus_mha}; a decode step reads all "
                 f"of it for the same {si(flops, 'FLOP')}: {flops / chosen:.3g} FLOP per byte")
 
-    # The plot is redrawn as a whole into an Output widget. A FigureWidget (the other explorers'
-    # way) lost its first figure or its updates in JupyterLab on a loaded machine, intermittently;
-    # a figure displayed the ordinary way is drawn by the same renderer as every static plot.
-    fig, plot = base, widgets.Output()
+    fig = go.FigureWidget(base)
 
     def redraw(*_):
         draw(fig)
-        with plot:
-            clear_output(wait=True)
-            display(fig)
 
     for control in (kv_heads, seq_len):
         control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.VBox([kv_heads, seq_len]), plot])
+    box = widgets.VBox([widgets.VBox([kv_heads, seq_len]), fig])
     box.figure, box.controls, box.redraw = fig, {"kv_heads": kv_heads, "seq_len": seq_len}, redraw
     redraw()
+    bake_current_state(fig)  # views created late (Run All) start from this drawing
     return box
 
 

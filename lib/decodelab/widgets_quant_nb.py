@@ -13,7 +13,6 @@ import statistics
 import time
 
 import ipywidgets as widgets
-from IPython.display import clear_output, display
 import plotly.graph_objects as go
 import torch
 from torch import nn
@@ -24,6 +23,7 @@ from .kv_cache import KVCache
 from .params import SamplingParams
 from .perplexity import perplexity
 from .plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR
+from .widgets import bake_current_state
 
 QUANT_FUNCTIONS = ("quantize_int8_per_channel", "quantize_int4_groupwise", "pack_int4", "unpack_int4")
 _SLIDER = dict(style={"description_width": "120px"}, layout=widgets.Layout(width="420px"))
@@ -138,7 +138,7 @@ def quantization_explorer(measure, fp32_row: dict, cache: dict | None = None):
     bits = widgets.SelectionSlider(options=[("int8", 8), ("int4", 4)], value=8, description="bits per weight",
                                    **_SLIDER)
     group = widgets.SelectionSlider(options=[32, 64, 128], value=64, description="int4 group size", **_SLIDER)
-    fig = go.Figure()
+    fig = go.FigureWidget()
     mb = fp32_row["linear_bytes"] / 1e6
     fig.add_scatter(x=[mb], y=[fp32_row["perplexity"]], mode="markers+text", text=["fp32"], textposition="top center",
                     marker=dict(size=12, color=OTHER_COLOR), name="fp32")
@@ -170,21 +170,15 @@ def quantization_explorer(measure, fp32_row: dict, cache: dict | None = None):
                 f"greedy tokens as fp32: {row['greedy_same']}/{row['greedy_total']}, "
                 f"{1e3 * row['seconds_per_token']:.0f} ms/token (fp32 {1e3 * fp32_row['seconds_per_token']:.0f})")
 
-    # The figure is redrawn as a whole into an Output widget (as in widgets_gqa.py): a FigureWidget
-    # lost its first figure, then its updates, in JupyterLab on a loaded machine.
-    plot = widgets.Output()
-
     def redraw(*_):
         draw(fig)
-        with plot:
-            clear_output(wait=True)
-            display(fig)
 
     for control in (bits, group):
         control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.VBox([bits, group]), plot])
+    box = widgets.VBox([widgets.VBox([bits, group]), fig])
     box.figure, box.controls, box.redraw = fig, {"bits": bits, "group_size": group}, redraw
     redraw()
+    bake_current_state(fig)  # views created late (Run All) start from this drawing
     return box
 
 
