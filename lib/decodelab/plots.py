@@ -26,6 +26,21 @@ def next_token_bars(tokens: list[str], probabilities: list[float], title: str) -
     return fig
 
 
+def add_seed_and_measured_points(fig, points: list[dict], x_key: str, y_key: str, textposition: str) -> None:
+    """One labelled marker trace for the seed's figures and one for this machine's measurements.
+
+    points: dicts with "kind" ("seed" or "measured"), "name", x_key, y_key and optionally
+    "textposition" (default `textposition`)."""
+    for kind, color, symbol in (("seed", SEED_COLOR, "diamond"), ("measured", MEASURED_COLOR, "circle")):
+        chosen = [p for p in points if p["kind"] == kind]
+        if chosen:
+            fig.add_scatter(x=[p[x_key] for p in chosen], y=[p[y_key] for p in chosen],
+                            mode="markers+text", text=[p["name"] for p in chosen],
+                            textposition=[p.get("textposition", textposition) for p in chosen],
+                            marker=dict(size=11, color=color, symbol=symbol),
+                            name="seed's figure" if kind == "seed" else "measured here")
+
+
 def log_range(low: float, high: float, num: int) -> list[float]:
     return [low * (high / low) ** (i / (num - 1)) for i in range(num)]
 
@@ -44,14 +59,7 @@ def decode_bound_figure(bound_fn, bandwidths: dict[str, float], points: list[dic
         fig.add_scatter(x=gigabytes, y=[bound_fn(gb * 1e9, 1, bandwidth) for gb in gigabytes], mode="lines",
                         name=f"bound: {name}", line=dict(dash=dashes[i % len(dashes)],
                                                         color=MEASURED_COLOR if "measured" in name else OTHER_COLOR))
-    for kind, color, symbol in (("seed", SEED_COLOR, "diamond"), ("measured", MEASURED_COLOR, "circle")):
-        chosen = [p for p in points if p["kind"] == kind]
-        if chosen:
-            fig.add_scatter(x=[p["gb_per_token"] for p in chosen], y=[p["tokens_per_s"] for p in chosen],
-                            mode="markers+text", text=[p["name"] for p in chosen],
-                            textposition=[p.get("textposition", "top right") for p in chosen],
-                            marker=dict(size=11, color=color, symbol=symbol),
-                            name="seed's figure" if kind == "seed" else "measured here")
+    add_seed_and_measured_points(fig, points, "gb_per_token", "tokens_per_s", "top right")
     fig.update_layout(title=title, height=480, margin=dict(l=10, r=10, t=60, b=40),
                       legend=dict(orientation="h", y=-0.2))
     fig.update_xaxes(type="log", title="gigabytes read per generated token (all weights, batch 1)")

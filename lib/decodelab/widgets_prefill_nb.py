@@ -10,7 +10,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from .measure import Roofline
-from .plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR, log_range
+from .plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR, add_seed_and_measured_points, log_range
 from .widgets import bake_current_state
 
 # The seed's H100 figures (fp16 dense matrix units, HBM3): about 990 TFLOP/s and 3.35 TB/s.
@@ -41,14 +41,7 @@ def roofline_figure(roofs: dict[str, Roofline], points: list[dict], title: str) 
     intensity, flops_per_s, name and kind ("measured" or "seed"; optional textposition)."""
     fig = go.Figure()
     _add_roofs(fig, roofs)
-    for kind, color, symbol in (("seed", SEED_COLOR, "diamond"), ("measured", MEASURED_COLOR, "circle")):
-        chosen = [p for p in points if p["kind"] == kind]
-        if chosen:
-            fig.add_scatter(x=[p["intensity"] for p in chosen], y=[p["flops_per_s"] for p in chosen],
-                            mode="markers+text", text=[p["name"] for p in chosen],
-                            textposition=[p.get("textposition", "top left") for p in chosen],
-                            marker=dict(size=11, color=color, symbol=symbol),
-                            name="seed's figure" if kind == "seed" else "measured here")
+    add_seed_and_measured_points(fig, points, "intensity", "flops_per_s", "top left")
     fig.update_layout(title=title)
     return fig
 
