@@ -2,17 +2,28 @@
 a time vs a `transformers` batch-1 generate loop, on the same weights, in one run.
 Then prefix caching: time to first token with a shared 384-token system prompt.
 
-    .venv/bin/python bench/serving.py [--requests 64] [--max-num-seqs 16] [--skip-slow]
+    .venv/bin/python bench/serving.py [--requests 64] [--max-num-seqs 16] [--workload long-tail]
+                                      [--engine-dtypes float32,bfloat16] [--skip-slow]
 
-Every request generates a fixed number of tokens (ignore_eos), mixed between 16 and 128,
-so every mode does exactly the same work. Static batching admits the next group only when
-the whole current group has finished (request-level scheduling); continuous batching
-refills a slot the step after it frees (iteration-level scheduling).
+Every request generates a fixed number of tokens (ignore_eos), so every mode does exactly
+the same work. Two workloads:
+  uniform    chat questions; output lengths uniform in 16..128
+  long-tail  chat questions, 30% of them with a passage of 100..400 tokens to summarize
+             first; output lengths 8 + an exponential draw of mean 56, at most 256 (chat
+             answers are long-tailed: most are short, a few are long)
+Static batching admits the next group only when the whole current group has finished
+(request-level scheduling); continuous batching refills a slot the step after it frees
+(iteration-level scheduling). The engine runs in each of --engine-dtypes (the same
+checkpoint; bfloat16 matmuls use the CPU's AMX/AVX-512 units where present); the batch-1
+baselines run in float32, their fastest setting on CPU (a bfloat16 matrix-vector product is
+slower there).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import random
 import sys
 import time
@@ -32,14 +43,25 @@ QUESTIONS = ["What is gravity?", "Name three colours.", "Write a haiku about the
              "What does a CPU do?", "Summarize the plot of Cinderella."]
 
 
-def workload(llm, n: int, seed: int):
+def workload(tokenizer, n: int, seed: int, kind: str = "uniform"):
+    """(prompts as token ids, SamplingParams) for n requests (module docstring)."""
+    from decodelab.perplexity import heldout_text
+
     rng = random.Random(seed)
+    passage_ids = tokenizer.encode(heldout_text("en"))
     prompts, params = [], []
     for i in range(n):
         question = QUESTIONS[i % len(QUESTIONS)] + (" Please be brief." if rng.random() < 0.5 else "")
+        if kind == "long-tail" and rng.random() < 0.3:
+            start, length = rng.randrange(len(passage_ids) - 400), rng.randint(100, 400)
+            question = "Summarize this passage:\n" + tokenizer.decode(passage_ids[start:start + length])
         messages = [{"role": "user", "content": question}]
-        prompts.append(llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages)))
-        params.append(SamplingParams(temperature=0, max_tokens=rng.randint(16, 128), ignore_eos=True))
+        prompts.append(tokenizer.encode(tokenizer.apply_chat_template(messages)))
+        if kind == "uniform":
+            max_tokens = rng.randint(16, 128)
+        else:
+            max_tokens = min(256, 8 + round(-56 * math.log(1 - rng.random())))
+        params.append(SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return prompts, params
 
 
@@ -95,38 +117,58 @@ def main():
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", help="engine weights: float32 or bfloat16 (transformers: float32)")
-    parser.add_argument("--skip-slow", action="store_true", help="skip one-at-a-time and transformers")
+    parser.add_argument("--workload", choices=["uniform", "long-tail"], default="long-tail")
+    parser.add_argument("--engine-dtypes", default="float32,bfloat16",
+                        help="comma-separated dtypes the engine runs in (continuous and static)")
+    parser.add_argument("--skip-slow", action="store_true", help="skip one-at-a-time, transformers, prefix caching")
     args = parser.parse_args()
 
-    llm = LLM(args.model, device="cpu", dtype=getattr(torch, args.dtype), max_num_seqs=args.max_num_seqs)
-    prompts, params = workload(llm, args.requests, args.seed)
+    dtypes = args.engine_dtypes.split(",")
+    engines = {dtype: LLM(args.model, device="cpu", dtype=getattr(torch, dtype), max_num_seqs=args.max_num_seqs)
+               for dtype in dtypes}
+    prompts, params = workload(engines[dtypes[0]].tokenizer, args.requests, args.seed, args.workload)
     total_tokens = sum(p.max_tokens for p in params)
-    llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=4)] * 2, use_tqdm=False)  # warm-up
-    modes = {"continuous": lambda: llm.generate(prompts, params, use_tqdm=False),
-             "static": lambda: run_static(llm, prompts, params, args.max_num_seqs)}
+    print(f"{args.requests} requests ({args.workload}): prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
+          f"tokens, outputs {min(p.max_tokens for p in params)}-{max(p.max_tokens for p in params)} "
+          f"(mean {total_tokens / len(params):.0f}), {total_tokens} tokens in all; max_num_seqs {args.max_num_seqs}",
+          flush=True)
+    modes = {}
+    for dtype, llm in engines.items():
+        llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=4)] * 2, use_tqdm=False)  # warm-up
+        modes[f"continuous {dtype}"] = lambda llm=llm: llm.generate(prompts, params, use_tqdm=False)
+        modes[f"static {dtype}"] = lambda llm=llm: run_static(llm, prompts, params, args.max_num_seqs)
     if not args.skip_slow:
-        modes["one at a time"] = lambda: [llm.generate([p], [sp], use_tqdm=False) for p, sp in zip(prompts, params)]
-        modes["transformers batch-1 loop"] = lambda: run_transformers(resolve_model(args.model), prompts, params)
+        fp32 = engines.get("float32") or LLM(args.model, device="cpu", dtype=torch.float32)
+        modes["one at a time float32"] = lambda: [fp32.generate([p], [sp], use_tqdm=False)
+                                                  for p, sp in zip(prompts, params)]
+        modes["transformers batch-1 loop float32"] = lambda: run_transformers(resolve_model(args.model), prompts, params)
     seconds = {}
     for name, fn in modes.items():
         seconds[name], _ = timed(fn)
-        print(f"{name:>26}: {total_tokens / seconds[name]:7.1f} tok/s ({seconds[name]:.1f} s)", flush=True)
+        print(f"{name:>34}: {total_tokens / seconds[name]:7.1f} tok/s ({seconds[name]:.1f} s)", flush=True)
     throughput = {name: total_tokens / s for name, s in seconds.items()}
-    ratios = {f"continuous / {name}": throughput["continuous"] / t for name, t in throughput.items()
-              if name != "continuous"}
+    ratios = {}
+    for dtype in dtypes:
+        for name, t in throughput.items():
+            if name != f"continuous {dtype}" and not name.startswith("continuous") \
+                    and (not name.startswith("static") or name == f"static {dtype}"):
+                ratios[f"continuous {dtype} / {name}"] = throughput[f"continuous {dtype}"] / t
     for name, r in ratios.items():
-        print(f"{name:>40}: {r:.2f}x")
-    prefix = prefix_caching(lambda on: LLM(args.model, device="cpu", enable_prefix_caching=on, num_kv_blocks=256),
-                            384, 6)
-    print(f"prefix caching, 384-token shared system prompt: TTFT {prefix['uncached']['ttft_ms_median_after_first']:.1f}"
-          f" ms -> {prefix['cached']['ttft_ms_median_after_first']:.1f} ms ({prefix['speedup']:.1f}x), "
-          f"hit rate {100 * prefix['hit_rate']:.0f}% (seed: 96.8 ms recompute vs 13.4 ms reuse)")
-    result = {"command": "python bench/serving.py " + " ".join(sys.argv[1:]), "requests": args.requests,
-              "max_num_seqs": args.max_num_seqs, "generated_tokens": total_tokens, "seconds": seconds,
-              "tokens_per_s": throughput, "ratios": ratios, "prefix_caching": prefix,
-              "goals": {"continuous / static": 1.5, "continuous / transformers batch-1 loop": 10}}
-    out = Path(__file__).parent / "results" / "serving.json"
+        print(f"{name:>58}: {r:.2f}x")
+    result = {"command": "python bench/serving.py " + " ".join(sys.argv[1:]), "workload": args.workload,
+              "requests": args.requests, "max_num_seqs": args.max_num_seqs, "generated_tokens": total_tokens,
+              "prompt_tokens": sum(map(len, prompts)), "seconds": seconds, "tokens_per_s": throughput,
+              "ratios": ratios, "goals": {"continuous / static": 1.5, "continuous / transformers batch-1 loop": 10},
+              "load_average": os.getloadavg()}
+    if not args.skip_slow:
+        prefix = prefix_caching(lambda on: LLM(args.model, device="cpu", enable_prefix_caching=on, num_kv_blocks=256),
+                                384, 6)
+        print(f"prefix caching, 384-token shared system prompt: TTFT "
+              f"{prefix['uncached']['ttft_ms_median_after_first']:.1f} ms -> "
+              f"{prefix['cached']['ttft_ms_median_after_first']:.1f} ms ({prefix['speedup']:.1f}x), "
+              f"hit rate {100 * prefix['hit_rate']:.0f}% (seed: 96.8 ms recompute vs 13.4 ms reuse)")
+        result["prefix_caching"] = prefix
+    out = Path(__file__).parent / "results" / f"serving_{args.workload}{'_fast' if args.skip_slow else ''}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

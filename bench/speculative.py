@@ -3,6 +3,7 @@ the verify-time curve and wall-clock speedup over target-only decoding, against 
 
     .venv/bin/python bench/speculative.py                      # tiny + tiny-draft (else SmolLM2)
     .venv/bin/python bench/speculative.py --model smollm2 --draft-layers 4 --ks 2,3,4 --temperatures 0
+    .venv/bin/python bench/speculative.py --model smollm2 --drafter smollm2-eagle --ks 1,2,3,4 --temperatures 0,0.7
 
 For every temperature and k = 1..8 it runs target-only decoding (`stream_token_ids`) and
 speculative decoding on the same prompts, interleaved (same round, same prompt, one after the
@@ -32,6 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from decodelab.generate import stream_token_ids  # noqa: E402
+from decodelab.chat_prompts import eval_prompts  # noqa: E402
+from decodelab.eagle import NAMED_DRAFTERS, FeatureDrafter, FeatureDraftSession, load_drafter  # noqa: E402
 from decodelab.kv_cache import KVCache  # noqa: E402
 from decodelab.lookup import propose_from_prompt  # noqa: E402
 from decodelab.measure import synchronize  # noqa: E402
@@ -42,8 +45,6 @@ from decodelab.speculative import (SpeculativeStats, expected_speedup, expected_
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SEED_FIGURES = {"draft_cost": 0.22, "best_speedup": "1.2-1.3x at k = 2-3", "alpha_on_code": "0.85-0.91"}
-CHAT_PROMPTS = ["What is gravity?", "Write a Python function that checks whether a number is prime.",
-                "Give three tips for learning a new language.", "Explain what a hash table is."]
 
 
 def tiny_available() -> bool:
@@ -57,6 +58,8 @@ def load_pair(model_name: str | None, draft_layers: int, device, drafter: str = 
     target, tokenizer = load(model_name, device=device)
     if drafter == "lookup":
         return target, propose_from_prompt, tokenizer, f"{model_name} / prompt lookup (max_ngram 3)"
+    if drafter in NAMED_DRAFTERS or (Path(drafter) / "drafter.json").exists():
+        return target, load_drafter(target, drafter), tokenizer, f"{model_name} / {drafter} (feature drafter)"
     if drafter != "model":
         draft, _ = load(drafter, device=device)
         return target, draft.eval(), tokenizer, f"{model_name} / {drafter}"
@@ -84,7 +87,7 @@ def prompt_ids_for(tokenizer, model_name: str, count: int) -> list[list[int]]:
     if model_name.startswith("tiny"):
         return [tokenizer.encode(p) for p in code_prompts(count)]
     return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
-            for p in CHAT_PROMPTS[:count]]
+            for p in eval_prompts()[:count]]  # held out from the feature drafter's training
 
 
 @torch.inference_mode()
@@ -97,6 +100,21 @@ def step_times(target, draft, prompt_ids: list[int], max_new: int, repeats: int)
             draft(prompt_ids, max_new - 1)
         draft_step = (clock() - start) / repeats
         return step_times(target, target, prompt_ids, max_new, repeats)[0], draft_step
+    if isinstance(draft, FeatureDrafter):  # one drafter step: its forward on one token + the lm_head
+        times, drafter = step_times(target, target, prompt_ids, max_new, repeats)[0], draft
+        session = FeatureDraftSession(drafter, len(prompt_ids) + 1)
+        session.add_features(target.features(torch.tensor([prompt_ids[:-1]], device=target.device))[0])
+        feature = session.catch_up(prompt_ids)  # [1, 1, E]
+        token = torch.tensor([prompt_ids[-1:]], device=target.device)
+        samples = []
+        for _ in range(repeats + 2):
+            synchronize(target.device)
+            start = clock()
+            drafter.logits(drafter(feature, token, kv_cache=session.cache)).argmax(-1)
+            synchronize(target.device)
+            samples.append(clock() - start)
+            session.cache.truncate(len(prompt_ids) - 1)
+        return times, statistics.median(samples[2:])
     jobs = {("target", n): target for n in range(1, max_new + 1)} | {("draft", 1): draft}
     caches = {}
     for key, model in jobs.items():
@@ -131,8 +149,8 @@ def main():
     parser.add_argument("--model", default=None, help="tiny (default when present) or smollm2 or a folder")
     parser.add_argument("--draft-layers", type=int, default=0, help="draft = the target's first N layers")
     parser.add_argument("--drafter", default="model",
-                        help="model (tiny-draft, or --draft-layers), lookup (decodelab.lookup), or a draft's "
-                             "name or folder, e.g. smollm2-draft")
+                        help="model (tiny-draft, or --draft-layers), lookup (decodelab.lookup), a feature "
+                             "drafter (smollm2-eagle), or a draft model's name or folder")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--temperatures", default="0,0.7,1.0")

@@ -29,6 +29,11 @@ class BatchSpeculator:
     def __init__(self, engine, draft, num_speculative_tokens: int):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        from .eagle import NAMED_DRAFTERS, FeatureDrafter
+        if isinstance(draft, FeatureDrafter) or str(draft) in NAMED_DRAFTERS:
+            raise ValueError(f"{draft if isinstance(draft, str) else 'a FeatureDrafter'} is a feature drafter: it runs "
+                             "in decodelab.speculative.speculative_generate (one request); the batched engine takes "
+                             "draft models (e.g. 'tiny-draft', or decodelab.speculative.truncated_draft(model, n))")
         if isinstance(draft, (str, os.PathLike)):
             draft, _ = load(draft, device=engine.device, dtype=engine.model.dtype)
         elif isinstance(draft, tuple):

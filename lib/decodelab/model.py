@@ -127,6 +127,24 @@ class LlamaForCausalLM(nn.Module):
         tokens already in `kv_cache` (or start at 0 without one). `kv_cache` is any object
         with ``attend(layer_idx, q, k, v)`` — see `decodelab.kv_cache.KVCache`.
         """
+        x = self.layers_output(input_ids, positions, kv_cache)  # [B, T, E]
+        if last_only:
+            x = x[:, -1:]
+        elif logits_indices is not None:
+            x = x[:, logits_indices]
+        return self.lm_head(self.model.norm(x)).float()
+
+    def features(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                 kv_cache=None) -> torch.Tensor:
+        """input_ids [B, T] -> the last hidden states after the final norm [B, T, E]: the
+        vectors the lm_head turns into logits (`lm_head(features)` = forward's logits).
+        A feature drafter (`decodelab.eagle`) reads them."""
+        return self.model.norm(self.layers_output(input_ids, positions, kv_cache))
+
+    def layers_output(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                      kv_cache=None) -> torch.Tensor:
+        """input_ids [B, T] -> the residual stream after the last decoder layer [B, T, E]
+        (before the final norm). positions and kv_cache as in `forward`."""
         t = input_ids.shape[1]
         if positions is None:
             start = kv_cache.seq_len if kv_cache is not None else 0
@@ -134,18 +152,20 @@ class LlamaForCausalLM(nn.Module):
         if int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(f"position {int(positions.max())} is beyond the model's context of "
                              f"{self.config.max_position_embeddings} tokens")
-        cos = self.rope_cos[positions].to(self.dtype)  # [T, D] or [B, T, D]
-        sin = self.rope_sin[positions].to(self.dtype)
-        if cos.dim() == 3:  # per-sequence positions: broadcast over heads
-            cos, sin = cos[:, None], sin[:, None]
+        cos, sin = self.rope_at(positions)
         x = self.model.embed_tokens(input_ids)  # [B, T, E]
         for layer in self.model.layers:
             x = layer(x, cos, sin, kv_cache)
-        if last_only:
-            x = x[:, -1:]
-        elif logits_indices is not None:
-            x = x[:, logits_indices]
-        return self.lm_head(self.model.norm(x)).float()
+        return x
+
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] or [B, T] -> (cos, sin) in the model's dtype, [T, D] or [B, 1, T, D]
+        (per-sequence positions broadcast over heads)."""
+        cos = self.rope_cos[positions].to(self.dtype)  # [T, D] or [B, T, D]
+        sin = self.rope_sin[positions].to(self.dtype)
+        if cos.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]
+        return cos, sin
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied lm_head counts once)."""

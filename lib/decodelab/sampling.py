@@ -97,3 +97,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     distribution = probs(logits, params)
     flat = distribution.reshape(-1, distribution.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(distribution.shape[:-1])
+
+
+def draw_draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A drafter's guess: logits [V] -> (token id [1], the distribution q it was drawn from [V],
+    or None when greedy, where q is one-hot and the acceptance rule does not need it)."""
+    if params.greedy:
+        return greedy(logits)[None], None
+    q = probs(logits, params)  # [V]
+    return torch.multinomial(q, 1, generator=generator), q
+

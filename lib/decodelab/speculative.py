@@ -15,7 +15,8 @@ either KV cache:
 
 Each step emits 1 .. k+1 tokens for one target forward. A drafter is either a draft model
 (any `LlamaForCausalLM` with the target's vocabulary; it keeps its own KVCache) or a
-function ``(token_ids, k) -> list of <= k ids`` such as `decodelab.lookup.propose_from_prompt`.
+function ``(token_ids, k) -> list of <= k ids`` such as `decodelab.lookup.propose_from_prompt`,
+or a `decodelab.eagle.FeatureDrafter`, which also reads the target's last hidden states.
 A function's guesses are deterministic, so q_i is one-hot: d_i is accepted with probability
 p_i(d_i), and a rejection draws from p_i with d_i removed.
 
@@ -31,13 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .eagle import FeatureDrafter, FeatureDraftSession
 from .generate import check_prompt, make_generator
 from .kv_cache import KVCache
 from .model import LlamaForCausalLM
 from .params import SamplingParams
-from .sampling import greedy, probs
+from .sampling import draw_draft_token, greedy, probs
 
-Drafter = Union[nn.Module, Callable[[list, int], list]]
+Drafter = Union[nn.Module, FeatureDrafter, Callable[[list, int], list]]
 
 
 # ----------------------------------------------------------------------- the acceptance rule
@@ -110,7 +112,7 @@ def prefill(model, cache: KVCache, token_ids: list[int]) -> None:
         model(torch.tensor([token_ids], device=model.device), kv_cache=cache, last_only=True)
 
 
-def propose(drafter: Drafter, cache: KVCache | None, ids: list[int], k: int, params: SamplingParams,
+def propose(drafter: Drafter, cache: KVCache | FeatureDraftSession | None, ids: list[int], k: int, params: SamplingParams,
             generator: torch.Generator | None, vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Up to k guesses after ids -> (draft_tokens [k'], draft_probs [k', V], or None when greedy).
 
@@ -120,6 +122,8 @@ def propose(drafter: Drafter, cache: KVCache | None, ids: list[int], k: int, par
     """
     if k == 0:
         return torch.empty(0, dtype=torch.long, device=device), torch.empty(0, vocab_size, device=device)
+    if isinstance(cache, FeatureDraftSession):
+        return cache.propose(ids, k, params, generator)
     if cache is None:  # a function: deterministic guesses, one-hot q
         tokens = torch.tensor(list(drafter(ids, k))[:k], dtype=torch.long, device=device)
         return tokens, None if params.greedy else F.one_hot(tokens, vocab_size).float()
@@ -127,13 +131,9 @@ def propose(drafter: Drafter, cache: KVCache | None, ids: list[int], k: int, par
     tokens, dists = [], []
     for _ in range(k):
         logits = drafter(x, kv_cache=cache, last_only=True)[0, -1]  # [V]
-        if params.greedy:
-            token = greedy(logits)[None]  # [1]
-        else:
-            q = probs(logits, params)  # [V]
-            token = torch.multinomial(q, 1, generator=generator)  # [1]
-            dists.append(q)
+        token, q = draw_draft_token(logits, params, generator)  # [1], [V] or None
         tokens.append(token)
+        dists += [q] if q is not None else []
         x = token[None]  # [1, 1]
     return torch.cat(tokens), torch.stack(dists) if dists else None
 
@@ -144,6 +144,14 @@ def verify(target, cache: KVCache, pending: torch.Tensor, draft_tokens: torch.Te
     cache's `attend` applies the causal mask, so row i sees nothing after d_i."""
     tokens = torch.cat([pending, draft_tokens])[None]  # [1, k+1]
     return target(tokens, kv_cache=cache)[0]
+
+
+def verify_with_features(target, cache: KVCache, pending: torch.Tensor, draft_tokens: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify` that also returns the target's features there: (logits [k+1, V], features [k+1, E])."""
+    tokens = torch.cat([pending, draft_tokens])[None]  # [1, k+1]
+    features = target.features(tokens, kv_cache=cache)[0]  # [k+1, E]
+    return target.lm_head(features).float(), features
 
 
 def rollback(target_cache: KVCache, draft_cache: KVCache | None, length: int) -> None:
@@ -198,8 +206,11 @@ def stream_speculative(target, drafter: Drafter, prompt_ids: list[int], params: 
     if params.repetition_penalty != 1:
         raise ValueError("speculative decoding does not support repetition_penalty != 1")
     config, device = target.config, target.device
-    draft_model = drafter if isinstance(drafter, nn.Module) else None
+    feature_drafter = drafter if isinstance(drafter, FeatureDrafter) else None
+    draft_model = drafter if isinstance(drafter, nn.Module) and feature_drafter is None else None
     context = config.max_position_embeddings
+    if feature_drafter is not None and feature_drafter.target is not target:
+        raise ValueError("this FeatureDrafter is attached to another model: drafter.attach(target) first")
     if draft_model is not None:
         if draft_model.config.vocab_size != config.vocab_size:
             raise ValueError(f"draft vocabulary ({draft_model.config.vocab_size}) differs from the "
@@ -219,25 +230,36 @@ def stream_speculative(target, drafter: Drafter, prompt_ids: list[int], params: 
     if draft_model is not None:
         draft_cache = KVCache(draft_model.config, 1, max_len, device=device, dtype=draft_model.dtype)
         prefill(draft_model, draft_cache, prompt_ids[:-1])
-    prefill(target, target_cache, prompt_ids[:-1])
+    if feature_drafter is not None:
+        draft_cache = FeatureDraftSession(feature_drafter, max_len)
+        if len(prompt_ids) > 1:
+            draft_cache.add_features(target.features(torch.tensor([prompt_ids[:-1]], device=device),
+                                                     kv_cache=target_cache)[0])
+    else:
+        prefill(target, target_cache, prompt_ids[:-1])
     ids = list(prompt_ids)
     pending = torch.tensor(prompt_ids[-1:], device=device)  # [1]
     while len(ids) < max_len:
         k_step = min(k, max_len - len(ids) - 1)  # never draft past max_tokens
         draft_tokens, draft_probs = propose(drafter, draft_cache, ids, k_step, params, generator,
                                             config.vocab_size, device)
-        target_logits = verify(target, target_cache, pending, draft_tokens)  # [k'+1, V]
+        if feature_drafter is not None:
+            target_logits, features = verify_with_features(target, target_cache, pending, draft_tokens)
+        else:
+            target_logits = verify(target, target_cache, pending, draft_tokens)  # [k'+1, V]
         if params.greedy:
             new = greedy_accept(draft_tokens, target_logits)
         else:
             new = accept_draft_tokens(draft_tokens, draft_probs, probs(target_logits, params), generator)
         new_ids = new.tolist()
-        rollback(target_cache, draft_cache, len(ids) + len(new_ids) - 1)
+        if feature_drafter is not None:  # features of pending and the accepted drafts
+            draft_cache.add_features(features[:len(new_ids)])
+        rollback(target_cache, draft_cache if draft_model is not None else None, len(ids) + len(new_ids) - 1)
         stats.proposed += len(draft_tokens)
         stats.accepted += len(new_ids) - 1
         stats.rejected += len(new_ids) - 1 < len(draft_tokens)
         stats.target_calls += 1
-        stats.draft_calls += k_step if draft_model is not None else int(k_step > 0)
+        stats.draft_calls += k_step if draft_model is not None or feature_drafter is not None else int(k_step > 0)
         pending = new[-1:]
         for token_id in new_ids:
             ids.append(token_id)

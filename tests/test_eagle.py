@@ -1,0 +1,147 @@
+"""The feature drafter (`decodelab.eagle`): the bookkeeping of one generation is checked
+against a teacher-forced oracle (and a kept bookkeeping bug fails it), greedy speculative
+output with it equals the target's own, bad input is refused, and the shipped SmolLM2 drafter
+reaches its acceptance rate on held-out prompts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodelab import eagle
+from decodelab.chat_prompts import eval_prompts
+from decodelab.eagle import FeatureDrafter, FeatureDraftSession, load_drafter
+from decodelab.generate import stream_token_ids
+from decodelab.models import load
+from decodelab.params import SamplingParams
+from decodelab.speculative import speculative_generate
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    target, tokenizer = load("tiny", device="cpu")
+    torch.manual_seed(0)
+    drafter = FeatureDrafter(target.config).attach(target).eval()
+    return target, drafter, tokenizer
+
+
+class SessionWithoutTruncation(FeatureDraftSession):
+    """A plausible bug: the entries made from the drafter's own predictions stay in its cache,
+    so later steps would attend to guesses (some of them rejected) instead of target features."""
+
+    def propose(self, ids, k, params, generator):
+        truncate, self.cache.truncate = self.cache.truncate, lambda length: None
+        try:
+            return super().propose(ids, k, params, generator)
+        finally:
+            self.cache.truncate = truncate
+
+
+class SessionPairingSamePosition(FeatureDraftSession):
+    """A plausible bug: f_j paired with x_j (the token it came from) instead of x_{j+1}."""
+
+    def catch_up(self, ids):
+        start = self.cache.seq_len
+        feature = self.drafter(self.unfed[None], torch.tensor([ids[start:len(ids) - 1]]), kv_cache=self.cache)
+        self.unfed = self.unfed[:0]
+        return feature[:, -1:]
+
+
+def first_step_mismatch(monkeypatch, target, drafter, prompt_ids, session_class) -> tuple[float, int]:
+    """Run greedy speculative decoding (k = 3) and record, at every step, the drafter's first
+    prediction (`catch_up`). Oracle: one teacher-forced drafter pass over the final sequence
+    with the target's own features of it; its row j predicts f_{j+1} from (f_j, x_{j+1}).
+    Returns (largest difference, steps compared)."""
+    recorded = []
+
+    class Recording(session_class):
+        def catch_up(self, ids):
+            feature = super().catch_up(ids)
+            recorded.append((len(ids) - 1, feature[0, -1].clone()))  # predicts f_{len(ids)-1}
+            return feature
+
+    monkeypatch.setattr("decodelab.speculative.FeatureDraftSession", Recording)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    output, stats = speculative_generate(target, drafter, prompt_ids, params, 3)
+    monkeypatch.undo()
+    sequence = torch.tensor([prompt_ids + output])
+    with torch.inference_mode():
+        features = target.features(sequence)  # [1, T, E]
+        teacher_forced = drafter(features[:, :-1], sequence[:, 1:])[0]  # [T-1, E]
+    assert len(recorded) >= stats.target_calls - 1  # the last step may draft nothing (max_tokens)
+    worst = max(float((feature - teacher_forced[position - 1]).abs().max()) for position, feature in recorded)
+    return worst, len(recorded)
+
+
+def test_session_bookkeeping_matches_teacher_forced_oracle(monkeypatch, tiny_pair):
+    target, drafter, tokenizer = tiny_pair
+    prompt = tokenizer.encode("def parse(self, text):\n    lines = text.split")
+    worst, steps = first_step_mismatch(monkeypatch, target, drafter, prompt, FeatureDraftSession)
+    assert steps >= 10
+    assert worst < 1e-4, f"the drafter's first prediction differs from the teacher-forced oracle by {worst:.2e}"
+
+
+def test_bookkeeping_checks_catch_kept_bugs(monkeypatch, tiny_pair):
+    target, drafter, tokenizer = tiny_pair
+    prompt = tokenizer.encode("def parse(self, text):\n    lines = text.split")
+    worst, _ = first_step_mismatch(monkeypatch, target, drafter, prompt, SessionPairingSamePosition)
+    assert worst > 1e-2
+    with pytest.raises(RuntimeError, match="out of step"):  # the cache grows past its invariant
+        first_step_mismatch(monkeypatch, target, drafter, prompt, SessionWithoutTruncation)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_output_equals_target_only(tiny_pair, k):
+    target, drafter, tokenizer = tiny_pair
+    prompt = tokenizer.encode("import os\n\ndef main():\n")
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    with torch.inference_mode():
+        reference = list(stream_token_ids(target, prompt, params))
+    output, stats = speculative_generate(target, drafter, prompt, params, k)
+    assert output == reference
+    assert stats.generated == 48 and stats.draft_calls > 0
+
+
+def test_sampled_generation_is_seeded(tiny_pair):
+    target, drafter, tokenizer = tiny_pair
+    prompt = tokenizer.encode("class Reader:\n")
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True)
+    first, _ = speculative_generate(target, drafter, prompt, params, 3)
+    second, _ = speculative_generate(target, drafter, prompt, params, 3)
+    assert first == second and len(first) == 24
+
+
+def test_bad_input_is_refused(tiny_pair, tmp_path):
+    target, drafter, tokenizer = tiny_pair
+    with pytest.raises(ValueError, match="no feature drafter"):
+        load_drafter(target, tmp_path)
+    with pytest.raises(ValueError, match="no feature drafter"):
+        load_drafter(target, "smollm2-eaggle")
+    with pytest.raises(ValueError, match="hidden_size"):
+        load_drafter(target, "smollm2-eagle")  # built for SmolLM2, not tiny
+    other, _ = load("tiny", device="cpu")
+    with pytest.raises(ValueError, match="attached to another model"):
+        speculative_generate(other, drafter, [1, 2, 3], SamplingParams(temperature=0, max_tokens=4), 2)
+    with pytest.raises(RuntimeError, match="attach"):
+        FeatureDrafter(target.config).target
+    from decodelab.engine import LLM
+    with pytest.raises(ValueError, match="feature drafter"):  # the batched engine takes draft models only
+        LLM((target, tokenizer), num_kv_blocks=16, speculative_model="smollm2-eagle")
+
+
+def test_shipped_smollm2_drafter_acceptance(smollm2_folder):
+    """alpha at temperature 0 on held-out prompts (TRAINING.md has the full measurement);
+    the bound sits below the measured value to allow for other CPUs' rounding."""
+    target, tokenizer = load("smollm2", device="cpu")
+    drafter = load_drafter(target, "smollm2-eagle")
+    assert sum(p.numel() for p in drafter.parameters()) < 0.05 * target.num_parameters()
+    stops = tokenizer.stop_token_ids()
+    accepted = judged = 0
+    for prompt in eval_prompts()[:3]:
+        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+        params = SamplingParams(temperature=0, max_tokens=48)
+        with torch.inference_mode():
+            reference = list(stream_token_ids(target, ids, params, stops))
+        output, stats = speculative_generate(target, drafter, ids, params, 3, stops)
+        assert output == reference
+        accepted, judged = accepted + stats.accepted, judged + stats.accepted + stats.rejected
+    assert accepted / judged >= eagle.TESTED_MIN_ALPHA, f"alpha {accepted / judged:.3f} on 3 held-out prompts"
