@@ -101,6 +101,18 @@ def test_greedy_output_equals_target_only(tiny_pair, k):
     assert stats.generated == 48 and stats.draft_calls > 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_one_token_prompt(tiny_pair, temperature):
+    """No target feature exists before the first verify: the first step drafts nothing."""
+    target, drafter, _ = tiny_pair
+    params = SamplingParams(temperature=temperature, max_tokens=12, seed=0, ignore_eos=True)
+    output, stats = speculative_generate(target, drafter, [5], params, 3)
+    assert len(output) == 12 and stats.target_calls >= 4
+    if temperature == 0:
+        with torch.inference_mode():
+            assert output == list(stream_token_ids(target, [5], params))
+
+
 def test_sampled_generation_is_seeded(tiny_pair):
     target, drafter, tokenizer = tiny_pair
     prompt = tokenizer.encode("class Reader:\n")

@@ -175,7 +175,12 @@ class FeatureDraftSession:
 
         `catch_up` makes the first prediction from the target's own features; the k - 1 later
         forwards feed the drafter's predictions, and their entries are dropped from the cache
-        afterwards (they did not come from the target)."""
+        afterwards (they did not come from the target). A one-token prompt gives no target
+        feature yet, so the first step drafts nothing."""
+        if len(ids) < 2:
+            empty = torch.empty(0, dtype=torch.long, device=self.unfed.device)
+            return empty, None if params.greedy else torch.empty(0, self.drafter.config.vocab_size,
+                                                                 device=self.unfed.device)
         feature = self.catch_up(ids)  # [1, 1, E]
         tokens, dists = [], []
         for i in range(k):
