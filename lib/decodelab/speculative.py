@@ -112,9 +112,11 @@ def prefill(model, cache: KVCache, token_ids: list[int]) -> None:
         model(torch.tensor([token_ids], device=model.device), kv_cache=cache, last_only=True)
 
 
-def propose(drafter: Drafter, cache: KVCache | FeatureDraftSession | None, ids: list[int], k: int, params: SamplingParams,
-            generator: torch.Generator | None, vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def propose(drafter: Drafter, cache: KVCache | FeatureDraftSession | None, ids: list[int], k: int,
+            params: SamplingParams, generator: torch.Generator | None, vocab_size: int, device
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Up to k guesses after ids -> (draft_tokens [k'], draft_probs [k', V], or None when greedy).
+    `cache` is the draft model's KVCache, a feature drafter's session, or None for a function.
 
     A draft model runs k forwards: the first feeds the 1 or 2 tokens its cache lacks (2 after a
     step where all drafts were accepted: the last draft was never fed), each later one the

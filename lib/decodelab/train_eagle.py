@@ -14,9 +14,10 @@ Stages (cached under --cache, default /tmp/decodelab_eagle):
   train     for --minutes: the drafter reads (f_t + noise, x_{t+1}) and predicts f_{t+1};
             loss = smooth-L1(f^_{t+1}, f_{t+1}) + 0.5 x cross-entropy of softmax(lm_head(f^))
             against the target's softmax(lm_head(f)) (EAGLE's two terms; the softmaxes run over
-            the ~11k token ids of the training text plus 1,024 random ones per step). Every --eval-every seconds the one-step agreement (drafter argmax
-            = target argmax, teacher-forced, answer positions of the held-out conversations)
-            picks the best checkpoint.
+            the ~11k token ids of the training text plus 1,024 random ones per step). Every
+            --eval-every seconds the one-step agreement (drafter argmax = target argmax,
+            teacher-forced, answer positions of the held-out conversations) picks the best
+            checkpoint.
   save      the best drafter -> lib/decodelab/data/smollm2-eagle/ (bf16, its own tensors only)
   eval      alpha at temperature 0 and 0.7 for k = 1..4 with `decodelab.speculative` on the
             held-out prompts, the drafter/target step-time ratio c and the greedy speedup;
