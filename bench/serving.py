@@ -150,8 +150,8 @@ def main():
     ratios = {}
     for dtype in dtypes:
         for name, t in throughput.items():
-            if name != f"continuous {dtype}" and not name.startswith("continuous") \
-                    and (not name.startswith("static") or name == f"static {dtype}"):
+            baseline = not name.startswith(("continuous", "static")) or name == f"static {dtype}"
+            if baseline:
                 ratios[f"continuous {dtype} / {name}"] = throughput[f"continuous {dtype}"] / t
     for name, r in ratios.items():
         print(f"{name:>58}: {r:.2f}x")
