@@ -2,8 +2,8 @@
 a time vs a `transformers` batch-1 generate loop, on the same weights, in one run.
 Then prefix caching: time to first token with a shared 384-token system prompt.
 
-    .venv/bin/python bench/serving.py [--requests 64] [--max-num-seqs 16] [--workload long-tail]
-                                      [--engine-dtypes float32,bfloat16] [--skip-slow]
+    .venv/bin/python bench/serving.py [--requests 64] [--max-num-seqs 16,32] [--workload long-tail]
+                                      [--engine-dtypes float32,bfloat16] [--unmixed] [--skip-slow]
 
 Every request generates a fixed number of tokens (ignore_eos), so every mode does exactly
 the same work. Two workloads:
@@ -13,9 +13,10 @@ the same work. Two workloads:
              answers are long-tailed: most are short, a few are long)
 Static batching admits the next group only when the whole current group has finished
 (request-level scheduling); continuous batching refills a slot the step after it frees
-(iteration-level scheduling). The engine runs in each of --engine-dtypes (the same
-checkpoint; bfloat16 matmuls use the CPU's AMX/AVX-512 units where present); the batch-1
-baselines run in float32, their fastest setting on CPU (a bfloat16 matrix-vector product is
+(iteration-level scheduling), and its running sequences keep decoding in the steps that
+prefill newcomers (--unmixed also runs it without that). The engine runs in each of
+--engine-dtypes (the same checkpoint; bfloat16 matmuls use the CPU's AMX/AVX-512 units where
+present) at each of --max-num-seqs; the batch-1 baselines run in float32, their fastest setting on CPU (a bfloat16 matrix-vector product is
 slower there).
 """
 from __future__ import annotations
@@ -115,48 +116,58 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-num-seqs", default="16",
+                        help="comma-separated batch widths the engine runs at (continuous and static)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workload", choices=["uniform", "long-tail"], default="long-tail")
     parser.add_argument("--engine-dtypes", default="float32,bfloat16",
                         help="comma-separated dtypes the engine runs in (continuous and static)")
+    parser.add_argument("--unmixed", action="store_true",
+                        help="also run continuous batching without mixing decodes into prefill steps")
     parser.add_argument("--skip-slow", action="store_true", help="skip one-at-a-time, transformers, prefix caching")
     args = parser.parse_args()
 
-    dtypes = args.engine_dtypes.split(",")
-    engines = {dtype: LLM(args.model, device="cpu", dtype=getattr(torch, dtype), max_num_seqs=args.max_num_seqs)
-               for dtype in dtypes}
-    prompts, params = workload(engines[dtypes[0]].tokenizer, args.requests, args.seed, args.workload)
+    dtypes, widths = args.engine_dtypes.split(","), [int(w) for w in args.max_num_seqs.split(",")]
+    engines = {(dtype, width, mixed): LLM(args.model, device="cpu", dtype=getattr(torch, dtype), max_num_seqs=width,
+                                          mix_decode_with_prefill=mixed)
+               for dtype in dtypes for width in widths for mixed in ((True, False) if args.unmixed else (True,))}
+    tokenizer = next(iter(engines.values())).tokenizer
+    prompts, params = workload(tokenizer, args.requests, args.seed, args.workload)
     total_tokens = sum(p.max_tokens for p in params)
     print(f"{args.requests} requests ({args.workload}): prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
           f"tokens, outputs {min(p.max_tokens for p in params)}-{max(p.max_tokens for p in params)} "
           f"(mean {total_tokens / len(params):.0f}), {total_tokens} tokens in all; max_num_seqs {args.max_num_seqs}",
           flush=True)
     modes = {}
-    for dtype, llm in engines.items():
+    for (dtype, width, mixed), llm in engines.items():
         llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=4)] * 2, use_tqdm=False)  # warm-up
-        modes[f"continuous {dtype}"] = lambda llm=llm: llm.generate(prompts, params, use_tqdm=False)
-        modes[f"static {dtype}"] = lambda llm=llm: run_static(llm, prompts, params, args.max_num_seqs)
+        modes[f"continuous {dtype} x{width}{'' if mixed else ' unmixed'}"] = \
+            lambda llm=llm: llm.generate(prompts, params, use_tqdm=False)
+        if mixed:
+            modes[f"static {dtype} x{width}"] = lambda llm=llm, width=width: run_static(llm, prompts, params, width)
     if not args.skip_slow:
-        fp32 = engines.get("float32") or LLM(args.model, device="cpu", dtype=torch.float32)
+        fp32 = engines.get(("float32", widths[0], True)) or LLM(args.model, device="cpu", dtype=torch.float32)
         modes["one at a time float32"] = lambda: [fp32.generate([p], [sp], use_tqdm=False)
                                                   for p, sp in zip(prompts, params)]
         modes["transformers batch-1 loop float32"] = lambda: run_transformers(resolve_model(args.model), prompts, params)
     seconds = {}
     for name, fn in modes.items():
         seconds[name], _ = timed(fn)
-        print(f"{name:>34}: {total_tokens / seconds[name]:7.1f} tok/s ({seconds[name]:.1f} s)", flush=True)
+        print(f"{name:>40}: {total_tokens / seconds[name]:7.1f} tok/s ({seconds[name]:.1f} s)", flush=True)
     throughput = {name: total_tokens / s for name, s in seconds.items()}
     ratios = {}
     for dtype in dtypes:
-        for name, t in throughput.items():
-            baseline = not name.startswith(("continuous", "static")) or name == f"static {dtype}"
-            if baseline:
-                ratios[f"continuous {dtype} / {name}"] = throughput[f"continuous {dtype}"] / t
+        for width in widths:
+            continuous = f"continuous {dtype} x{width}"
+            for name, t in throughput.items():  # against its own static run and every baseline
+                if name == f"static {dtype} x{width}" or not name.startswith(("continuous", "static")):
+                    ratios[f"{continuous} / {name}"] = throughput[continuous] / t
+            if args.unmixed:
+                ratios[f"{continuous} / unmixed"] = throughput[continuous] / throughput[f"{continuous} unmixed"]
     for name, r in ratios.items():
-        print(f"{name:>58}: {r:.2f}x")
+        print(f"{name:>66}: {r:.2f}x")
     result = {"command": "python bench/serving.py " + " ".join(sys.argv[1:]), "workload": args.workload,
-              "requests": args.requests, "max_num_seqs": args.max_num_seqs, "generated_tokens": total_tokens,
+              "requests": args.requests, "max_num_seqs": widths, "generated_tokens": total_tokens,
               "prompt_tokens": sum(map(len, prompts)), "seconds": seconds, "tokens_per_s": throughput,
               "ratios": ratios, "goals": {"continuous / static": 1.5, "continuous / transformers batch-1 loop": 10},
               "load_average": os.getloadavg()}

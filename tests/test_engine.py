@@ -60,6 +60,32 @@ def test_batch_greedy_equals_single_request_smollm2(smollm2, smollm2_prompts, sm
     assert llm.allocator.num_free == llm.allocator.num_blocks
 
 
+class MixRecorder(Scheduler):
+    """Records, for every step, how many sequences decode and how many are prefilled."""
+
+    def schedule(self):
+        seqs, is_prefill = super().schedule()
+        prefilled = sum(s.num_new_tokens > 1 or not s.output_token_ids for s in seqs)
+        self.steps = getattr(self, "steps", []) + [(len(seqs) - prefilled, prefilled)]
+        return seqs, is_prefill
+
+
+def test_mixed_prefill_and_decode_steps_match_single_request_smollm2(smollm2, smollm2_prompts,
+                                                                     smollm2_single_greedy):
+    """Two slots for five prompts: each admission shares its step with a running decode."""
+    model, tokenizer = smollm2
+    llm = LLM((model, tokenizer), max_num_seqs=2, kv_block_size=16, num_kv_blocks=128,
+              hooks=EngineHooks(scheduler=MixRecorder))
+    outputs = llm.generate(smollm2_prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert any(decoding and prefilled for decoding, prefilled in llm.scheduler.steps), "no mixed step ran"
+    for prompt_ids, out, ref in zip(smollm2_prompts, outputs, smollm2_single_greedy):
+        check_greedy_agreement(prompt_ids, out.outputs[0].token_ids, ref, [last_logits_fn(model)])
+    unmixed = LLM((model, tokenizer), max_num_seqs=2, mix_decode_with_prefill=False,
+                  hooks=EngineHooks(scheduler=MixRecorder))
+    unmixed.generate(smollm2_prompts[:3], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert not any(decoding and prefilled for decoding, prefilled in unmixed.scheduler.steps)
+
+
 def test_tight_pool_preempts_and_still_matches(small_model):
     """A pool too small for the batch forces preemption (recompute); greedy output must not change."""
     model, tokenizer = small_model

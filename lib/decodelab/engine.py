@@ -6,7 +6,9 @@
     print(outputs[0].outputs[0].text)
 
 Inside: a `BlockAllocator` (paged KV with prefix caching), a `Scheduler` (continuous
-batching with preemption), a `PagedKVStore`, and one packed forward pass per step.
+batching with preemption), a `PagedKVStore`, and one packed forward pass per step. By default
+(`mix_decode_with_prefill=True`) the running sequences decode in the same pass that prefills
+newly admitted ones, as vLLM's scheduler does, instead of pausing for it.
 
 Hooks — swap a learner's function in for one stage (each notebook's closing cell does):
     llm = LLM(model="smollm2", hooks=EngineHooks(sample=my_sample))
@@ -75,8 +77,10 @@ def engine_step(engine: "LLM") -> list[StreamEvent]:
     """One iteration of the serving loop; returns a StreamEvent per token it produced.
 
     1. Ask the scheduler which sequences run: new requests to prefill, or every running
-       sequence for one decode step. If nothing can run, let the engine drop a request that
-       can never fit (`engine.drop_unschedulable()`) and return [].
+       sequence for one decode step (the engine's scheduler mixes both: the running sequences
+       decode in the steps that prefill, and is_prefill says the step prefills something). If
+       nothing can run, let the engine drop a request that can never fit
+       (`engine.drop_unschedulable()`) and return [].
     2. Decode steps with a draft model go to `engine.speculator.step(seqs)` (draft, verify,
        accept), which returns the events itself.
     3. Otherwise run one packed forward pass, `engine.forward(seqs)` -> logits [len(seqs), V].
@@ -133,7 +137,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, num_kv_blocks: int | None = None,
                  kv_cache_memory: int = DEFAULT_KV_CACHE_BYTES, enable_prefix_caching: bool = True,
                  speculative_model=None, num_speculative_tokens: int = 4, max_model_len: int | None = None,
-                 hooks: EngineHooks | None = None):
+                 mix_decode_with_prefill: bool = True, hooks: EngineHooks | None = None):
         if quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be None, 'int8' or 'int4', got {quantization!r}")
         # model: a name ("smollm2", "tiny"), a model folder, or a (model, tokenizer) pair
@@ -158,6 +162,8 @@ class LLM:
         if speculative_model is not None:
             from .engine_speculative import BatchSpeculator
             self.speculator = BatchSpeculator(self, speculative_model, num_speculative_tokens)
+        if hasattr(self.scheduler, "mix_decode_with_prefill"):  # speculative decode steps stay apart
+            self.scheduler.mix_decode_with_prefill = mix_decode_with_prefill and self.speculator is None
         self._next_seq_id = 0
 
     # ------------------------------------------------------------------ public API

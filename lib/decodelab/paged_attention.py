@@ -74,41 +74,53 @@ class PagedBatch:
     """The `kv_cache` handed to the model for one packed forward pass.
 
     slot_mapping [N]: the slot each new token's K/V is written to.
+    Sequences with one new token (decode steps) attend all at once, reading whole blocks
+    through a padded [B, max_blocks] table; sequences with several (prefills) attend one by
+    one through `gather_kv`. A batch may mix both (a prefill joining running decodes).
     """
 
     def __init__(self, store: PagedKVStore, slices: list[SequenceSlice], slot_mapping: torch.Tensor,
                  sliding_window: int | None = None):
         self.store, self.slices, self.slot_mapping = store, slices, slot_mapping
         self.sliding_window = sliding_window
-        self.decode_only = all(s.q_len == 1 for s in slices)
-        if self.decode_only:  # gather indices for all sequences at once, padded to the longest
+        self.decode_slices = [s for s in slices if s.q_len == 1]
+        self.prefill_slices = [s for s in slices if s.q_len > 1]
+        self.decode_only = not self.prefill_slices
+        if self.decode_slices:
             self._prepare_decode_gather(slot_mapping.device)
 
     def _prepare_decode_gather(self, device) -> None:
-        block_size = self.store.block_size
-        max_blocks = max(-(-s.context_len // block_size) for s in self.slices)
-        tables = torch.zeros(len(self.slices), max_blocks, dtype=torch.long)
-        for i, s in enumerate(self.slices):
+        """decode_blocks [B, max_blocks] (block ids, padded with block 0), decode_mask
+        [B, 1, 1, max_blocks * block_size] (0 where a key position is attended to, else -inf), and
+        decode_rows [B] (each decode sequence's row among the packed tokens)."""
+        block_size, slices = self.store.block_size, self.decode_slices
+        max_blocks = max(-(-s.context_len // block_size) for s in slices)
+        tables = torch.zeros(len(slices), max_blocks, dtype=torch.long)
+        for i, s in enumerate(slices):
             used = s.block_table[: -(-s.context_len // block_size)]
             tables[i, : len(used)] = torch.tensor(used, dtype=torch.long)
-        offsets = torch.arange(block_size)
-        self.decode_slots = (tables[:, :, None] * block_size + offsets).reshape(len(self.slices), -1).to(device)
-        lengths = torch.tensor([s.context_len for s in self.slices])
-        key_pos = torch.arange(self.decode_slots.shape[1])
+        self.decode_blocks = tables.to(device)
+        lengths = torch.tensor([s.context_len for s in slices])
+        key_pos = torch.arange(max_blocks * block_size)
         valid = key_pos[None, :] < lengths[:, None]  # [B, S]
         if self.sliding_window is not None:
             valid &= key_pos[None, :] >= (lengths[:, None] - self.sliding_window)
-        self.decode_mask = valid[:, None, None, :].to(device)  # [B, 1, 1, S]
+        additive = torch.zeros(valid.shape, dtype=self.store.keys.dtype).masked_fill_(~valid, float("-inf"))
+        self.decode_mask = additive[:, None, None, :].to(device)  # [B, 1, 1, S]: 0 or -inf (SDPA is ~15%
+        # faster on CPU with an additive mask than with a boolean one)
+        self.decode_rows = torch.tensor([s.q_start for s in slices], device=device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [1, H, N, D], k/v [1, H_kv, N, D] for the N packed new tokens -> [1, H, N, D]."""
         flat_k, flat_v = self.store.flat(layer)
         flat_k[self.slot_mapping] = k[0].transpose(0, 1)  # [N, H_kv, D] into their slots
         flat_v[self.slot_mapping] = v[0].transpose(0, 1)
-        if self.decode_only:
-            return self._attend_decode(flat_k, flat_v, q)
+        if self.decode_only:  # rows 0 .. B-1 in order
+            return self._attend_decode(layer, q)
         out = torch.empty_like(q)
-        for s in self.slices:
+        if self.decode_slices:
+            out[:, :, self.decode_rows] = self._attend_decode(layer, q[:, :, self.decode_rows])
+        for s in self.prefill_slices:
             k_ctx = gather_kv(flat_k, s.block_table, s.context_len, self.store.block_size)[None]  # [1, H_kv, context, D]
             v_ctx = gather_kv(flat_v, s.block_table, s.context_len, self.store.block_size)[None]
             q_seq = q[:, :, s.q_start:s.q_start + s.q_len]
@@ -116,14 +128,21 @@ class PagedBatch:
                 q_seq, k_ctx, v_ctx, q_offset=s.context_len - s.q_len, sliding_window=self.sliding_window)
         return out
 
-    def _attend_decode(self, flat_k, flat_v, q):
-        """One new token per sequence. The query heads sharing a KV head are folded into the
-        query-length axis, q [B, H_kv, group, D], so each KV head is read once, not copied
-        `group` times (no repeat_kv), and the padding mask [B, 1, 1, S] broadcasts."""
-        batch, num_heads, head_dim = len(self.slices), q.shape[1], q.shape[3]
-        k_ctx = flat_k[self.decode_slots].permute(0, 2, 1, 3)  # [B, H_kv, S, D]
-        v_ctx = flat_v[self.decode_slots].permute(0, 2, 1, 3)
-        num_kv_heads = k_ctx.shape[1]
+    def _attend_decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [1, H, B, D]: the one new token of each decode sequence -> [1, H, B, D].
+
+        Whole blocks are gathered ([B * max_blocks, block_size, H_kv, D]: one index per block,
+        not per token, so the copy moves long contiguous rows). The query heads sharing a KV
+        head are folded into the query-length axis, q [B, H_kv, group, D], so each KV head is
+        read once, not copied `group` times (no repeat_kv), and the padding mask broadcasts."""
+        batch, num_heads, head_dim = q.shape[2], q.shape[1], q.shape[3]
+        num_kv_heads = self.store.num_kv_heads
+        context = self.decode_blocks.shape[1] * self.store.block_size
+        blocks = self.decode_blocks.view(-1)  # index_select: ~2-3x faster than keys[table] on CPU
+        k_ctx = self.store.keys[layer].index_select(0, blocks)  # [B * max_blocks, block_size, H_kv, D]
+        v_ctx = self.store.values[layer].index_select(0, blocks)
+        k_ctx = k_ctx.view(batch, context, num_kv_heads, head_dim).transpose(1, 2)  # [B, H_kv, S, D]
+        v_ctx = v_ctx.view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
         q_b = q[0].transpose(0, 1).reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q_b, k_ctx, v_ctx, attn_mask=self.decode_mask)
         return out.reshape(batch, num_heads, head_dim).transpose(0, 1)[None]  # [1, H, B, D]

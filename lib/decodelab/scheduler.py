@@ -7,7 +7,9 @@ Every engine step the scheduler picks which sequences run:
    sequence room for its next token, preempt the most recently admitted sequence: free
    its blocks and put it back at the front of the queue to be recomputed later.
 Finished sequences leave at once, so their slots and blocks go to waiting requests at the
-next step instead of idling until the whole batch is done (static batching).
+next step instead of idling until the whole batch is done (static batching). The engine
+also mixes the two (`Scheduler.mix_decode_with_prefill`): running sequences keep decoding in
+the steps that prefill newcomers.
 
 The four step pieces (`admit`, `decode_batch`, `preempt`, `finish`) are plain functions of
 the scheduler, bound as its methods: notebook 07 has the learner write each one, and a
@@ -118,12 +120,28 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # Mixed steps (the engine turns this on): the running sequences decode in the same packed
+    # pass that prefills newly admitted ones, instead of waiting a step for them.
+    mix_decode_with_prefill = False
+
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """(sequences to run this step, whether it is a prefill step)."""
-        admitted = self.admit()
-        if admitted:
-            return admitted, True
-        return self.decode_batch(), False
+        """(sequences to run this step, whether any of them is prefilled this step).
+
+        Waiting requests that fit are admitted and prefilled; in a step that admits nobody,
+        every running sequence decodes one token. With `mix_decode_with_prefill`, the running
+        sequences decode first and the admitted ones join the same step (after them in the
+        list), so an admission no longer stalls every running sequence for a whole step; in a
+        step whose decoding had to preempt, nobody is admitted (the preempted would be
+        readmitted at once)."""
+        if not self.mix_decode_with_prefill:
+            admitted = self.admit()
+            if admitted:
+                return admitted, True
+            return self.decode_batch(), False
+        preemptions = self.num_preemptions
+        decoding = self.decode_batch()
+        admitted = self.admit() if self.num_preemptions == preemptions else []
+        return decoding + admitted, bool(admitted)
 
     # The step pieces above, as methods (a subclass may set its own functions here).
     admit = admit
