@@ -122,6 +122,46 @@ def test_sampled_generation_is_seeded(tiny_pair):
     assert first == second and len(first) == 24
 
 
+def restricted_copy(target, drafter, vocab) -> FeatureDrafter:
+    copy = FeatureDrafter(target.config)
+    copy.load_state_dict(drafter.state_dict())
+    return copy.attach(target).eval().restrict_vocabulary(vocab)
+
+
+def test_draft_vocabulary(tiny_pair, tmp_path):
+    """Restricted logits equal the full ones on the draft vocabulary and are -inf elsewhere;
+    guesses and their q stay inside it; saving keeps it; greedy output is still the target's."""
+    target, drafter, tokenizer = tiny_pair
+    vocab = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(0))[:200]
+    restricted = restricted_copy(target, drafter, torch.cat([vocab, vocab[:10]]))  # duplicates are ignored
+    assert restricted.draft_vocab.tolist() == sorted(vocab.tolist())
+    features = torch.randn(3, target.config.hidden_size)
+    with torch.inference_mode():
+        full, trimmed = drafter.logits(features), restricted.logits(features)
+    inside = torch.zeros(target.config.vocab_size, dtype=torch.bool)
+    inside[vocab] = True
+    torch.testing.assert_close(trimmed[:, inside], full[:, inside], atol=1e-5, rtol=1e-5)
+    assert torch.isneginf(trimmed[:, ~inside]).all()
+
+    prompt = tokenizer.encode("def parse(self, text):\n    lines = text.split")
+    session = FeatureDraftSession(restricted, 64)
+    with torch.inference_mode():
+        session.add_features(target.features(torch.tensor([prompt[:-1]]))[0])
+        tokens, q = session.propose(prompt, 4, SamplingParams(temperature=1.0), torch.Generator().manual_seed(1))
+    assert inside[tokens].all() and float(q[:, ~inside].sum()) == 0.0
+
+    eagle.save_drafter(restricted, tmp_path, "tiny")
+    assert load_drafter(target, tmp_path).draft_vocab.tolist() == sorted(vocab.tolist())
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    with torch.inference_mode():
+        reference = list(stream_token_ids(target, prompt, params))
+    assert speculative_generate(target, restricted, prompt, params, 3)[0] == reference
+    with pytest.raises(ValueError, match="token ids in 0"):
+        restricted.restrict_vocabulary([target.config.vocab_size])
+    with pytest.raises(ValueError, match="token ids in 0"):
+        restricted.restrict_vocabulary([])
+
+
 def test_bad_input_is_refused(tiny_pair, tmp_path):
     target, drafter, tokenizer = tiny_pair
     with pytest.raises(ValueError, match="no feature drafter"):

@@ -14,7 +14,12 @@ the real f_{t+1} would go, so one step costs one small layer plus the lm_head:
                                                            with its own KV cache)
     q_{t+1}    = softmax(lm_head(f^_{t+1}))         [V]
 
-The embedding and lm_head are the target's (frozen, not stored with the drafter). Trained
+The embedding and lm_head are the target's (frozen, not stored with the drafter). The
+drafter may propose only a subset of the vocabulary (`restrict_vocabulary`: for
+`smollm2-eagle`, the ~11k token ids of its training text, stored with it): its lm_head
+product then reads ~a quarter of the rows, the largest part of a draft step. Tokens outside
+the subset get probability 0 in q, which the acceptance rule handles like any other
+zero (the target can still emit them). Trained
 offline by `python -m decodelab.train_eagle` on SmolLM2's own chat answers; the weights for
 SmolLM2 ship as package data (`smollm2-eagle`).
 
@@ -42,6 +47,7 @@ from .sampling import draw_draft_token
 PACKAGE_DATA = Path(__file__).parent / "data"
 NAMED_DRAFTERS = {"smollm2-eagle": "smollm2"}  # drafter name -> the target it was trained for
 WEIGHTS_FILE, CONFIG_FILE = "drafter.safetensors", "drafter.json"
+VOCAB_TENSOR = "draft_vocab"  # in WEIGHTS_FILE: the token ids a drafter may propose (int32), if restricted
 # tests/test_eagle.py: smollm2-eagle's greedy alpha (k = 3) on the first 3 held-out prompts must
 # reach this; it measured 0.41 there on this machine (0.40-0.46 over 16 held-out prompts and k = 1..4,
 # data/smollm2-eagle/TRAINING.md); an untrained drafter scores 0.0.
@@ -66,6 +72,8 @@ class FeatureDrafter(nn.Module):
         self.layer = DecoderLayer(self.config, 0)
         self.norm = RMSNorm(e, target_config.rms_norm_eps)
         self._target: tuple[LlamaForCausalLM] | None = None  # a tuple: not registered as a submodule
+        self.draft_vocab: torch.Tensor | None = None  # [V_d] token ids it may propose; None: all
+        self._head_cache: tuple | None = None  # (which lm_head weight, its rows at draft_vocab [V_d, E])
 
     def attach(self, target: LlamaForCausalLM) -> "FeatureDrafter":
         """Use `target`'s embedding, lm_head and RoPE tables (shared, not copied)."""
@@ -97,9 +105,30 @@ class FeatureDrafter(nn.Module):
         x = self.fc(torch.cat([embedded, self.feature_norm(features.to(self.fc.weight.dtype))], dim=-1))
         return self.norm(self.layer(x, cos, sin, kv_cache))
 
+    def restrict_vocabulary(self, token_ids: torch.Tensor | None) -> "FeatureDrafter":
+        """Propose only these token ids (any shape, duplicates ignored); None: the whole vocabulary."""
+        if token_ids is not None:
+            token_ids = torch.unique(torch.as_tensor(token_ids).long().flatten())
+            if token_ids.numel() == 0 or int(token_ids.min()) < 0 or \
+                    int(token_ids.max()) >= self.config.vocab_size:
+                raise ValueError(f"a draft vocabulary needs token ids in 0..{self.config.vocab_size - 1}")
+        self.draft_vocab, self._head_cache = token_ids, None
+        return self
+
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """features [..., E] -> float32 logits [..., V] through the target's lm_head."""
-        return self.target.lm_head(features).float()
+        """features [..., E] -> float32 logits [..., V] through the target's lm_head; with a draft
+        vocabulary, only its rows are computed and every other token gets -inf."""
+        weight = self.target.lm_head.weight  # [V, E]
+        if self.draft_vocab is None:
+            return self.target.lm_head(features).float()
+        key = (weight.data_ptr(), weight.dtype, weight.device)
+        if self._head_cache is None or self._head_cache[0] != key:
+            vocab = self.draft_vocab.to(weight.device)
+            self._head_cache = (key, vocab, weight.detach()[vocab].contiguous())
+        _, vocab, head = self._head_cache
+        small = (features.to(head.dtype) @ head.T).float()  # [..., V_d]
+        full = small.new_full((*small.shape[:-1], weight.shape[0]), float("-inf"))
+        return full.index_copy_(-1, vocab, small)
 
 
 # ------------------------------------------------------------------------- saving, loading
@@ -110,6 +139,8 @@ def save_drafter(drafter: FeatureDrafter, folder: str | Path, target_name: str, 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.detach().to(torch.bfloat16).contiguous() for name, tensor in drafter.state_dict().items()}
+    if drafter.draft_vocab is not None:
+        state[VOCAB_TENSOR] = drafter.draft_vocab.to(torch.int32).cpu()
     save_file(state, str(folder / WEIGHTS_FILE))
     meta = {"target": target_name, "target_config": drafter.config.to_dict(), **(extra or {})}
     (folder / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -127,14 +158,18 @@ def resolve_drafter(name_or_folder: str | Path) -> Path:
 
 
 def load_drafter(target: LlamaForCausalLM, name_or_folder: str | Path = "smollm2-eagle") -> FeatureDrafter:
-    """A trained drafter, attached to `target`, on the target's device and dtype."""
+    """A trained drafter, attached to `target`, on the target's device and dtype, restricted to
+    its stored draft vocabulary if it has one."""
     from safetensors.torch import load_file
 
     folder = resolve_drafter(name_or_folder)
     meta = json.loads((folder / CONFIG_FILE).read_text())
     config = ModelConfig.from_dict(meta["target_config"])
     drafter = FeatureDrafter(config)
-    drafter.load_state_dict(load_file(str(folder / WEIGHTS_FILE)))
+    state = load_file(str(folder / WEIGHTS_FILE))
+    vocab = state.pop(VOCAB_TENSOR, None)
+    drafter.load_state_dict(state)
+    drafter.restrict_vocabulary(vocab)
     return drafter.to(device=target.device, dtype=target.dtype).eval().attach(target)
 
 

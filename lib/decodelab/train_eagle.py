@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from .chat_prompts import eval_prompts, train_prompts
-from .eagle import PACKAGE_DATA, FeatureDrafter, save_drafter
+from .eagle import CONFIG_FILE, PACKAGE_DATA, FeatureDrafter, load_drafter, save_drafter
 
 OUT_NAME = "smollm2-eagle"
 MAX_NEW, EVAL_MAX_NEW = 192, 128
@@ -167,10 +167,16 @@ def agreement(drafter, rows: list[dict], batch: int = 8) -> float:
         predicted = predict(drafter, ids, feats)
         mask = (valid & answer_mask)[:, 1:]
         draft_choice = drafter.logits(predicted[mask]).argmax(-1)
-        target_choice = drafter.logits(feats[:, 1:][mask]).argmax(-1)
+        target_choice = drafter.target.lm_head(feats[:, 1:][mask]).argmax(-1)
         hits += int((draft_choice == target_choice).sum())
         total += int(mask.sum())
     return hits / max(1, total)
+
+
+def training_vocabulary(rows: list[dict]) -> torch.Tensor:
+    """[C] every token id of the training text: the softmax candidates while training, and the
+    drafter's draft vocabulary afterwards (`FeatureDrafter.restrict_vocabulary`)."""
+    return torch.unique(torch.cat([r["ids"] for r in rows]))
 
 
 def init_drafter(target) -> FeatureDrafter:
@@ -185,20 +191,22 @@ def init_drafter(target) -> FeatureDrafter:
 
 
 def train(cache: Path, target, minutes: float, lr: float, tokens_per_batch: int, eval_every: float,
-          seed: int) -> tuple[FeatureDrafter, dict]:
+          seed: int, resume: Path | None = None) -> tuple[FeatureDrafter, dict]:
+    """Train for `minutes`, from `init_drafter` or, with `resume`, from a saved drafter (its
+    training record is kept under "resumed_from")."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     rows = load_features(cache, ("train_greedy", "train_sampled"))
     held_out = load_features(cache, ("eval",))
     for p in target.parameters():
         p.requires_grad_(False)
-    drafter = init_drafter(target)
+    drafter = init_drafter(target) if resume is None else load_drafter(target, resume).train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     other = [p for p in params if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}],
                                   lr=lr, betas=(0.9, 0.95))
-    seen = torch.unique(torch.cat([r["ids"] for r in rows]))  # [C0]: every token id of the training text
+    seen = training_vocabulary(rows)  # [C0]
     vocab = target.config.vocab_size
     rows.sort(key=lambda r: len(r["ids"]))
     batches, current, longest = [], [], 0
@@ -246,7 +254,9 @@ def train(cache: Path, target, minutes: float, lr: float, tokens_per_batch: int,
                         "state": {k: v.detach().clone() for k, v in drafter.state_dict().items()}}
     if best["state"] is not None:
         drafter.load_state_dict(best["state"])
-    info = {"steps": step, "minutes": spent / 60, "lr": lr, "tokens_per_batch": tokens_per_batch,
+    drafter.restrict_vocabulary(seen)  # it proposes only what its softmax was trained over
+    earlier = json.loads((resume / CONFIG_FILE).read_text())["training"] if resume is not None else None
+    info = {"resumed_from": earlier, "steps": step, "minutes": spent / 60, "lr": lr, "tokens_per_batch": tokens_per_batch,
             "conversations": len(rows), "positions": sum(len(r["ids"]) for r in rows),
             "held_out_conversations": len(held_out), "best_step": best["step"],
             "best_agreement": best["agreement"], "history": history, "seed": seed,
@@ -286,7 +296,7 @@ def step_times(target, drafter, prompt_ids: list[int], rounds: int = 7, steps: i
 
 
 def evaluate(target, drafter, tokenizer, ks=(1, 2, 3, 4), temperatures=(0.0, 0.7), max_tokens: int = 96,
-             speedup_k: int = 3, n_prompts: int = 16) -> dict:
+             speedup_k: int = 2, n_prompts: int = 16) -> dict:
     import dataclasses
 
     from .generate import stream_token_ids
@@ -336,8 +346,15 @@ def evaluate(target, drafter, tokenizer, ks=(1, 2, 3, 4), temperatures=(0.0, 0.7
 def write_report(folder: Path, training: dict, evaluation: dict, data: dict) -> None:
     rows = [f"| {r['temperature']} | {r['k']} | {r['alpha']:.3f} | {r['tokens_per_target_call']:.2f} |"
             for r in evaluation["alpha"].values()]
-    hist = [f"| {h['step']} | {h['minutes']:.1f} | {h['loss_ema']:.4f} | {h['agreement']:.3f} |"
-            for h in training["history"]]
+    phases = [training]  # the first phase first: a resumed run keeps the run it continued
+    while phases[0].get("resumed_from"):
+        phases.insert(0, phases[0]["resumed_from"])
+    hist, steps_before, minutes_before = [], 0, 0.0
+    for phase in phases:
+        hist += [f"| {steps_before + h['step']} | {minutes_before + h['minutes']:.1f} | {h['loss_ema']:.4f} | "
+                 f"{h['agreement']:.3f} |" for h in phase["history"]]
+        steps_before, minutes_before = steps_before + phase["steps"], minutes_before + phase["minutes"]
+    schedule = "; ".join(f"{p['minutes']:.1f} min at lr {p['lr']} ({p['steps']} steps)" for p in phases)
     st = evaluation["step_times"]
     lines = [
         "# `smollm2-eagle`: a feature drafter for SmolLM2-135M-Instruct", "",
@@ -347,7 +364,9 @@ def write_report(folder: Path, training: dict, evaluation: dict, data: dict) -> 
         "## What it is", "",
         f"fc (2 x 576 -> 576) + one decoder layer of SmolLM2's shape + an RMSNorm: "
         f"{data['own_parameters'] / 1e6:.2f} M parameters of its own, stored in bfloat16; the embedding and "
-        "lm_head are SmolLM2's (frozen, not stored here).", "",
+        "lm_head are SmolLM2's (frozen, not stored here). It proposes only the "
+        f"{training['loss']['softmax_candidates']:,} token ids of its training text (its draft vocabulary, stored "
+        "with it): its lm_head product reads those rows only, the largest part of a draft step.", "",
         "## Data", "",
         f"- {data['conversations']} conversations written by SmolLM2 itself (the batched engine, bfloat16 copy) to "
         f"the training prompts of `decodelab.chat_prompts`: greedy for every prompt and sampled at temperature 0.7 "
@@ -355,9 +374,10 @@ def write_report(folder: Path, training: dict, evaluation: dict, data: dict) -> 
         "with SmolLM2's float32 features",
         f"- held out: {data['held_out']} prompts from other templates and subjects, answered greedily in float32",
         "", "## Training", "",
-        f"- {training['minutes']:.1f} min on this 2-core CPU, {training['steps']} steps, batches of about "
-        f"{training['tokens_per_batch']} padded positions, AdamW lr {training['lr']}, best checkpoint at step "
-        f"{training['best_step']}",
+        f"- {minutes_before:.1f} min on this 2-core CPU, {steps_before} steps, batches of about "
+        f"{training['tokens_per_batch']} padded positions, AdamW; each phase warms up for 3% of its time, then "
+        f"follows a cosine to 10% of its lr: {schedule} (a later phase resumes from the best checkpoint of the one "
+        f"before); the best checkpoint of the last phase is kept",
         f"- loss: smooth-L1 on features x {REG_WEIGHT} + cross-entropy against the target's distribution x "
         f"{CLS_WEIGHT} (softmaxes over the {training['loss']['softmax_candidates']:,} token ids of the training "
         f"text plus {training['loss']['random_candidates']:,} random ones per step; evaluation uses the full "
@@ -369,12 +389,13 @@ def write_report(folder: Path, training: dict, evaluation: dict, data: dict) -> 
         "tokens each.", "",
         "| temperature | k | alpha | tokens per target call |", "|---:|---:|---:|---:|", *rows, "",
         f"One drafter step (drafter forward + lm_head) {1e3 * st['drafter']:.1f} ms vs one SmolLM2 decode step "
-        f"{1e3 * st['target']:.1f} ms: c = {st['c']:.3f} (float32, CPU, medians of interleaved rounds).",
+        f"{1e3 * st['target']:.1f} ms: c = {st['c']:.3f} (float32, CPU, medians of interleaved rounds; with "
+        "the whole vocabulary instead of the draft vocabulary c is about 3x larger).",
         f"Greedy speculative decoding at k = {evaluation['speedup']['k']} vs plain greedy decoding, same "
         f"{evaluation['speedup']['prompts']} prompts: {evaluation['speedup']['wall']:.2f}x wall clock, "
         "identical output. On this CPU verifying k + 1 tokens in one pass costs more than one decode step "
-        "(about 1.6x at k = 3: the matmuls are compute-bound already at a few rows), so the gain needs a "
-        "small k; `bench/speculative.py --model smollm2 --drafter smollm2-eagle` measures every k.", ""]
+        "(the matmuls are compute-bound already at a few rows), so the gain needs a small k; "
+        "`bench/speculative.py --model smollm2 --drafter smollm2-eagle` measures every k.", ""]
     (folder / "TRAINING.md").write_text("\n".join(lines))
 
 
@@ -388,6 +409,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens-per-batch", type=int, default=4096)
     parser.add_argument("--eval-every", type=float, default=120.0, help="seconds of training between evaluations")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", type=Path, default=None,
+                        help="a saved drafter folder to continue training from (instead of the initialization)")
     args = parser.parse_args(argv)
     from .models import load
 
@@ -399,11 +422,9 @@ def main(argv=None) -> int:
         make_features(args.cache, target)
     if args.stage in ("all", "train"):
         drafter, info = train(args.cache, target, args.minutes, args.lr, args.tokens_per_batch, args.eval_every,
-                              args.seed)
+                              args.seed, args.resume)
         save_drafter(drafter, args.out, "smollm2", {"training": info})
     if args.stage in ("all", "train", "eval"):
-        from .eagle import load_drafter
-
         drafter = load_drafter(target, args.out)
         meta = json.loads((args.out / "drafter.json").read_text())
         evaluation = evaluate(target, drafter, tokenizer)
