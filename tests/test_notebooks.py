@@ -71,6 +71,9 @@ def test_conventions(name):
     for cell in nb.cells:
         if cell.cell_type == "code" and grade_id(cell) is None:
             assert "autograder" not in cell.source, f"{name}: only hidden-test blocks may use autograder/"
+        # a control character is a mangled escape, e.g. "\approx" written through a Python string as BEL + "pprox"
+        mangled = sorted({hex(ord(ch)) for ch in cell.source if ord(ch) < 32 and ch not in "\n\t"})
+        assert not mangled, f"{name}: cell {cell.get('id')} holds control characters {mangled} (a lost backslash?)"
 
 
 @pytest.mark.parametrize("folder", ["solutions", "course"])
