@@ -14,14 +14,14 @@ the real f_{t+1} would go, so one step costs one small layer plus the lm_head:
                                                            with its own KV cache)
     q_{t+1}    = softmax(lm_head(f^_{t+1}))         [V]
 
-The embedding and lm_head are the target's (frozen, not stored with the drafter). The
-drafter may propose only a subset of the vocabulary (`restrict_vocabulary`: for
-`smollm2-eagle`, the ~11k token ids of its training text, stored with it): its lm_head
-product then reads ~a quarter of the rows, the largest part of a draft step. Tokens outside
-the subset get probability 0 in q, which the acceptance rule handles like any other
-zero (the target can still emit them). Trained
+The embedding and lm_head are the target's (frozen, not stored with the drafter). Trained
 offline by `python -m decodelab.train_eagle` on SmolLM2's own chat answers; the weights for
 SmolLM2 ship as package data (`smollm2-eagle`).
+
+A drafter may propose only part of the vocabulary (`restrict_vocabulary`; `smollm2-eagle`
+stores the ~11k token ids of its training text): its lm_head product then reads about a
+quarter of the rows, the largest part of a draft step. Other tokens get probability 0 in q,
+which the acceptance rule handles like any other zero (the target can still emit them).
 
 Inside `decodelab.speculative.stream_speculative` the drafter's state for one generation is a
 `FeatureDraftSession`: its KV cache, whose entry j holds the pair (f_j, x_{j+1}) from real
