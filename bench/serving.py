@@ -16,8 +16,9 @@ Static batching admits the next group only when the whole current group has fini
 (iteration-level scheduling), and its running sequences keep decoding in the steps that
 prefill newcomers (--unmixed also runs it without that). The engine runs in each of
 --engine-dtypes (the same checkpoint; bfloat16 matmuls use the CPU's AMX/AVX-512 units where
-present) at each of --max-num-seqs; the batch-1 baselines run in float32, their fastest setting on CPU (a bfloat16 matrix-vector product is
-slower there: `transformers` generated 17.4 tok/s in float32 and 14.8 in bfloat16 here).
+present) at each of --max-num-seqs; the batch-1 baselines run in float32, their fastest
+setting on CPU (a bfloat16 matrix-vector product is slower there: `transformers` generated
+17.4 tok/s in float32 and 14.8 in bfloat16 here).
 torch is imported before decodelab, so OpenMP keeps its default spin-waiting, the fastest
 setting for every mode on an idle machine: run it on a quiet one.
 """
@@ -151,7 +152,8 @@ def main():
         fp32 = engines.get(("float32", widths[0], True)) or LLM(args.model, device="cpu", dtype=torch.float32)
         modes["one at a time float32"] = lambda: [fp32.generate([p], [sp], use_tqdm=False)
                                                   for p, sp in zip(prompts, params)]
-        modes["transformers batch-1 loop float32"] = lambda: run_transformers(resolve_model(args.model), prompts, params)
+        modes["transformers batch-1 loop float32"] = \
+            lambda: run_transformers(resolve_model(args.model), prompts, params)
     seconds = {}
     for name, fn in modes.items():
         seconds[name], _ = timed(fn)

@@ -256,7 +256,8 @@ def train(cache: Path, target, minutes: float, lr: float, tokens_per_batch: int,
         drafter.load_state_dict(best["state"])
     drafter.restrict_vocabulary(seen)  # it proposes only what its softmax was trained over
     earlier = json.loads((resume / CONFIG_FILE).read_text())["training"] if resume is not None else None
-    info = {"resumed_from": earlier, "steps": step, "minutes": spent / 60, "lr": lr, "tokens_per_batch": tokens_per_batch,
+    info = {"resumed_from": earlier, "steps": step, "minutes": spent / 60, "lr": lr,
+            "tokens_per_batch": tokens_per_batch,
             "conversations": len(rows), "positions": sum(len(r["ids"]) for r in rows),
             "held_out_conversations": len(held_out), "best_step": best["step"],
             "best_agreement": best["agreement"], "history": history, "seed": seed,
