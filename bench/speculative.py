@@ -4,6 +4,7 @@ the verify-time curve and wall-clock speedup over target-only decoding, against 
     .venv/bin/python bench/speculative.py                      # tiny + tiny-draft (else SmolLM2)
     .venv/bin/python bench/speculative.py --model smollm2 --draft-layers 4 --ks 2,3,4 --temperatures 0
     .venv/bin/python bench/speculative.py --model smollm2 --drafter smollm2-eagle --ks 1,2,3,4 --temperatures 0,0.7
+    .venv/bin/python bench/speculative.py --model smollm2 --drafter smollm2-eagle --ks 1,2,3 --temperatures 0 --dtype bfloat16
 
 For every temperature and k = 1..8 it runs target-only decoding (`stream_token_ids`) and
 speculative decoding on the same prompts, interleaved (same round, same prompt, one after the
@@ -39,6 +40,7 @@ from decodelab.kv_cache import KVCache  # noqa: E402
 from decodelab.lookup import propose_from_prompt  # noqa: E402
 from decodelab.measure import synchronize  # noqa: E402
 from decodelab.models import PACKAGE_DATA, load  # noqa: E402
+from decodelab.packed_linear import can_prepack, prepack_linear_layers  # noqa: E402
 from decodelab.params import SamplingParams  # noqa: E402
 from decodelab.speculative import (SpeculativeStats, expected_speedup, expected_tokens_per_call,  # noqa: E402
                                    stream_speculative, truncated_draft)
@@ -51,20 +53,20 @@ def tiny_available() -> bool:
     return all((PACKAGE_DATA / name / "config.json").exists() for name in ("tiny", "tiny-draft"))
 
 
-def load_pair(model_name: str | None, draft_layers: int, device, drafter: str = "model"):
+def load_pair(model_name: str | None, draft_layers: int, device, drafter: str = "model", dtype: str = "float32"):
     """(target, drafter, tokenizer, description): tiny + tiny-draft, a model + its first layers,
     a model + prompt lookup, or a model + a named draft model (drafter = its name or folder)."""
     model_name = model_name or ("tiny" if tiny_available() else "smollm2")
-    target, tokenizer = load(model_name, device=device)
+    target, tokenizer = load(model_name, device=device, dtype=dtype)
     if drafter == "lookup":
         return target, propose_from_prompt, tokenizer, f"{model_name} / prompt lookup (max_ngram 3)"
     if drafter in NAMED_DRAFTERS or (Path(drafter) / "drafter.json").exists():
         return target, load_drafter(target, drafter), tokenizer, f"{model_name} / {drafter} (feature drafter)"
     if drafter != "model":
-        draft, _ = load(drafter, device=device)
+        draft, _ = load(drafter, device=device, dtype=dtype)
         return target, draft.eval(), tokenizer, f"{model_name} / {drafter}"
     if model_name == "tiny" and not draft_layers:
-        draft, _ = load("tiny-draft", device=device)
+        draft, _ = load("tiny-draft", device=device, dtype=dtype)
         return target, draft.eval(), tokenizer, "tiny / tiny-draft"
     layers = draft_layers or max(1, target.config.num_hidden_layers // 8)
     return target, truncated_draft(target, layers), tokenizer, f"{model_name} / its first {layers} layers"
@@ -152,6 +154,10 @@ def main():
                         help="model (tiny-draft, or --draft-layers), lookup (decodelab.lookup), a feature "
                              "drafter (smollm2-eagle), or a draft model's name or folder")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="of target and drafter; bfloat16 on a CPU runs on prepacked oneDNN weights "
+                             "(decodelab.packed_linear) unless --unpacked")
+    parser.add_argument("--unpacked", action="store_true", help="bfloat16 on CPU: keep plain weights")
     parser.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--temperatures", default="0,0.7,1.0")
     parser.add_argument("--tokens", type=int, default=128)
@@ -169,7 +175,13 @@ def main():
     ks = [int(k) for k in args.ks.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     device = torch.device(args.device)
-    target, draft, tokenizer, pair = load_pair(args.model, args.draft_layers, device, args.drafter)
+    target, draft, tokenizer, pair = load_pair(args.model, args.draft_layers, device, args.drafter, args.dtype)
+    packed = not args.unpacked and can_prepack(device, target.dtype)
+    if packed:  # the same packing for target-only decoding and for speculative decoding
+        for model in (target, draft):
+            if isinstance(model, torch.nn.Module):
+                prepack_linear_layers(model)
+    pair += f"; {args.dtype}" + (" (prepacked weights)" if packed else "")
     model_name = args.model or ("tiny" if tiny_available() else "smollm2")
     prompts = prompt_ids_for(tokenizer, model_name, args.prompts)
     print(f"{pair}; {len(prompts)} prompts of {[len(p) for p in prompts]} tokens; {args.tokens} tokens each; "
@@ -232,6 +244,7 @@ def main():
     RESULTS.mkdir(exist_ok=True)
     suffix = (f"_{Path(args.drafter).name}" if args.drafter != "model"
               else f"_draft{args.draft_layers}" if args.draft_layers else "")
+    suffix += "" if args.dtype == "float32" else f"_{args.dtype}" + ("" if packed else "-unpacked")
     suffix += "_process-clock" if args.clock == "process" else ""
     out = RESULTS / f"speculative_{Path(model_name).name}{suffix}_{device.type}.json"
     out.write_text(json.dumps(dict(

@@ -4,6 +4,9 @@ output with it equals the target's own, bad input is refused, and the shipped Sm
 reaches its acceptance rate on held-out prompts."""
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ from decodelab.chat_prompts import eval_prompts
 from decodelab.eagle import FeatureDrafter, FeatureDraftSession, load_drafter
 from decodelab.generate import stream_token_ids
 from decodelab.models import load
+from decodelab.packed_linear import can_prepack, prepack_linear_layers
 from decodelab.params import SamplingParams
 from decodelab.speculative import speculative_generate
 
@@ -197,3 +201,27 @@ def test_shipped_smollm2_drafter_acceptance(smollm2_folder):
         assert output == reference
         accepted, judged = accepted + stats.accepted, judged + stats.accepted + stats.rejected
     assert accepted / judged >= eagle.TESTED_MIN_ALPHA, f"alpha {accepted / judged:.3f} on 3 held-out prompts"
+
+
+@pytest.mark.skipif(not can_prepack("cpu", torch.bfloat16), reason="no oneDNN bfloat16 packing on this CPU")
+def test_packed_bfloat16_target_and_drafter(tiny_pair):
+    """On prepacked bfloat16 weights (`decodelab.packed_linear`, what the benches use on CPU) a
+    restricted drafter reads its lm_head rows from the tied embedding, and greedy speculative
+    output still equals the packed target's own; an untied packed lm_head is a clear error."""
+    target, drafter, tokenizer = tiny_pair
+    target = copy.deepcopy(target).to(torch.bfloat16)
+    vocab = torch.arange(0, target.config.vocab_size, 3)
+    restricted = restricted_copy(target, drafter, vocab).to(torch.bfloat16)
+    untied = copy.deepcopy(target)
+    untied.config = dataclasses.replace(untied.config, tie_word_embeddings=False)
+    prepack_linear_layers(target)
+    prepack_linear_layers(untied)
+    prepack_linear_layers(restricted)
+    prompt = tokenizer.encode("def parse(self, text):\n    lines = text.split")
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    with torch.inference_mode():
+        reference = list(stream_token_ids(target, prompt, params))
+    output, stats = speculative_generate(target, restricted, prompt, params, 3)
+    assert output == reference and stats.draft_calls > 0
+    with pytest.raises(ValueError, match="packed"):
+        restricted_copy(untied, drafter, vocab).logits(torch.randn(1, target.config.hidden_size))

@@ -41,6 +41,7 @@ from torch import nn
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .model import DecoderLayer, LlamaForCausalLM, RMSNorm
+from .packed_linear import PackedLinear, can_prepack
 from .params import SamplingParams
 from .sampling import draw_draft_token
 
@@ -102,7 +103,7 @@ class FeatureDrafter(nn.Module):
             positions = torch.arange(start, start + t, device=next_ids.device)
         cos, sin = target.rope_at(positions)
         embedded = self.embed_norm(target.model.embed_tokens(next_ids))  # [B, T, E]
-        x = self.fc(torch.cat([embedded, self.feature_norm(features.to(self.fc.weight.dtype))], dim=-1))
+        x = self.fc(torch.cat([embedded, self.feature_norm(features.to(embedded.dtype))], dim=-1))
         return self.norm(self.layer(x, cos, sin, kv_cache))
 
     def restrict_vocabulary(self, token_ids: torch.Tensor | None) -> "FeatureDrafter":
@@ -118,17 +119,30 @@ class FeatureDrafter(nn.Module):
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """features [..., E] -> float32 logits [..., V] through the target's lm_head; with a draft
         vocabulary, only its rows are computed and every other token gets -inf."""
-        weight = self.target.lm_head.weight  # [V, E]
         if self.draft_vocab is None:
             return self.target.lm_head(features).float()
+        weight = self._lm_head_weight()  # [V, E]
         key = (weight.data_ptr(), weight.dtype, weight.device)
         if self._head_cache is None or self._head_cache[0] != key:
             vocab = self.draft_vocab.to(weight.device)
-            self._head_cache = (key, vocab, weight.detach()[vocab].contiguous())
+            rows = weight.detach()[vocab].contiguous()  # [V_d, E]
+            head = PackedLinear(rows) if can_prepack(rows.device, rows.dtype) else (lambda x: x @ rows.T)
+            self._head_cache = (key, vocab, head)
         _, vocab, head = self._head_cache
-        small = (features.to(head.dtype) @ head.T).float()  # [..., V_d]
+        small = head(features.to(weight.dtype)).float()  # [..., V_d]
         full = small.new_full((*small.shape[:-1], weight.shape[0]), float("-inf"))
         return full.index_copy_(-1, vocab, small)
+
+    def _lm_head_weight(self) -> torch.Tensor:
+        """The target's lm_head matrix [V, E]; a packed lm_head (`decodelab.packed_linear`) has
+        no readable weight, but a tied one is the embedding."""
+        target = self.target
+        if hasattr(target.lm_head, "weight"):
+            return target.lm_head.weight
+        if target.config.tie_word_embeddings:
+            return target.model.embed_tokens.weight
+        raise ValueError("a draft vocabulary needs the rows of the target's lm_head, and this one is packed "
+                         "(decodelab.packed_linear): restrict_vocabulary(None), or do not pack the lm_head")
 
 
 # ------------------------------------------------------------------------- saving, loading

@@ -29,6 +29,7 @@ import torch
 
 from .generate import check_prompt, make_generator
 from .models import load
+from .packed_linear import can_prepack, prepack_linear_layers, prepacked_copy
 from .paged import BlockAllocator
 from .paged_attention import PagedBatch, PagedKVStore, SequenceSlice
 from .params import SamplingParams
@@ -137,15 +138,22 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, num_kv_blocks: int | None = None,
                  kv_cache_memory: int = DEFAULT_KV_CACHE_BYTES, enable_prefix_caching: bool = True,
                  speculative_model=None, num_speculative_tokens: int = 4, max_model_len: int | None = None,
-                 mix_decode_with_prefill: bool = True, hooks: EngineHooks | None = None):
+                 mix_decode_with_prefill: bool = True, prepack_weights: bool | None = None,
+                 hooks: EngineHooks | None = None):
         if quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be None, 'int8' or 'int4', got {quantization!r}")
         # model: a name ("smollm2", "tiny"), a model folder, or a (model, tokenizer) pair
-        self.model, self.tokenizer = load(model, device=device, dtype=dtype) if isinstance(model, (str, os.PathLike)) \
-            else model
+        loaded_here = isinstance(model, (str, os.PathLike))
+        self.model, self.tokenizer = load(model, device=device, dtype=dtype) if loaded_here else model
         if quantization is not None:
             from .quant import quantize_model
             quantize_model(self.model, bits=8 if quantization == "int8" else 4)
+        # prepack_weights: None packs where it helps (CPU, bfloat16); True insists; False never
+        if prepack_weights or (prepack_weights is None and can_prepack(self.model.device, self.model.dtype)):
+            if loaded_here:  # nobody else holds this model: pack it in place
+                prepack_linear_layers(self.model)
+            else:  # the caller's model stays as it was
+                self.model = prepacked_copy(self.model)
         self.config = self.model.config
         self.device = self.model.device
         self.hooks = hooks or EngineHooks()

@@ -110,11 +110,11 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device  # not lm_head's: it may be packed (decodelab.packed_linear)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.embed_tokens.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, kv_cache=None,
                 last_only: bool = False, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
