@@ -3,7 +3,8 @@ a time vs a `transformers` batch-1 generate loop, on the same weights, in one ru
 Then prefix caching: time to first token with a shared 384-token system prompt.
 
     .venv/bin/python bench/serving.py [--requests 64] [--max-num-seqs 16,32] [--workload long-tail]
-                                      [--engine-dtypes float32,bfloat16] [--unmixed] [--skip-slow]
+                                      [--engine-dtypes float32,bfloat16] [--unmixed] [--unpacked] [--rounds 1]
+                                      [--skip-slow]
 
 Every request generates a fixed number of tokens (ignore_eos), so every mode does exactly
 the same work. Two workloads:
@@ -16,11 +17,14 @@ Static batching admits the next group only when the whole current group has fini
 (iteration-level scheduling), and its running sequences keep decoding in the steps that
 prefill newcomers (--unmixed also runs it without that). The engine runs in each of
 --engine-dtypes (the same checkpoint; bfloat16 matmuls use the CPU's AMX/AVX-512 units where
-present) at each of --max-num-seqs; the batch-1 baselines run in float32, their fastest
+present, on weights prepacked for oneDNN: --unpacked also runs it on plain ones) at each of
+--max-num-seqs; the batch-1 baselines run in float32, their fastest
 setting on CPU (a bfloat16 matrix-vector product is slower there: `transformers` generated
 17.4 tok/s in float32 and 14.8 in bfloat16 here).
 torch is imported before decodelab, so OpenMP keeps its default spin-waiting, the fastest
-setting for every mode on an idle machine: run it on a quiet one.
+setting for every mode on an idle machine: run it on a quiet one. On a shared machine whose
+speed drifts, --rounds N runs every engine mode N times, in alternating order, and reports the
+median (the two batch-1 baselines, minutes each, run once, in the first round).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -127,13 +132,22 @@ def main():
                         help="comma-separated dtypes the engine runs in (continuous and static)")
     parser.add_argument("--unmixed", action="store_true",
                         help="also run continuous batching without mixing decodes into prefill steps")
+    parser.add_argument("--unpacked", action="store_true",
+                        help="also run continuous batching in bfloat16 without prepacked weights")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of every engine mode, interleaved; the median is reported")
     parser.add_argument("--skip-slow", action="store_true", help="skip one-at-a-time, transformers, prefix caching")
     args = parser.parse_args()
 
     dtypes, widths = args.engine_dtypes.split(","), [int(w) for w in args.max_num_seqs.split(",")]
-    engines = {(dtype, width, mixed): LLM(args.model, device="cpu", dtype=getattr(torch, dtype), max_num_seqs=width,
-                                          mix_decode_with_prefill=mixed)
-               for dtype in dtypes for width in widths for mixed in ((True, False) if args.unmixed else (True,))}
+    variants = [("", {})] + ([(" unmixed", {"mix_decode_with_prefill": False})] if args.unmixed else [])
+    engines = {(dtype, width, label): LLM(args.model, device="cpu", dtype=getattr(torch, dtype), max_num_seqs=width,
+                                          **options)
+               for dtype in dtypes for width in widths for label, options in variants}
+    if args.unpacked and "bfloat16" in dtypes:
+        engines |= {("bfloat16", width, " unpacked"): LLM(args.model, device="cpu", dtype=torch.bfloat16,
+                                                          max_num_seqs=width, prepack_weights=False)
+                    for width in widths}
     tokenizer = next(iter(engines.values())).tokenizer
     prompts, params = workload(tokenizer, args.requests, args.seed, args.workload)
     total_tokens = sum(p.max_tokens for p in params)
@@ -142,22 +156,30 @@ def main():
           f"(mean {total_tokens / len(params):.0f}), {total_tokens} tokens in all; max_num_seqs {args.max_num_seqs}",
           flush=True)
     modes = {}
-    for (dtype, width, mixed), llm in engines.items():
+    for (dtype, width, label), llm in engines.items():
         llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=4)] * 2, use_tqdm=False)  # warm-up
-        modes[f"continuous {dtype} x{width}{'' if mixed else ' unmixed'}"] = \
-            lambda llm=llm: llm.generate(prompts, params, use_tqdm=False)
-        if mixed:
+        modes[f"continuous {dtype} x{width}{label}"] = lambda llm=llm: llm.generate(prompts, params, use_tqdm=False)
+        if not label:
             modes[f"static {dtype} x{width}"] = lambda llm=llm, width=width: run_static(llm, prompts, params, width)
     if not args.skip_slow:
-        fp32 = engines.get(("float32", widths[0], True)) or LLM(args.model, device="cpu", dtype=torch.float32)
+        fp32 = engines.get(("float32", widths[0], "")) or LLM(args.model, device="cpu", dtype=torch.float32)
         modes["one at a time float32"] = lambda: [fp32.generate([p], [sp], use_tqdm=False)
                                                   for p, sp in zip(prompts, params)]
         modes["transformers batch-1 loop float32"] = \
             lambda: run_transformers(resolve_model(args.model), prompts, params)
-    seconds = {}
-    for name, fn in modes.items():
-        seconds[name], _ = timed(fn)
-        print(f"{name:>40}: {total_tokens / seconds[name]:7.1f} tok/s ({seconds[name]:.1f} s)", flush=True)
+    runs = {name: [] for name in modes}
+    for round_index in range(args.rounds):
+        order = list(modes) if round_index % 2 == 0 else list(reversed(modes))
+        for name in order:
+            if runs[name] and not name.startswith(("continuous", "static")):
+                continue  # a batch-1 baseline: once
+            runs[name].append(timed(modes[name])[0])
+            print(f"{name:>40}: {total_tokens / runs[name][-1]:7.1f} tok/s ({runs[name][-1]:.1f} s)"
+                  + (f", round {round_index + 1}" if args.rounds > 1 else ""), flush=True)
+    seconds = {name: statistics.median(times) for name, times in runs.items()}
+    if args.rounds > 1:
+        for name, s in seconds.items():
+            print(f"{name:>40}: {total_tokens / s:7.1f} tok/s median of {len(runs[name])}", flush=True)
     throughput = {name: total_tokens / s for name, s in seconds.items()}
     ratios = {}
     for dtype in dtypes:
@@ -166,13 +188,15 @@ def main():
             for name, t in throughput.items():  # against its own static run and every baseline
                 if name == f"static {dtype} x{width}" or not name.startswith(("continuous", "static")):
                     ratios[f"{continuous} / {name}"] = throughput[continuous] / t
-            if args.unmixed:
-                ratios[f"{continuous} / unmixed"] = throughput[continuous] / throughput[f"{continuous} unmixed"]
+            for label in (" unmixed", " unpacked"):
+                if continuous + label in throughput:
+                    ratios[f"{continuous} /{label}"] = throughput[continuous] / throughput[continuous + label]
     for name, r in ratios.items():
         print(f"{name:>66}: {r:.2f}x")
     result = {"command": "python bench/serving.py " + " ".join(sys.argv[1:]), "workload": args.workload,
               "requests": args.requests, "max_num_seqs": widths, "generated_tokens": total_tokens,
-              "prompt_tokens": sum(map(len, prompts)), "seconds": seconds, "tokens_per_s": throughput,
+              "prompt_tokens": sum(map(len, prompts)), "rounds": args.rounds, "seconds_each_run": runs,
+              "seconds": seconds, "tokens_per_s": throughput,
               "ratios": ratios, "goals": {"continuous / static": 1.5, "continuous / transformers batch-1 loop": 10},
               "load_average": os.getloadavg()}
     if not args.skip_slow:
