@@ -140,14 +140,12 @@ def main():
     args = parser.parse_args()
 
     dtypes, widths = args.engine_dtypes.split(","), [int(w) for w in args.max_num_seqs.split(",")]
-    variants = [("", {})] + ([(" unmixed", {"mix_decode_with_prefill": False})] if args.unmixed else [])
+    variants = [("", {})] + ([(" unmixed", {"mix_decode_with_prefill": False})] if args.unmixed else []) \
+        + ([(" unpacked", {"prepack_weights": False})] if args.unpacked else [])
     engines = {(dtype, width, label): LLM(args.model, device="cpu", dtype=getattr(torch, dtype), max_num_seqs=width,
                                           **options)
-               for dtype in dtypes for width in widths for label, options in variants}
-    if args.unpacked and "bfloat16" in dtypes:
-        engines |= {("bfloat16", width, " unpacked"): LLM(args.model, device="cpu", dtype=torch.bfloat16,
-                                                          max_num_seqs=width, prepack_weights=False)
-                    for width in widths}
+               for dtype in dtypes for width in widths for label, options in variants
+               if label != " unpacked" or dtype == "bfloat16"}  # only bfloat16 weights are packed
     tokenizer = next(iter(engines.values())).tokenizer
     prompts, params = workload(tokenizer, args.requests, args.seed, args.workload)
     total_tokens = sum(p.max_tokens for p in params)

@@ -20,6 +20,8 @@ Shapes: x [..., in_features] -> [..., out_features].
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -34,6 +36,13 @@ def can_prepack(device: torch.device | str, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def check_packable(weight: torch.Tensor) -> None:
+    """ValueError naming the problem unless `can_prepack` holds for this weight."""
+    if not can_prepack(weight.device, weight.dtype):
+        raise ValueError(f"cannot prepack a {weight.dtype} weight on {weight.device}: packing needs bfloat16 "
+                         f"on a CPU with oneDNN (see decodelab.packed_linear.can_prepack)")
+
+
 class PackedLinear(nn.Module):
     """An inference-only `nn.Linear` whose weight is stored in oneDNN's blocked layout."""
 
@@ -41,13 +50,11 @@ class PackedLinear(nn.Module):
         """weight [out_features, in_features], bias [out_features] or None (an nn.Linear's)."""
         super().__init__()
         weight = weight.detach()
-        if not can_prepack(weight.device, weight.dtype):
-            raise ValueError(f"cannot prepack a {weight.dtype} weight on {weight.device}: packing needs bfloat16 "
-                             f"on a CPU with oneDNN (see decodelab.packed_linear.can_prepack)")
+        check_packable(weight)
         self.out_features, self.in_features = weight.shape
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACKING_BATCH_HINT)
         self.bias = None if bias is None else bias.detach().clone()
-        self.dtype, self.device = weight.dtype, weight.device
+        self.dtype = weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features], in the weight's dtype."""
@@ -69,9 +76,7 @@ def prepack_linear_layers(model: nn.Module) -> int:
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
     for _, _, linear in targets:
-        if not can_prepack(linear.weight.device, linear.weight.dtype):
-            raise ValueError(f"cannot prepack a {linear.weight.dtype} weight on {linear.weight.device}: packing "
-                             f"needs bfloat16 on a CPU with oneDNN")
+        check_packable(linear.weight)
     for parent, name, linear in targets:
         setattr(parent, name, PackedLinear(linear.weight, linear.bias))
     return len(targets)
@@ -80,8 +85,6 @@ def prepack_linear_layers(model: nn.Module) -> int:
 def prepacked_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` with packed linear layers that shares every other tensor with it
     (embeddings, norms, buffers); `model` itself is left as it was."""
-    import copy
-
     shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     clone = copy.deepcopy(model, memo=shared)
     prepack_linear_layers(clone)
