@@ -38,10 +38,12 @@ release: setup
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# On a CUDA machine (with its own torch): the tests marked `cuda` and a short benchmark.
+# On a CUDA machine (with its own torch): the tests marked `cuda` and two short benchmarks
+# (the tiny model; random weights of SmolLM2's shape against `transformers` on the same weights).
 gpu-check:
 	PYTHONPATH=lib python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_device.py tests/test_kv_cache.py
 	PYTHONPATH=lib python3 bench/decode_speed.py --model tiny --device cuda --tokens 64 --no-transformers
+	PYTHONPATH=lib python3 bench/gpu_engine.py --device cuda --dtype bfloat16
 
 bench: setup
 	$(BIN)/python bench/decode_speed.py
