@@ -160,6 +160,9 @@ def main():
     parser.add_argument("--unpacked", action="store_true", help="bfloat16 on CPU: keep plain weights")
     parser.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--temperatures", default="0,0.7,1.0")
+    parser.add_argument("--tree-widths", default="",
+                        help="feature drafter: also k = 1 at T = 0 with the drafter's top-w candidates judged "
+                             "in one pass (decodelab.draft_tree), for each w listed, e.g. 2,3")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
@@ -174,6 +177,7 @@ def main():
     clock = CLOCKS[args.clock]
     ks = [int(k) for k in args.ks.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
+    widths = [int(w) for w in args.tree_widths.split(",") if w]
     device = torch.device(args.device)
     target, draft, tokenizer, pair = load_pair(args.model, args.draft_layers, device, args.drafter, args.dtype)
     packed = not args.unpacked and can_prepack(device, target.dtype)
@@ -190,7 +194,7 @@ def main():
 
     # Step costs: the draft's one-token step vs the target's, and the target's verify curve.
     probe = prompts[0]
-    target_times, draft_step = step_times(target, draft, probe, max(ks) + 1, args.repeats)
+    target_times, draft_step = step_times(target, draft, probe, max(ks + widths) + 1, args.repeats)
     target_step = target_times[1]
     draft_cost = draft_step / target_step
     verify_curve = {n: t / target_step for n, t in target_times.items()}
@@ -199,39 +203,40 @@ def main():
           + " ".join(f"{n}:{r:.2f}" for n, r in verify_curve.items()), flush=True)
 
     rows = []
-    header = (f"{'T':>4} {'k':>2} {'alpha':>6} {'acc/prop':>10} {'tok/call':>8} {'(1-a^k+1)/(1-a)':>15} "
+    header = (f"{'T':>4} {'k':>2} {'w':>2} {'alpha':>6} {'acc/prop':>10} {'tok/call':>8} {'(1-a^k+1)/(1-a)':>15} "
               f"{'Thm3.8':>7} {'w/verify':>8} {'speedup':>8} {'same':>5}")
     print(header)
-    for temperature in temperatures:
-        for k in ks:
-            stats = SpeculativeStats()
-            base_time = spec_time = 0.0
-            identical = True
-            for round_index in range(args.rounds):
-                for prompt_index, prompt_ids in enumerate(prompts):
-                    seed = 1000 * round_index + prompt_index
-                    params = SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True, seed=seed)
-                    base = lambda: stream_token_ids(target, prompt_ids, params)  # noqa: E731
-                    spec = lambda: stream_speculative(target, draft, prompt_ids, params, k, stats=stats)  # noqa: E731
-                    order = (base, spec) if (round_index + prompt_index) % 2 == 0 else (spec, base)
-                    results = {id(run): timed(run) for run in order}
-                    (t_base, out_base), (t_spec, out_spec) = results[id(base)], results[id(spec)]
-                    base_time, spec_time = base_time + t_base, spec_time + t_spec
-                    identical &= (out_base == out_spec) if temperature == 0 else len(out_base) == len(out_spec)
-            alpha = stats.acceptance_rate
-            per_call = expected_tokens_per_call(alpha, k)
-            row = dict(temperature=temperature, k=k, alpha=alpha, accepted=stats.accepted, proposed=stats.proposed,
-                       rejected=stats.rejected, accepted_per_proposed=stats.accepted_per_proposed,
-                       target_calls=stats.target_calls, draft_calls=stats.draft_calls, generated=stats.generated,
-                       tokens_per_target_call=stats.tokens_per_target_call, expected_tokens_per_call=per_call,
-                       theorem_3_8=expected_speedup(alpha, k, draft_cost),
-                       with_measured_verify=per_call / (k * draft_cost + verify_curve[k + 1]),
-                       speedup=base_time / spec_time, target_only_s=base_time, speculative_s=spec_time,
-                       greedy_identical=identical if temperature == 0 else None)
-            rows.append(row)
-            print(f"{temperature:>4} {k:>2} {alpha:>6.3f} {stats.accepted:>5}/{stats.proposed:<4} "
-                  f"{row['tokens_per_target_call']:>8.2f} {per_call:>15.2f} {row['theorem_3_8']:>7.2f} "
-                  f"{row['with_measured_verify']:>8.2f} {row['speedup']:>7.2f}x {str(identical):>5}", flush=True)
+    configs = [(t, k, 1) for t in temperatures for k in ks] + [(0.0, 1, w) for w in widths]
+    for temperature, k, width in configs:
+        stats = SpeculativeStats()
+        base_time = spec_time = 0.0
+        identical = True
+        for round_index in range(args.rounds):
+            for prompt_index, prompt_ids in enumerate(prompts):
+                seed = 1000 * round_index + prompt_index
+                params = SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True, seed=seed)
+                base = lambda: stream_token_ids(target, prompt_ids, params)  # noqa: E731
+                spec = lambda: stream_speculative(target, draft, prompt_ids, params, k, stats=stats,  # noqa: E731
+                                                  tree_width=width)
+                order = (base, spec) if (round_index + prompt_index) % 2 == 0 else (spec, base)
+                results = {id(run): timed(run) for run in order}
+                (t_base, out_base), (t_spec, out_spec) = results[id(base)], results[id(spec)]
+                base_time, spec_time = base_time + t_base, spec_time + t_spec
+                identical &= (out_base == out_spec) if temperature == 0 else len(out_base) == len(out_spec)
+        alpha = stats.acceptance_rate
+        per_call = expected_tokens_per_call(alpha, k)
+        row = dict(temperature=temperature, k=k, tree_width=width, alpha=alpha, accepted=stats.accepted,
+                   proposed=stats.proposed, rejected=stats.rejected, accepted_per_proposed=stats.accepted_per_proposed,
+                   target_calls=stats.target_calls, draft_calls=stats.draft_calls, generated=stats.generated,
+                   tokens_per_target_call=stats.tokens_per_target_call, expected_tokens_per_call=per_call,
+                   theorem_3_8=expected_speedup(alpha, k, draft_cost),
+                   with_measured_verify=per_call / (k * draft_cost + verify_curve[k + width]),
+                   speedup=base_time / spec_time, target_only_s=base_time, speculative_s=spec_time,
+                   greedy_identical=identical if temperature == 0 else None)
+        rows.append(row)
+        print(f"{temperature:>4} {k:>2} {width:>2} {alpha:>6.3f} {stats.accepted:>5}/{stats.proposed:<4} "
+              f"{row['tokens_per_target_call']:>8.2f} {per_call:>15.2f} {row['theorem_3_8']:>7.2f} "
+              f"{row['with_measured_verify']:>8.2f} {row['speedup']:>7.2f}x {str(identical):>5}", flush=True)
 
     best = max(rows, key=lambda r: r["speedup"])
     greedy = [r for r in rows if r["temperature"] == 0]

@@ -45,15 +45,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
     num_queries, num_keys = q.shape[2], k.shape[2]
     if num_keys != q_offset + num_queries:
         raise ValueError(f"attention got {num_keys} keys for {num_queries} queries at offset {q_offset}")
+    if sliding_window is None and num_queries == 1:
+        return masked_attention(q, k, v)  # one new token sees everything before it
+    if sliding_window is None and q_offset == 0:
+        return masked_attention(q, k, v, is_causal=True)
+    return masked_attention(q, k, v, causal_mask(num_queries, num_keys, q_offset, q.device, sliding_window))
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                     is_causal: bool = False) -> torch.Tensor:
+    """SDPA of q [B, H, T, D] over k, v [B, H_kv, S, D] with grouped KV heads; mask: boolean
+    [T, S] (True: may attend), or None for no mask (is_causal: SDPA's own causal mask)."""
     group = q.shape[1] // k.shape[1]
     grouped = {}
     if group > 1 and SDPA_HAS_GQA:
         grouped = {"enable_gqa": True}
     elif group > 1:
         k, v = repeat_kv(k, group), repeat_kv(v, group)
-    if sliding_window is None and num_queries == 1:
-        return F.scaled_dot_product_attention(q, k, v, **grouped)  # one new token sees everything before it
-    if sliding_window is None and q_offset == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **grouped)
-    mask = causal_mask(num_queries, num_keys, q_offset, q.device, sliding_window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **grouped)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **grouped)

@@ -18,7 +18,9 @@ Each step emits 1 .. k+1 tokens for one target forward. A drafter is either a dr
 function ``(token_ids, k) -> list of <= k ids`` such as `decodelab.lookup.propose_from_prompt`,
 or a `decodelab.eagle.FeatureDrafter`, which also reads the target's last hidden states.
 A function's guesses are deterministic, so q_i is one-hot: d_i is accepted with probability
-p_i(d_i), and a rejection draws from p_i with d_i removed.
+p_i(d_i), and a rejection draws from p_i with d_i removed. At temperature 0, a feature
+drafter can also put its top-w candidates for the next token to the target in one pass
+(`tree_width=w`, `decodelab.draft_tree`).
 
 Shapes: k drafted tokens, V vocab_size, B independent steps (the batched acceptance rule).
 """
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .draft_tree import accept_candidate, keep_row, path_rows, top_candidates, verify_candidates
 from .eagle import FeatureDrafter, FeatureDraftSession
 from .generate import check_prompt, make_generator
 from .kv_cache import KVCache
@@ -195,16 +198,23 @@ class SpeculativeStats:
 @torch.inference_mode()
 def stream_speculative(target, drafter: Drafter, prompt_ids: list[int], params: SamplingParams,
                        num_speculative_tokens: int = 4, stop_token_ids=(),
-                       stats: SpeculativeStats | None = None) -> Iterator[int]:
+                       stats: SpeculativeStats | None = None, tree_width: int = 1) -> Iterator[int]:
     """Yield generated ids one by one, as `decodelab.generate.stream_token_ids` does, and count
     into `stats` (pass a `SpeculativeStats` to read them). Greedy output equals the target's own.
 
     drafter: a draft model, or a function (token_ids, k) -> up to k guesses (module docstring).
     Each step drafts min(k, tokens still to generate - 1), so no work goes past max_tokens.
+    tree_width > 1 (a feature drafter, greedy, k = 1): the drafter's top tree_width tokens are
+    judged together in one pass (`decodelab.draft_tree`); a step's draft then counts as accepted
+    when any candidate is, so stats' alpha is per position, not per candidate.
     """
     k = num_speculative_tokens
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+    if isinstance(tree_width, bool) or not isinstance(tree_width, int) or tree_width < 1:
+        raise ValueError(f"tree_width must be an integer >= 1, got {tree_width!r}")
+    if tree_width > 1 and not (isinstance(drafter, FeatureDrafter) and params.greedy and k == 1):
+        raise ValueError("tree_width > 1 needs a feature drafter, temperature 0 and num_speculative_tokens=1")
     if params.repetition_penalty != 1:
         raise ValueError("speculative decoding does not support repetition_penalty != 1")
     config, device = target.config, target.device
@@ -243,23 +253,33 @@ def stream_speculative(target, drafter: Drafter, prompt_ids: list[int], params: 
     pending = torch.tensor(prompt_ids[-1:], device=device)  # [1]
     while len(ids) < max_len:
         k_step = min(k, max_len - len(ids) - 1)  # never draft past max_tokens
-        draft_tokens, draft_probs = propose(drafter, draft_cache, ids, k_step, params, generator,
-                                            config.vocab_size, device)
-        if feature_drafter is not None:
-            target_logits, features = verify_with_features(target, target_cache, pending, draft_tokens)
+        if tree_width > 1:
+            width = min(tree_width, max_len - len(ids)) if k_step else 0  # the cache must hold them all
+            draft_tokens = top_candidates(draft_cache, ids, width)  # [w]
+            target_logits, features = verify_candidates(target, target_cache, pending, draft_tokens)
+            new, row = accept_candidate(draft_tokens, target_logits)
+            draft_cache.add_features(features[path_rows(row)])  # the drafter learns the accepted path
+            keep_row(target_cache, row, len(ids) + len(new) - 1)
+            judged = min(1, len(draft_tokens))  # the candidates share one position
         else:
-            target_logits = verify(target, target_cache, pending, draft_tokens)  # [k'+1, V]
-        if params.greedy:
-            new = greedy_accept(draft_tokens, target_logits)
-        else:
-            new = accept_draft_tokens(draft_tokens, draft_probs, probs(target_logits, params), generator)
+            draft_tokens, draft_probs = propose(drafter, draft_cache, ids, k_step, params, generator,
+                                                config.vocab_size, device)
+            if feature_drafter is not None:
+                target_logits, features = verify_with_features(target, target_cache, pending, draft_tokens)
+            else:
+                target_logits = verify(target, target_cache, pending, draft_tokens)  # [k'+1, V]
+            if params.greedy:
+                new = greedy_accept(draft_tokens, target_logits)
+            else:
+                new = accept_draft_tokens(draft_tokens, draft_probs, probs(target_logits, params), generator)
+            if feature_drafter is not None:  # features of pending and the accepted drafts
+                draft_cache.add_features(features[:len(new)])
+            rollback(target_cache, draft_cache if draft_model is not None else None, len(ids) + len(new) - 1)
+            judged = len(draft_tokens)
         new_ids = new.tolist()
-        if feature_drafter is not None:  # features of pending and the accepted drafts
-            draft_cache.add_features(features[:len(new_ids)])
-        rollback(target_cache, draft_cache if draft_model is not None else None, len(ids) + len(new_ids) - 1)
         stats.proposed += len(draft_tokens)
         stats.accepted += len(new_ids) - 1
-        stats.rejected += len(new_ids) - 1 < len(draft_tokens)
+        stats.rejected += len(new_ids) - 1 < judged
         stats.target_calls += 1
         stats.draft_calls += k_step if draft_model is not None or feature_drafter is not None else int(k_step > 0)
         pending = new[-1:]
@@ -272,11 +292,12 @@ def stream_speculative(target, drafter: Drafter, prompt_ids: list[int], params: 
 
 
 def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], params: SamplingParams,
-                         num_speculative_tokens: int = 4, stop_token_ids=()) -> tuple[list[int], SpeculativeStats]:
+                         num_speculative_tokens: int = 4, stop_token_ids=(), tree_width: int = 1
+                         ) -> tuple[list[int], SpeculativeStats]:
     """The whole output of `stream_speculative` -> (output_ids, stats)."""
     stats = SpeculativeStats()
     output = list(stream_speculative(target, drafter, prompt_ids, params, num_speculative_tokens,
-                                     stop_token_ids, stats))
+                                     stop_token_ids, stats, tree_width))
     return output, stats
 
 
