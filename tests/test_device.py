@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from decodelab.config import ModelConfig
+from decodelab.eagle import FeatureDrafter
 from decodelab.engine import LLM
 from decodelab.generate import stream_token_ids
 from decodelab.model import LlamaForCausalLM
 from decodelab.models import load
 from decodelab.params import SamplingParams
+from decodelab.speculative import speculative_generate
 from oracles import check_greedy_agreement, last_logits_fn, randomize_
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -36,6 +38,11 @@ def engine_checks(device: str) -> None:
     spec = LLM((model, tokenizer), num_kv_blocks=64, speculative_model=draft, num_speculative_tokens=3)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == singles
     assert spec.allocator.num_free == spec.allocator.num_blocks
+    torch.manual_seed(0)  # an untrained feature drafter: the greedy output is the target's whatever it guesses
+    drafter = FeatureDrafter(model.config).to(device).attach(model).eval()
+    for k, width in ((3, 1), (1, 2), (1, 3)):
+        output, _ = speculative_generate(model, drafter, prompts[1], params, k, tree_width=width)
+        assert output == singles[1], f"feature drafter, k={k}, tree width {width}, on {device}"
 
 
 def smollm2_shaped_checks(device: str, dtype: torch.dtype) -> None:
