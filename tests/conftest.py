@@ -67,3 +67,15 @@ def hf_gguf_tokenizer(smollm2_gguf):
     pytest.importorskip("transformers")
     with quiet_transformers() as transformers, memoized_gguf_reading():
         return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """(the tiny target, an untrained feature drafter attached to it, the tokenizer), on the CPU."""
+    from decodelab.eagle import FeatureDrafter
+    from decodelab.models import load
+
+    target, tokenizer = load("tiny", device="cpu")
+    torch.manual_seed(0)
+    drafter = FeatureDrafter(target.config).attach(target).eval()
+    return target, drafter, tokenizer

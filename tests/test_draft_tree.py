@@ -8,22 +8,13 @@ import pytest
 import torch
 
 from decodelab import draft_tree
-from decodelab.eagle import FeatureDrafter, FeatureDraftSession
+from decodelab.eagle import FeatureDraftSession
 from decodelab.generate import stream_token_ids
 from decodelab.kv_cache import KVCache
-from decodelab.models import load
 from decodelab.params import SamplingParams
 from decodelab.speculative import speculative_generate
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_pair():
-    target, tokenizer = load("tiny", device="cpu")
-    torch.manual_seed(0)
-    drafter = FeatureDrafter(target.config).attach(target).eval()
-    return target, drafter, tokenizer
 
 
 def plain_pass(target, prefix: list[int], tokens: list[int]) -> tuple[torch.Tensor, KVCache]:

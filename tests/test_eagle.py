@@ -20,14 +20,6 @@ from decodelab.params import SamplingParams
 from decodelab.speculative import speculative_generate
 
 
-@pytest.fixture(scope="module")
-def tiny_pair():
-    target, tokenizer = load("tiny", device="cpu")
-    torch.manual_seed(0)
-    drafter = FeatureDrafter(target.config).attach(target).eval()
-    return target, drafter, tokenizer
-
-
 class SessionWithoutTruncation(FeatureDraftSession):
     """A plausible bug: the entries made from the drafter's own predictions stay in its cache,
     so later steps would attend to guesses (some of them rejected) instead of target features."""
