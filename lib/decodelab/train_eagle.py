@@ -38,13 +38,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .chat_prompts import eval_prompts, train_prompts
+from .chat_prompts import broad_train_prompts, eval_prompts, train_prompts
 from .eagle import CONFIG_FILE, PACKAGE_DATA, FeatureDrafter, load_drafter, save_drafter
 
 OUT_NAME = "smollm2-eagle"
 MAX_NEW, EVAL_MAX_NEW = 192, 128
-SAMPLED_SHARE = 0.5  # of the training prompts, also answered at temperature 0.7
+SAMPLED_SHARE = 0.5  # of train_prompts, also answered at temperature 0.7 (all of broad_train_prompts are)
 REG_WEIGHT, CLS_WEIGHT, NOISE = 1.0, 0.5, 0.2
+TRAIN_SETS = ("train_greedy", "train_sampled", "train_broad", "train_broad_sampled")  # cache names
 RANDOM_CANDIDATES = 1024  # vocabulary entries added at random to each step's softmax
 
 
@@ -77,8 +78,9 @@ def make_data(cache: Path) -> None:
         log(f"data: held-out answers (fp32 greedy) in {time.time() - t0:.0f} s")
         del llm
     llm = None
-    texts = train_prompts()
-    jobs = [("train_greedy", texts, 0.0), ("train_sampled", texts[:int(SAMPLED_SHARE * len(texts))], 0.7)]
+    texts, broad = train_prompts(), broad_train_prompts()
+    jobs = [("train_greedy", texts, 0.0), ("train_sampled", texts[:int(SAMPLED_SHARE * len(texts))], 0.7),
+            ("train_broad", broad, 0.0), ("train_broad_sampled", broad, 0.7)]
     for name, subset, temperature in jobs:
         path = cache / f"{name}.pt"
         if path.exists():
@@ -95,7 +97,7 @@ def make_data(cache: Path) -> None:
 @torch.inference_mode()
 def make_features(cache: Path, target, batch_tokens: int = 4096) -> None:
     """features_<name>.pt: per conversation, ids [T] and the target's features [T, E] (bf16)."""
-    for name in ("eval", "train_greedy", "train_sampled"):
+    for name in ("eval",) + TRAIN_SETS:
         path = cache / f"features_{name}.pt"
         if path.exists():
             continue
@@ -196,7 +198,7 @@ def train(cache: Path, target, minutes: float, lr: float, tokens_per_batch: int,
     training record is kept under "resumed_from")."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    rows = load_features(cache, ("train_greedy", "train_sampled"))
+    rows = load_features(cache, TRAIN_SETS)
     held_out = load_features(cache, ("eval",))
     for p in target.parameters():
         p.requires_grad_(False)
@@ -355,7 +357,8 @@ def write_report(folder: Path, training: dict, evaluation: dict, data: dict) -> 
         hist += [f"| {steps_before + h['step']} | {minutes_before + h['minutes']:.1f} | {h['loss_ema']:.4f} | "
                  f"{h['agreement']:.3f} |" for h in phase["history"]]
         steps_before, minutes_before = steps_before + phase["steps"], minutes_before + phase["minutes"]
-    schedule = "; ".join(f"{p['minutes']:.1f} min at lr {p['lr']} ({p['steps']} steps)" for p in phases)
+    schedule = "; ".join(f"{p['minutes']:.1f} min at lr {p['lr']} ({p['steps']} steps, {p['conversations']} "
+                         "conversations)" for p in phases)
     st = evaluation["step_times"]
     lines = [
         "# `smollm2-eagle`: a feature drafter for SmolLM2-135M-Instruct", "",
@@ -370,9 +373,10 @@ def write_report(folder: Path, training: dict, evaluation: dict, data: dict) -> 
         "with it): its lm_head product reads those rows only, the largest part of a draft step.", "",
         "## Data", "",
         f"- {data['conversations']} conversations written by SmolLM2 itself (the batched engine, bfloat16 copy) to "
-        f"the training prompts of `decodelab.chat_prompts`: greedy for every prompt and sampled at temperature 0.7 "
-        f"for {int(100 * SAMPLED_SHARE)}% of them, at most {MAX_NEW} answer tokens; {data['positions']:,} positions "
-        "with SmolLM2's float32 features",
+        f"the training prompts of `decodelab.chat_prompts` (`train_prompts`, then the broader "
+        f"`broad_train_prompts`): greedy for every prompt, and sampled at temperature 0.7 for "
+        f"{int(100 * SAMPLED_SHARE)}% of the first set and all of the second; at most {MAX_NEW} answer tokens; "
+        f"{data['positions']:,} positions with SmolLM2's float32 features",
         f"- held out: {data['held_out']} prompts from other templates and subjects, answered greedily in float32",
         "", "## Training", "",
         f"- {minutes_before:.1f} min on this 2-core CPU, {steps_before} steps, batches of about "
