@@ -45,7 +45,10 @@ OUT_NAME = "smollm2-eagle"
 MAX_NEW, EVAL_MAX_NEW = 192, 128
 SAMPLED_SHARE = 0.5  # of train_prompts, also answered at temperature 0.7 (all of broad_train_prompts are)
 REG_WEIGHT, CLS_WEIGHT, NOISE = 1.0, 0.5, 0.2
-TRAIN_SETS = ("train_greedy", "train_sampled", "train_broad", "train_broad_sampled")  # cache names
+TRAIN_JOBS = (  # cache name, prompt set, share of it answered, temperature
+    ("train_greedy", train_prompts, 1.0, 0.0), ("train_sampled", train_prompts, SAMPLED_SHARE, 0.7),
+    ("train_broad", broad_train_prompts, 1.0, 0.0), ("train_broad_sampled", broad_train_prompts, 1.0, 0.7))
+TRAIN_SETS = tuple(name for name, *_ in TRAIN_JOBS)
 RANDOM_CANDIDATES = 1024  # vocabulary entries added at random to each step's softmax
 
 
@@ -78,13 +81,12 @@ def make_data(cache: Path) -> None:
         log(f"data: held-out answers (fp32 greedy) in {time.time() - t0:.0f} s")
         del llm
     llm = None
-    texts, broad = train_prompts(), broad_train_prompts()
-    jobs = [("train_greedy", texts, 0.0), ("train_sampled", texts[:int(SAMPLED_SHARE * len(texts))], 0.7),
-            ("train_broad", broad, 0.0), ("train_broad_sampled", broad, 0.7)]
-    for name, subset, temperature in jobs:
+    for name, prompt_set, share, temperature in TRAIN_JOBS:
         path = cache / f"{name}.pt"
         if path.exists():
             continue
+        texts = prompt_set()
+        subset = texts[:int(share * len(texts))]
         llm = llm or LLM("smollm2", device="cpu", dtype="bfloat16", max_num_seqs=48)
         prompts = [chat_ids(llm.tokenizer, p) for p in subset]
         t0 = time.time()
