@@ -204,7 +204,9 @@ def train(cache: Path, target, minutes: float, lr: float, tokens_per_batch: int,
     held_out = load_features(cache, ("eval",))
     for p in target.parameters():
         p.requires_grad_(False)
-    drafter = init_drafter(target) if resume is None else load_drafter(target, resume).train()
+    # a resumed drafter is trained and scored over the whole vocabulary, like a new one; its draft
+    # vocabulary is set again from this training text at the end
+    drafter = init_drafter(target) if resume is None else load_drafter(target, resume).restrict_vocabulary(None).train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     other = [p for p in params if p.dim() < 2]
