@@ -222,14 +222,26 @@ biographies""".split(";")
 BROAD_CITIES = """Kyoto; Barcelona; Istanbul; Lisbon; Vienna; Prague; Amsterdam; Seoul""".split(";")
 
 
-
-
 def _items(text_list: list[str]) -> list[str]:
     return [" ".join(t.split()) for t in text_list if t.strip()]
 
 
+def _fill(rng: random.Random, templates: list[str], items: list[str], per_item: int | None = None) -> list[str]:
+    """Each of `items` (cleaned by `_items`) put into `per_item` of the templates drawn at random,
+    or into every template when per_item is None."""
+    return [t.format(x=x) for x in _items(items)
+            for t in (templates if per_item is None else rng.sample(templates, per_item))]
+
+
+def _distinct_shuffled(prompts: list[str], rng: random.Random) -> list[str]:
+    """Duplicates dropped, then a seeded order (so the first n of a list are a fair sample)."""
+    prompts = sorted(set(prompts))
+    rng.shuffle(prompts)
+    return prompts
+
+
 def train_prompts(seed: int = 0) -> list[str]:
-    """About 1,300 distinct training prompts: every template family over the training subjects."""
+    """About 1,150 distinct training prompts: every template family over the training subjects."""
     rng = random.Random(seed)
     lists = {"topic": _items(TRAIN_TOPICS), "thing": _items(TRAIN_THINGS), "task": _items(TRAIN_TASKS),
              "pair": _items(TRAIN_PAIRS), "code": _items(TRAIN_CODE),
@@ -247,29 +259,26 @@ def train_prompts(seed: int = 0) -> list[str]:
     for kind, templates in EXTRA_TEMPLATES.items():
         prompts += [rng.choice(templates).format(x=x) for x in lists[kind]]
     topic_templates = TRAIN_TEMPLATES["topic"] + EXTRA_TEMPLATES["topic"]
-    prompts += [t.format(x=x) for x in _items(MORE_TOPICS) for t in rng.sample(topic_templates, 2)]
-    prompts = sorted(set(prompts))
-    rng.shuffle(prompts)
-    return prompts
-
+    prompts += _fill(rng, topic_templates, MORE_TOPICS, 2)
+    return _distinct_shuffled(prompts, rng)
 
 
 def broad_train_prompts(seed: int = 1) -> list[str]:
-    """About 1,100 more training prompts, broader than `train_prompts` (other subjects and
+    """About 1,000 more training prompts, broader than `train_prompts` (other subjects and
     families), none of them a held-out prompt, template or subject."""
     rng = random.Random(seed)
-    prompts = [t.format(x=x) for x in _items(BROAD_SUBJECTS) for t in rng.sample(BROAD_SUBJECT_TEMPLATES, 3)]
-    prompts += [t.format(x=x) for x in _items(BROAD_THINGS) for t in rng.sample(BROAD_THING_TEMPLATES, 3)]
-    prompts += [t.format(x=x) for x in _items(BROAD_TASKS) for t in rng.sample(BROAD_TASK_TEMPLATES, 2)]
+    prompts = _fill(rng, BROAD_SUBJECT_TEMPLATES, BROAD_SUBJECTS, 3)
+    prompts += _fill(rng, BROAD_THING_TEMPLATES, BROAD_THINGS, 3)
+    prompts += _fill(rng, BROAD_TASK_TEMPLATES, BROAD_TASKS, 2)
     prompts += [t.format(x=x, lang=rng.choice(BROAD_LANGUAGES)) for x in _items(BROAD_CODE)
                 for t in rng.sample(BROAD_CODE_TEMPLATES, 2)]
-    prompts += [t.format(x=x) for x in _items(BROAD_PY_FEATURES) for t in BROAD_PY_TEMPLATES]
+    prompts += _fill(rng, BROAD_PY_TEMPLATES, BROAD_PY_FEATURES)
     prompts += [f"What is the difference between {x}?" for x in _items(BROAD_TECH_PAIRS)]
     prompts += [rng.choice(BROAD_MAIL_TEMPLATES).format(x=f"{who} about {what}")
                 for who in _items(BROAD_RECIPIENTS) for what in _items(BROAD_SUBJECTS_OF_MAIL)]
-    prompts += [t.format(x=x) for x in _items(BROAD_SENTENCES) for t in rng.sample(BROAD_SENTENCE_TEMPLATES, 3)]
+    prompts += _fill(rng, BROAD_SENTENCE_TEMPLATES, BROAD_SENTENCES, 3)
     prompts += _items(BROAD_QUESTIONS)
-    prompts += [t.format(x=x) for x in _items(BROAD_IDEAS) for t in BROAD_IDEA_TEMPLATES]
+    prompts += _fill(rng, BROAD_IDEA_TEMPLATES, BROAD_IDEAS)
     prompts += [f"Recommend three books for someone who likes {x}." for x in _items(BROAD_GENRES)]
     prompts += [f"Plan a one-day visit to {x}." for x in _items(BROAD_CITIES)]
     arithmetic = ["What is {a} minus {b}?", "What is {a} divided by {b}?", "What is {b} percent of {a}?",
@@ -279,9 +288,7 @@ def broad_train_prompts(seed: int = 1) -> list[str]:
     for i in range(80):
         a, b, c = rng.randint(10, 999), rng.randint(2, 60), rng.randint(2, 12)
         prompts.append(arithmetic[i % len(arithmetic)].format(a=a, b=b, c=c))
-    prompts = sorted(set(prompts))
-    rng.shuffle(prompts)
-    return prompts
+    return _distinct_shuffled(prompts, rng)
 
 
 def eval_prompts() -> list[str]:
