@@ -50,10 +50,10 @@ NAMED_DRAFTERS = {"smollm2-eagle": "smollm2"}  # drafter name -> the target it w
 WEIGHTS_FILE, CONFIG_FILE = "drafter.safetensors", "drafter.json"
 VOCAB_TENSOR = "draft_vocab"  # in WEIGHTS_FILE: the token ids a drafter may propose (int32), if restricted
 # tests/test_eagle.py: smollm2-eagle's greedy alpha (k = 3) on the first 3 held-out prompts must
-# reach this; it measured 0.41 there on this machine (56 of 137 drafts: a small sample, the 16
-# held-out prompts give 0.46-0.51 for k = 1..4, data/smollm2-eagle/TRAINING.md); an untrained
+# reach this; it measured 0.44 there on this machine (60 of 136 drafts: a small sample, the 16
+# held-out prompts give 0.47-0.53 for k = 1..4, data/smollm2-eagle/TRAINING.md); an untrained
 # drafter scores 0.0.
-TESTED_MIN_ALPHA = 0.36
+TESTED_MIN_ALPHA = 0.38
 
 
 class FeatureDrafter(nn.Module):
