@@ -35,7 +35,9 @@ lab: setup
 release: setup
 	$(BIN)/python -m autograder.release $(RELEASE)
 
+# lint-imports: the layers and contracts of lib/decodelab/README.md (pyproject.toml).
 test: setup
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # On a CUDA machine (with its own torch): the tests marked `cuda` and two short benchmarks

@@ -13,7 +13,7 @@ autograder/sandbox.py), LimitOutput, and SaveAutoGrades into the gradebook.
 Scoring trusts the kernel's execute replies, not what it displayed: a test cell whose reply says
 error (or that timed out, or never ran) earns 0 whatever its outputs show, and a test cell whose
 reply says ok is not zeroed by stray stderr. Before each test cell the grader drops the kernel's
-imported test helpers (autograder.*, decodelab.checking) so that an answer cell cannot patch them.
+imported test helpers (autograder.*, decodelab.course.checking) so that an answer cell cannot patch them.
 
 status (the first that applies wins) | score
   unreadable  not a valid notebook (bad JSON, empty file)             0
@@ -47,7 +47,7 @@ NO_SANDBOX_NOTE = "graded WITHOUT the sandbox (--no-sandbox): the kernel ran as 
 # Dropped from the kernel before each test cell, so that the test imports them afresh.
 RESET_HELPERS = ("import sys as _grader_sys\n"
                  "for _grader_m in [m for m in _grader_sys.modules if m == 'autograder' or m.startswith('autograder.')"
-                 " or m == 'decodelab.checking']:\n"
+                 " or m == 'decodelab.course.checking']:\n"
                  "    del _grader_sys.modules[_grader_m]\n"
                  "del _grader_sys\n")
 

@@ -4,7 +4,7 @@ instructor in the notes of the CSV; never scored.
 Two things are flagged, in the cells the learner wrote (solution cells and cells added to the
 release):
 * a call of the library's reference implementation of a graded function (each checks module
-  declares them in REFERENCES, e.g. ``count_parameters -> decodelab.kv_size:parameter_count``);
+  declares them in REFERENCES, e.g. ``count_parameters -> decodelab.lessons.kv_size:parameter_count``);
 * any use of the grader's own package or files (``autograder``): the hidden tests live there.
 """
 from __future__ import annotations

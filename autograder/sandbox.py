@@ -396,7 +396,7 @@ def launch(spec: Spec, argv: list[str]) -> None:
 
 def kernel_env(extra: dict | None = None) -> dict[str, str]:
     """The kernel's whole environment: nothing of the grader's leaks in but what is listed."""
-    from decodelab.models import cache_dir
+    from decodelab.paths import cache_dir
 
     env = {
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
@@ -421,7 +421,7 @@ def kernel_env(extra: dict | None = None) -> dict[str, str]:
 def share_model_cache() -> list[str]:
     """Make the prepared models readable by the kernels' uids (the converter may leave its
     weights 0600, root's own); returns the files it opened up."""
-    from decodelab.models import cache_dir
+    from decodelab.paths import cache_dir
 
     opened = []
     root = cache_dir()
@@ -470,7 +470,7 @@ class Sandbox:
             os.chown(target, self.uid, self.uid)
 
     def spec(self) -> Spec:
-        from decodelab.models import cache_dir
+        from decodelab.paths import cache_dir
 
         readable = [sys.base_prefix, sys.prefix, str(ROOT), str(cache_dir())]
         return Spec(uid=self.uid, scratch=str(self.scratch), ipc_dir=str(self.ipc_dir), limits=asdict(self.limits),
@@ -534,7 +534,7 @@ def preflight(work: Path, limits: Limits, hide: list[Path]) -> None:
     the machine cannot do it."""
     import subprocess
 
-    from decodelab.models import cache_dir
+    from decodelab.paths import cache_dir
 
     reason = unavailable_reason()
     if reason:

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 import decodelab  # noqa: E402,F401  (first: sets OMP_WAIT_POLICY before torch starts its threads)
 import torch  # noqa: E402
-from decodelab.generate import stream_token_ids  # noqa: E402
-from decodelab.measure import Roofline, matmul_flops, memory_bandwidth, parameter_bytes, synchronize  # noqa: E402
-from decodelab.models import load, resolve_model  # noqa: E402
+from decodelab.decoding.generate import stream_token_ids  # noqa: E402
+from decodelab.lessons.measure import Roofline, matmul_flops, memory_bandwidth, parameter_bytes, synchronize  # noqa: E402
+from decodelab.model.registry import load, resolve_model  # noqa: E402
 from decodelab.params import SamplingParams  # noqa: E402
 
 

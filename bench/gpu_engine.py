@@ -28,13 +28,13 @@ import decodelab  # noqa: E402,F401  (first: sets OMP_WAIT_POLICY before torch s
 import torch  # noqa: E402
 from decode_speed import time_ours, time_transformers  # noqa: E402
 from decodelab.config import ModelConfig  # noqa: E402
-from decodelab.engine import LLM  # noqa: E402
-from decodelab.kv_size import config_fields  # noqa: E402
-from decodelab.measure import memory_bandwidth, parameter_bytes, synchronize  # noqa: E402
-from decodelab.model import LlamaForCausalLM  # noqa: E402
-from decodelab.models import load  # noqa: E402
+from decodelab.engine.llm import LLM  # noqa: E402
+from decodelab.lessons.kv_size import config_fields  # noqa: E402
+from decodelab.lessons.measure import memory_bandwidth, parameter_bytes, synchronize  # noqa: E402
+from decodelab.model.llama import LlamaForCausalLM  # noqa: E402
+from decodelab.model.registry import load  # noqa: E402
 from decodelab.params import SamplingParams  # noqa: E402
-from decodelab.weights import resolve_dtype, save_model  # noqa: E402
+from decodelab.model.weights import resolve_dtype, save_model  # noqa: E402
 from oracles import randomize_  # noqa: E402
 
 

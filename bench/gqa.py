@@ -35,12 +35,13 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from decodelab.config import ModelConfig  # noqa: E402
-from decodelab.gqa import attention_kind, pool_model_kv_heads  # noqa: E402
-from decodelab.kv_cache import KVCache  # noqa: E402
-from decodelab.kv_size import kv_bytes, parameter_count  # noqa: E402
-from decodelab.measure import parameter_bytes, synchronize  # noqa: E402
-from decodelab.model import LlamaForCausalLM  # noqa: E402
-from decodelab.models import PACKAGE_DATA, load  # noqa: E402
+from decodelab.lessons.gqa import attention_kind, pool_model_kv_heads  # noqa: E402
+from decodelab.model.kv_cache import KVCache  # noqa: E402
+from decodelab.lessons.kv_size import kv_bytes, parameter_count  # noqa: E402
+from decodelab.lessons.measure import parameter_bytes, synchronize  # noqa: E402
+from decodelab.model.llama import LlamaForCausalLM  # noqa: E402
+from decodelab.model.registry import load  # noqa: E402
+from decodelab.paths import PACKAGE_DATA  # noqa: E402
 
 SEED = {8: {"cache_MB": 32, "step_ms": 5.95}, 2: {"cache_MB": 8, "step_ms": 2.06}, 1: {"cache_MB": 4, "step_ms": 1.18}}
 SEED_SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -96,7 +97,7 @@ def seed_shaped(args, device) -> dict:
 def tiny_pooled(args, device) -> dict | None:
     if not (PACKAGE_DATA / "tiny" / "config.json").exists():
         return None
-    from decodelab.perplexity import heldout_text, perplexity
+    from decodelab.lessons.perplexity import heldout_text, perplexity
 
     base, tokenizer = load("tiny", device=device, dtype="float32")
     models = {h: pool_model_kv_heads(base, h) for h in args.tiny_heads}
@@ -110,7 +111,7 @@ def tiny_pooled(args, device) -> dict | None:
                      "step_ms": 1e3 * steps[h]["step_s"], "cache_bytes": steps[h]["cache_bytes"],
                      "perplexity": ppl, "all_ms": [1e3 * t for t in steps[h]["all_s"]]})
     return {"context": context, "ppl_tokens": min(args.ppl_tokens, len(ids)),
-            "text": "decodelab.perplexity.heldout_text('code')", "rows": rows}
+            "text": "decodelab.lessons.perplexity.heldout_text('code')", "rows": rows}
 
 
 def main():

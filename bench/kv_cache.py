@@ -29,10 +29,11 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from decodelab.kv_cache import KVCache  # noqa: E402
-from decodelab.measure import synchronize  # noqa: E402
-from decodelab.models import PACKAGE_DATA, load  # noqa: E402
-from decodelab.perplexity import heldout_text  # noqa: E402
+from decodelab.model.kv_cache import KVCache  # noqa: E402
+from decodelab.lessons.measure import synchronize  # noqa: E402
+from decodelab.model.registry import load  # noqa: E402
+from decodelab.paths import PACKAGE_DATA  # noqa: E402
+from decodelab.lessons.perplexity import heldout_text  # noqa: E402
 
 SEED_SPEEDUP = {16: 4.2, 511: 92.0}
 SEED_MAX_LOGIT_DIFF = 3e-6
@@ -118,7 +119,7 @@ def main():
                          "all_ms": {k: [1e3 * t for t in v] for k, v in times[T]["all"].items()}})
         result = {"command": command, "model": name, "device": str(device), "torch": torch.__version__,
                   "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-                  "rounds": args.rounds, "text": "decodelab.perplexity.heldout_text('code')",
+                  "rounds": args.rounds, "text": "decodelab.lessons.perplexity.heldout_text('code')",
                   "per_token": rows, "greedy_check": check,
                   "seed": {"speedup": SEED_SPEEDUP, "max_logit_diff": SEED_MAX_LOGIT_DIFF}}
         out = Path(__file__).parent / "results" / f"kv_cache_{name}_{device.type}.json"

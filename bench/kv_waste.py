@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from decodelab.paged import BlockAllocator, kv_waste  # noqa: E402
+from decodelab.engine.block_allocator import BlockAllocator, kv_waste  # noqa: E402
 
 SEED_FIGURES = {"prealloc 2048": 0.472, "blocks of 16": 0.007, "blocks of 32": 0.014}
 

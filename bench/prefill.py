@@ -4,7 +4,7 @@
                                       [--suffix 64] [--rounds 5] [--device cpu]
 
 1. A prompt of T tokens (64, 256) prefilled in one forward pass vs fed in T passes of one
-   token (`decodelab.prefill.prefill` / `feed_one_by_one`); both fill a KV cache.
+   token (`decodelab.lessons.prefill_decode.prefill` / `feed_one_by_one`); both fill a KV cache.
 2. A shared prefix of 384 tokens + a 64-token suffix: recomputed from scratch (448 tokens)
    vs the prefix's cache copied (`clone_cache`) and only the suffix prefilled.
 3. Time to first token and inter-token latency (`measure_latency`) for each prompt length.
@@ -32,11 +32,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from decodelab.kv_cache import KVCache  # noqa: E402
-from decodelab.measure import synchronize  # noqa: E402
-from decodelab.models import PACKAGE_DATA, load  # noqa: E402
-from decodelab.perplexity import heldout_text  # noqa: E402
-from decodelab.prefill import clone_cache, feed_one_by_one, measure_latency, prefill  # noqa: E402
+from decodelab.model.kv_cache import KVCache  # noqa: E402
+from decodelab.lessons.measure import synchronize  # noqa: E402
+from decodelab.model.registry import load  # noqa: E402
+from decodelab.paths import PACKAGE_DATA  # noqa: E402
+from decodelab.lessons.perplexity import heldout_text  # noqa: E402
+from decodelab.lessons.prefill_decode import clone_cache, feed_one_by_one, measure_latency, prefill  # noqa: E402
 
 SEED = {"prefill_speedup": 4.1, "recompute_ms": 96.8, "reuse_ms": 13.4}
 
@@ -123,7 +124,7 @@ def main():
         result = bench_model(name, device, args)
         result.update(command=command, device=str(device), torch=torch.__version__,
                       torch_threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
-                      rounds=args.rounds, text="decodelab.perplexity.heldout_text('code')", seed=SEED)
+                      rounds=args.rounds, text="decodelab.lessons.perplexity.heldout_text('code')", seed=SEED)
         out = Path(__file__).parent / "results" / f"prefill_{name}_{device.type}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")

@@ -3,12 +3,12 @@
     .venv/bin/python bench/quantization.py [--models tiny,smollm2] [--ppl-tokens 1024]
         [--gen-tokens 32] [--prompts 3] [--kv-tokens 8]
 
-Weights: fp32 / int8 per channel / int4 groups of 32, 64, 128 (`decodelab.quant.quantize_model`,
+Weights: fp32 / int8 per channel / int4 groups of 32, 64, 128 (`decodelab.model.quantization.quantize_model`,
 decoder-layer linears only; the tied embedding stays fp32). For each: bytes of those linears,
 relative weight error ||W - deq(W)|| / ||W||, perplexity on held-out text (English prose for
 SmolLM2, held-out Python for `tiny`), greedy agreement with fp32 (tokens identical before the
 first divergence, over `--prompts` prompts x `--gen-tokens` tokens), and median decode step time.
-KV cache: fp32 / fp16 / int8 / fp8 (`decodelab.quant.QuantizedKVCache`): bytes per token,
+KV cache: fp32 / fp16 / int8 / fp8 (`decodelab.model.quantization.QuantizedKVCache`): bytes per token,
 largest logit difference from the fp32 cache when both see the same tokens, greedy agreement
 over `--kv-tokens` free-running tokens per prompt.
 
@@ -35,12 +35,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from decodelab.generate import stream_token_ids  # noqa: E402
-from decodelab.kv_cache import KVCache  # noqa: E402
-from decodelab.models import load, resolve_model  # noqa: E402
+from decodelab.decoding.generate import stream_token_ids  # noqa: E402
+from decodelab.model.kv_cache import KVCache  # noqa: E402
+from decodelab.model.registry import load, resolve_model  # noqa: E402
 from decodelab.params import SamplingParams  # noqa: E402
-from decodelab.perplexity import heldout_text, perplexity  # noqa: E402
-from decodelab.quant import QuantizedKVCache, QuantizedLinear, quantize_model  # noqa: E402
+from decodelab.lessons.perplexity import heldout_text, perplexity  # noqa: E402
+from decodelab.model.quantization import QuantizedKVCache, QuantizedLinear, quantize_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quantization.json"
 PROMPTS = {

@@ -42,8 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from decodelab.engine import LLM  # noqa: E402
-from decodelab.models import resolve_model  # noqa: E402
+from decodelab.engine.llm import LLM  # noqa: E402
+from decodelab.model.registry import resolve_model  # noqa: E402
 from decodelab.params import SamplingParams  # noqa: E402
 
 QUESTIONS = ["What is gravity?", "Name three colours.", "Write a haiku about the sea.", "What is 2+2?",
@@ -54,7 +54,7 @@ QUESTIONS = ["What is gravity?", "Name three colours.", "Write a haiku about the
 
 def workload(tokenizer, n: int, seed: int, kind: str = "uniform"):
     """(prompts as token ids, SamplingParams) for n requests (module docstring)."""
-    from decodelab.perplexity import heldout_text
+    from decodelab.lessons.perplexity import heldout_text
 
     rng = random.Random(seed)
     passage_ids = tokenizer.encode(heldout_text("en"))

@@ -33,16 +33,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from decodelab.generate import stream_token_ids  # noqa: E402
-from decodelab.chat_prompts import eval_prompts  # noqa: E402
-from decodelab.eagle import NAMED_DRAFTERS, FeatureDrafter, FeatureDraftSession, load_drafter  # noqa: E402
-from decodelab.kv_cache import KVCache  # noqa: E402
-from decodelab.lookup import propose_from_prompt  # noqa: E402
-from decodelab.measure import synchronize  # noqa: E402
-from decodelab.models import PACKAGE_DATA, load  # noqa: E402
-from decodelab.packed_linear import can_prepack, prepack_linear_layers  # noqa: E402
+from decodelab.decoding.generate import stream_token_ids  # noqa: E402
+from decodelab.training.chat_prompts import eval_prompts  # noqa: E402
+from decodelab.decoding.eagle import NAMED_DRAFTERS, FeatureDrafter, FeatureDraftSession, load_drafter  # noqa: E402
+from decodelab.model.kv_cache import KVCache  # noqa: E402
+from decodelab.decoding.lookup import propose_from_prompt  # noqa: E402
+from decodelab.lessons.measure import synchronize  # noqa: E402
+from decodelab.model.registry import load  # noqa: E402
+from decodelab.paths import PACKAGE_DATA  # noqa: E402
+from decodelab.model.packed_linear import can_prepack, prepack_linear_layers  # noqa: E402
 from decodelab.params import SamplingParams  # noqa: E402
-from decodelab.speculative import (SpeculativeStats, expected_speedup, expected_tokens_per_call,  # noqa: E402
+from decodelab.decoding.speculative import (SpeculativeStats, expected_speedup, expected_tokens_per_call,  # noqa: E402
                                    stream_speculative, truncated_draft)
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -151,18 +152,18 @@ def main():
     parser.add_argument("--model", default=None, help="tiny (default when present) or smollm2 or a folder")
     parser.add_argument("--draft-layers", type=int, default=0, help="draft = the target's first N layers")
     parser.add_argument("--drafter", default="model",
-                        help="model (tiny-draft, or --draft-layers), lookup (decodelab.lookup), a feature "
+                        help="model (tiny-draft, or --draft-layers), lookup (decodelab.decoding.lookup), a feature "
                              "drafter (smollm2-eagle), or a draft model's name or folder")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="of target and drafter; bfloat16 on a CPU runs on prepacked oneDNN weights "
-                             "(decodelab.packed_linear) unless --unpacked")
+                             "(decodelab.model.packed_linear) unless --unpacked")
     parser.add_argument("--unpacked", action="store_true", help="bfloat16 on CPU: keep plain weights")
     parser.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--temperatures", default="0,0.7,1.0")
     parser.add_argument("--tree-widths", default="",
                         help="feature drafter: also k = 1 at T = 0 with the drafter's top-w candidates judged "
-                             "in one pass (decodelab.draft_tree), for each w listed, e.g. 2,3")
+                             "in one pass (decodelab.decoding.draft_tree), for each w listed, e.g. 2,3")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)

@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from decodelab.params import SamplingParams  # noqa: E402
-from decodelab.sampling import probs  # noqa: E402
-from decodelab.speculative import accept_draft_tokens_batched, speculative_generate, tvd  # noqa: E402
+from decodelab.decoding.sampling import probs  # noqa: E402
+from decodelab.decoding.speculative import accept_draft_tokens_batched, speculative_generate, tvd  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_speculative", Path(__file__).with_name("speculative.py"))
 bench = importlib.util.module_from_spec(_spec)

@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm2_folder():
-    from decodelab.models import prepare_smollm2
+    from decodelab.model.registry import prepare_smollm2
 
     return prepare_smollm2(progress=False)
 
@@ -40,14 +40,14 @@ def smollm2_folder():
 @pytest.fixture(scope="session")
 def smollm2(smollm2_folder):
     """(our model, our tokenizer) for SmolLM2-135M-Instruct, fp32 on the CPU."""
-    from decodelab.models import load
+    from decodelab.model.registry import load
 
     return load("smollm2", device="cpu")
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
-    from decodelab.models import smollm2_gguf_path
+    from decodelab.model.registry import smollm2_gguf_path
 
     return smollm2_gguf_path()
 
@@ -72,8 +72,8 @@ def hf_gguf_tokenizer(smollm2_gguf):
 @pytest.fixture(scope="module")
 def tiny_pair():
     """(the tiny target, an untrained feature drafter attached to it, the tokenizer), on the CPU."""
-    from decodelab.eagle import FeatureDrafter
-    from decodelab.models import load
+    from decodelab.decoding.eagle import FeatureDrafter
+    from decodelab.model.registry import load
 
     target, tokenizer = load("tiny", device="cpu")
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import torch
 
 from decodelab.config import ModelConfig
-from decodelab.model import LlamaForCausalLM
+from decodelab.model.llama import LlamaForCausalLM
 
 NEAR_TIE = 1e-4  # two top logits closer than this may swap between two correct implementations
 
@@ -160,7 +160,7 @@ def load_fixture(name: str):
     from pathlib import Path
 
     path = Path(__file__).parent / "fixtures" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"decodelab_tests_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"decodelab_tests_{name.replace('/', '_')}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

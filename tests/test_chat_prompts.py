@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from decodelab import chat_prompts
-from decodelab.chat_prompts import broad_train_prompts, eval_prompts, train_prompts
+from decodelab.training import chat_prompts
+from decodelab.training.chat_prompts import broad_train_prompts, eval_prompts, train_prompts
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from decodelab.config import ModelConfig
-from decodelab.rope import inverse_frequencies, rope_tables
-from decodelab.weights import load_model, save_model
+from decodelab.model.rope import inverse_frequencies, rope_tables
+from decodelab.model.weights import load_model, save_model
 from oracles import quiet_transformers, random_ids, random_model, randomize_
 
 transformers = pytest.importorskip("transformers")

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from autograder.run import HiddenTestFailed, hidden
-from decodelab import checking, course, measure, sampling
+from decodelab import course
+from decodelab.course import checking
+from decodelab.lessons import measure
+from decodelab.decoding import sampling
 
 
 # --------------------------------------------------------------------------- hidden runner
@@ -72,7 +75,7 @@ def test_use_or_reference(capsys):
     probe = (torch.zeros(3), 1)
     assert course.use_or_reference(stub, sampling.top_k_filter, probe) is sampling.top_k_filter
     out = capsys.readouterr()
-    assert "stub is not written yet" in out.out and "decodelab.sampling.top_k_filter" in out.out and out.err == ""
+    assert "stub is not written yet" in out.out and "decodelab.decoding.sampling.top_k_filter" in out.out and out.err == ""
     assert course.use_or_reference(crashes, sampling.top_k_filter, probe) is sampling.top_k_filter
     assert "raised IndexError: off by one" in capsys.readouterr().out
     assert course.use_or_reference(mine, sampling.top_k_filter, probe) is mine
@@ -120,9 +123,9 @@ def test_checking_messages_say_what_expected_and_got():
 
 
 def test_decode_bound_explorer_redraws_on_slider_change():
-    from decodelab import widgets
+    from decodelab.course.widgets.meet_the_model import decode_bound_explorer
 
-    box = widgets.decode_bound_explorer(measure.decode_tokens_per_second_bound)
+    box = decode_bound_explorer(measure.decode_tokens_per_second_bound)
     title = box.figure.layout.title.text
     assert "70B parameters x 2 bytes = 140 GB" in title and "23.9 tokens/s" in title
     box.controls["bandwidth"].value = 2000
@@ -134,9 +137,9 @@ def test_decode_bound_explorer_redraws_on_slider_change():
 def test_widget_views_start_from_the_first_drawing():
     """A view created after the first redraw (Run All on a busy kernel) must not draw the empty
     figure the widget was constructed with: the synced start state holds the first drawing."""
-    from decodelab import widgets
+    from decodelab.course.widgets.meet_the_model import decode_bound_explorer
 
-    box = widgets.decode_bound_explorer(measure.decode_tokens_per_second_bound)
+    box = decode_bound_explorer(measure.decode_tokens_per_second_bound)
     synced = box.figure._widget_layout
     assert "23.9 tokens/s" in synced["title"]["text"]
     assert len(box.figure._widget_data) == len(box.figure.data) > 0
@@ -144,7 +147,7 @@ def test_widget_views_start_from_the_first_drawing():
 
 
 def test_sampling_explorer_uses_the_given_functions():
-    from decodelab import widgets
+    from decodelab.course.widgets.sampling import sampling_explorer
 
     class Tokens:
         def token_strings(self, ids):
@@ -159,7 +162,7 @@ def test_sampling_explorer_uses_the_given_functions():
     fns = {"temperature": sampling.apply_temperature, "top_k": sampling.top_k_filter, "top_p": sampling.top_p_filter,
            "repetition_penalty": sampling.apply_repetition_penalty, "sample": counting_sample}
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0, -2.0])
-    box = widgets.sampling_explorer(logits, torch.tensor([0]), Tokens(), fns, num_draws=50, shown=4)
+    box = sampling_explorer(logits, torch.tensor([0]), Tokens(), fns, num_draws=50, shown=4)
     assert calls == [(50, 6)] and "6 tokens can be drawn" in box.figure.layout.title.text
     box.controls["top_k"].value = 2
     assert "2 tokens can be drawn" in box.figure.layout.title.text

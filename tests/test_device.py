@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from decodelab.config import ModelConfig
-from decodelab.eagle import FeatureDrafter
-from decodelab.engine import LLM
-from decodelab.generate import stream_token_ids
-from decodelab.model import LlamaForCausalLM
-from decodelab.models import load
+from decodelab.decoding.eagle import FeatureDrafter
+from decodelab.engine.llm import LLM
+from decodelab.decoding.generate import stream_token_ids
+from decodelab.model.llama import LlamaForCausalLM
+from decodelab.model.registry import load
 from decodelab.params import SamplingParams
-from decodelab.speculative import speculative_generate
+from decodelab.decoding.speculative import speculative_generate
 from oracles import check_greedy_agreement, last_logits_fn, randomize_
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

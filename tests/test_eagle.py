@@ -1,4 +1,4 @@
-"""The feature drafter (`decodelab.eagle`): the bookkeeping of one generation is checked
+"""The feature drafter (`decodelab.decoding.eagle`): the bookkeeping of one generation is checked
 against a teacher-forced oracle (and a kept bookkeeping bug fails it), greedy speculative
 output with it equals the target's own, bad input is refused, and the shipped SmolLM2 drafter
 reaches its acceptance rate on held-out prompts."""
@@ -10,14 +10,14 @@ import dataclasses
 import pytest
 import torch
 
-from decodelab import eagle
-from decodelab.chat_prompts import eval_prompts
-from decodelab.eagle import FeatureDrafter, FeatureDraftSession, load_drafter
-from decodelab.generate import stream_token_ids
-from decodelab.models import load
-from decodelab.packed_linear import can_prepack, prepack_linear_layers
+from decodelab.decoding import eagle
+from decodelab.training.chat_prompts import eval_prompts
+from decodelab.decoding.eagle import FeatureDrafter, FeatureDraftSession, load_drafter
+from decodelab.decoding.generate import stream_token_ids
+from decodelab.model.registry import load
+from decodelab.model.packed_linear import can_prepack, prepack_linear_layers
 from decodelab.params import SamplingParams
-from decodelab.speculative import speculative_generate
+from decodelab.decoding.speculative import speculative_generate
 
 
 class SessionWithoutTruncation(FeatureDraftSession):
@@ -55,7 +55,7 @@ def first_step_mismatch(monkeypatch, target, drafter, prompt_ids, session_class)
             recorded.append((len(ids) - 1, feature[0, -1].clone()))  # predicts f_{len(ids)-1}
             return feature
 
-    monkeypatch.setattr("decodelab.speculative.FeatureDraftSession", Recording)
+    monkeypatch.setattr("decodelab.decoding.speculative.FeatureDraftSession", Recording)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     output, stats = speculative_generate(target, drafter, prompt_ids, params, 3)
     monkeypatch.undo()
@@ -171,7 +171,7 @@ def test_bad_input_is_refused(tiny_pair, tmp_path):
         speculative_generate(other, drafter, [1, 2, 3], SamplingParams(temperature=0, max_tokens=4), 2)
     with pytest.raises(RuntimeError, match="attach"):
         FeatureDrafter(target.config).target
-    from decodelab.engine import LLM
+    from decodelab.engine.llm import LLM
     with pytest.raises(ValueError, match="feature drafter"):  # the batched engine takes draft models only
         LLM((target, tokenizer), num_kv_blocks=16, speculative_model="smollm2-eagle")
 
@@ -197,7 +197,7 @@ def test_shipped_smollm2_drafter_acceptance(smollm2_folder):
 
 @pytest.mark.skipif(not can_prepack("cpu", torch.bfloat16), reason="no oneDNN bfloat16 packing on this CPU")
 def test_packed_bfloat16_target_and_drafter(tiny_pair):
-    """On prepacked bfloat16 weights (`decodelab.packed_linear`, what the benches use on CPU) a
+    """On prepacked bfloat16 weights (`decodelab.model.packed_linear`, what the benches use on CPU) a
     restricted drafter reads its lm_head rows from the tied embedding, and greedy speculative
     output still equals the packed target's own; an untied packed lm_head is a clear error."""
     target, drafter, tokenizer = tiny_pair

@@ -9,10 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from decodelab.engine import LLM, EngineHooks
-from decodelab.generate import encode_prompt, stream_token_ids
+from decodelab.engine.llm import LLM, EngineHooks
+from decodelab.decoding.generate import encode_prompt, stream_token_ids
 from decodelab.params import SamplingParams
-from decodelab.scheduler import Scheduler
+from decodelab.engine.scheduler import Scheduler
 from oracles import check_greedy_agreement, last_logits_fn, random_model
 
 CHAT_PROMPTS = ["What is gravity?", "Name three colours.", "Write a haiku about the sea.",
@@ -270,8 +270,8 @@ def test_speculative_engine_sampling_runs_with_n(small_model):
 def test_quantized_engine_matches_quantized_single_request(quantization):
     """quantization= swaps the linear layers; the batched engine must still equal the same
     quantized model decoding one request at a time."""
-    from decodelab.models import load
-    from decodelab.quant import quantize_model
+    from decodelab.model.registry import load
+    from decodelab.model.quantization import quantize_model
 
     llm = LLM("tiny", quantization=quantization, num_kv_blocks=64)
     reference, tokenizer = load("tiny")

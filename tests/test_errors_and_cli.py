@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from decodelab.config import ConfigError
-from decodelab.generate import PromptTooLongError, stream_token_ids
-from decodelab.models import UnknownModelError, resolve_model
+from decodelab.decoding.generate import PromptTooLongError, stream_token_ids
+from decodelab.model.registry import UnknownModelError, resolve_model
 from decodelab.params import SamplingParams
-from decodelab.weights import WeightsError, load_model, save_model
+from decodelab.model.weights import WeightsError, load_model, save_model
 from oracles import check_greedy_agreement, hf_greedy, last_logits_fn, random_model
 
 GOOD_CONFIG = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-import decodelab.gguf_import as gguf_import
-from decodelab.gguf_import import GGUFError, convert_gguf, permute_rows, unpermute_rows
-from decodelab.tokenizer import Tokenizer
-from decodelab.weights import load_model
+import decodelab.model.gguf_import as gguf_import
+from decodelab.model.gguf_import import GGUFError, convert_gguf, permute_rows, unpermute_rows
+from decodelab.model.tokenizer import Tokenizer
+from decodelab.model.weights import load_model
 from oracles import random_ids, random_model
 
 gguf = pytest.importorskip("gguf")

@@ -1,7 +1,7 @@
 """Grouped-query attention, KV-head pooling, the KV-size calculator and prefill.
 
 The `check_*` functions state what a correct implementation must do; they pass on the
-reference modules and catch the kept buggy versions in fixtures/buggy_gqa.py.
+reference modules and catch the kept buggy versions in fixtures/library/buggy_gqa_kv_size_prefill.py.
 """
 from __future__ import annotations
 
@@ -14,19 +14,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decodelab import gqa, kv_size
-from decodelab import prefill as pf
-from decodelab.attention import causal_attention
+from decodelab.lessons import gqa, kv_size
+from decodelab.lessons import prefill_decode as pf
+from decodelab.model.attention import causal_attention
 from decodelab.config import ModelConfig
-from decodelab.generate import stream_token_ids
-from decodelab.kv_cache import KVCache
-from decodelab.measure import Roofline
-from decodelab.model import LlamaForCausalLM
+from decodelab.decoding.generate import stream_token_ids
+from decodelab.model.kv_cache import KVCache
+from decodelab.lessons.measure import Roofline
+from decodelab.model.llama import LlamaForCausalLM
 from decodelab.params import SamplingParams
 from oracles import randomize_, load_fixture
 
 
-buggy = load_fixture("buggy_gqa")
+buggy = load_fixture("library/buggy_gqa_kv_size_prefill")
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 
@@ -313,8 +313,8 @@ def test_parameter_count_published_models():
 
 
 def test_tiny_preset_matches_the_trained_model():
-    from decodelab.models import PACKAGE_DATA
-    from decodelab.train import MODELS
+    from decodelab.paths import PACKAGE_DATA
+    from decodelab.training.train_tiny import MODELS
     preset = kv_size.PRESETS["tiny"]
     assert {k: preset[k] for k in MODELS["target"][1]} == MODELS["target"][1]
     path = PACKAGE_DATA / "tiny" / "config.json"

@@ -51,7 +51,7 @@ SOL_BOUND = _solution_source("ex_decode_tokens_per_second_bound")
 WRONG_COUNT = ("def count_parameters(config):\n"
                "    V, E = config.vocab_size, config.hidden_size\n"
                "    return V * E  # forgets the layers\n")
-REFERENCE_BOUND = "from decodelab.measure import decode_tokens_per_second_bound  # the library's own\n"
+REFERENCE_BOUND = "from decodelab.lessons.measure import decode_tokens_per_second_bound  # the library's own\n"
 
 
 def _trimmed(count: str = SOL_COUNT, bound: str = SOL_BOUND):
@@ -116,8 +116,8 @@ SILENCED_SOURCE = """
 ip = get_ipython()
 ip.showtraceback = lambda *a, **k: None      # no traceback on screen
 ip._showtraceback = lambda *a, **k: None
-import decodelab.checking, autograder.run
-decodelab.checking.expect_int = lambda *a, **k: None   # patch the visible-test helper
+import decodelab.course.checking, autograder.run
+decodelab.course.checking.expect_int = lambda *a, **k: None   # patch the visible-test helper
 autograder.run.hidden = lambda *a, **k: None           # and the hidden-test entry point
 """ + WRONG_COUNT
 
@@ -333,7 +333,7 @@ def test_notes_say_what_happened(graded):
 
 def test_integrity_flags(graded):
     notes = {s: r["notes"] for s, r in graded["rows"].items()}
-    assert "integrity: ex_decode_tokens_per_second_bound uses the reference decodelab.measure." \
+    assert "integrity: ex_decode_tokens_per_second_bound uses the reference decodelab.lessons.measure." \
            "decode_tokens_per_second_bound" in notes["wrong"]
     assert "integrity: ex_count_parameters touches the grader's files (autograder/)" in notes["silenced_tracebacks"]
     flagged = {s for s, n in notes.items() if "integrity:" in n}

@@ -1,7 +1,7 @@
 """The KV cache changes how much work a step does, never its result: logits with the cache
 (prefill then one token at a time, or chunked prefill) equal one full forward pass.
 
-The kept wrong caches in fixtures/buggy_kv_cache.py show that these checks catch real bugs.
+The kept wrong caches in fixtures/library/buggy_kv_cache.py show that these checks catch real bugs.
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from decodelab.generate import stream_token_ids
-from decodelab.kv_cache import KVCache
+from decodelab.decoding.generate import stream_token_ids
+from decodelab.model.kv_cache import KVCache
 from decodelab.params import SamplingParams
 from oracles import random_ids, random_model, load_fixture
 
@@ -19,7 +19,7 @@ TOL = 1e-5
 SMOLLM2_REL_TOL = 1e-5  # of the largest |logit|; see test_smollm2_cached_logits_equal_full_sequence
 
 
-buggy = load_fixture("buggy_kv_cache")
+buggy = load_fixture("library/buggy_kv_cache")
 
 
 def spans(total: int, sizes: list[int]) -> list[tuple[int, int]]:
@@ -175,9 +175,10 @@ def test_smollm2_cached_logits_equal_full_sequence(smollm2, hf_gguf_model, smoll
     different number of rows: even the prompt rows of a 38-token call differ from the same rows
     of a 50-token call by ~5e-5 on MKL, and transformers' own cache differs from its own full
     pass by exactly as much as ours (0.7e-4 .. 1.3e-4 depending on the chunking, logits up to
-    ~38). So: cached vs full within 1e-5 of the largest |logit|, and cached equal to
-    transformers' cached logits for the same chunks within 1e-5 absolute (measured: 0) — the
-    remaining gap is the BLAS, not the cache."""
+    ~38). So: cached vs full within 1e-5 of the largest |logit|, and cached against
+    transformers' cached logits for the same chunks within the same bound (measured: 0 with
+    transformers 5.17, 6.2e-5 = 1.6e-6 of the largest |logit| with 5.24, whose cached steps take
+    another attention kernel) — the remaining gap is the BLAS, not the cache."""
     model, _ = smollm2
     ids = torch.tensor([smollm2_ids + list(range(500, 512))])  # the prompt and 12 more tokens
     with torch.no_grad():
@@ -188,7 +189,7 @@ def test_smollm2_cached_logits_equal_full_sequence(smollm2, hf_gguf_model, smoll
         diff, scale = (cached - full).abs().max().item(), full.abs().max().item()
         assert diff <= SMOLLM2_REL_TOL * scale, f"{sizes[:5]}: max |cached - full| {diff:.3g}, |logits| <= {scale:.3g}"
         ref = (cached - hf_cached_logits(hf_gguf_model, ids, sizes)).abs().max().item()
-        assert ref <= TOL, f"{sizes[:5]}: max |ours - transformers| with a KV cache {ref:.3g}"
+        assert ref <= SMOLLM2_REL_TOL * scale, f"{sizes[:5]}: max |ours - transformers| with a KV cache {ref:.3g}"
 
 
 def test_smollm2_greedy_tokens_identical_with_and_without_cache(smollm2, smollm2_ids):

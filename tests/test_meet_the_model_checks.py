@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from autograder.checks import meet_the_model as checks
-from decodelab.kv_size import parameter_count
-from decodelab.measure import decode_tokens_per_second_bound
+from decodelab.lessons.kv_size import parameter_count
+from decodelab.lessons.measure import decode_tokens_per_second_bound
 from oracles import expect_bug_caught, load_fixture
 
 
@@ -21,7 +21,7 @@ def test_reference_passes():
 
 def test_model_num_parameters_passes():
     """The oracle itself: counting by building the model agrees with the checks."""
-    from decodelab.model import LlamaForCausalLM
+    from decodelab.model.llama import LlamaForCausalLM
 
     checks.check_count_parameters(lambda config: LlamaForCausalLM(config).num_parameters()
                                   if config.vocab_size * config.hidden_size < 10**6 else parameter_count(config))

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from decodelab.engine import LLM
-from decodelab.generate import encode_prompt
-from decodelab.packed_linear import PackedLinear, can_prepack, prepack_linear_layers, prepacked_copy
+from decodelab.engine.llm import LLM
+from decodelab.decoding.generate import encode_prompt
+from decodelab.model.packed_linear import PackedLinear, can_prepack, prepack_linear_layers, prepacked_copy
 from decodelab.params import SamplingParams
 from oracles import check_greedy_agreement, random_ids, random_model
 

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from decodelab.attention import causal_attention
+from decodelab.model.attention import causal_attention
 from decodelab.config import ModelConfig
-from decodelab.paged_attention import PagedBatch, PagedKVStore, SequenceSlice, group_by_length
+from decodelab.engine.paged_attention import PagedBatch, PagedKVStore, SequenceSlice, group_by_length
 
 H, H_KV, D, BLOCK = 6, 2, 8, 4
 

@@ -1,4 +1,4 @@
-"""Sampling: the autograder's checks pass on the reference `decodelab.sampling` and catch kept
+"""Sampling: the autograder's checks pass on the reference `decodelab.decoding.sampling` and catch kept
 buggy versions (with and without transformers), plus SamplingParams validation and `probs`."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from autograder.checks import sampling as checks
-from decodelab import sampling
+from decodelab.decoding import sampling
 from decodelab.params import SamplingParams
 from oracles import load_fixture
 

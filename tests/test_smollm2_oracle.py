@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decodelab.generate import stream_token_ids
+from decodelab.decoding.generate import stream_token_ids
 from decodelab.params import SamplingParams
 from oracles import check_greedy_agreement, hf_greedy, last_logits_fn, random_ids, random_model, top2
 

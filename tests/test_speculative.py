@@ -9,21 +9,21 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from decodelab import speculative
+from decodelab.decoding import speculative
 from decodelab.config import ModelConfig
-from decodelab.generate import stream_token_ids
-from decodelab.kv_cache import KVCache
-from decodelab.lookup import propose_from_prompt
-from decodelab.model import LlamaForCausalLM
+from decodelab.decoding.generate import stream_token_ids
+from decodelab.model.kv_cache import KVCache
+from decodelab.decoding.lookup import propose_from_prompt
+from decodelab.model.llama import LlamaForCausalLM
 from decodelab.params import SamplingParams
-from decodelab.speculative import (SpeculativeStats, accept_draft_tokens, accept_draft_tokens_batched,
+from decodelab.decoding.speculative import (SpeculativeStats, accept_draft_tokens, accept_draft_tokens_batched,
                                    acceptance_rate, expected_speedup, expected_tokens_per_call,
                                    greedy_accept, speculative_generate, stream_speculative,
                                    truncated_draft, tvd)
 from oracles import load_fixture
 
 
-buggy = load_fixture("buggy_speculative")
+buggy = load_fixture("library/buggy_speculative")
 
 # Rows i = 0..3 of the target's distributions p_i and rows 0..2 of the draft's q_i, V = 6. Each
 # position's rows are fixed (they do not depend on the tokens before), so the j-th emitted
@@ -394,7 +394,8 @@ def test_truncated_draft_shares_weights(target):
 
 
 def test_greedy_equals_target_only_on_tiny_pair():
-    from decodelab.models import PACKAGE_DATA, load
+    from decodelab.model.registry import load
+    from decodelab.paths import PACKAGE_DATA
     if not all((PACKAGE_DATA / name / "config.json").exists() for name in ("tiny", "tiny-draft")):
         pytest.skip("the tiny models are not trained yet")
     (model, tokenizer), (draft, _) = load("tiny", device="cpu"), load("tiny-draft", device="cpu")
@@ -407,7 +408,7 @@ def test_greedy_equals_target_only_on_tiny_pair():
 
 @pytest.mark.slow
 def test_greedy_equals_target_only_on_smollm2():
-    from decodelab.models import UnknownModelError, load
+    from decodelab.model.registry import UnknownModelError, load
     try:
         model, tokenizer = load("smollm2", device="cpu")
     except UnknownModelError as error:

@@ -1,4 +1,4 @@
-"""decodelab.tiled_attention: the online softmax gives plain attention's result to float
+"""decodelab.lessons.tiled_attention: the online softmax gives plain attention's result to float
 tolerance, with grouped heads, offsets and ragged last tiles, and never holds the [T, S] scores."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decodelab.attention import causal_attention, repeat_kv
-from decodelab.gqa import group_query_attention
-from decodelab.tiled_attention import (attention_memory_bytes, measure_tensor_memory, online_softmax_update,
+from decodelab.model.attention import causal_attention, repeat_kv
+from decodelab.lessons.gqa import group_query_attention
+from decodelab.lessons.tiled_attention import (attention_memory_bytes, measure_tensor_memory, online_softmax_update,
                                        tiled_attention)
 
 
@@ -164,7 +164,7 @@ def test_memory_formula():
 
 
 def test_explorer_redraws_with_the_first_slider_in_the_title():
-    widgets_tiled_nb = pytest.importorskip("decodelab.widgets_tiled_nb")
+    widgets_tiled_nb = pytest.importorskip("decodelab.course.widgets.tiled_attention")
     calls = []
 
     def update(*args):
@@ -187,10 +187,10 @@ def test_explorer_redraws_with_the_first_slider_in_the_title():
 
 
 def test_tiled_cache_generates_the_same_tokens():
-    from decodelab.generate import generate_with_cache
-    from decodelab.widgets_tiled_nb import tiled_cache_class
+    from decodelab.decoding.generate import generate_with_cache
+    from decodelab.course.widgets.tiled_attention import tiled_cache_class
     from oracles import randomize_, tiny_config
-    from decodelab.model import LlamaForCausalLM
+    from decodelab.model.llama import LlamaForCausalLM
 
     model = randomize_(LlamaForCausalLM(tiny_config()).eval())
     calls = []

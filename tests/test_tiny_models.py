@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decodelab.models import PACKAGE_DATA, load, resolve_model
-from decodelab.train import SEQ_LEN, token_stream
+from decodelab.model.registry import load, resolve_model
+from decodelab.paths import PACKAGE_DATA
+from decodelab.training.train_tiny import SEQ_LEN, token_stream
 
 CODE = '''import os
 

@@ -10,7 +10,7 @@ Expected parameter counts never come from a formula written here:
   only, nothing is loaded); the tied lm_head is stored once.
 * Published checkpoints: the totals `transformers` reports for Llama-3.1-8B (untied, GQA 32/8)
   and Qwen2.5-0.5B (tied, GQA 14/2, q/k/v biases).
-* Random small configs: `decodelab.model.LlamaForCausalLM(config).num_parameters()`, the
+* Random small configs: `decodelab.model.llama.LlamaForCausalLM(config).num_parameters()`, the
   model the course runs, built for real on the CPU (each is a few hundred thousand numbers).
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ import random
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
-    "count_parameters": "decodelab.kv_size:parameter_count",
-    "decode_tokens_per_second_bound": "decodelab.measure:decode_tokens_per_second_bound",
+    "count_parameters": "decodelab.lessons.kv_size:parameter_count",
+    "decode_tokens_per_second_bound": "decodelab.lessons.measure:decode_tokens_per_second_bound",
 }
 
 __all__ = ["check_count_parameters", "check_decode_tokens_per_second_bound"]
@@ -55,7 +55,8 @@ def _call(desc: str, fn, *args):
 def _smollm2_checkpoint():
     """(config, number of parameters stored in the real checkpoint), or None if it is not prepared."""
     from decodelab.config import ModelConfig
-    from decodelab.models import SMOLLM2_DIR_NAME, cache_dir
+    from decodelab.model.registry import SMOLLM2_DIR_NAME
+    from decodelab.paths import cache_dir
 
     folder = cache_dir() / SMOLLM2_DIR_NAME
     if not (folder / "model.safetensors").exists():
@@ -101,7 +102,7 @@ def _expect_count(desc: str, got, expected: int, hint: str = "") -> None:
 def check_count_parameters(fn) -> None:
     """fn(config: ModelConfig) -> int, the number of distinct parameters of the Llama-family model."""
     from decodelab.config import ModelConfig
-    from decodelab.model import LlamaForCausalLM
+    from decodelab.model.llama import LlamaForCausalLM
 
     real = _smollm2_checkpoint()
     if real is not None:

@@ -1,4 +1,4 @@
-"""Checks for notebook 01, `decodelab.sampling`: temperature, top-k, top-p, repetition penalty, sampling.
+"""Checks for notebook 01, `decodelab.decoding.sampling`: temperature, top-k, top-p, repetition penalty, sampling.
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and either
@@ -8,7 +8,7 @@ actual result.
 Two kinds of expected results:
 
 * Hand-made cases whose answers are computed here by small plain-torch references (``_ref_*``,
-  in float64). They never call ``decodelab.sampling``, so a bug in the library is caught too,
+  in float64). They never call ``decodelab.decoding.sampling``, so a bug in the library is caught too,
   and they run whether or not ``transformers`` is installed.
 * Random logits with several leading dims, compared with the Hugging Face logits processors
   (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, RepetitionPenaltyLogitsProcessor)
@@ -34,11 +34,11 @@ import torch
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
-    "apply_temperature": "decodelab.sampling:apply_temperature",
-    "top_k_filter": "decodelab.sampling:top_k_filter",
-    "top_p_filter": "decodelab.sampling:top_p_filter",
-    "apply_repetition_penalty": "decodelab.sampling:apply_repetition_penalty",
-    "sample": "decodelab.sampling:sample",
+    "apply_temperature": "decodelab.decoding.sampling:apply_temperature",
+    "top_k_filter": "decodelab.decoding.sampling:top_k_filter",
+    "top_p_filter": "decodelab.decoding.sampling:top_p_filter",
+    "apply_repetition_penalty": "decodelab.decoding.sampling:apply_repetition_penalty",
+    "sample": "decodelab.decoding.sampling:sample",
 }
 
 __all__ = [

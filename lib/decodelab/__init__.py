@@ -10,15 +10,15 @@ import os as _os
 # passive waiting holds up under load. Only effective if torch is not imported yet.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from .config import ModelConfig  # noqa: E402
-from .params import SamplingParams  # noqa: E402
+from decodelab.config import ModelConfig  # noqa: E402
+from decodelab.params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "ModelConfig", "EngineHooks", "RequestOutput", "CompletionOutput", "load",
            "__version__"]
 
-_LAZY = {"LLM": "engine", "EngineHooks": "engine", "RequestOutput": "engine", "CompletionOutput": "engine",
-         "load": "models"}
+_LAZY = {"LLM": "engine.llm", "EngineHooks": "engine.llm", "RequestOutput": "engine.llm",
+         "CompletionOutput": "engine.llm", "load": "model.registry"}
 
 
 def __getattr__(name):

@@ -36,14 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_generate(args) -> int:
-    from .params import SamplingParams
+    from decodelab.params import SamplingParams
 
     # Check the sampling values before importing torch, so a typo fails at once.
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             repetition_penalty=args.repetition_penalty, max_tokens=args.max_new_tokens,
                             seed=args.seed)
-    from .generate import Completion, encode_prompt, stream_text
-    from .models import load
+    from decodelab.decoding.generate import Completion, encode_prompt, stream_text
+    from decodelab.model.registry import load
 
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat)
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "prepare":
-            from .models import prepare_smollm2
+            from decodelab.model.registry import prepare_smollm2
             print(prepare_smollm2(), file=sys.stderr)
             return 0
         return run_generate(args)

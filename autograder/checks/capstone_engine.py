@@ -1,0 +1,184 @@
+"""Checks for notebook 09, the capstone: the engine's loop body, KV-pool sizing, roofline fraction.
+
+Every ``check_*`` takes the function under test and raises ``AssertionError`` naming the case,
+the expected and the actual result.
+
+Oracles:
+* ``check_engine_step`` plugs the function into the real engine (``EngineHooks(step=fn)``) on
+  the course's tiny model and compares, scenario by scenario, every completion's token ids with
+  the library's own engine run on the same requests and seeds: greedy batches, n > 1 seeded
+  sampling (siblings share the prompt's blocks), a KV pool small enough to force preemption,
+  speculative decoding with the tiny draft model (the draft model must actually be used), and
+  the stream of events (one per generated token). The loop is driven here with a step cap, so
+  a step that makes no progress fails with a message instead of hanging.
+* ``check_kv_blocks_for_memory``: the block size written out by hand from the config fields.
+* ``check_decode_roofline_fraction``: closed-form cases worked by hand.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import replace
+
+import torch
+
+from decodelab.config import ModelConfig
+
+REFERENCES = {
+    "engine_step": "decodelab.engine.llm:engine_step",
+    "kv_blocks_for_memory": "decodelab.engine.llm:kv_blocks_for_memory",
+    "decode_roofline_fraction": "decodelab.lessons.measure:decode_roofline_fraction",
+}
+
+__all__ = ["check_engine_step", "check_kv_blocks_for_memory", "check_decode_roofline_fraction"]
+
+MAX_STEPS = 2_000  # far above what any scenario below needs
+
+
+# --------------------------------------------------------------------------- engine_step
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny():
+    from decodelab.model.registry import load
+
+    return load("tiny", device="cpu"), load("tiny-draft", device="cpu")[0]
+
+
+def _engine(step, **kwargs):
+    from decodelab.engine.llm import LLM, EngineHooks
+
+    (model, tokenizer), draft = _tiny()
+    if kwargs.pop("speculative", False):
+        kwargs.update(speculative_model=draft, num_speculative_tokens=3)
+    return LLM(model=(model, tokenizer), hooks=EngineHooks(step=step), **kwargs)
+
+
+def _drive(llm, prompts, params):
+    """Run the engine's loop with a step cap; returns (outputs, events)."""
+    requests = llm._add_requests(prompts, params)
+    events = []
+    for _ in range(MAX_STEPS):
+        if not llm.scheduler.has_unfinished():
+            break
+        produced = llm.step()
+        assert isinstance(produced, list), \
+            f"engine_step must return a list of StreamEvent, got {type(produced).__name__}"
+        events += produced
+    else:
+        raise AssertionError(f"the engine did not finish within {MAX_STEPS} steps: does engine_step always "
+                             "make progress (schedule, forward, append a token to every scheduled sequence)?")
+    return [llm._request_output(i, r) for i, r in enumerate(requests)], events
+
+
+def _token_ids(outputs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in out.outputs] for out in outputs]
+
+
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, item):", "for i in range(10):"]
+
+
+def _scenarios():
+    from decodelab.params import SamplingParams
+
+    greedy = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (5, 12, 3, 9)]
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=8, n=3, seed=11, ignore_eos=True)
+    return [
+        ("four greedy prompts of different lengths (continuous batching)", {}, PROMPTS, greedy),
+        ("n=3 seeded samples of one prompt (siblings share the prompt's blocks)", {}, PROMPTS[:1], [sampled]),
+        ("a KV pool of 6 blocks of 4 tokens, which forces preemption", {"num_kv_blocks": 6, "kv_block_size": 4},
+         PROMPTS[:3], greedy[:3]),
+        ("speculative decoding with the tiny draft model (k=3), greedy", {"speculative": True}, PROMPTS[:2],
+         [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * 2),
+    ]
+
+
+def check_engine_step(engine_step) -> None:
+    from decodelab.engine.llm import engine_step as reference_step
+
+    for case, kwargs, prompts, params in _scenarios():
+        expected, expected_events = _drive(_engine(reference_step, **dict(kwargs)), prompts, params)
+        llm = _engine(engine_step, **dict(kwargs))
+        got, events = _drive(llm, prompts, params)
+        want, have = _token_ids(expected), _token_ids(got)
+        assert have == want, (f"engine_step, {case}: expected the completions (token ids per prompt, per sample) "
+                              f"{want}, got {have}")
+        assert len(events) == len(expected_events), (
+            f"engine_step, {case}: expected {len(expected_events)} StreamEvents (one per generated token), "
+            f"got {len(events)}: return the events of every token you append, siblings' first tokens included")
+        if kwargs.get("speculative"):
+            stats = llm.speculator.stats()
+            assert stats["target_calls"] > 0, (
+                f"engine_step, {case}: the draft model was never used (speculator.stats() = {stats}): decode steps "
+                "of an engine with a draft model go to engine.speculator.step(seqs)")
+        assert all(block.ref_count == 0 for block in llm.allocator.blocks), (
+            f"engine_step, {case}: blocks still referenced after every request finished")
+
+
+# --------------------------------------------------------------------------- kv_blocks_for_memory
+
+
+SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
+LLAMA_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072)
+
+
+def _by_hand(config: ModelConfig, memory: int, block: int, element: int) -> int:
+    per_block = 2 * config.num_hidden_layers * block * config.num_key_value_heads * config.head_dim * element
+    return memory // per_block
+
+
+def check_kv_blocks_for_memory(kv_blocks_for_memory) -> None:
+    cases = [
+        ("SmolLM2, 1 GiB, blocks of 16, fp32", SMOLLM2, 2**30, 16, torch.float32, 4),
+        ("SmolLM2, 64 MiB, blocks of 16, bf16", SMOLLM2, 64 * 2**20, 16, torch.bfloat16, 2),
+        ("SmolLM2, 64 MiB, blocks of 32, fp32", SMOLLM2, 64 * 2**20, 32, torch.float32, 4),
+        ("Llama-3.1-8B, 16 GiB, blocks of 16, fp16 (128 KiB per token)", LLAMA_8B, 16 * 2**30, 16, torch.float16, 2),
+        ("Llama-3.1-8B, 1,000,000,000 bytes (not a whole number of blocks), blocks of 16, fp16", LLAMA_8B,
+         10**9, 16, torch.float16, 2),
+        ("a config with 1 KV head, 5,000 bytes, blocks of 2, fp32",
+         replace(SMOLLM2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=128),
+         5_000, 2, torch.float32, 4),
+    ]
+    for case, config, memory, block, dtype, element in cases:
+        expected = _by_hand(config, memory, block, element)
+        got = kv_blocks_for_memory(config, memory, block, dtype)
+        assert isinstance(got, int) and not isinstance(got, bool), \
+            f"kv_blocks_for_memory, {case}: expected the integer {expected:,}, got {got!r} ({type(got).__name__})"
+        assert got == expected, f"kv_blocks_for_memory, {case}: expected {expected:,} blocks, got {got:,}"
+    for case, args in [("memory_bytes = 0", (SMOLLM2, 0, 16, torch.float32)),
+                       ("block_size = 0", (SMOLLM2, 2**20, 0, torch.float32)),
+                       ("1,000 bytes, less than one block", (SMOLLM2, 1_000, 16, torch.float32))]:
+        try:
+            got = kv_blocks_for_memory(*args)
+        except ValueError:
+            continue
+        raise AssertionError(f"kv_blocks_for_memory with {case} should raise ValueError, returned {got!r}")
+
+
+# --------------------------------------------------------------------------- decode_roofline_fraction
+
+
+def check_decode_roofline_fraction(decode_roofline_fraction) -> None:
+    cases = [
+        # (case, tokens/s, batch, weight bytes, bandwidth, expected)
+        ("batch 1, 540 MB of weights, 10 GB/s, 9.26 tokens/s (half the bound of 18.5)", 9.259259, 1, 540e6, 10e9, 0.5),
+        ("batch 16 reads the weights once for 16 tokens: bound 296.3 tokens/s; 148.1 measured", 148.148148, 16,
+         540e6, 10e9, 0.5),
+        ("70B fp16 on an H100 (3.35 TB/s), batch 1, 20 tokens/s", 20.0, 1, 140e9, 3.35e12, 20 / (3.35e12 / 140e9)),
+        ("batch 64, 1 GB, 100 GB/s, 3,200 tokens/s", 3200.0, 64, 1e9, 100e9, 0.5),
+        ("nothing generated", 0.0, 8, 1e9, 100e9, 0.0),
+    ]
+    for case, tokens_per_s, batch, weight_bytes, bandwidth, expected in cases:
+        got = decode_roofline_fraction(tokens_per_s, batch, weight_bytes, bandwidth)
+        assert isinstance(got, (int, float)) and math.isclose(float(got), expected, rel_tol=1e-5, abs_tol=1e-9), \
+            (f"decode_roofline_fraction({tokens_per_s}, {batch}, {weight_bytes:g}, {bandwidth:g}), {case}: "
+             f"expected {expected:.5f}, got {got!r}")
+    for case, args in [("batch_size = 0", (10.0, 0, 1e9, 1e11)), ("weight_bytes = 0", (10.0, 1, 0, 1e11)),
+                       ("bandwidth = 0", (10.0, 1, 1e9, 0)), ("tokens_per_s < 0", (-1.0, 1, 1e9, 1e11))]:
+        try:
+            got = decode_roofline_fraction(*args)
+        except ValueError:
+            continue
+        raise AssertionError(f"decode_roofline_fraction with {case} should raise ValueError, returned {got!r}")

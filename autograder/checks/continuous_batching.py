@@ -1,0 +1,386 @@
+"""Checks for notebook 07, continuous batching: the four step pieces of `decodelab.engine.scheduler`
+(`admit`, `decode_batch`, `preempt`, `finish`).
+
+Each ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
+version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and
+returns None or raises ``AssertionError`` naming the situation, the expected and the actual
+result.
+
+The state the function starts from is built here directly on a real `BlockAllocator`
+(`allocate`, `fork`), never with the functions under test. Expected results come from small
+independent models of the rules, written here with plain integers: how many blocks a
+sequence of n tokens holds (ceil(n / block_size)), which waiting sequences fit (slots, token
+budget, free blocks, first come first served), which running sequences a decode step must
+preempt (the most recently admitted, until the pool has room). They are compared with what
+the function left behind: the returned list, the queues, each sequence's status, block
+table size and counters, the number of free blocks, and the pool's reference counts
+(`check_invariants`: no leaked or doubly freed block). Block *ids* are never compared:
+which free block a sequence gets is the allocator's business.
+"""
+from __future__ import annotations
+
+import random
+
+from decodelab.engine.block_allocator import BlockAllocator
+from decodelab.params import SamplingParams
+from decodelab.engine.scheduler import Scheduler
+from decodelab.engine.sequence import Sequence, Status
+
+# exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
+REFERENCES = {
+    "admit": "decodelab.engine.scheduler:admit",
+    "decode_batch": "decodelab.engine.scheduler:decode_batch",
+    "preempt": "decodelab.engine.scheduler:preempt",
+    "finish": "decodelab.engine.scheduler:finish",
+}
+
+__all__ = ["check_admit", "check_decode_batch", "check_preempt", "check_finish"]
+
+RANDOM_CASES = 150
+
+
+# --------------------------------------------------------------------------- building states
+
+
+def _blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def _seq(seq_id: int, prompt_len: int, output_len: int = 0, prompt=None) -> Sequence:
+    tokens = list(prompt) if prompt is not None else [10_000 * (seq_id + 1) + i for i in range(prompt_len)]
+    seq = Sequence(seq_id, seq_id, 0, tokens, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    seq.output_token_ids = [3] * output_len
+    return seq
+
+
+def _state(block_size: int, num_blocks: int, running_lens, waiting_lens, max_num_seqs: int = 8,
+           budget: int = 4096, decoding: bool = False, caching: bool = False):
+    """A scheduler whose running sequences hold their blocks. running_lens: total tokens of each;
+    decoding=True: the newest token of each has no slot yet (it holds len - 1)."""
+    allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=caching)
+    scheduler = Scheduler(allocator, max_num_seqs, budget)
+    next_id = 0
+    for n in running_lens:
+        seq = _seq(next_id, max(1, n - 1) if decoding else n, 1 if decoding else 0)
+        held = seq.token_ids[:-1] if decoding else seq.token_ids
+        seq.block_table, _ = allocator.allocate(held)
+        seq.num_computed_tokens = len(held)
+        seq.status = Status.RUNNING
+        scheduler.running.append(seq)
+        next_id += 1
+    for n in waiting_lens:
+        scheduler.add(_seq(next_id, n))
+        next_id += 1
+    return scheduler
+
+
+def _ids(seqs) -> list[int]:
+    return [s.seq_id for s in seqs]
+
+
+def _call(desc: str, fn, *args):
+    try:
+        return fn(*args)
+    except AssertionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any crash is a failed check
+        raise AssertionError(f"{desc}: raised {type(e).__name__}: {e}") from e
+
+
+def _expect(ok: bool, desc: str, what: str, expected, got) -> None:
+    if not ok:
+        raise AssertionError(f"{desc}: {what}: expected {expected}, got {got}")
+
+
+def _pool_consistent(desc: str, scheduler, extra_tables=()) -> None:
+    tables = [s.block_table for s in scheduler.running] + list(extra_tables)
+    try:
+        scheduler.allocator.check_invariants(tables)
+    except AssertionError as e:
+        raise AssertionError(f"{desc}: the block pool is inconsistent afterwards (a block leaked or was freed "
+                             f"twice): {e}") from None
+
+
+# --------------------------------------------------------------------------- admit
+
+
+def _expected_admit(waiting_lens, num_running, free, block_size, max_num_seqs, budget):
+    """(how many of the waiting sequences are admitted, free blocks afterwards)."""
+    count, tokens = 0, 0
+    for n in waiting_lens:
+        if num_running + count >= max_num_seqs or (count and tokens + n > budget) or _blocks(n, block_size) > free:
+            break
+        count, tokens, free = count + 1, tokens + n, free - _blocks(n, block_size)
+    return count, free
+
+
+def _run_admit(fn, desc, block_size, num_blocks, running_lens, waiting_lens, max_num_seqs, budget):
+    scheduler = _state(block_size, num_blocks, running_lens, waiting_lens, max_num_seqs, budget)
+    old_running, old_waiting = list(scheduler.running), list(scheduler.waiting)
+    count, free = _expected_admit(waiting_lens, len(running_lens), scheduler.allocator.num_free, block_size,
+                                  max_num_seqs, budget)
+    got = _call(desc, fn, scheduler)
+    expected = old_waiting[:count]
+    _expect(isinstance(got, list) and _ids(got) == _ids(expected), desc, "admitted (seq ids, in order)",
+            _ids(expected), _ids(got) if isinstance(got, list) else repr(got))
+    _expect(_ids(scheduler.running) == _ids(old_running + expected), desc, "running afterwards",
+            _ids(old_running + expected), _ids(scheduler.running))
+    _expect(_ids(scheduler.waiting) == _ids(old_waiting[count:]), desc, "waiting afterwards",
+            _ids(old_waiting[count:]), _ids(scheduler.waiting))
+    for seq in expected:
+        _expect(seq.status is Status.RUNNING, desc, f"status of admitted seq {seq.seq_id}", Status.RUNNING, seq.status)
+        need = _blocks(len(seq), block_size)
+        _expect(len(seq.block_table) == need, desc, f"blocks of admitted seq {seq.seq_id} ({len(seq)} tokens, "
+                f"block size {block_size})", need, len(seq.block_table))
+        _expect(seq.num_computed_tokens == 0, desc, f"num_computed_tokens of seq {seq.seq_id} (nothing cached)",
+                0, seq.num_computed_tokens)
+    for seq in old_waiting[count:]:
+        _expect(seq.status is Status.WAITING and not seq.block_table, desc,
+                f"seq {seq.seq_id}, not admitted: status and blocks", "WAITING, no blocks",
+                f"{seq.status.name}, {len(seq.block_table)} blocks")
+    _expect(scheduler.allocator.num_free == free, desc, "free blocks afterwards", free, scheduler.allocator.num_free)
+    _pool_consistent(desc, scheduler)
+
+
+def check_admit(admit) -> None:
+    cases = [
+        # (what, block size, pool, running lens, waiting lens, max_num_seqs, budget)
+        ("a free slot for each: max_num_seqs=3 with 1 running, waiting prompts of 4, 4, 4 tokens", 4, 32, [5],
+         [4, 4, 4], 3, 4096),
+        ("the token budget: max_num_batched_tokens=10, waiting prompts of 4, 5, 3 tokens (4 + 5 fit, + 3 is 12)",
+         4, 32, [], [4, 5, 3], 8, 10),
+        ("a lone long prompt runs by itself: budget 8, waiting prompts of 12 then 2 tokens", 4, 32, [], [12, 2], 8, 8),
+        ("the KV pool: 4 free blocks of 4 tokens, waiting prompts of 8, 9, 2 tokens (9 needs 3 blocks; the "
+         "2-token prompt must not overtake it)", 4, 4, [], [8, 9, 2], 8, 4096),
+        ("nothing waiting", 4, 16, [3, 3], [], 4, 4096),
+        ("every slot taken: max_num_seqs=2 with 2 running", 4, 32, [3, 3], [2], 2, 4096),
+        ("the pool is full: 3 blocks of 4, one sequence of 12 tokens running", 4, 3, [12], [1], 4, 4096),
+        ("exactly enough blocks: 6 free blocks of 2, prompts of 4, 4, 4 tokens", 2, 6, [], [4, 4, 4], 8, 4096),
+        ("exactly on the budget: budget 9, prompts of 4 and 5", 16, 32, [], [4, 5, 1], 8, 9),
+    ]
+    for desc, block_size, num_blocks, running, waiting, max_seqs, budget in cases:
+        _run_admit(admit, f"admit, {desc}", block_size, num_blocks, running, waiting, max_seqs, budget)
+
+    # A preempted sequence comes back with its output so far: all of it must get blocks again.
+    scheduler = _state(4, 8, [], [])
+    back = _seq(0, 5, output_len=6)  # 11 tokens: 3 blocks
+    scheduler.add(back)
+    desc = "admit, a preempted sequence (5 prompt + 6 output tokens, block size 4) coming back"
+    got = _call(desc, admit, scheduler)
+    _expect(_ids(got) == [0] and len(back.block_table) == 3, desc, "admitted ids and blocks of the sequence",
+            "[0] with 3 blocks (its 11 tokens)", f"{_ids(got)} with {len(back.block_table)} blocks")
+    _pool_consistent(desc, scheduler)
+
+    # Prefix caching: allocate() reports how many tokens are already in the cache.
+    scheduler = _state(4, 16, [], [], caching=True)
+    old = _seq(0, 12, prompt=range(12))
+    old.block_table, _ = scheduler.allocator.allocate(old.token_ids)
+    scheduler.allocator.free_sequence(old.block_table)  # finished; its full blocks stay cached
+    new = _seq(1, 11, prompt=list(range(8)) + [500, 501, 502])
+    scheduler.add(new)
+    desc = ("admit with prefix caching, block size 4: a new prompt of 11 tokens whose first 8 match a "
+            "finished sequence's cached blocks")
+    _call(desc, admit, scheduler)
+    _expect(new.num_computed_tokens == 8, desc, "num_computed_tokens (the cached tokens allocate() reports)", 8,
+            new.num_computed_tokens)
+    _pool_consistent(desc, scheduler)
+
+    rng = random.Random(7)
+    for case in range(RANDOM_CASES):
+        block_size = rng.choice([1, 2, 4, 8])
+        running = [rng.randint(1, 20) for _ in range(rng.randint(0, 3))]
+        num_blocks = max(1, sum(_blocks(n, block_size) for n in running) + rng.randint(0, 12))
+        waiting = [rng.randint(1, 24) for _ in range(rng.randint(0, 6))]
+        max_seqs, budget = rng.randint(1, 6), rng.randint(1, 60)
+        _run_admit(admit, f"admit, random case {case}: block size {block_size}, {num_blocks} blocks, running "
+                   f"lengths {running}, waiting lengths {waiting}, max_num_seqs={max_seqs}, "
+                   f"max_num_batched_tokens={budget}", block_size, num_blocks, running, waiting, max_seqs, budget)
+
+
+# --------------------------------------------------------------------------- decode_batch
+
+
+def _expected_decode(lens, free, block_size):
+    """(decoded indices in order, preempted indices in order, free blocks afterwards).
+    lens: tokens of each running sequence, the newest without a slot."""
+    held = [_blocks(n - 1, block_size) for n in lens]
+    running, batch, preempted = list(range(len(lens))), [], []
+    for i in range(len(lens)):
+        if i in preempted:
+            continue
+        need = 1 if (lens[i] - 1) % block_size == 0 else 0
+        while free < need:
+            victim = running.pop()
+            free, held[victim] = free + held[victim], 0
+            preempted.append(victim)
+            if victim == i:
+                break
+        if i in running:
+            free -= need
+            batch.append(i)
+    return batch, preempted, free
+
+
+def _run_decode(fn, desc, block_size, extra_free, lens, waiting=()):
+    num_blocks = sum(_blocks(n - 1, block_size) for n in lens) + extra_free
+    scheduler = _state(block_size, num_blocks, lens, list(waiting), max_num_seqs=64, decoding=True)
+    seqs, old_waiting = list(scheduler.running), list(scheduler.waiting)
+    batch, preempted, free = _expected_decode(lens, extra_free, block_size)
+    got = _call(desc, fn, scheduler)
+    want = [seqs[i].seq_id for i in batch]
+    _expect(isinstance(got, list) and _ids(got) == want, desc, "sequences to decode (seq ids, in order)", want,
+            _ids(got) if isinstance(got, list) else repr(got))
+    _expect(_ids(scheduler.running) == want, desc, "running afterwards", want, _ids(scheduler.running))
+    front = [seqs[i].seq_id for i in reversed(preempted)] + _ids(old_waiting)
+    _expect(_ids(scheduler.waiting) == front, desc, "waiting afterwards (the last preempted first)", front,
+            _ids(scheduler.waiting))
+    for i in batch:
+        need = _blocks(lens[i], block_size)
+        _expect(len(seqs[i].block_table) == need, desc, f"blocks of seq {seqs[i].seq_id} ({lens[i]} tokens, the "
+                f"newest needs a slot; block size {block_size})", need, len(seqs[i].block_table))
+    for i in preempted:
+        seq = seqs[i]
+        _expect(seq.status is Status.WAITING and not seq.block_table and seq.num_computed_tokens == 0, desc,
+                f"preempted seq {seq.seq_id}", "WAITING, no blocks, 0 computed tokens",
+                f"{seq.status.name}, {len(seq.block_table)} blocks, {seq.num_computed_tokens} computed")
+    _expect(scheduler.num_preemptions == len(preempted), desc, "scheduler.num_preemptions", len(preempted),
+            scheduler.num_preemptions)
+    _expect(scheduler.allocator.num_free == free, desc, "free blocks afterwards", free, scheduler.allocator.num_free)
+    _pool_consistent(desc, scheduler)
+
+
+def check_decode_batch(decode_batch) -> None:
+    cases = [
+        # (what, block size, free blocks, running lengths (newest token included), waiting)
+        ("room in every last block: block size 4, sequences of 6, 7, 3 tokens", 4, 0, [6, 7, 3], []),
+        ("a full last block: block size 4, a sequence of 9 tokens (8 stored) needs a new block, 1 free", 4, 1,
+         [9, 6], []),
+        ("out of blocks: block size 4, 0 free, the first of 3 sequences (9 tokens) needs a block; the most "
+         "recently admitted (the third, 7 tokens, 2 blocks) is preempted", 4, 0, [9, 6, 7], [3]),
+        ("the newest preempts itself: block size 4, 0 free, only the last sequence (5 tokens) needs a block", 4, 0,
+         [6, 7, 5], []),
+        ("several victims: block size 2, 0 free, sequences of 5, 2, 2, 2 tokens", 2, 0, [5, 2, 2, 2], []),
+        ("block size 1: every token needs a block, 2 free for 3 sequences", 1, 2, [3, 4, 5], []),
+        ("no running sequence", 4, 3, [], [4]),
+    ]
+    for desc, block_size, free, lens, waiting in cases:
+        _run_decode(decode_batch, f"decode_batch, {desc}", block_size, free, lens, waiting)
+    rng = random.Random(11)
+    for case in range(RANDOM_CASES):
+        block_size = rng.choice([1, 2, 4, 8])
+        lens = [rng.randint(2, 30) for _ in range(rng.randint(1, 6))]
+        free = rng.randint(0, 3)
+        waiting = [rng.randint(1, 9) for _ in range(rng.randint(0, 2))]
+        _run_decode(decode_batch, f"decode_batch, random case {case}: block size {block_size}, {free} free blocks, "
+                    f"running sequences of {lens} tokens", block_size, free, lens, waiting)
+
+
+# --------------------------------------------------------------------------- preempt
+
+
+def check_preempt(preempt) -> None:
+    scheduler = _state(4, 16, [6, 9, 5], [3, 2])
+    a, b, c = scheduler.running
+    old_waiting = list(scheduler.waiting)
+    b.output_token_ids = [4, 4]  # generated so far: must survive
+    b_blocks, free = len(b.block_table), scheduler.allocator.num_free
+    desc = ("preempt(scheduler, seq 1) with running seqs [0, 1, 2] holding 6, 9, 5 tokens (block size 4), seq 1 "
+            "with 2 generated tokens, waiting [3, 4]")
+    _call(desc, preempt, scheduler, b)
+    _expect(_ids(scheduler.running) == [0, 2], desc, "running afterwards", [0, 2], _ids(scheduler.running))
+    _expect(_ids(scheduler.waiting) == [1] + _ids(old_waiting), desc, "waiting afterwards (it is next in line)",
+            [1] + _ids(old_waiting), _ids(scheduler.waiting))
+    _expect(b.status is Status.WAITING, desc, "status of seq 1", Status.WAITING, b.status)
+    _expect(b.block_table == [], desc, "block table of seq 1", [], b.block_table)
+    _expect(b.num_computed_tokens == 0, desc, "num_computed_tokens of seq 1 (its KV is gone: recompute all)", 0,
+            b.num_computed_tokens)
+    _expect(b.output_token_ids[-2:] == [4, 4], desc, "output tokens of seq 1 (kept, recomputed later)",
+            "... 4, 4", b.output_token_ids)
+    _expect(b.num_preemptions == 1 and scheduler.num_preemptions == 1, desc,
+            "seq.num_preemptions and scheduler.num_preemptions", "1 and 1",
+            f"{b.num_preemptions} and {scheduler.num_preemptions}")
+    _expect(scheduler.allocator.num_free == free + b_blocks, desc, "free blocks afterwards", free + b_blocks,
+            scheduler.allocator.num_free)
+    _pool_consistent(desc, scheduler)
+
+    desc = "preempt seq 2 then seq 0 (after seq 1)"
+    _call(desc, preempt, scheduler, c)
+    _call(desc, preempt, scheduler, a)
+    _expect(_ids(scheduler.waiting)[:3] == [0, 2, 1], desc, "the front of waiting (the last preempted first)",
+            [0, 2, 1], _ids(scheduler.waiting)[:3])
+    _expect(scheduler.num_preemptions == 3 and scheduler.running == [], desc,
+            "scheduler.num_preemptions and running", "3 and []", f"{scheduler.num_preemptions} and "
+            f"{_ids(scheduler.running)}")
+    _expect(scheduler.allocator.num_free == scheduler.allocator.num_blocks, desc, "free blocks with nothing running",
+            scheduler.allocator.num_blocks, scheduler.allocator.num_free)
+    _pool_consistent(desc, scheduler)
+
+    # Two samples of one prompt share its blocks: preempting one must leave the other's intact.
+    scheduler = _state(4, 16, [10], [])
+    first = scheduler.running[0]
+    sibling = _seq(1, 10, prompt=first.prompt_token_ids)
+    sibling.block_table = scheduler.allocator.fork(first.block_table)
+    sibling.status, sibling.num_computed_tokens = Status.RUNNING, 10
+    scheduler.running.append(sibling)
+    free = scheduler.allocator.num_free
+    desc = "preempt one of two samples sharing 3 blocks (a prompt of 10 tokens, block size 4)"
+    _call(desc, preempt, scheduler, sibling)
+    _expect(scheduler.allocator.num_free == free, desc, "free blocks (the shared blocks are still held by the "
+            "other sample)", free, scheduler.allocator.num_free)
+    _pool_consistent(desc, scheduler)
+
+
+# --------------------------------------------------------------------------- finish
+
+
+def check_finish(finish) -> None:
+    scheduler = _state(4, 16, [6, 9, 5], [3])
+    a, b, c = scheduler.running
+    free, b_blocks = scheduler.allocator.num_free, len(b.block_table)
+    desc = "finish(scheduler, seq 1, 'stop') with running seqs [0, 1, 2] (6, 9, 5 tokens, block size 4), waiting [3]"
+    _call(desc, finish, scheduler, b, "stop")
+    _expect(b.status is Status.FINISHED, desc, "status of seq 1", Status.FINISHED, b.status)
+    _expect(b.finish_reason == "stop", desc, "finish_reason of seq 1", "'stop'", repr(b.finish_reason))
+    _expect(_ids(scheduler.running) == [0, 2], desc, "running afterwards", [0, 2], _ids(scheduler.running))
+    _expect(_ids(scheduler.waiting) == [3], desc, "waiting afterwards (unchanged)", [3], _ids(scheduler.waiting))
+    _expect(b.block_table == [], desc, "block table of seq 1", [], b.block_table)
+    _expect(scheduler.allocator.num_free == free + b_blocks, desc, "free blocks afterwards", free + b_blocks,
+            scheduler.allocator.num_free)
+    _expect(scheduler.num_preemptions == 0, desc, "scheduler.num_preemptions (finishing is not preempting)", 0,
+            scheduler.num_preemptions)
+    _pool_consistent(desc, scheduler)
+
+    desc = "then finish(scheduler, seq 2, 'length') and finish(scheduler, seq 0, 'length')"
+    _call(desc, finish, scheduler, c, "length")
+    _call(desc, finish, scheduler, a, "length")
+    _expect(c.finish_reason == "length" and a.finish_reason == "length", desc, "finish reasons",
+            "'length', 'length'", f"{c.finish_reason!r}, {a.finish_reason!r}")
+    _expect(scheduler.running == [] and scheduler.allocator.num_free == scheduler.allocator.num_blocks, desc,
+            "running and free blocks", f"[] and {scheduler.allocator.num_blocks}",
+            f"{_ids(scheduler.running)} and {scheduler.allocator.num_free}")
+    _pool_consistent(desc, scheduler)
+
+    # A sequence that is not in `running` (an engine may retire one before it was scheduled).
+    scheduler = _state(4, 8, [5], [])
+    loose = _seq(9, 3)
+    loose.block_table, _ = scheduler.allocator.allocate(loose.token_ids)
+    desc = "finish a sequence that holds a block but is not in running"
+    _call(desc, finish, scheduler, loose, "length")
+    _expect(loose.status is Status.FINISHED and loose.block_table == [] and _ids(scheduler.running) == [0], desc,
+            "status, block table, running", "FINISHED, [], [0]",
+            f"{loose.status.name}, {loose.block_table}, {_ids(scheduler.running)}")
+    _pool_consistent(desc, scheduler)
+
+    # Two samples sharing a prompt's blocks: the one that finishes must not free the other's.
+    scheduler = _state(4, 16, [10], [])
+    first = scheduler.running[0]
+    sibling = _seq(1, 10, prompt=first.prompt_token_ids)
+    sibling.block_table = scheduler.allocator.fork(first.block_table)
+    sibling.status = Status.RUNNING
+    scheduler.running.append(sibling)
+    free = scheduler.allocator.num_free
+    desc = "finish one of two samples sharing 3 blocks"
+    _call(desc, finish, scheduler, first, "stop")
+    _expect(scheduler.allocator.num_free == free, desc, "free blocks (the other sample still holds them)", free,
+            scheduler.allocator.num_free)
+    _pool_consistent(desc, scheduler)

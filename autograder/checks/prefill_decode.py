@@ -1,0 +1,304 @@
+"""Checks for notebook 03, prefill and decode: the prompt in one forward pass, TTFT and
+inter-token latency, arithmetic intensity, and reusing a shared prefix's KV cache.
+
+Each ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
+version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and
+returns None or raises ``AssertionError`` naming the input, the expected and the actual result.
+
+Oracles, never snapshots:
+* logits: the same weights in float64, run over the whole sequence without any cache (the
+  plain causal forward pass that prefill and prefix reuse must reproduce);
+* "one forward pass" and "the prefix is computed once": counted with forward hooks on the model;
+* latencies: differences of clock readings, by hand;
+* arithmetic intensity: 2 FLOPs per parameter per token over the bytes of every weight plus
+  K/V (2 x layers x KV heads x head_dim x positions x bytes), with the parameters counted by
+  building the model for real (small configs) or the total `transformers` reports (Llama-3.1-8B).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+import random
+
+import torch
+
+# exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
+REFERENCES = {
+    "prefill": "decodelab.lessons.prefill_decode:prefill",
+    "latencies_from_timestamps": "decodelab.lessons.prefill_decode:latencies_from_timestamps",
+    "arithmetic_intensity": "decodelab.lessons.prefill_decode:arithmetic_intensity",
+    "reuse_prefix": "decodelab.lessons.prefill_decode:reuse_prefix",
+}
+
+__all__ = ["check_prefill", "check_latencies_from_timestamps", "check_arithmetic_intensity", "check_reuse_prefix"]
+
+VOCAB = 97
+LLAMA_31_8B_PARAMETERS = 8_030_261_248  # what transformers reports for meta-llama/Llama-3.1-8B
+
+
+def _call(desc: str, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - any crash is a failed check
+        raise AssertionError(f"{desc} raised {type(e).__name__}: {e}") from e
+
+
+def _random_model(seed: int, **overrides):
+    """A small random Llama (8 query heads over 2 KV heads) whose logits are O(1), so that a
+    1e-4 tolerance proves something."""
+    from decodelab.config import ModelConfig
+    from decodelab.model.llama import LlamaForCausalLM
+
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(ModelConfig(**fields))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return model.eval().requires_grad_(False)
+
+
+@torch.inference_mode()
+def _oracle_last_logits(model, rows: list[list[int]]) -> torch.Tensor:
+    """The last position's logits [B, V] of each whole sequence, float64 weights, no cache."""
+    exact = copy.deepcopy(model).double()
+    return exact(torch.tensor(rows))[:, -1].double()
+
+
+class _Counter:
+    """Counts the model's forward calls and the tokens they process."""
+
+    def __init__(self, model):
+        self.calls, self.tokens = 0, 0
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, _module, args, kwargs):
+        ids = args[0] if args else kwargs.get("input_ids")
+        self.calls += 1
+        self.tokens += int(ids.shape[-1]) if torch.is_tensor(ids) else 0
+
+    def remove(self):
+        self._handle.remove()
+
+
+def _expect_logits(got, want: torch.Tensor, what: str, atol: float = 1e-4) -> None:
+    if not torch.is_tensor(got):
+        raise AssertionError(f"{what}: expected a tensor of logits of shape {list(want.shape)}, got {type(got).__name__}")
+    if tuple(got.shape) != tuple(want.shape):
+        raise AssertionError(f"{what}: expected logits of shape {list(want.shape)} (the last position only), "
+                             f"got shape {list(got.shape)}")
+    err = (got.detach().double().cpu() - want).abs().max().item()
+    if not err < atol:
+        raise AssertionError(f"{what}: the logits differ from the whole sequence's forward pass without a cache "
+                             f"(float64) by up to {err:.3g} (allowed {atol:g})")
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+def check_prefill(fn) -> None:
+    from decodelab.model.kv_cache import KVCache
+
+    model = _random_model(31)
+    gen = torch.Generator().manual_seed(31)
+    prompt = torch.randint(0, VOCAB, (12,), generator=gen).tolist()
+
+    cache = KVCache(model.config, 1, 32)
+    counter = _Counter(model)
+    try:
+        got = _call(f"prefill(model, a 12-token list, an empty cache)", fn, model, prompt, cache)
+    finally:
+        counter.remove()
+    if counter.calls == 0:
+        raise AssertionError("prefill of a 12-token prompt never called the model: call it as "
+                             "model(ids, kv_cache=cache) (calling model.forward directly skips its hooks)")
+    if counter.calls != 1:
+        raise AssertionError(f"prefill of a 12-token prompt ran the model {counter.calls} times; a prefill is one "
+                             f"forward pass over all 12 tokens")
+    _expect_logits(got, _oracle_last_logits(model, [prompt]), "prefill(model, a 12-token list, an empty cache)")
+    if cache.seq_len != 12:
+        raise AssertionError(f"after prefill of 12 tokens the cache holds {cache.seq_len} positions, expected 12: "
+                             f"pass the cache to the model (model(ids, kv_cache=cache))")
+    with torch.inference_mode():  # the cache it leaves must serve the next decode step
+        after = model(torch.tensor([[5]]), kv_cache=cache)[:, -1]
+    _expect_logits(after, _oracle_last_logits(model, [prompt + [5]]),
+                   "the decode step right after prefill (token 5 fed with the cache prefill filled)")
+
+    batch = torch.randint(0, VOCAB, (2, 9), generator=gen)
+    got = _call("prefill(model, a [2, 9] tensor of two prompts, an empty cache for 2)", fn, model, batch,
+                KVCache(model.config, 2, 16))
+    _expect_logits(got, _oracle_last_logits(model, batch.tolist()),
+                   "prefill(model, a [2, 9] tensor of two prompts, a cache for 2)")
+
+    flat = torch.tensor(prompt[:7])
+    got = _call("prefill(model, a [7] tensor, an empty cache)", fn, model, flat, KVCache(model.config, 1, 16))
+    _expect_logits(got, _oracle_last_logits(model, [prompt[:7]]), "prefill(model, a [7] tensor, an empty cache)")
+
+    # a cache that already holds a prefix: prefill continues after it (chunked prefill, prefix reuse)
+    chunked = KVCache(model.config, 1, 32)
+    _call("prefill of the first 5 tokens", fn, model, prompt[:5], chunked)
+    got = _call("prefill of the other 7 tokens into the same cache", fn, model, prompt[5:], chunked)
+    _expect_logits(got, _oracle_last_logits(model, [prompt]),
+                   "prefill of 7 tokens into a cache that already holds the 5 before them (positions 5..11)")
+
+
+# --------------------------------------------------------------------------- latency
+
+
+def _expect_number(got, want: float, what: str) -> None:
+    if isinstance(got, torch.Tensor) and got.numel() == 1:
+        got = got.item()
+    if isinstance(got, bool) or not isinstance(got, numbers.Real):
+        raise AssertionError(f"{what}: expected the number {want:.6g}, got {type(got).__name__} {got!r}")
+    if not math.isclose(float(got), want, rel_tol=1e-9, abs_tol=1e-9):
+        raise AssertionError(f"{what}: expected {want:.6g} s, got {float(got):.6g} s")
+
+
+def _expect_latencies(fn, start: float, times: list[float], name: str) -> None:
+    desc = f"latencies_from_timestamps({start!r}, {name})"
+    got = _call(desc, fn, start, list(times))
+    if not isinstance(got, dict) or not {"ttft_s", "itl_s"} <= set(got):
+        raise AssertionError(f"{desc}: expected a dict with keys 'ttft_s' and 'itl_s', got {got!r}")
+    _expect_number(got["ttft_s"], times[0] - start, f"{desc}['ttft_s'] (first token - start)")
+    want = [b - a for a, b in zip(times, times[1:])]
+    itl = got["itl_s"]
+    itl = itl.tolist() if torch.is_tensor(itl) else itl
+    if not isinstance(itl, (list, tuple)) or len(itl) != len(want):
+        raise AssertionError(f"{desc}['itl_s']: expected {len(want)} gaps (one between each pair of consecutive "
+                             f"tokens of {len(times)}), got {itl!r}")
+    for i, (g, w) in enumerate(zip(itl, want)):
+        _expect_number(g, w, f"{desc}['itl_s'][{i}] (token {i + 1} - token {i})")
+
+
+def _expect_value_error(fn, start, times, what: str, why: str) -> None:
+    try:
+        result = fn(start, times)
+    except ValueError:
+        return
+    except Exception as e:  # noqa: BLE001
+        raise AssertionError(f"{what} should raise ValueError ({why}); it raised {type(e).__name__}: {e}") from None
+    raise AssertionError(f"{what} should raise ValueError ({why}); it returned {result!r}")
+
+
+def check_latencies_from_timestamps(fn) -> None:
+    _expect_latencies(fn, 100.0, [100.5, 100.625, 100.75, 101.0], "[100.5, 100.625, 100.75, 101.0]")
+    _expect_latencies(fn, 2.0, [2.25], "[2.25] (a single token)")
+    _expect_latencies(fn, 0.0, [0.0, 0.0, 0.125], "[0.0, 0.0, 0.125] (two tokens in the same tick)")
+    rng = random.Random(3)
+    for case in range(5):
+        start = rng.uniform(0, 1000)
+        times = [start + rng.uniform(0.01, 2)]
+        for _ in range(rng.randint(1, 20)):
+            times.append(times[-1] + rng.uniform(0.001, 0.2))
+        _expect_latencies(fn, start, times, f"random case {case}: {len(times)} increasing times")
+    _expect_value_error(fn, 1.0, [], "latencies_from_timestamps(1.0, [])", "no token: there is no first token")
+    _expect_value_error(fn, 1.0, [1.5, 1.25, 2.0], "latencies_from_timestamps(1.0, [1.5, 1.25, 2.0])",
+                        "token 1 arrived before token 0")
+    _expect_value_error(fn, 5.0, [4.0, 6.0], "latencies_from_timestamps(5.0, [4.0, 6.0])",
+                        "the first token arrived before the request started")
+
+
+# --------------------------------------------------------------------------- arithmetic intensity
+
+
+def _small_configs():
+    from decodelab.config import ModelConfig
+
+    base = dict(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3, max_position_embeddings=4096)
+    return {
+        "a small MHA config (6 heads, tied embeddings)": ModelConfig(**base, num_attention_heads=6, num_key_value_heads=6),
+        "a small GQA config (8 query heads over 2 KV heads, head_dim 12, untied)": ModelConfig(
+            **{**base, "num_hidden_layers": 2}, num_attention_heads=8, num_key_value_heads=2, head_dim=12,
+            tie_word_embeddings=False),
+    }
+
+
+def _intensity(params: int, layers: int, kv_heads: int, head_dim: int, tokens: int, kv_len: int, nbytes: float) -> float:
+    flops = 2 * params * tokens
+    moved = params * nbytes + 2 * layers * kv_heads * head_dim * (kv_len + tokens) * nbytes
+    return flops / moved
+
+
+def check_arithmetic_intensity(fn) -> None:
+    from decodelab.model.llama import LlamaForCausalLM
+
+    def expect(config, desc, tokens, kv_len, dtype, want):
+        got = _call(f"arithmetic_intensity({desc}, num_tokens={tokens}, kv_len={kv_len}, bytes_per_param={dtype!r})",
+                    fn, config, tokens, kv_len, dtype)
+        if isinstance(got, bool) or not isinstance(got, numbers.Real):
+            raise AssertionError(f"arithmetic_intensity({desc}, {tokens}, {kv_len}, {dtype!r}): expected a number "
+                                 f"(FLOPs per byte), got {type(got).__name__} {got!r}")
+        if not math.isclose(float(got), want, rel_tol=1e-6):
+            raise AssertionError(f"arithmetic_intensity({desc}, num_tokens={tokens}, kv_len={kv_len}, "
+                                 f"bytes_per_param={dtype!r}): expected {want:.6g} FLOPs per byte, got {float(got):.6g}")
+
+    # Llama-3.1-8B: 32 layers, 8 KV heads of 128; its parameter total as transformers reports it
+    for tokens, kv_len, dtype, nbytes in ((1, 4096, "fp16", 2), (1, 0, "fp16", 2), (512, 0, "fp16", 2),
+                                          (64, 1000, "fp32", 4), (8, 128, "int8", 1), (1, 100_000, "bf16", 2)):
+        expect("Llama-3.1-8B", "'Llama-3.1-8B'", tokens, kv_len, dtype,
+               _intensity(LLAMA_31_8B_PARAMETERS, 32, 8, 128, tokens, kv_len, nbytes))
+    for desc, config in _small_configs().items():
+        params = LlamaForCausalLM(config).num_parameters()
+        for tokens, kv_len, dtype, nbytes in ((1, 0, "fp32", 4), (1, 2000, "fp16", 2), (37, 11, 4, 4), (300, 0, "bf16", 2)):
+            expect(config, desc, tokens, kv_len, dtype,
+                   _intensity(params, config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                              tokens, kv_len, nbytes))
+    for tokens, kv_len, why in ((0, 0, "num_tokens=0: a forward pass over no token"),
+                                (1, -1, "kv_len=-1: a negative number of cached tokens")):
+        try:
+            result = fn("Llama-3.1-8B", tokens, kv_len, "fp16")
+        except ValueError:
+            continue
+        except Exception as e:  # noqa: BLE001
+            raise AssertionError(f"arithmetic_intensity('Llama-3.1-8B', {tokens}, {kv_len}, 'fp16') should raise "
+                                 f"ValueError ({why}); it raised {type(e).__name__}: {e}") from None
+        raise AssertionError(f"arithmetic_intensity('Llama-3.1-8B', {tokens}, {kv_len}, 'fp16') should raise "
+                             f"ValueError ({why}); it returned {result!r}")
+
+
+# --------------------------------------------------------------------------- prefix reuse
+
+
+def check_reuse_prefix(fn) -> None:
+    model = _random_model(41)
+    gen = torch.Generator().manual_seed(41)
+    prefix = torch.randint(0, VOCAB, (20,), generator=gen).tolist()
+    suffixes = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (1, 5, 9)]
+    want = [_oracle_last_logits(model, [prefix + s]) for s in suffixes]
+
+    counter = _Counter(model)
+    try:
+        got = _call("reuse_prefix(model, a 20-token prefix, suffixes of 1, 5 and 9 tokens)", fn, model, prefix, suffixes)
+    finally:
+        counter.remove()
+    if not isinstance(got, (list, tuple)) or len(got) != 3:
+        raise AssertionError(f"reuse_prefix with 3 suffixes: expected a list of 3 logits tensors, got {type(got).__name__}"
+                             + (f" of length {len(got)}" if isinstance(got, (list, tuple)) else ""))
+    for n, g, w in zip((1, 5, 9), got, want):
+        _expect_logits(g, w, f"reuse_prefix(model, a 20-token prefix, three suffixes): the {n}-token suffix's result")
+    expected_tokens = 20 + 1 + 5 + 9
+    if counter.tokens != expected_tokens:
+        raise AssertionError(f"reuse_prefix with a 20-token prefix and suffixes of 1, 5 and 9 tokens fed "
+                             f"{counter.tokens} tokens through the model; computing the prefix once and each suffix "
+                             f"once is {expected_tokens}")
+
+    again = _call("reuse_prefix with the same suffixes in reverse order", fn, model, prefix, suffixes[::-1])
+    for n, g, w in zip((9, 5, 1), again, want[::-1]):
+        _expect_logits(g, w, f"reuse_prefix with the suffixes reversed: the {n}-token suffix (each suffix must "
+                             f"start from its own copy of the prefix's cache)")
+
+    one = _call("reuse_prefix(model, prefix, one flat list of 5 ids)", fn, model, prefix, suffixes[1])
+    if not isinstance(one, (list, tuple)) or len(one) != 1:
+        raise AssertionError(f"reuse_prefix(model, prefix, a flat list of 5 ids): a flat list is one suffix, expected "
+                             f"a list of 1 logits tensor, got {type(one).__name__}"
+                             + (f" of length {len(one)}" if isinstance(one, (list, tuple)) else ""))
+    _expect_logits(one[0], want[1], "reuse_prefix(model, prefix, a flat list of 5 ids)")

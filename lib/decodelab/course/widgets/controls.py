@@ -1,0 +1,38 @@
+"""What every notebook's explorer shares: one style for its controls, and how it is finished.
+
+An explorer is an ipywidgets box of sliders driving a plotly FigureWidget. The notebooks pass
+in the functions to sweep (the learner's own, or the library's reference while an exercise is
+unfinished), so the sliders run exactly the code the exercises build.
+
+Each explorer returns its box with three extra attributes, so that code (and the tests) can
+drive it without a browser: ``box.figure`` (the FigureWidget), ``box.controls`` (name ->
+widget) and ``box.redraw()``; `finish_explorer` sets them.
+"""
+from __future__ import annotations
+
+import copy
+
+import ipywidgets as widgets
+
+# Wide enough for the longest label ("speculative tokens k", "tokens per second, batch 1").
+SLIDER = dict(style={"description_width": "180px"}, layout=widgets.Layout(width="500px"))
+
+
+def bake_current_state(fig) -> None:
+    """Make a FigureWidget's current traces and layout the state its views start from.
+
+    A FigureWidget sends each change as a one-off message that only views already on the page
+    apply; its synced start state stays what it was constructed with. When a view is created
+    after the first redraw (Run All on a busy kernel renders outputs late), it would draw that
+    empty start state. Call this after the first redraw, before the widget is displayed.
+    """
+    fig._widget_data = copy.deepcopy(fig._data)
+    fig._widget_layout = copy.deepcopy(fig._layout_obj._props)
+
+
+def finish_explorer(box, fig, controls: dict, redraw):
+    """Attach figure, controls and redraw to the box, draw once, and make that the start state."""
+    box.figure, box.controls, box.redraw = fig, controls, redraw
+    redraw()
+    bake_current_state(fig)
+    return box

@@ -1,0 +1,353 @@
+"""Speculative decoding: a cheap drafter guesses k tokens, the target checks all of them in
+ONE forward pass, and a rejection rule keeps the output distributed exactly as the target's
+(Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling").
+
+One step, with the tokens so far in `ids`; the last one (the *pending* token) is not yet in
+either KV cache:
+
+    propose:  d_1 .. d_k from the drafter, recording q_i, its distribution for d_i
+    verify:   ONE target forward over [pending, d_1 .. d_k] -> p_1 .. p_{k+1}
+    accept:   d_i with probability min(1, p_i(d_i) / q_i(d_i)), left to right; at the first
+              rejection draw from normalize(max(0, p_i - q_i)) and stop; if all k pass,
+              draw a bonus token from p_{k+1}
+    rollback: both caches forget the rejected drafts (`KVCache.truncate`)
+
+Each step emits 1 .. k+1 tokens for one target forward. A drafter is either a draft model
+(any `LlamaForCausalLM` with the target's vocabulary; it keeps its own KVCache) or a
+function ``(token_ids, k) -> list of <= k ids`` such as `decodelab.decoding.lookup.propose_from_prompt`,
+or a `decodelab.decoding.eagle.FeatureDrafter`, which also reads the target's last hidden states.
+A function's guesses are deterministic, so q_i is one-hot: d_i is accepted with probability
+p_i(d_i), and a rejection draws from p_i with d_i removed. At temperature 0, a feature
+drafter can also put its top-w candidates for the next token to the target in one pass
+(`tree_width=w`, `decodelab.decoding.draft_tree`).
+
+Shapes: k drafted tokens, V vocab_size, B independent steps (the batched acceptance rule).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Iterator, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decodelab.decoding.draft_tree import accept_candidate, keep_row, path_rows, top_candidates, verify_candidates
+from decodelab.decoding.eagle import FeatureDrafter, FeatureDraftSession
+from decodelab.decoding.generate import check_prompt, make_generator
+from decodelab.model.kv_cache import KVCache
+from decodelab.model.llama import LlamaForCausalLM
+from decodelab.params import SamplingParams
+from decodelab.decoding.sampling import draw_draft_token, greedy, probs
+
+Drafter = Union[nn.Module, FeatureDrafter, Callable[[list, int], list]]
+
+
+# ----------------------------------------------------------------------- the acceptance rule
+def accept_draft_tokens_batched(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
+                                target_probs: torch.Tensor, generator: torch.Generator | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance rule for B independent steps at once.
+
+    draft_tokens [B, k] int64, draft_probs [B, k, V], target_probs [B, k+1, V] ->
+    (num_accepted [B] in 0..k, next_token [B]): step b emits draft_tokens[b, :num_accepted[b]],
+    then next_token[b].
+    """
+    if draft_tokens.dim() != 2 or draft_probs.dim() != 3 or target_probs.dim() != 3:
+        raise ValueError(f"expected draft_tokens [B, k], draft_probs [B, k, V], target_probs [B, k+1, V]; got "
+                         f"{tuple(draft_tokens.shape)}, {tuple(draft_probs.shape)}, {tuple(target_probs.shape)}")
+    b, k = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    if draft_probs.shape != (b, k, vocab) or target_probs.shape != (b, k + 1, vocab):
+        raise ValueError(f"for draft_tokens {tuple(draft_tokens.shape)} expected draft_probs {(b, k, vocab)} and "
+                         f"target_probs {(b, k + 1, vocab)}, got {tuple(draft_probs.shape)} and "
+                         f"{tuple(target_probs.shape)}")
+    p_of_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]  # [B, k]
+    q_of_draft = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]  # [B, k]
+    u = torch.rand(b, k, generator=generator, device=target_probs.device)  # [B, k], uniform in [0, 1)
+    accepted = u * q_of_draft < p_of_draft  # u < p/q without dividing by q: always when p >= q
+    num_accepted = accepted.cumprod(dim=-1).sum(dim=-1)  # [B]: length of the accepted prefix
+    # The next token: residual max(0, p - q) at the first rejection. A zero q row after the
+    # last draft makes the same formula give p_{k+1} itself: the bonus token.
+    rows = torch.arange(b, device=target_probs.device)
+    p_next = target_probs[rows, num_accepted]  # [B, V]
+    q_next = F.pad(draft_probs, (0, 0, 0, 1))[rows, num_accepted]  # [B, V]
+    residual = (p_next - q_next).clamp(min=0)
+    mass = residual.sum(dim=-1, keepdim=True)  # [B, 1]
+    # An all-zero residual (p == q: rejection had probability 0, float rounding aside): use p.
+    residual = torch.where(mass > 0, residual / mass, p_next)
+    next_token = torch.multinomial(residual, 1, generator=generator)[:, 0]  # [B]
+    return num_accepted, next_token
+
+
+def accept_draft_tokens(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+    """draft_tokens [k] int64, draft_probs [k, V], target_probs [k+1, V] (from
+    `decodelab.decoding.sampling.probs`) -> the tokens this step emits, 1-D int64 of length 1 .. k+1:
+    the accepted prefix of draft_tokens, then one token drawn from the residual at the first
+    rejection, or from target_probs[k] (the bonus token) when all k were accepted.
+    """
+    if draft_tokens.dim() != 1 or draft_probs.dim() != 2 or target_probs.dim() != 2:
+        raise ValueError(f"expected draft_tokens [k], draft_probs [k, V], target_probs [k+1, V]; got "
+                         f"{tuple(draft_tokens.shape)}, {tuple(draft_probs.shape)}, {tuple(target_probs.shape)}")
+    if draft_tokens.dtype != torch.int64:
+        raise ValueError(f"draft_tokens must be int64 token ids, got {draft_tokens.dtype}")
+    num_accepted, next_token = accept_draft_tokens_batched(draft_tokens[None], draft_probs[None],
+                                                           target_probs[None], generator)
+    return torch.cat([draft_tokens[:int(num_accepted)], next_token])
+
+
+def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """The rule at temperature 0, where p and q are one-hot: keep drafts while they equal the
+    target's argmax, then emit the target's own argmax. draft_tokens [k], target_logits
+    [k+1, V] -> tokens [n+1] (they are the target's choices, so no gather is needed)."""
+    choice = greedy(target_logits)  # [k+1]
+    num_accepted = int((choice[:-1] == draft_tokens).cumprod(dim=0).sum())
+    return choice[:num_accepted + 1]
+
+
+# ------------------------------------------------------------------------- the loop's steps
+def prefill(model, cache: KVCache, token_ids: list[int]) -> None:
+    """Put token_ids into the cache (nothing to do for none)."""
+    if token_ids:
+        model(torch.tensor([token_ids], device=model.device), kv_cache=cache, last_only=True)
+
+
+def propose(drafter: Drafter, cache: KVCache | FeatureDraftSession | None, ids: list[int], k: int,
+            params: SamplingParams, generator: torch.Generator | None, vocab_size: int, device
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Up to k guesses after ids -> (draft_tokens [k'], draft_probs [k', V], or None when greedy).
+    `cache` is the draft model's KVCache, a feature drafter's session, or None for a function.
+
+    A draft model runs k forwards: the first feeds the 1 or 2 tokens its cache lacks (2 after a
+    step where all drafts were accepted: the last draft was never fed), each later one the
+    previous guess.
+    """
+    if k == 0:
+        return torch.empty(0, dtype=torch.long, device=device), torch.empty(0, vocab_size, device=device)
+    if isinstance(cache, FeatureDraftSession):
+        return cache.propose(ids, k, params, generator)
+    if cache is None:  # a function: deterministic guesses, one-hot q
+        tokens = torch.tensor(list(drafter(ids, k))[:k], dtype=torch.long, device=device)
+        return tokens, None if params.greedy else F.one_hot(tokens, vocab_size).float()
+    x = torch.tensor([ids[cache.seq_len:]], device=device)  # [1, 1 or 2]
+    tokens, dists = [], []
+    for _ in range(k):
+        logits = drafter(x, kv_cache=cache, last_only=True)[0, -1]  # [V]
+        token, q = draw_draft_token(logits, params, generator)  # [1], [V] or None
+        tokens.append(token)
+        dists += [q] if q is not None else []
+        x = token[None]  # [1, 1]
+    return torch.cat(tokens), torch.stack(dists) if dists else None
+
+
+def verify(target, cache: KVCache, pending: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """ONE target forward over [pending, d_1 .. d_k] (pending [1], draft_tokens [k]) -> logits
+    [k+1, V]: row i is the target's next-token logits after d_i (row 0: after pending). The
+    cache's `attend` applies the causal mask, so row i sees nothing after d_i."""
+    tokens = torch.cat([pending, draft_tokens])[None]  # [1, k+1]
+    return target(tokens, kv_cache=cache)[0]
+
+
+def verify_with_features(target, cache: KVCache, pending: torch.Tensor, draft_tokens: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify` that also returns the target's features there: (logits [k+1, V], features [k+1, E])."""
+    tokens = torch.cat([pending, draft_tokens])[None]  # [1, k+1]
+    features = target.features(tokens, kv_cache=cache)[0]  # [k+1, E]
+    return target.lm_head(features).float(), features
+
+
+def rollback(target_cache: KVCache, draft_cache: KVCache | None, length: int) -> None:
+    """Forget the rejected drafts: keep `length` positions (all tokens but the new pending one).
+    The draft cache may hold one fewer (its last guess is fed at the next step)."""
+    target_cache.truncate(length)
+    if draft_cache is not None:
+        draft_cache.truncate(min(draft_cache.seq_len, length))
+
+
+# ----------------------------------------------------------------------------- generation
+@dataclass
+class SpeculativeStats:
+    """Counts over one or more generations (pass the same object to add them up)."""
+
+    proposed: int = 0  # draft tokens put to the target
+    accepted: int = 0  # of those, accepted
+    rejected: int = 0  # steps that ended in a rejection (drafts after it are never judged)
+    target_calls: int = 0  # verify forwards (the prompt's prefill not counted)
+    draft_calls: int = 0  # draft-model forwards, or drafter-function calls
+    generated: int = 0  # tokens emitted
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha, measured: of the drafts the rule judged, the fraction accepted. Not accepted /
+        proposed, which also counts the drafts after a rejection and so falls as k grows."""
+        judged = self.accepted + self.rejected
+        return self.accepted / judged if judged else float("nan")
+
+    @property
+    def accepted_per_proposed(self) -> float:
+        return self.accepted / self.proposed if self.proposed else float("nan")
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        return self.generated / self.target_calls if self.target_calls else float("nan")
+
+
+@torch.inference_mode()
+def stream_speculative(target, drafter: Drafter, prompt_ids: list[int], params: SamplingParams,
+                       num_speculative_tokens: int = 4, stop_token_ids=(),
+                       stats: SpeculativeStats | None = None, tree_width: int = 1) -> Iterator[int]:
+    """Yield generated ids one by one, as `decodelab.decoding.generate.stream_token_ids` does, and count
+    into `stats` (pass a `SpeculativeStats` to read them). Greedy output equals the target's own.
+
+    drafter: a draft model, or a function (token_ids, k) -> up to k guesses (module docstring).
+    Each step drafts min(k, tokens still to generate - 1), so no work goes past max_tokens.
+    tree_width > 1 (a feature drafter, greedy, k = 1): the drafter's top tree_width tokens are
+    judged together in one pass (`decodelab.decoding.draft_tree`); a step's draft then counts as accepted
+    when any candidate is, so stats' alpha is per position, not per candidate.
+    """
+    k = num_speculative_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+    if isinstance(tree_width, bool) or not isinstance(tree_width, int) or tree_width < 1:
+        raise ValueError(f"tree_width must be an integer >= 1, got {tree_width!r}")
+    if tree_width > 1 and not (isinstance(drafter, FeatureDrafter) and params.greedy and k == 1):
+        raise ValueError("tree_width > 1 needs a feature drafter, temperature 0 and num_speculative_tokens=1")
+    if params.repetition_penalty != 1:
+        raise ValueError("speculative decoding does not support repetition_penalty != 1")
+    config, device = target.config, target.device
+    feature_drafter = drafter if isinstance(drafter, FeatureDrafter) else None
+    draft_model = drafter if isinstance(drafter, nn.Module) and feature_drafter is None else None
+    context = config.max_position_embeddings
+    if feature_drafter is not None and feature_drafter.target is not target:
+        raise ValueError("this FeatureDrafter is attached to another model: drafter.attach(target) first")
+    if draft_model is not None:
+        if draft_model.config.vocab_size != config.vocab_size:
+            raise ValueError(f"draft vocabulary ({draft_model.config.vocab_size}) differs from the "
+                             f"target's ({config.vocab_size})")
+        context = min(context, draft_model.config.max_position_embeddings)
+    elif not callable(drafter):
+        raise ValueError(f"drafter must be a draft model or a function (token_ids, k) -> ids, got {drafter!r}")
+    check_prompt(prompt_ids, context, config.vocab_size)
+    budget = min(params.max_tokens, context - len(prompt_ids))
+    stops = (set() if params.ignore_eos else set(stop_token_ids)) | set(params.stop_token_ids)
+    stats = stats if stats is not None else SpeculativeStats()
+    generator = make_generator(params.seed, device)
+
+    max_len = len(prompt_ids) + budget
+    target_cache = KVCache(config, 1, max_len, device=device, dtype=target.dtype)
+    draft_cache = None
+    if draft_model is not None:
+        draft_cache = KVCache(draft_model.config, 1, max_len, device=device, dtype=draft_model.dtype)
+        prefill(draft_model, draft_cache, prompt_ids[:-1])
+    if feature_drafter is not None:
+        draft_cache = FeatureDraftSession(feature_drafter, max_len)
+        if len(prompt_ids) > 1:
+            draft_cache.add_features(target.features(torch.tensor([prompt_ids[:-1]], device=device),
+                                                     kv_cache=target_cache)[0])
+    else:
+        prefill(target, target_cache, prompt_ids[:-1])
+    ids = list(prompt_ids)
+    pending = torch.tensor(prompt_ids[-1:], device=device)  # [1]
+    while len(ids) < max_len:
+        k_step = min(k, max_len - len(ids) - 1)  # never draft past max_tokens
+        if tree_width > 1:
+            width = min(tree_width, max_len - len(ids)) if k_step else 0  # the cache must hold them all
+            draft_tokens = top_candidates(draft_cache, ids, width)  # [w]
+            target_logits, features = verify_candidates(target, target_cache, pending, draft_tokens)
+            new, row = accept_candidate(draft_tokens, target_logits)
+            draft_cache.add_features(features[path_rows(row)])  # the drafter learns the accepted path
+            keep_row(target_cache, row, len(ids) + len(new) - 1)
+            judged = min(1, len(draft_tokens))  # the candidates share one position
+        else:
+            draft_tokens, draft_probs = propose(drafter, draft_cache, ids, k_step, params, generator,
+                                                config.vocab_size, device)
+            if feature_drafter is not None:
+                target_logits, features = verify_with_features(target, target_cache, pending, draft_tokens)
+            else:
+                target_logits = verify(target, target_cache, pending, draft_tokens)  # [k'+1, V]
+            if params.greedy:
+                new = greedy_accept(draft_tokens, target_logits)
+            else:
+                new = accept_draft_tokens(draft_tokens, draft_probs, probs(target_logits, params), generator)
+            if feature_drafter is not None:  # features of pending and the accepted drafts
+                draft_cache.add_features(features[:len(new)])
+            rollback(target_cache, draft_cache if draft_model is not None else None, len(ids) + len(new) - 1)
+            judged = len(draft_tokens)
+        new_ids = new.tolist()
+        stats.proposed += len(draft_tokens)
+        stats.accepted += len(new_ids) - 1
+        stats.rejected += len(new_ids) - 1 < judged
+        stats.target_calls += 1
+        stats.draft_calls += k_step if draft_model is not None or feature_drafter is not None else int(k_step > 0)
+        pending = new[-1:]
+        for token_id in new_ids:
+            ids.append(token_id)
+            stats.generated += 1
+            yield token_id
+            if token_id in stops:
+                return
+
+
+def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], params: SamplingParams,
+                         num_speculative_tokens: int = 4, stop_token_ids=(), tree_width: int = 1
+                         ) -> tuple[list[int], SpeculativeStats]:
+    """The whole output of `stream_speculative` -> (output_ids, stats)."""
+    stats = SpeculativeStats()
+    output = list(stream_speculative(target, drafter, prompt_ids, params, num_speculative_tokens,
+                                     stop_token_ids, stats, tree_width))
+    return output, stats
+
+
+def truncated_draft(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
+    """A draft that shares the model's weights: embeddings, the first num_layers layers, the
+    final norm and lm_head (an "early exit" model; same tokenizer, no extra memory)."""
+    total = model.config.num_hidden_layers
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total:
+        raise ValueError(f"num_layers must be an integer in 1..{total}, got {num_layers!r}")
+    config = dataclasses.replace(model.config, num_hidden_layers=num_layers)
+    with torch.device("meta"):  # build the skeleton without allocating weights, then share
+        draft = LlamaForCausalLM(config)
+    draft.model.embed_tokens = model.model.embed_tokens
+    draft.model.layers = nn.ModuleList(model.model.layers[:num_layers])
+    draft.model.norm = model.model.norm
+    draft.lm_head = model.lm_head
+    draft.rope_cos, draft.rope_sin = model.rope_cos, model.rope_sin
+    return draft.eval()
+
+
+# ---------------------------------------------------------------------------------- theory
+def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """alpha = sum_x min(p(x), q(x)) = 1 - tvd(p, q): the chance that one draft is accepted.
+    p, q [..., V] -> [...]."""
+    return torch.minimum(p, q).sum(dim=-1)
+
+
+def tvd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Total variation distance 1/2 sum_x |p(x) - q(x)|: p, q [..., V] -> [...]."""
+    return 0.5 * (p - q).abs().sum(dim=-1)
+
+
+def _check_alpha_k(alpha: float, k: int) -> None:
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be an integer >= 0, got {k!r}")
+
+
+def expected_tokens_per_call(alpha: float, k: int) -> float:
+    """(1 - alpha^(k+1)) / (1 - alpha): tokens per target call when each draft is accepted
+    independently with probability alpha (k+1 at alpha = 1)."""
+    _check_alpha_k(alpha, k)
+    return k + 1.0 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def expected_speedup(alpha: float, k: int, draft_cost: float) -> float:
+    """Leviathan et al., Theorem 3.8: (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)), the walltime
+    gain when a draft step costs c = draft_cost target steps and verifying k+1 tokens costs
+    one target step (on real hardware it costs a bit more: measure it)."""
+    if not draft_cost >= 0:
+        raise ValueError(f"draft_cost must be >= 0, got {draft_cost}")
+    return expected_tokens_per_call(alpha, k) / (k * draft_cost + 1)

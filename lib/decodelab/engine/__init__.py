@@ -1,0 +1,2 @@
+"""The serving engine: `LLM` (llm), the scheduler, sequences, the paged KV block allocator,
+paged attention, and speculative decoding inside the batch. Imports decoding and model."""

@@ -1,0 +1,150 @@
+"""Iteration-level scheduling (continuous batching, as in Orca and vLLM).
+
+Every engine step the scheduler picks which sequences run:
+1. If waiting requests fit (a free sequence slot, the token budget, enough free blocks),
+   admit them and run their prefill this step.
+2. Otherwise run one decode step for every running sequence. If the pool cannot give a
+   sequence room for its next token, preempt the most recently admitted sequence: free
+   its blocks and put it back at the front of the queue to be recomputed later.
+Finished sequences leave at once, so their slots and blocks go to waiting requests at the
+next step instead of idling until the whole batch is done (static batching). The engine
+also mixes the two (`Scheduler.mix_decode_with_prefill`): running sequences keep decoding in
+the steps that prefill newcomers.
+
+The four step pieces (`admit`, `decode_batch`, `preempt`, `finish`) are plain functions of
+the scheduler, bound as its methods: notebook 07 has the learner write each one, and a
+subclass with the learner's versions plugs into `EngineHooks(scheduler=...)`.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from decodelab.engine.block_allocator import BlockAllocator
+from decodelab.engine.sequence import Sequence, Status
+
+
+def admit(scheduler: Scheduler) -> list[Sequence]:
+    """Move waiting sequences into `running`, oldest first, for this step's prefill -> the admitted.
+
+    Stop at the first waiting sequence that does not fit (first come, first served), where
+    fitting means all three of:
+    * a free sequence slot: len(scheduler.running) < scheduler.max_num_seqs;
+    * the token budget: tokens of the sequences admitted so far this step (their
+      num_new_tokens) + len(seq) <= scheduler.max_num_batched_tokens; the first sequence of
+      a step is exempt, so a lone prompt longer than the budget still runs, by itself;
+    * the KV pool: scheduler.allocator.can_allocate(seq.token_ids).
+    An admitted sequence leaves the front of `waiting`, gets its blocks
+    (seq.block_table, seq.num_computed_tokens = allocator.allocate(seq.token_ids)), becomes
+    Status.RUNNING and joins the end of `running`.
+    """
+    admitted, tokens = [], 0
+    while scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs:
+        seq = scheduler.waiting[0]
+        over_budget = tokens + len(seq) > scheduler.max_num_batched_tokens
+        if (over_budget and admitted) or not scheduler.allocator.can_allocate(seq.token_ids):
+            break  # a lone long prompt may exceed the token budget; it runs by itself
+        scheduler.waiting.popleft()
+        seq.block_table, seq.num_computed_tokens = scheduler.allocator.allocate(seq.token_ids)
+        seq.status = Status.RUNNING
+        scheduler.running.append(seq)
+        admitted.append(seq)
+        tokens += seq.num_new_tokens
+    return admitted
+
+
+def decode_batch(scheduler: Scheduler) -> list[Sequence]:
+    """Give every running sequence a KV slot for its newest token -> the sequences to decode.
+
+    In `running` order. The newest token (sampled last step) has no slot yet, so a sequence
+    holds len(seq) - 1 tokens: it can grow if allocator.can_append(seq.block_table,
+    len(seq) - 1), and then allocator.append_slot(seq.block_table, seq.token_ids) makes the
+    room. While it cannot, preempt the most recently admitted running sequence
+    (scheduler.preempt(scheduler.running[-1])), which may be this sequence itself: then it
+    is not decoded this step. A sequence preempted earlier in the loop is skipped.
+    """
+    batch = []
+    for seq in list(scheduler.running):
+        if seq.status is not Status.RUNNING:
+            continue  # preempted earlier in this loop
+        # The newest token (sampled last step) has no slot yet: it holds len - 1.
+        while not scheduler.allocator.can_append(seq.block_table, len(seq) - 1):
+            victim = scheduler.running[-1]
+            scheduler.preempt(victim)
+            if victim is seq:
+                break
+        if seq.status is Status.RUNNING:
+            scheduler.allocator.append_slot(seq.block_table, seq.token_ids)
+            batch.append(seq)
+    return batch
+
+
+def preempt(scheduler: Scheduler, seq: Sequence) -> None:
+    """Recompute-style preemption: drop its KV, queue it first; its output so far is kept.
+
+    The sequence leaves `running`, its blocks go back to the pool
+    (allocator.free_sequence(seq.block_table), which empties the table), nothing of it is
+    cached any more (seq.num_computed_tokens = 0), it becomes Status.WAITING, both
+    seq.num_preemptions and scheduler.num_preemptions grow by one, and it goes to the FRONT
+    of `waiting`, so that it is the next to be admitted (and recomputed).
+    """
+    scheduler.running.remove(seq)
+    scheduler.allocator.free_sequence(seq.block_table)
+    seq.num_computed_tokens = 0
+    seq.status = Status.WAITING
+    seq.num_preemptions += 1
+    scheduler.num_preemptions += 1
+    scheduler.waiting.appendleft(seq)
+
+
+def finish(scheduler: Scheduler, seq: Sequence, reason: str) -> None:
+    """Retire a sequence at once: status FINISHED, finish_reason = reason ("stop" or "length"),
+    out of `running` (if it is there), its blocks back to the pool (allocator.free_sequence)."""
+    seq.status, seq.finish_reason = Status.FINISHED, reason
+    if seq in scheduler.running:
+        scheduler.running.remove(seq)
+    scheduler.allocator.free_sequence(seq.block_table)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096):
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # Mixed steps (the engine turns this on): the running sequences decode in the same packed
+    # pass that prefills newly admitted ones, instead of waiting a step for them.
+    mix_decode_with_prefill = False
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """(sequences to run this step, whether any of them is prefilled this step).
+
+        Waiting requests that fit are admitted and prefilled; in a step that admits nobody,
+        every running sequence decodes one token. With `mix_decode_with_prefill`, the running
+        sequences decode first and the admitted ones join the same step (after them in the
+        list), so an admission no longer stalls every running sequence for a whole step; in a
+        step whose decoding had to preempt, nobody is admitted (the preempted would be
+        readmitted at once)."""
+        if not self.mix_decode_with_prefill:
+            admitted = self.admit()
+            if admitted:
+                return admitted, True
+            return self.decode_batch(), False
+        preemptions = self.num_preemptions
+        decoding = self.decode_batch()
+        admitted = self.admit() if self.num_preemptions == preemptions else []
+        return decoding + admitted, bool(admitted)
+
+    # The step pieces above, as methods (a subclass may set its own functions here).
+    admit = admit
+    decode_batch = decode_batch
+    preempt = preempt
+    finish = finish

@@ -1,0 +1,54 @@
+"""A request in flight: its tokens, its blocks, its sampling state."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from decodelab.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_index: int  # which prompt of the generate() call
+    sample_index: int  # which of its n samples
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    draft_computed_tokens: int = 0  # the same for the draft model's cache (speculative decoding)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    text: str = ""
+    decoder: object = None  # a StreamDecoder, set by the engine
+    num_preemptions: int = 0
+    siblings: list = field(default_factory=list)  # n > 1: forked from this one after its prefill
+    first_token_time: float | None = None
+    arrival_time: float = 0.0
+    finish_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the next forward pass must feed (all uncomputed ones)."""
+        return len(self) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

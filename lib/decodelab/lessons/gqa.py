@@ -1,0 +1,142 @@
+"""Grouped-query attention (GQA) written out by hand, and mean-pooling KV heads.
+
+H query heads share H_kv key/value heads: KV head j serves the H / H_kv consecutive query
+heads j*n .. j*n + n - 1 (n = H / H_kv). The two extremes are the same code:
+
+    MHA  H_kv = H   every query head has its own K and V   (GPT-3, our tiny model)
+    GQA  1 < H_kv < H                                       (Llama 3: 32 / 8, SmolLM2: 9 / 3)
+    MQA  H_kv = 1   all query heads share one K and V       (PaLM, Falcon-7B)
+
+The KV cache stores only the H_kv heads, so it shrinks by H / H_kv; the queries, and the
+model's width, stay as they were.
+
+Converting an MHA checkpoint to GQA (Ainslie et al. 2023, "GQA: Training Generalized
+Multi-Query Transformer Models from Multi-Head Checkpoints"): the K and V projections of
+each group of consecutive heads are replaced by their mean, then the model is trained a
+little more ("uptraining"). `pool_model_kv_heads` does the first step; without uptraining
+quality drops, which the course measures as perplexity.
+
+Shapes: B batch, H query heads, H_kv KV heads, T new tokens (queries), S keys
+(S = q_offset + T), D head_dim, E hidden_size.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from decodelab.model.attention import causal_mask, repeat_kv
+
+
+def attention_kind(num_heads: int, num_kv_heads: int) -> str:
+    """'MHA' (H_kv = H), 'MQA' (H_kv = 1) or 'GQA' (anything in between that divides H)."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads must divide num_heads ({num_heads}), got {num_kv_heads}")
+    if num_kv_heads == num_heads:
+        return "MHA"
+    return "MQA" if num_kv_heads == 1 else "GQA"
+
+
+def kv_head_for_query_head(query_head: int, num_heads: int, num_kv_heads: int) -> int:
+    """Which KV head query head h reads: h // (H / H_kv), i.e. consecutive query heads share one."""
+    attention_kind(num_heads, num_kv_heads)  # validates the pair
+    if not 0 <= query_head < num_heads:
+        raise ValueError(f"query_head must be in [0, {num_heads}), got {query_head}")
+    return query_head // (num_heads // num_kv_heads)
+
+
+def group_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
+    """Causal attention of q [B, H, T, D] over k, v [B, H_kv, S, D]; returns [B, H, T, D] in q's dtype.
+
+    The readable reference for `decodelab.model.attention.causal_attention` (which calls SDPA):
+    the T queries sit at positions q_offset .. q_offset + T - 1 and each may look at every
+    key at its own position or before (S = q_offset + T). Scores and softmax in float32.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"expected q [B, H, T, D] and k, v [B, H_kv, S, D]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    batch, num_heads, num_queries, head_dim = q.shape
+    num_kv_heads, num_keys = k.shape[1], k.shape[2]
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head_dim")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"the number of KV heads ({num_kv_heads}) must divide the number of "
+                         f"query heads ({num_heads})")
+    if q_offset < 0 or num_keys != q_offset + num_queries:
+        raise ValueError(f"got {num_keys} keys for {num_queries} queries at q_offset={q_offset}; "
+                         f"expected q_offset + T = {q_offset + num_queries} keys")
+
+    group_size = num_heads // num_kv_heads
+    k = repeat_kv(k, group_size).float()  # [B, H, S, D]: query head h reads KV head h // group_size
+    v = repeat_kv(v, group_size).float()  # [B, H, S, D]
+    scores = q.float() @ k.transpose(-2, -1) / math.sqrt(head_dim)  # [B, H, T, S]
+    allowed = causal_mask(num_queries, num_keys, q_offset, q.device)  # [T, S]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # [B, H, T, S], each row sums to 1
+    return (weights @ v).to(q.dtype)  # [B, H, T, D]
+
+
+def pool_kv_heads(k_proj_weight: torch.Tensor, num_kv_heads_new: int, head_dim: int) -> torch.Tensor:
+    """Mean-pool consecutive groups of KV heads in a k_proj (or v_proj) weight or bias.
+
+    k_proj_weight [H_kv * D, E] (or a bias [H_kv * D]) -> [H_new * D, E] (or [H_new * D]),
+    where new head i is the mean of old heads i*g .. i*g + g - 1, g = H_kv / H_new.
+    Consecutive groups keep every query head attached to the mean of the KV heads it used
+    to read (see `kv_head_for_query_head`).
+    """
+    rows = k_proj_weight.shape[0]
+    if head_dim < 1 or rows % head_dim:
+        raise ValueError(f"weight has {rows} rows, not a multiple of head_dim={head_dim}")
+    num_kv_heads = rows // head_dim
+    if not isinstance(num_kv_heads_new, int) or not 1 <= num_kv_heads_new <= num_kv_heads \
+            or num_kv_heads % num_kv_heads_new:
+        raise ValueError(f"num_kv_heads_new must divide the current {num_kv_heads} KV heads, "
+                         f"got {num_kv_heads_new!r}")
+    group = num_kv_heads // num_kv_heads_new
+    rest = k_proj_weight.shape[1:]  # (E,) for a weight, () for a bias
+    heads = k_proj_weight.reshape(num_kv_heads_new, group, head_dim, *rest)  # [H_new, g, D, E]
+    pooled = heads.float().mean(dim=1)  # [H_new, D, E]
+    return pooled.reshape(num_kv_heads_new * head_dim, *rest).to(k_proj_weight.dtype)
+
+
+def _pooled_linear(linear: nn.Linear, num_kv_heads: int, head_dim: int, pool=pool_kv_heads) -> nn.Linear:
+    weight = linear.weight.detach()
+    pooled = nn.Linear(weight.shape[1], num_kv_heads * head_dim, bias=linear.bias is not None,
+                       device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        pooled.weight.copy_(pool(weight, num_kv_heads, head_dim))
+        if linear.bias is not None:
+            pooled.bias.copy_(pool(linear.bias.detach(), num_kv_heads, head_dim))
+    return pooled.requires_grad_(linear.weight.requires_grad)
+
+
+def pool_model_kv_heads(model, num_kv_heads: int, pool=pool_kv_heads):
+    """A copy of `model` with every layer's K/V heads mean-pooled down to num_kv_heads.
+
+    The query and output projections are unchanged; k_proj and v_proj (and their biases)
+    are pooled, and config.num_key_value_heads is updated, so the new model runs in the
+    same engine and its KV cache is H_kv_old / num_kv_heads times smaller. The original
+    model is left untouched. `pool` pools one weight or bias (the signature of
+    `pool_kv_heads`; notebook 04 passes the learner's own).
+    """
+    config = model.config
+    old = config.num_key_value_heads
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or not 1 <= num_kv_heads <= old \
+            or old % num_kv_heads:
+        raise ValueError(f"num_kv_heads must divide the model's {old} KV heads "
+                         f"(one of {[n for n in range(1, old + 1) if old % n == 0]}), got {num_kv_heads!r}")
+    pooled = copy.deepcopy(model)  # keeps tied embeddings tied
+    pooled.config = dataclasses.replace(config, num_key_value_heads=num_kv_heads, extra=dict(config.extra))
+    for layer in pooled.model.layers:
+        attn = layer.self_attn
+        attn.k_proj = _pooled_linear(attn.k_proj, num_kv_heads, attn.head_dim, pool)
+        attn.v_proj = _pooled_linear(attn.v_proj, num_kv_heads, attn.head_dim, pool)
+        attn.num_kv_heads = num_kv_heads
+    return pooled
+
+
+__all__ = ["attention_kind", "kv_head_for_query_head", "group_query_attention", "pool_kv_heads",
+           "pool_model_kv_heads", "repeat_kv"]

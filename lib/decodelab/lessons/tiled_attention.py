@@ -1,0 +1,169 @@
+"""Tiled attention with an online softmax: FlashAttention's idea, written out in PyTorch.
+
+Plain attention builds the score matrix q.k^T of every query against every key, [T, S] per
+head, before its softmax: memory that grows with the square of the sequence. Dao et al.
+(FlashAttention, 2022) never build it. Keys and values arrive in tiles of `tile_size`
+positions (on a GPU, tiles that fit the small on-chip SRAM); each query keeps three running
+quantities, and every new tile rescales them:
+
+    m   the largest score seen so far                       (running_max)
+    l   sum of exp(score - m) over the keys seen so far     (running_sum)
+    o   sum of exp(score - m) * value over those keys       (running_out, not yet divided by l)
+
+When a tile raises the maximum from m to m', everything accumulated so far was measured
+against the old m, so it is multiplied by exp(m - m') before the tile's own terms are added.
+After the last tile, o / l is exactly softmax(scores) @ V, up to float rounding, while the
+largest score block ever held is [T, tile_size]: memory O(T * tile) instead of O(T * S).
+
+Shapes: q [B, H, T, D]; k, v [B, H_kv, S, D] with H a multiple of H_kv (grouped-query
+attention as in `decodelab.model.attention.causal_attention`).
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from decodelab.model.attention import repeat_kv
+
+
+def online_softmax_update(running_max: torch.Tensor, running_sum: torch.Tensor, running_out: torch.Tensor,
+                          scores_tile: torch.Tensor, v_tile: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold one tile of keys into the running softmax state; returns (new_max, new_sum, new_out).
+
+    running_max [..., T]: the largest score seen so far per query (-inf before the first tile).
+    running_sum [..., T]: sum over the keys seen so far of exp(score - running_max) (0 at first).
+    running_out [..., T, D]: sum over those keys of exp(score - running_max) * value (0 at first).
+    scores_tile [..., T, tile]: this tile's scaled scores q.k / sqrt(D); -inf where masked.
+    v_tile [..., tile, D]: this tile's values.
+    The state is rescaled by exp(old max - new max) before the tile's terms are added. A query
+    whose scores so far are all -inf keeps max -inf and sum and out 0 (never NaN).
+    """
+    new_max = torch.maximum(running_max, scores_tile.amax(dim=-1))  # [..., T]
+    # Rows with nothing visible yet keep -inf; subtract 0 there so exp() gives 0, not NaN.
+    shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+    rescale = torch.exp(running_max - shift)  # [..., T]: exp(old max - new max) <= 1
+    weights = torch.exp(scores_tile - shift[..., None])  # [..., T, tile]
+    new_sum = running_sum * rescale + weights.sum(dim=-1)
+    new_out = running_out * rescale[..., None] + weights @ v_tile  # [..., T, D]
+    return new_max, new_sum, new_out
+
+
+def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_size: int = 64,
+                    causal: bool = True, q_offset: int = 0) -> torch.Tensor:
+    """Attention of q [B, H, T, D] over k, v [B, H_kv, S, D], one tile of keys at a time; [B, H, T, D].
+
+    Never holds a score block larger than [B, H, T, tile_size]. causal=True: query t sits at
+    position q_offset + t and sees keys 0 .. q_offset + t (S must equal q_offset + T), tiles
+    entirely in every query's future are skipped; causal=False: every query sees every key.
+    Scores, softmax and sums in float32 (float64 stays float64); returns q's dtype.
+    """
+    if tile_size < 1:
+        raise ValueError(f"tile_size must be at least 1, got {tile_size}")
+    batch, num_heads, num_queries, head_dim = q.shape
+    num_keys = k.shape[2]
+    if causal and num_keys != q_offset + num_queries:
+        raise ValueError(f"causal attention got {num_keys} keys for {num_queries} queries at offset {q_offset}")
+    group = num_heads // k.shape[1]
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_scaled = q.to(work) / math.sqrt(head_dim)  # [B, H, T, D]
+    running_max = torch.full((batch, num_heads, num_queries), float("-inf"), dtype=work, device=q.device)
+    running_sum = torch.zeros(batch, num_heads, num_queries, dtype=work, device=q.device)
+    running_out = torch.zeros(batch, num_heads, num_queries, head_dim, dtype=work, device=q.device)
+    q_pos = torch.arange(q_offset, q_offset + num_queries, device=q.device)[:, None]  # [T, 1]
+    last_visible = q_offset + num_queries - 1 if causal else num_keys - 1
+    for start in range(0, last_visible + 1, tile_size):
+        end = min(start + tile_size, num_keys)
+        k_tile = repeat_kv(k[:, :, start:end], group).to(work)  # [B, H, tile, D]
+        v_tile = repeat_kv(v[:, :, start:end], group).to(work)
+        scores = q_scaled @ k_tile.transpose(-2, -1)  # [B, H, T, tile]: the only score block held
+        if causal and end - 1 > q_offset:  # some query of this tile's rows would see its future
+            k_pos = torch.arange(start, end, device=q.device)[None, :]  # [1, tile]
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        running_max, running_sum, running_out = online_softmax_update(
+            running_max, running_sum, running_out, scores, v_tile)
+    return (running_out / running_sum[..., None]).to(q.dtype)
+
+
+def attention_memory_bytes(num_queries: int, num_keys: int, num_heads: int = 1, batch_size: int = 1,
+                           tile_size: int | None = None, bytes_per_value: float = 4) -> int:
+    """Bytes of the largest score block one attention call holds: B * H * T * w * bytes_per_value.
+
+    w = num_keys (S) for plain attention (tile_size None: the whole [T, S] matrix per head),
+    w = min(tile_size, S) for tiled attention ([T, tile] per head). Grows as T * S for plain
+    attention (n^2 for a prompt of n tokens), as T * tile for tiled attention (linear in n).
+    """
+    if tile_size is not None and tile_size < 1:
+        raise ValueError(f"tile_size must be at least 1 (or None for plain attention), got {tile_size}")
+    width = num_keys if tile_size is None else min(tile_size, num_keys)
+    return int(batch_size * num_heads * num_queries * width * bytes_per_value)
+
+
+@dataclass
+class TensorMemory:
+    """What `measure_tensor_memory` saw: the peak of the bytes held by the tensors that the call
+    created (its inputs excluded), and the largest single tensor it created."""
+    peak_bytes: int = 0
+    largest_numel: int = 0
+    largest_shape: tuple = ()
+    _live: dict = field(default_factory=dict, repr=False)  # storage address -> [bytes, tensors alive]
+    _held: int = 0
+
+
+class _TrackTensors(TorchDispatchMode):
+    """Sees the output of every tensor operation; counts a storage from its first tensor until its
+    last tensor is garbage (CPython frees at once). Work buffers inside one kernel are not seen."""
+
+    def __init__(self, record: TensorMemory, existing: set[int]):
+        super().__init__()
+        self.record, self.existing = record, existing
+
+    def _forget(self, address: int) -> None:
+        entry = self.record._live.get(address)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.record._held -= entry[0]
+            del self.record._live[address]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if tensor.numel() > self.record.largest_numel:
+                self.record.largest_numel, self.record.largest_shape = tensor.numel(), tuple(tensor.shape)
+            storage = tensor.untyped_storage()
+            address = storage.data_ptr()
+            if address in self.existing or storage.nbytes() == 0:
+                continue  # a view of an input (or empty): no new memory
+            if address not in self.record._live:
+                self.record._live[address] = [storage.nbytes(), 0]
+                self.record._held += storage.nbytes()
+                self.record.peak_bytes = max(self.record.peak_bytes, self.record._held)
+            self.record._live[address][1] += 1
+            weakref.finalize(tensor, self._forget, address)
+        return out
+
+
+def measure_tensor_memory(fn, *args, **kwargs) -> tuple[object, TensorMemory]:
+    """Run fn(*args, **kwargs) and return (its result, TensorMemory): the peak bytes of the tensors
+    it created and held at the same time, and the largest tensor it created (numel and shape).
+
+    Measured on any device by watching every tensor operation (a torch dispatch mode), so it
+    sees the tensors Python code makes, not the scratch memory inside one fused kernel.
+    """
+    existing = {a.untyped_storage().data_ptr() for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)}
+    record = TensorMemory()
+    with torch.inference_mode(), _TrackTensors(record, existing):
+        result = fn(*args, **kwargs)
+    return result, record
+
+
+__all__ = ["online_softmax_update", "tiled_attention", "attention_memory_bytes", "measure_tensor_memory",
+           "TensorMemory"]

@@ -1,0 +1,76 @@
+"""A preallocated key/value cache, one slab per layer (gpt-fast's static cache).
+
+During generation the keys and values of past tokens never change, so each layer keeps
+them instead of recomputing them: a new token costs one row of K and V per layer, not a
+pass over the whole sequence again.
+
+Shapes: keys and values are stored as [num_layers, B, H_kv, max_seq_len, D].
+"""
+from __future__ import annotations
+
+import torch
+
+from decodelab.model.attention import causal_attention
+from decodelab.config import ModelConfig
+
+
+class KVCache:
+    """Per-layer K/V for a batch of B sequences that all have the same length.
+
+    `append(layer, k, v)` writes new rows after the ones that layer already holds and
+    returns views of everything held (`view(layer)` gives the same without writing); `truncate(n)`
+    forgets all but the first n positions (speculative decoding drops rejected draft tokens this way).
+    Shapes: k, v [B, H_kv, T, D]; what a layer holds [B, H_kv, held, D].
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
+                 device=None, dtype=torch.float32):
+        self.max_seq_len = max_seq_len or config.max_position_embeddings
+        if self.max_seq_len > config.max_position_embeddings:
+            raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's context "
+                             f"of {config.max_position_embeddings} tokens")
+        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads,
+                 self.max_seq_len, config.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = [0] * config.num_hidden_layers
+        self.sliding_window = config.sliding_window
+
+    @property
+    def seq_len(self) -> int:
+        """Positions held by the last layer, i.e. tokens fully processed by the model."""
+        return self.lengths[-1]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, H_kv, T, D] after this layer's rows; return views [B, H_kv, S + T, D].
+        Raises ValueError if S + T would exceed max_seq_len."""
+        start, new = self.lengths[layer], k.shape[2]
+        end = start + new
+        if end > self.max_seq_len:
+            raise ValueError(f"KV cache is full: {start} + {new} tokens exceed max_seq_len={self.max_seq_len}")
+        self.keys[layer, :, :, start:end] = k
+        self.values[layer, :, :, start:end] = v
+        self.lengths[layer] = end
+        return self.view(layer)
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (no copy) of the keys and values this layer holds: [B, H_kv, held, D] each."""
+        held = self.lengths[layer]
+        return self.keys[layer, :, :, :held], self.values[layer, :, :, :held]
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` positions of every layer (0 <= length <= seq_len), else ValueError."""
+        if not 0 <= length <= min(self.lengths):
+            raise ValueError(f"cannot truncate a cache of {min(self.lengths)} tokens to {length}")
+        self.lengths = [length] * len(self.lengths)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The model's hook: cache the new k, v and attend q [B, H, T, D] over all held tokens."""
+        offset = self.lengths[layer]
+        k_all, v_all = self.append(layer, k, v)
+        return causal_attention(q, k_all, v_all, q_offset=offset, sliding_window=self.sliding_window)
+
+    def nbytes(self) -> int:
+        """Bytes of K and V currently held (not the preallocated capacity)."""
+        per_position = self.keys[:, :, :, :1].numel() * self.keys.element_size() * 2
+        return per_position * self.seq_len

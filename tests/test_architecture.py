@@ -1,0 +1,84 @@
+"""The library's layout holds: the import contracts in pyproject.toml, the inference stack and the
+hidden checks importable without any notebook UI, and a top folder that holds only the
+package's front door (lib/decodelab/README.md is the map)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lib" / "decodelab"
+TOP_LEVEL_MODULES = {"__init__", "__main__", "cli", "config", "params", "paths"}
+SUBPACKAGES = {"model", "decoding", "engine", "lessons", "course", "training"}
+
+
+def test_import_contracts_are_kept():
+    lint_imports = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    assert lint_imports, "lint-imports is missing: `make setup` installs import-linter (the dev extra)"
+    run = subprocess.run([lint_imports, "--no-cache"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "broken" in run.stdout and " 0 broken" in run.stdout
+
+
+def test_top_folder_holds_only_the_front_door():
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    assert modules == TOP_LEVEL_MODULES, f"unexpected top-level modules: {sorted(modules - TOP_LEVEL_MODULES)}"
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert packages == SUBPACKAGES
+
+
+def test_every_subpackage_is_on_the_map():
+    text = (PACKAGE / "README.md").read_text()
+    for name in SUBPACKAGES:
+        assert f"`{name}/`" in text, f"lib/decodelab/README.md does not describe {name}/"
+    for path in PACKAGE.glob("*/**/*.py"):
+        if path.name != "__init__.py":
+            assert path.stem in text, f"lib/decodelab/README.md does not mention {path.relative_to(PACKAGE)}"
+
+
+_BLOCK_UI = """
+import importlib, importlib.abc, pkgutil, sys
+
+class NoUI(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"ipywidgets", "plotly", "IPython"}:
+            raise ImportError(f"{name} is blocked in this test")
+        return None
+
+sys.meta_path.insert(0, NoUI())
+import decodelab.engine.llm, decodelab.decoding.speculative, decodelab.model.registry
+import autograder.checks
+for info in pkgutil.iter_modules(autograder.checks.__path__):
+    importlib.import_module(f"autograder.checks.{info.name}")
+from decodelab import LLM, SamplingParams
+print("ok", sorted(m for m in sys.modules if m.split(".")[0] in {"ipywidgets", "plotly", "IPython"}))
+"""
+
+
+def test_engine_and_checks_import_without_ipywidgets_or_plotly():
+    run = subprocess.run([sys.executable, "-c", _BLOCK_UI], cwd=ROOT, capture_output=True, text=True,
+                         env={"PYTHONPATH": f"{ROOT}:{ROOT / 'lib'}", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "ok []"
+
+
+@pytest.mark.parametrize("contract_breaker", [
+    ("decodelab/model/_probe.py", "import decodelab.engine.llm\n"),  # a lower layer importing a higher one
+    ("decodelab/engine/_probe.py", "import plotly\n"),  # the engine importing a UI package
+    ("decodelab/lessons/_probe.py", "import decodelab.training.train_tiny\n"),  # training imported from below
+])
+def test_a_broken_contract_fails_the_lint(tmp_path, contract_breaker):
+    """The contracts catch what they are for: a copy of the package with one bad import fails."""
+    lint_imports = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    shutil.copytree(PACKAGE, tmp_path / "lib" / "decodelab", ignore=shutil.ignore_patterns("data", "__pycache__"))
+    shutil.copytree(ROOT / "autograder", tmp_path / "autograder", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    relative, source = contract_breaker
+    (tmp_path / "lib" / relative).write_text(source)
+    run = subprocess.run([lint_imports, "--no-cache"], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PYTHONPATH": f"{tmp_path}:{tmp_path / 'lib'}", "PATH": "/usr/bin:/bin"})
+    assert run.returncode != 0 and "BROKEN" in run.stdout, run.stdout[-2000:]

@@ -1,0 +1,83 @@
+"""Notebook 04's hidden checks: they pass on the library's reference implementations and catch
+every kept bug (tests/fixtures/buggy_gqa.py) with a message that names the case."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autograder.checks import gqa as checks
+from decodelab.lessons import gqa
+from decodelab.model.attention import causal_attention, repeat_kv
+from oracles import expect_bug_caught, load_fixture
+
+buggy = load_fixture("buggy_gqa")
+
+
+def test_reference_passes():
+    checks.check_repeat_kv(repeat_kv)
+    checks.check_group_query_attention(gqa.group_query_attention)
+    checks.check_pool_kv_heads(gqa.pool_kv_heads)
+
+
+def test_loop_oracles_agree_with_transformers():
+    """The checks' own float64 loops against transformers' Llama repeat_kv and eager attention."""
+    modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 5, 4)
+    assert torch.equal(checks._ref_repeat_kv(x, 3), modeling.repeat_kv(x, 3))
+    q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16)
+    mask = torch.full((4, 4), float("-inf")).triu(1)[None, None]
+    module = type("Attn", (torch.nn.Module,), {})()
+    module.num_key_value_groups, module.training = 4, False
+    want, _ = modeling.eager_attention_forward(module, q, k, v, mask, scaling=16**-0.5)
+    got = checks._ref_attention(q, k, v, 0).transpose(1, 2)  # eager returns [B, T, H, D]
+    assert (got - want.double()).abs().max() < 1e-5
+
+
+def test_sdpa_attention_passes():
+    """The production path (SDPA, grouped heads read in place) meets the same definition."""
+    checks.check_group_query_attention(causal_attention)
+
+
+@pytest.mark.parametrize("bug", sorted(buggy.BUGS))
+def test_bug_is_caught(bug):
+    expect_bug_caught(checks, buggy.BUGS, bug)
+
+
+def test_messages_name_the_case():
+    with pytest.raises(AssertionError, match=r"output head 1 should be input head 0 .*got input head 1"):
+        checks.check_repeat_kv(buggy.library_bugs.repeat_kv_round_robin)
+    with pytest.raises(AssertionError, match=r"expected shape \[1, 8, 3, 4\], got shape \[1, 2, 12, 4\]"):
+        checks.check_repeat_kv(buggy.repeat_kv_along_sequence)
+    with pytest.raises(AssertionError, match=r"q_offset=9 .*sees keys 0 \.\. q_offset \+ t"):
+        checks.check_group_query_attention(buggy.library_bugs.gqa_mask_ignores_offset)
+    with pytest.raises(AssertionError, match=r"5-token prompt.*KV head h % 2.*h // 4"):
+        checks.check_group_query_attention(buggy.library_bugs.gqa_round_robin)
+    with pytest.raises(AssertionError, match=r"originals back"):
+        checks.check_pool_kv_heads(buggy.pool_kv_heads_sum)
+    with pytest.raises(AssertionError, match=r"copies of head i: should give the 2 originals back"):
+        checks.check_pool_kv_heads(buggy.library_bugs.pool_kv_heads_strided)
+    with pytest.raises(AssertionError, match=r"new head \d should be the mean of old heads"):
+        checks.check_pool_kv_heads(buggy.pool_kv_heads_first_of_group)
+
+
+def test_pool_model_uses_the_given_pool():
+    """pool_model_kv_heads(pool=...) runs the given function (the notebook passes the learner's)."""
+    from decodelab.config import ModelConfig
+    from decodelab.model.llama import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         max_position_embeddings=32)).eval()
+    calls = []
+
+    def pool(weight, new, head_dim):
+        calls.append(tuple(weight.shape))
+        return gqa.pool_kv_heads(weight, new, head_dim)
+
+    pooled = gqa.pool_model_kv_heads(model, 1, pool=pool)
+    assert calls == [(16, 32)] * 4  # k and v of two layers
+    reference = gqa.pool_model_kv_heads(model, 1)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(pooled(ids), reference(ids))

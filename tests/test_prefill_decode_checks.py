@@ -1,0 +1,113 @@
+"""Notebook 03's hidden checks: they pass on the library's reference implementations and catch
+every kept bug (tests/fixtures/buggy_prefill_decode.py) with a message that names the case. Also the
+two small library functions the notebook added (latencies_from_timestamps, decode_greedy), and the
+rule that each exercise has exactly its reference's signature and docstring."""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from autograder.checks import prefill_decode as checks
+from decodelab.lessons import prefill_decode as pf
+from decodelab.decoding.generate import stream_token_ids
+from decodelab.model.kv_cache import KVCache
+from decodelab.params import SamplingParams
+from notebooks import grade_id, read, solution_path
+from oracles import expect_bug_caught, load_fixture, random_model
+
+buggy = load_fixture("buggy_prefill_decode")
+NAME = "03_prefill_decode"
+
+
+def _reference(function: str):
+    module, _, attr = checks.REFERENCES[function].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@pytest.mark.parametrize("function", sorted(checks.REFERENCES))
+def test_reference_passes(function):
+    getattr(checks, f"check_{function}")(_reference(function))
+
+
+@pytest.mark.parametrize("bug", sorted(buggy.BUGS))
+def test_bug_is_caught(bug):
+    expect_bug_caught(checks, buggy.BUGS, bug)
+
+
+def test_messages_name_the_case():
+    with pytest.raises(AssertionError, match="ran the model 12 times"):
+        checks.check_prefill(buggy.prefill_one_by_one)
+    with pytest.raises(AssertionError, match="cache holds 0 positions"):
+        checks.check_prefill(buggy.prefill_without_cache)
+    with pytest.raises(AssertionError, match=r"\['itl_s'\]\[0\].*expected 0.125 s, got 0.625 s"):
+        checks.check_latencies_from_timestamps(buggy.latencies_from_start)
+    with pytest.raises(AssertionError, match="should raise ValueError"):
+        checks.check_latencies_from_timestamps(buggy.latencies_unchecked)
+    with pytest.raises(AssertionError, match="Llama-3.1-8B.*kv_len=4096"):
+        checks.check_arithmetic_intensity(buggy.intensity_without_kv)
+    with pytest.raises(AssertionError, match="fed 75 tokens.*35"):
+        checks.check_reuse_prefix(buggy.reuse_recomputes_prefix)
+    with pytest.raises(AssertionError, match="own copy|5-token suffix"):
+        checks.check_reuse_prefix(buggy.reuse_shares_one_cache)
+
+
+def _exercise_defs():
+    """function name -> its FunctionDef in the notebook's ex_<function> cell."""
+    found = {}
+    for cell in read(solution_path(NAME)).cells:
+        gid = grade_id(cell) or ""
+        if gid.startswith("ex_"):
+            tree = ast.parse(cell.source)
+            found[gid.removeprefix("ex_")] = next(n for n in tree.body if isinstance(n, ast.FunctionDef))
+    return found
+
+
+def test_exercises_have_the_references_signature_and_docstring():
+    defs = _exercise_defs()
+    assert set(defs) == set(checks.REFERENCES)
+    for function, node in defs.items():
+        reference = _reference(function)
+        assert ast.get_docstring(node) == inspect.getdoc(reference), f"{function}: docstring differs from the reference's"
+        source = ast.parse(inspect.getsource(reference).lstrip()).body[0]
+        assert ast.unparse(node.args) == ast.unparse(source.args), f"{function}: arguments differ from the reference's"
+        assert ast.unparse(node.returns) == ast.unparse(source.returns), f"{function}: return annotation differs"
+
+
+def test_latencies_from_timestamps():
+    out = pf.latencies_from_timestamps(10.0, [10.5, 10.75, 11.0])
+    assert out == {"ttft_s": 0.5, "itl_s": [0.25, 0.25]}
+    assert pf.latencies_from_timestamps(1.0, [1.0]) == {"ttft_s": 0.0, "itl_s": []}
+    for times in ([], [0.5], [2.0, 1.5]):
+        with pytest.raises(ValueError):
+            pf.latencies_from_timestamps(1.0, times)
+
+
+def test_decode_greedy_continues_a_prefill_like_the_generator():
+    model = random_model(14)
+    prompt = torch.randint(0, 97, (7,)).tolist()
+    cache = KVCache(model.config, 1, 7 + 6)
+    got = pf.decode_greedy(model, cache, pf.prefill(model, prompt, cache), 6)
+    want = list(stream_token_ids(model, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
+    assert got == want and cache.seq_len == 7 + 5  # the last token is never fed back
+    stop = want[2]
+    cache = KVCache(model.config, 1, 13)
+    assert pf.decode_greedy(model, cache, pf.prefill(model, prompt, cache), 6, stop_token_ids=[stop]) == \
+        want[:want.index(stop) + 1]
+    with pytest.raises(ValueError, match="max_tokens"):
+        pf.decode_greedy(model, cache, torch.zeros(1, 97), 0)
+
+
+def test_token_timestamps_and_measure_latency_agree_with_the_generator():
+    model = random_model(15)
+    prompt = torch.randint(0, 97, (6,)).tolist()
+    start, times, ids = pf.token_timestamps(model, prompt, 5)
+    assert len(times) == 5 and start <= times[0] and times == sorted(times)
+    assert ids == list(stream_token_ids(model, prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)))
+    out = pf.measure_latency(model, prompt, 5)
+    assert out["token_ids"] == ids and out["ttft_s"] > 0 and len(out["itl_s"]) == 4
+    with pytest.raises(ValueError, match="n must"):
+        pf.token_timestamps(model, prompt, 0)
