@@ -1,5 +1,10 @@
 """Small random Llama models for tests, hidden checks, widgets and benchmarks: instant to build,
-with logits of order 1 so that tolerances and greedy comparisons prove something."""
+with logits of order 1 so that tolerances and greedy comparisons prove something.
+
+PyTorch's default init (std 0.02) gives logits of ~1e-2: a 1e-4 tolerance would then prove
+nothing, and greedy output would hang on near-ties. `randomize_` redraws every parameter at
+unit scale instead; `random_llama` builds a model of any shape and randomizes it.
+"""
 from __future__ import annotations
 
 import torch
@@ -7,18 +12,57 @@ import torch
 from decodelab.config import ModelConfig
 from decodelab.model.llama import LlamaForCausalLM
 
+# Two layers, 4 query heads over 2 KV heads: every code path of the real model, in microseconds.
+TOY_CONFIG = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  rms_norm_eps=1e-5, rope_theta=10000.0)
 
-def tiny_model(seed: int = 0, sliding_window: int | None = None, dtype=torch.float32) -> LlamaForCausalLM:
-    """A random 2-layer Llama (4 query heads sharing 2 KV heads, vocabulary 61, context 64) for
-    quick tests: random weights give O(1) logits whose argmax depends on the whole context."""
-    config = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         sliding_window=sliding_window)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(dtype).eval().requires_grad_(False)
+
+def toy_config(**overrides) -> ModelConfig:
+    """TOY_CONFIG with any field replaced (`num_key_value_heads=1`, `head_dim=16`, ...)."""
+    return ModelConfig(**{**TOY_CONFIG, **overrides})
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int = 0, weight_scale: float = 1.0, norm_jitter: float = 0.2,
+               embedding_std: float | None = 1.0) -> torch.nn.Module:
+    """Redraw every parameter in place from a generator seeded with `seed`; returns the model.
+
+    Matrices: N(0, weight_scale^2 / fan_in), so activations stay O(1) layer after layer.
+    Embeddings: N(0, embedding_std^2), or the matrices' rule if embedding_std is None.
+    Norm weights: 1 + norm_jitter * N(0, 1) (nonzero jitter makes a dropped norm show).
+    Biases: 0.5 * N(0, 1).
+    """
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):  # unit-scale activations, so argmaxes are not near-ties
-                p.copy_(torch.randn(p.shape, generator=generator, dtype=dtype) / (1 if "embed" in name else p.shape[-1] ** 0.5))
+
+    def normal(p):
+        return torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p.dtype)
+
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1 + norm_jitter * normal(p))
+        elif name.endswith(".bias"):
+            p.copy_(0.5 * normal(p))
+        elif "embed_tokens" in name and embedding_std is not None:
+            p.copy_(embedding_std * normal(p))
+        else:
+            p.copy_(weight_scale * normal(p) / p.shape[-1] ** 0.5)
     return model
+
+
+def random_llama(seed: int = 0, dtype: torch.dtype = torch.float32, weight_scale: float = 1.0,
+                 norm_jitter: float = 0.2, embedding_std: float | None = 1.0, **config_overrides) -> LlamaForCausalLM:
+    """A Llama of shape toy_config(**config_overrides), randomized by `randomize_`, in eval mode
+    with gradients off, on the CPU in `dtype`."""
+    torch.manual_seed(seed)  # the module constructors draw too; keep them repeatable
+    model = LlamaForCausalLM(toy_config(**config_overrides))
+    randomize_(model, seed, weight_scale=weight_scale, norm_jitter=norm_jitter, embedding_std=embedding_std)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def tiny_model(seed: int = 0, sliding_window: int | None = None, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """Notebook 02's model: a random 2-layer Llama (4 query heads sharing 2 KV heads, vocabulary
+    61, context 64) with plain norms; random weights give O(1) logits whose argmax depends on
+    the whole context."""
+    return random_llama(seed, dtype=dtype, norm_jitter=0.0, vocab_size=61, hidden_size=32, intermediate_size=64,
+                        max_position_embeddings=64, sliding_window=sliding_window)
