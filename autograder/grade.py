@@ -7,8 +7,8 @@ DIR is in nbgrader's layout, DIR/<student>/<assignment>/<assignment>.ipynb; the 
 student folders in DIR. Built on nbgrader: `generate_assignment` of the source notebook makes
 the gradebook (checksums, locked test cells with their hidden tests); each submission then goes
 through nbgrader's sanitizing preprocessors (ClearOutput, DeduplicateIds, OverwriteKernelspec,
-OverwriteCells, CheckCellMetadata), nbgrader's Execute (here with a sandboxed kernel, see
-autograder/sandbox.py), LimitOutput, and SaveAutoGrades into the gradebook.
+OverwriteCells, CheckCellMetadata), nbgrader's Execute (here `SandboxedExecute` of
+autograder/executor.py, with a kernel sandboxed by autograder/sandbox.py), LimitOutput, and SaveAutoGrades into the gradebook.
 
 Scoring trusts the kernel's execute replies, not what it displayed: a test cell whose reply says
 error (or that timed out, or never ran) earns 0 whatever its outputs show, and a test cell whose
@@ -22,12 +22,17 @@ status (the first that applies wins) | score
   timeout     a cell or the notebook ran past its limit               marks earned; timed-out tests 0
   tampered    a test cell edited, deleted or stripped of metadata      restored cells graded; deleted 0
   ok          none of the above                                        as graded
+
+The notes column says what happened, and flags what never changes a score: "integrity:" (an
+answer that calls the library's reference or touches autograder/) and "version:" (a notebook
+released for another decodelab version than the one grading it, or recording none: the
+release writes `decodelab.__version__` into its metadata). The summary printed at the end
+lists both.
 """
 from __future__ import annotations
 
 import copy
 import csv
-import json
 import os
 import shutil
 import sys
@@ -44,12 +49,6 @@ STATUSES = ("unreadable", "missing", "crashed", "timeout", "tampered", "ok")
 COLUMNS = ("student", "assignment", "score", "max_score", "status", "notes")
 HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 NO_SANDBOX_NOTE = "graded WITHOUT the sandbox (--no-sandbox): the kernel ran as the grader"
-# Dropped from the kernel before each test cell, so that the test imports them afresh.
-RESET_HELPERS = ("import sys as _grader_sys\n"
-                 "for _grader_m in [m for m in _grader_sys.modules if m == 'autograder' or m.startswith('autograder.')"
-                 " or m == 'decodelab.course.checking']:\n"
-                 "    del _grader_sys.modules[_grader_m]\n"
-                 "del _grader_sys\n")
 
 
 @dataclass
@@ -65,6 +64,7 @@ class Settings:
     sandbox: bool = True
     limits: dict = field(default_factory=dict)
     hide: list = field(default_factory=list)
+    version: str = ""             # the decodelab grading (decodelab.__version__); "" = not checked
 
 
 @dataclass
@@ -88,6 +88,20 @@ def is_test_cell(cell) -> bool:
 
 def worst(statuses) -> str:
     return min(statuses, key=STATUSES.index, default="ok")
+
+
+def version_note(nb, version: str) -> str | None:
+    """A note for the instructor when the submission was released for another decodelab than the
+    one grading it (release.py records `decodelab.__version__` in the notebook's metadata), or
+    records none; None when they agree. Never changes a score."""
+    from autograder.release import recorded_version
+
+    recorded = recorded_version(nb)
+    if recorded == version:
+        return None
+    if recorded is None:  # no "; " in a note: the notes column joins them with it
+        return f"version: the notebook records no decodelab version (graded with {version})"
+    return f"version: the notebook was released for decodelab {recorded} (graded with {version})"
 
 
 def _short(text: str, n: int = 120) -> str:
@@ -153,153 +167,6 @@ def check_tampering(nb, release) -> tuple[list[str], bool]:
 
 
 # --------------------------------------------------------------------------- execution
-
-def executor_class():
-    """nbgrader's Execute with a sandboxed kernel, reply-based bookkeeping, time and output caps."""
-    import asyncio
-    from time import monotonic
-
-    from jupyter_core.utils import ensure_async, run_sync
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError
-    from nbformat import NotebookNode
-    from nbgrader.preprocessors import Execute
-
-    from autograder import sandbox
-
-    class SandboxedExecute(Execute):
-        def setup(self, box, settings: Settings):
-            self.box, self.settings = box, settings
-            self.timeout = int(settings.cell_timeout)
-            self.startup_timeout = 120
-            self.iopub_timeout = 10  # after an interrupt, the grace before the kernel is stopped
-            self.replies: dict[int, str] = {}      # cell index -> execute reply status
-            self.timed_out: set[int] = set()
-            self.not_run: dict[int, str] = {}      # cell index -> why
-            self.stopped: str | None = None        # "crashed" / "timeout" once the kernel is gone
-            self.events: list[str] = []
-            self.truncated: set[int] = set()
-            self.deadline = monotonic() + settings.notebook_timeout
-            self._current = -1
-
-        def create_kernel_manager(self):
-            self.km = sandbox.kernel_manager_class()(kernel_name="python3", config=self.config)
-            sandbox.configure_kernel_manager(self.km, self.box)
-            return self.km
-
-        def _label(self, index: int) -> str:
-            gid = _meta(self.nb.cells[index]).get("grade_id")
-            return f"cell {index}" + (f" ({gid})" if gid else "")
-
-        async def _async_handle_timeout(self, timeout, cell=None):
-            self.timed_out.add(self._current)
-            return await super()._async_handle_timeout(timeout, cell)
-
-        def on_cell_executed(self, **kwargs):
-            super().on_cell_executed(**kwargs)
-            self.replies[kwargs["cell_index"]] = kwargs["execute_reply"]["content"]["status"]
-
-        def output(self, outs, msg, display_id, cell_index):
-            content = msg.get("content", {})
-            size = len(json.dumps(content.get("data") or content.get("text") or content.get("traceback") or ""))
-            self._bytes[cell_index] = self._bytes.get(cell_index, 0) + size
-            if self._bytes[cell_index] > self.settings.output_limit and msg["msg_type"] != "error":
-                if cell_index not in self.truncated:
-                    self.truncated.add(cell_index)
-                    outs.append(NotebookNode(output_type="stream", name="stdout", text=(
-                        f"\n[the grader cut this cell's output at {self.settings.output_limit:,} bytes]\n")))
-                return None
-            return super().output(outs, msg, display_id, cell_index)
-
-        async def _reset_helpers(self):
-            msg_id = await ensure_async(self.kc.execute(RESET_HELPERS, silent=True, store_history=False))
-            try:
-                await asyncio.wait_for(self._wait_reply(msg_id), timeout=30)
-            except asyncio.TimeoutError:
-                pass
-
-        async def _wait_reply(self, msg_id):
-            while True:
-                msg = await ensure_async(self.kc.shell_channel.get_msg(timeout=None))
-                if msg["parent_header"].get("msg_id") == msg_id:
-                    return msg
-
-        async def _stop_kernel(self):
-            try:
-                await ensure_async(self.km.shutdown_kernel(now=True))
-            except Exception:  # noqa: BLE001 - it may be gone already
-                pass
-
-        def _exit_reason(self) -> str:
-            process = getattr(getattr(self.km, "provisioner", None), "process", None)
-            code = process.poll() if process is not None else None
-            if self.box.oom_killed():
-                gib = self.box.limits.memory_bytes / 2**30
-                return f"killed for memory (over {gib:.1f} GiB)"
-            if code is None:
-                return "stopped responding"
-            if code < 0:
-                import signal
-                name = signal.Signals(-code).name
-                if name == "SIGXCPU":
-                    return "killed at its CPU-time limit"
-                return f"killed by {name}"
-            return f"exited with code {code}"
-
-        async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
-            if cell.cell_type != "code" or not cell.source.strip():
-                return cell
-            if self.stopped:
-                self.not_run[cell_index] = self.stopped
-                cell.outputs = []
-                return cell
-            remaining = self.deadline - monotonic()
-            if remaining < 1:
-                self.stopped = "timeout"
-                self.events.append(f"the notebook ran past its {self.settings.notebook_timeout:g} s limit "
-                                   f"before {self._label(cell_index)}")
-                self.not_run[cell_index] = "timeout"
-                return cell
-            self.timeout = max(1, int(min(self.settings.cell_timeout, remaining)))
-            self._current = cell_index
-            try:
-                if is_test_cell(cell):
-                    await self._reset_helpers()
-                return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
-            except DeadKernelError:
-                if cell_index in self.timed_out:
-                    self.stopped = "timeout"
-                    self.events.append(f"{self._label(cell_index)} ran past {self.timeout} s; the kernel died")
-                else:
-                    reason = self._exit_reason()
-                    self.stopped = "timeout" if "CPU-time" in reason else "crashed"
-                    self.events.append(f"the kernel died in {self._label(cell_index)}: {reason}")
-                self.replies[cell_index] = "error"
-                cell.outputs.append(NotebookNode(output_type="error", ename="KernelDied",
-                                                 evalue=self.events[-1], traceback=[]))
-                return cell
-            except CellTimeoutError:  # no reply even after the interrupt: stop the kernel
-                self.timed_out.add(cell_index)
-                self.stopped = "timeout"
-                self.events.append(f"{self._label(cell_index)} ran past {self.timeout} s and ignored the "
-                                   "interrupt: the kernel was stopped")
-                await self._stop_kernel()
-                self.replies[cell_index] = "error"
-                cell.outputs.append(NotebookNode(output_type="error", ename="CellTimeoutError",
-                                                 evalue=self.events[-1], traceback=[]))
-                return cell
-            finally:
-                if cell_index in self.timed_out and not any("ran past" in e and self._label(cell_index) in e
-                                                            for e in self.events):
-                    self.events.append(f"{self._label(cell_index)} ran past {self.timeout} s: interrupted")
-
-        execute_cell = run_sync(async_execute_cell)
-
-        def preprocess(self, nb, resources=None, km=None):
-            self._bytes: dict[int, int] = {}
-            return super().preprocess(nb, resources, km)
-
-    return SandboxedExecute
-
 
 def settle_test_cells(nb, ex) -> list[str]:
     """Make each test cell's outputs say what its execute reply said (nbgrader scores outputs):
@@ -391,6 +258,7 @@ def _grade_one(result: Result, path: Path, settings: Settings) -> None:
                                         OverwriteKernelspec)
 
     from autograder import integrity, sandbox
+    from autograder.executor import SandboxedExecute
 
     try:
         nb, raw = _read(path)
@@ -398,6 +266,9 @@ def _grade_one(result: Result, path: Path, settings: Settings) -> None:
         result.status = "unreadable"
         result.notes.append(f"{path.name} is not a valid notebook: {_short(exc, 150)}")
         return
+    note = version_note(nb, settings.version) if settings.version else None
+    if note:
+        result.notes.append(note)
     release = nbformat.read(settings.release, as_version=4)
     notes, tampered = check_tampering(nb, release)
     result.notes.extend(notes)
@@ -413,7 +284,7 @@ def _grade_one(result: Result, path: Path, settings: Settings) -> None:
     box = sandbox.Sandbox(Path(settings.work), result.student.replace(os.sep, "_"), _SLOT, limits,
                           [Path(p) for p in settings.hide], enabled=settings.sandbox)
     box.prepare(settings.notebook, raw)
-    ex = executor_class()(extra_arguments=["--HistoryManager.hist_file=:memory:"], allow_errors=True,
+    ex = SandboxedExecute(extra_arguments=["--HistoryManager.hist_file=:memory:"], allow_errors=True,
                           interrupt_on_timeout=True, raise_on_iopub_timeout=True)
     ex.setup(box, settings)
     resources["metadata"] = {"path": str(box.scratch)}
@@ -580,6 +451,7 @@ def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path
                 max_processes: int = 128, output_limit: int = 1_000_000, progress: bool = True) -> list[dict]:
     """Grade every student folder in submissions; returns the rows written for this run."""
     from autograder import sandbox
+    from autograder.release import library_version
 
     submissions, out = submissions.resolve(), out.resolve()
     gradebook = (gradebook or out.with_name("gradebook.db")).resolve()
@@ -598,7 +470,7 @@ def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path
         settings = Settings(assignment=assignment, notebook=f"{assignment}.ipynb", db_url=db_url, release=str(release),
                             work=str(work), cell_timeout=cell_timeout, notebook_timeout=notebook_timeout,
                             output_limit=output_limit, sandbox=sandbox_on, limits=asdict(limits),
-                            hide=[str(p) for p in hide + [work / "c"]])
+                            hide=[str(p) for p in hide + [work / "c"]], version=library_version())
         return _run(settings, submissions, out, feedback, workers, progress)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -700,11 +572,22 @@ def main(argv: list[str] | None = None) -> int:
     except sandbox.SandboxUnavailable as exc:
         print(f"autograder grade: refusing to run learners' code: {exc}", file=sys.stderr)
         return 3
-    counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
-    print(f"graded {len(rows)} submissions of {args.assignment} in {time.perf_counter() - started:.0f} s: "
-          + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" -> {args.out}")
-    for row in rows:
-        flags = [n for n in row["notes"].split("; ") if n.startswith("integrity:")]
-        for flag in flags:
-            print(f"  {row['student']}: {flag}")
+    from autograder.release import library_version
+
+    print("\n".join(summary(rows, args.assignment, time.perf_counter() - started, args.out, library_version())))
     return 0
+
+
+def summary(rows: list[dict], assignment: str, seconds: float, out: Path, version: str) -> list[str]:
+    """What `grade` prints at the end: the count of each status, every integrity flag, and which
+    submissions were released for another decodelab version than the one grading them."""
+    counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
+    lines = [f"graded {len(rows)} submissions of {assignment} in {seconds:.0f} s: "
+             + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" -> {out}"]
+    for row in rows:
+        lines += [f"  {row['student']}: {flag}" for flag in row["notes"].split("; ") if flag.startswith("integrity:")]
+    other = [row["student"] for row in rows if any(n.startswith("version:") for n in row["notes"].split("; "))]
+    if other:
+        lines.append(f"  {len(other)} submission(s) not released for decodelab {version}, the version grading them "
+                     f"(a note in their row; scores unchanged): {', '.join(other)}")
+    return lines

@@ -6,11 +6,15 @@
 
 nbgrader runs in a throw-away course folder (its own gradebook), with the repository's
 nbgrader_config.py: solution regions become the `raise NotImplementedError(...)` stub, hidden
-tests and outputs are removed, test cells are locked and checksummed.
+tests and outputs are removed, test cells are locked and checksummed. Each released notebook
+then records the version of `decodelab` it was made for, in its metadata:
+``{"decodelab": {"version": "0.2.0"}}`` (`decodelab.__version__`); the class grader notes a
+submission whose recorded version differs from the one grading it.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -20,6 +24,29 @@ ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"
 COURSE = ROOT / "course"
 _IGNORE = shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", "*.pyc")
+VERSION_KEY = "decodelab"  # notebook metadata: {"decodelab": {"version": ...}}
+
+
+def library_version() -> str:
+    """The installed decodelab's version (`decodelab.__version__`, the one place it is written)."""
+    import decodelab
+
+    return decodelab.__version__
+
+
+def record_version(path: Path, version: str | None = None) -> None:
+    """Write into a released notebook's metadata the decodelab version it is made for."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    nb.setdefault("metadata", {})[VERSION_KEY] = {"version": version or library_version()}
+    path.write_text(json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def recorded_version(nb) -> str | None:
+    """The decodelab version a notebook (a dict or NotebookNode) records, or None if it records none."""
+    metadata = nb.get("metadata") if isinstance(nb, dict) else None
+    entry = metadata.get(VERSION_KEY) if isinstance(metadata, dict) else None
+    version = entry.get("version") if isinstance(entry, dict) else None
+    return str(version) if version else None
 
 
 def load_config():
@@ -70,6 +97,7 @@ def generate(names: list[str] | None = None, out: Path = COURSE, solutions: Path
             if target.exists():
                 shutil.rmtree(target)
             shutil.copytree(Path(tmp) / "course" / name, target, ignore=_IGNORE)
+            record_version(target / f"{name}.ipynb")
             written.append(target / f"{name}.ipynb")
     return written
 

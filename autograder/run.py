@@ -5,11 +5,13 @@
     hidden("sampling.check_top_k_filter", top_k_filter)
     ### END HIDDEN TESTS
 
-`hidden` runs ``autograder.checks.<module>.<check>`` on the learner's function. A failure
-becomes a fresh `HiddenTestFailed` carrying only the check's message (input, expected, got):
-no traceback into the check, so the hidden tests' source never shows in the feedback.
-Whatever the function under test prints, or warns, is swallowed: nbgrader would score a
-test cell 0 for a single line on stderr.
+`hidden` runs ``autograder.checks.<topic>.check_<name>`` on the learner's function (only
+``check_*`` functions are hidden tests: `autograder.checks.calling`, how the checks call the
+function, is none). A failure becomes a fresh `HiddenTestFailed` carrying only the check's
+message (input, expected, got; for an unfinished stub "<function> is not written yet: it
+raises NotImplementedError"): no traceback into the check, so the hidden tests' source never
+shows in the feedback. Whatever the function under test prints, or warns, is swallowed:
+nbgrader would score a test cell 0 for a single line on stderr.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ class HiddenTestFailed(AssertionError):
 def _run(check_name: str, fn) -> str | None:
     """The failure message of one check, or None if it passed."""
     module_name, _, function_name = check_name.rpartition(".")
+    if not function_name.startswith("check_"):
+        return f"the grader has no hidden test named {check_name!r}"
     try:
         check = getattr(importlib.import_module(f"autograder.checks.{module_name}"), function_name)
     except (ImportError, AttributeError, ValueError):

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "lib"), str(HERE.parent / "tests"), str(HERE)]
+sys.path[:0] = [str(HERE.parent / "lib"), str(HERE)]
 
 import decodelab  # noqa: E402,F401  (first: sets OMP_WAIT_POLICY before torch starts its threads)
 import torch  # noqa: E402
@@ -34,8 +34,8 @@ from decodelab.lessons.measure import memory_bandwidth, parameter_bytes, synchro
 from decodelab.model.llama import LlamaForCausalLM  # noqa: E402
 from decodelab.model.registry import load  # noqa: E402
 from decodelab.params import SamplingParams  # noqa: E402
+from decodelab.model.toy import random_llama  # noqa: E402
 from decodelab.model.weights import resolve_dtype, save_model  # noqa: E402
-from oracles import randomize_  # noqa: E402
 
 
 def smollm2_shaped(layers: int | None) -> LlamaForCausalLM:
@@ -43,7 +43,7 @@ def smollm2_shaped(layers: int | None) -> LlamaForCausalLM:
     fields = {k: v for k, v in fields.items() if k in ModelConfig.__dataclass_fields__}
     if layers:
         fields["num_hidden_layers"] = layers
-    return randomize_(LlamaForCausalLM(ModelConfig(**fields))).eval()
+    return random_llama(0, **fields)
 
 
 def logit_gap(ours, hf, prompt_ids) -> tuple[float, float]:

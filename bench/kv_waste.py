@@ -17,14 +17,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from decodelab.engine.block_allocator import BlockAllocator, kv_waste  # noqa: E402
+from decodelab.engine.block_allocator import BlockAllocator, blocks_needed, kv_waste  # noqa: E402
 
 SEED_FIGURES = {"prealloc 2048": 0.472, "blocks of 16": 0.007, "blocks of 32": 0.014}
 
 
 def waste_with_allocator(lengths: list[int], block_size: int) -> float:
     """Allocate every request's tokens in a real pool; waste = empty slots in held blocks."""
-    allocator = BlockAllocator(sum(-(-n // block_size) for n in lengths), block_size, enable_prefix_caching=False)
+    allocator = BlockAllocator(sum(blocks_needed(n, block_size) for n in lengths), block_size,
+                               enable_prefix_caching=False)
     held = 0
     for index, n in enumerate(lengths):
         table, _ = allocator.allocate(list(range(index * 4096, index * 4096 + n)))

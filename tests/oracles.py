@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: small random models and the greedy near-tie rule."""
+"""Helpers shared by the tests: small random models (`random_model`, the library's `random_llama`)
+and the greedy near-tie rule."""
 from __future__ import annotations
 
 import contextlib
@@ -8,43 +9,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from decodelab.config import ModelConfig
-from decodelab.model.llama import LlamaForCausalLM
+from decodelab.model.toy import random_llama
 
 NEAR_TIE = 1e-4  # two top logits closer than this may swap between two correct implementations
 
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-            rms_norm_eps=1e-5, rope_theta=10000.0)
-
-
-def tiny_config(**overrides) -> ModelConfig:
-    return ModelConfig(**{**TINY, **overrides})
-
-
-@torch.no_grad()
-def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Re-draw every parameter so that activations and logits are O(1): with the default
-    tiny init (std 0.02) logits are ~1e-2 and a 1e-4 tolerance would prove nothing.
-    Norm weights and biases are random and nonzero too, so dropping one shows."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-        elif name.endswith(".bias"):
-            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-        elif p.dim() == 2 and "embed_tokens" in name:
-            p.copy_(torch.randn(p.shape, generator=gen))
-        else:
-            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    return model
-
-
-def random_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    """Our model with a tiny random config, fp32, eval mode."""
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_config(**overrides))
-    return randomize_(model, seed).eval().requires_grad_(False)
+# Many tests build their model by this name; it is the library's one builder (decodelab.model.toy).
+random_model = random_llama
 
 
 def random_ids(n: int, vocab: int, seed: int = 0, batch: int = 1) -> torch.Tensor:

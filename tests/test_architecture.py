@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lib" / "decodelab"
-TOP_LEVEL_MODULES = {"__init__", "__main__", "cli", "config", "params", "paths"}
+TOP_LEVEL_MODULES = {"__init__", "__main__", "cli", "config", "params", "paths", "validation"}
 SUBPACKAGES = {"model", "decoding", "engine", "lessons", "course", "training"}
 
 
@@ -35,9 +35,24 @@ def test_every_subpackage_is_on_the_map():
     text = (PACKAGE / "README.md").read_text()
     for name in SUBPACKAGES:
         assert f"`{name}/`" in text, f"lib/decodelab/README.md does not describe {name}/"
-    for path in PACKAGE.glob("*/**/*.py"):
+    for path in PACKAGE.glob("*/*.py"):
         if path.name != "__init__.py":
             assert path.stem in text, f"lib/decodelab/README.md does not mention {path.relative_to(PACKAGE)}"
+
+
+def test_one_name_per_notebook():
+    """A notebook NN_topic's widget module, hidden checks, check tests and kept-bug fixture are
+    all named `topic` (the map's last table): no piece goes by another name."""
+    topics = {p.name.split("_", 1)[1] for p in (ROOT / "solutions").iterdir() if p.is_dir() and p.name[:2].isdigit()}
+    widgets = {p.stem for p in (PACKAGE / "course" / "widgets").glob("*.py")} - {"__init__", "controls"}
+    checks = {p.stem for p in (ROOT / "autograder" / "checks").glob("*.py")} - {"__init__", "calling"}
+    fixtures = {p.stem.removeprefix("buggy_") for p in (ROOT / "tests" / "fixtures").glob("buggy_*.py")}
+    check_tests = {p.stem.removeprefix("test_").removesuffix("_checks")
+                   for p in (ROOT / "tests").glob("test_*_checks.py")} - {"calling"}
+    for kind, names in [("widget module", widgets), ("check module", checks), ("kept-bug fixture", fixtures),
+                        ("check test", check_tests)]:
+        assert names <= topics, f"{kind}s not named after a notebook topic: {sorted(names - topics)}"
+    assert checks == fixtures == check_tests, "every notebook with hidden checks has its fixture and check tests"
 
 
 _BLOCK_UI = """

@@ -13,7 +13,8 @@ import torch
 from decodelab.config import ModelConfig
 from decodelab.model.rope import inverse_frequencies, rope_tables
 from decodelab.model.weights import load_model, save_model
-from oracles import quiet_transformers, random_ids, random_model, randomize_
+from decodelab.model.toy import randomize_
+from oracles import quiet_transformers, random_ids, random_model
 
 transformers = pytest.importorskip("transformers")
 

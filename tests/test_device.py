@@ -6,15 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decodelab.config import ModelConfig
 from decodelab.decoding.eagle import FeatureDrafter
 from decodelab.engine.llm import LLM
 from decodelab.decoding.generate import stream_token_ids
-from decodelab.model.llama import LlamaForCausalLM
 from decodelab.model.registry import load
 from decodelab.params import SamplingParams
 from decodelab.decoding.speculative import speculative_generate
-from oracles import check_greedy_agreement, last_logits_fn, randomize_
+from decodelab.model.toy import random_llama
+from oracles import check_greedy_agreement, last_logits_fn
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
@@ -48,8 +47,7 @@ def engine_checks(device: str) -> None:
 def smollm2_shaped_checks(device: str, dtype: torch.dtype) -> None:
     """A random-weight model of SmolLM2's exact shape in half precision: the engine runs and
     matches the single-request path (nothing larger than a few MB needs to travel)."""
-    torch.manual_seed(0)
-    model = randomize_(LlamaForCausalLM(ModelConfig(**SMOLLM2_SHAPE))).to(device, dtype).eval()
+    model = random_llama(0, dtype=dtype, **SMOLLM2_SHAPE).to(device)
     _, tokenizer = load("tiny")  # any tokenizer: the engine only needs ids here
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -294,3 +294,31 @@ def test_bad_engine_arguments_are_clear_errors(small_model):
         llm.generate([[1], [2], [3]], [SamplingParams(), SamplingParams()], use_tqdm=False)
     with pytest.raises(TypeError, match="SamplingParams"):
         llm.generate([[1]], [{"temperature": 0}], use_tqdm=False)
+
+
+def test_engine_args_are_llms_keywords_and_build_the_same_engine(small_model):
+    """EngineArgs holds LLM's keyword arguments, same names and defaults (written twice: in LLM's
+    signature for the reader, in EngineArgs for the object), checks them the same way, and
+    LLM.from_args(args) builds the engine LLM(**fields) builds."""
+    import dataclasses
+    import inspect
+
+    from decodelab import EngineArgs
+
+    signature = inspect.signature(LLM.__init__).parameters
+    keywords = {name: p.default for name, p in signature.items() if name != "self"}
+    assert keywords == {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'int4', got 'int3'"):
+        EngineArgs(quantization="int3")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1, got 0"):
+        EngineArgs(speculative_model="tiny-draft", num_speculative_tokens=0)
+    EngineArgs(num_speculative_tokens=0)  # unused without a speculative_model: accepted, as LLM always did
+    model, tokenizer = small_model
+    args = EngineArgs(model=(model, tokenizer), num_kv_blocks=24, kv_block_size=4, max_num_seqs=2)
+    built, direct = LLM.from_args(args), LLM((model, tokenizer), num_kv_blocks=24, kv_block_size=4, max_num_seqs=2)
+    assert built.args == args == direct.args
+    assert (built.allocator.num_blocks, built.max_seq_len) == (direct.allocator.num_blocks, direct.max_seq_len)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8]]
+    assert [o.outputs[0].token_ids for o in built.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in direct.generate(prompts, params, use_tqdm=False)]

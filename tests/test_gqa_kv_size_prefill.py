@@ -23,7 +23,8 @@ from decodelab.model.kv_cache import KVCache
 from decodelab.lessons.measure import Roofline
 from decodelab.model.llama import LlamaForCausalLM
 from decodelab.params import SamplingParams
-from oracles import randomize_, load_fixture
+from decodelab.model.toy import random_llama
+from oracles import load_fixture
 
 
 buggy = load_fixture("library/buggy_gqa_kv_size_prefill")
@@ -31,12 +32,8 @@ KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 
 def random_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    """A small random-weight model with O(1) logits (8 query heads over 2 KV heads by default)."""
-    fields = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
-    fields.update(overrides)
-    torch.manual_seed(seed)
-    return randomize_(LlamaForCausalLM(ModelConfig(**fields)), seed).eval().requires_grad_(False)
+    """A small random-weight model with O(1) logits: 3 layers, 8 query heads over 2 KV heads of 16."""
+    return random_llama(seed, **{"num_hidden_layers": 3, "num_attention_heads": 8, "head_dim": 16, **overrides})
 
 
 # --------------------------------------------------------------------------- checks

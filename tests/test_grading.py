@@ -341,6 +341,19 @@ def test_integrity_flags(graded):
     assert "correct" not in flagged and "stub" not in flagged
 
 
+def test_version_notes(graded):
+    """Releases record the decodelab version they were made for; the full solution records none:
+    its row says so (its score stays 4, test_status_and_score), and so does the summary."""
+    import decodelab
+
+    notes = {s: r["notes"] for s, r in graded["rows"].items()}
+    assert f"version: the notebook records no decodelab version (graded with {decodelab.__version__})" \
+        in notes["correct"].split("; ")
+    assert not any("version:" in notes[s] for s in ("stub", "wrong", "edited_test")), notes
+    assert f"1 submission(s) not released for decodelab {decodelab.__version__}" in graded["result"].stdout
+    assert graded["result"].stdout.rstrip().endswith(": correct")
+
+
 def test_feedback_shows_no_hidden_tests(graded):
     pages = {p.parts[-3]: p.read_text() for p in graded["feedback"].rglob("*.html")}
     assert set(pages) == set(graded["rows"])

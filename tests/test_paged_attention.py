@@ -9,6 +9,7 @@ import torch
 
 from decodelab.model.attention import causal_attention
 from decodelab.config import ModelConfig
+from decodelab.engine.block_allocator import blocks_needed
 from decodelab.engine.paged_attention import PagedBatch, PagedKVStore, SequenceSlice, group_by_length
 
 H, H_KV, D, BLOCK = 6, 2, 8, 4
@@ -29,7 +30,7 @@ def make_case(new_lengths: list[int], seed: int, sliding_window: int | None = No
     for new in new_lengths:
         old = rng.randint(0, 20)
         total = old + new
-        table = [free.pop() for _ in range(-(-total // BLOCK))]
+        table = [free.pop() for _ in range(blocks_needed(total, BLOCK))]
         k_all, v_all = torch.randn(1, H_KV, total, D), torch.randn(1, H_KV, total, D)
         q_new = torch.randn(1, H, new, D)
         for pos in range(old):  # the context written by earlier steps

@@ -189,10 +189,9 @@ def test_explorer_redraws_with_the_first_slider_in_the_title():
 def test_tiled_cache_generates_the_same_tokens():
     from decodelab.decoding.generate import generate_with_cache
     from decodelab.course.widgets.tiled_attention import tiled_cache_class
-    from oracles import randomize_, tiny_config
-    from decodelab.model.llama import LlamaForCausalLM
+    from decodelab.model.toy import random_llama
 
-    model = randomize_(LlamaForCausalLM(tiny_config()).eval())
+    model = random_llama(0)
     calls = []
 
     def spy(*args, **kwargs):

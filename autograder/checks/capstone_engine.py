@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from autograder.checks.calling import call, expect_raises
 from decodelab.config import ModelConfig
 
 REFERENCES = {
@@ -54,14 +55,14 @@ def _engine(step, **kwargs):
     return LLM(model=(model, tokenizer), hooks=EngineHooks(step=step), **kwargs)
 
 
-def _drive(llm, prompts, params):
+def _drive(llm, prompts, params, case: str = ""):
     """Run the engine's loop with a step cap; returns (outputs, events)."""
     requests = llm._add_requests(prompts, params)
     events = []
     for _ in range(MAX_STEPS):
         if not llm.scheduler.has_unfinished():
             break
-        produced = llm.step()
+        produced = call(f"the engine's step with your engine_step{f', {case}' if case else ''}", llm.step)
         assert isinstance(produced, list), \
             f"engine_step must return a list of StreamEvent, got {type(produced).__name__}"
         events += produced
@@ -99,7 +100,7 @@ def check_engine_step(engine_step) -> None:
     for case, kwargs, prompts, params in _scenarios():
         expected, expected_events = _drive(_engine(reference_step, **dict(kwargs)), prompts, params)
         llm = _engine(engine_step, **dict(kwargs))
-        got, events = _drive(llm, prompts, params)
+        got, events = _drive(llm, prompts, params, case)
         want, have = _token_ids(expected), _token_ids(got)
         assert have == want, (f"engine_step, {case}: expected the completions (token ids per prompt, per sample) "
                               f"{want}, got {have}")
@@ -143,18 +144,14 @@ def check_kv_blocks_for_memory(kv_blocks_for_memory) -> None:
     ]
     for case, config, memory, block, dtype, element in cases:
         expected = _by_hand(config, memory, block, element)
-        got = kv_blocks_for_memory(config, memory, block, dtype)
+        got = call(f"kv_blocks_for_memory, {case}", kv_blocks_for_memory, config, memory, block, dtype)
         assert isinstance(got, int) and not isinstance(got, bool), \
             f"kv_blocks_for_memory, {case}: expected the integer {expected:,}, got {got!r} ({type(got).__name__})"
         assert got == expected, f"kv_blocks_for_memory, {case}: expected {expected:,} blocks, got {got:,}"
     for case, args in [("memory_bytes = 0", (SMOLLM2, 0, 16, torch.float32)),
                        ("block_size = 0", (SMOLLM2, 2**20, 0, torch.float32)),
                        ("1,000 bytes, less than one block", (SMOLLM2, 1_000, 16, torch.float32))]:
-        try:
-            got = kv_blocks_for_memory(*args)
-        except ValueError:
-            continue
-        raise AssertionError(f"kv_blocks_for_memory with {case} should raise ValueError, returned {got!r}")
+        expect_raises(f"kv_blocks_for_memory with {case}", ValueError, "", kv_blocks_for_memory, *args)
 
 
 # --------------------------------------------------------------------------- decode_roofline_fraction
@@ -171,14 +168,11 @@ def check_decode_roofline_fraction(decode_roofline_fraction) -> None:
         ("nothing generated", 0.0, 8, 1e9, 100e9, 0.0),
     ]
     for case, tokens_per_s, batch, weight_bytes, bandwidth, expected in cases:
-        got = decode_roofline_fraction(tokens_per_s, batch, weight_bytes, bandwidth)
+        got = call(f"decode_roofline_fraction({tokens_per_s}, {batch}, {weight_bytes:g}, {bandwidth:g}), {case}",
+                   decode_roofline_fraction, tokens_per_s, batch, weight_bytes, bandwidth)
         assert isinstance(got, (int, float)) and math.isclose(float(got), expected, rel_tol=1e-5, abs_tol=1e-9), \
             (f"decode_roofline_fraction({tokens_per_s}, {batch}, {weight_bytes:g}, {bandwidth:g}), {case}: "
              f"expected {expected:.5f}, got {got!r}")
     for case, args in [("batch_size = 0", (10.0, 0, 1e9, 1e11)), ("weight_bytes = 0", (10.0, 1, 0, 1e11)),
                        ("bandwidth = 0", (10.0, 1, 1e9, 0)), ("tokens_per_s < 0", (-1.0, 1, 1e9, 1e11))]:
-        try:
-            got = decode_roofline_fraction(*args)
-        except ValueError:
-            continue
-        raise AssertionError(f"decode_roofline_fraction with {case} should raise ValueError, returned {got!r}")
+        expect_raises(f"decode_roofline_fraction with {case}", ValueError, "", decode_roofline_fraction, *args)

@@ -9,19 +9,20 @@ result.
 The state the function starts from is built here directly on a real `BlockAllocator`
 (`allocate`, `fork`), never with the functions under test. Expected results come from small
 independent models of the rules, written here with plain integers: how many blocks a
-sequence of n tokens holds (ceil(n / block_size)), which waiting sequences fit (slots, token
-budget, free blocks, first come first served), which running sequences a decode step must
-preempt (the most recently admitted, until the pool has room). They are compared with what
-the function left behind: the returned list, the queues, each sequence's status, block
-table size and counters, the number of free blocks, and the pool's reference counts
-(`check_invariants`: no leaked or doubly freed block). Block *ids* are never compared:
-which free block a sequence gets is the allocator's business.
+sequence of n tokens holds (ceil(n / block_size): the allocator's `blocks_needed`), which
+waiting sequences fit (slots, token budget, free blocks, first come first served), which
+running sequences a decode step must preempt (the most recently admitted, until the pool has
+room). They are compared with what the function left behind: the returned list, the queues,
+each sequence's status, block table size and counters, the number of free blocks, and the
+pool's reference counts (`check_invariants`: no leaked or doubly freed block). Block *ids*
+are never compared: which free block a sequence gets is the allocator's business.
 """
 from __future__ import annotations
 
 import random
 
-from decodelab.engine.block_allocator import BlockAllocator
+from autograder.checks.calling import call
+from decodelab.engine.block_allocator import BlockAllocator, blocks_needed
 from decodelab.params import SamplingParams
 from decodelab.engine.scheduler import Scheduler
 from decodelab.engine.sequence import Sequence, Status
@@ -40,10 +41,6 @@ RANDOM_CASES = 150
 
 
 # --------------------------------------------------------------------------- building states
-
-
-def _blocks(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 def _seq(seq_id: int, prompt_len: int, output_len: int = 0, prompt=None) -> Sequence:
@@ -78,15 +75,6 @@ def _ids(seqs) -> list[int]:
     return [s.seq_id for s in seqs]
 
 
-def _call(desc: str, fn, *args):
-    try:
-        return fn(*args)
-    except AssertionError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any crash is a failed check
-        raise AssertionError(f"{desc}: raised {type(e).__name__}: {e}") from e
-
-
 def _expect(ok: bool, desc: str, what: str, expected, got) -> None:
     if not ok:
         raise AssertionError(f"{desc}: {what}: expected {expected}, got {got}")
@@ -108,9 +96,10 @@ def _expected_admit(waiting_lens, num_running, free, block_size, max_num_seqs, b
     """(how many of the waiting sequences are admitted, free blocks afterwards)."""
     count, tokens = 0, 0
     for n in waiting_lens:
-        if num_running + count >= max_num_seqs or (count and tokens + n > budget) or _blocks(n, block_size) > free:
+        need = blocks_needed(n, block_size)
+        if num_running + count >= max_num_seqs or (count and tokens + n > budget) or need > free:
             break
-        count, tokens, free = count + 1, tokens + n, free - _blocks(n, block_size)
+        count, tokens, free = count + 1, tokens + n, free - need
     return count, free
 
 
@@ -119,7 +108,7 @@ def _run_admit(fn, desc, block_size, num_blocks, running_lens, waiting_lens, max
     old_running, old_waiting = list(scheduler.running), list(scheduler.waiting)
     count, free = _expected_admit(waiting_lens, len(running_lens), scheduler.allocator.num_free, block_size,
                                   max_num_seqs, budget)
-    got = _call(desc, fn, scheduler)
+    got = call(desc, fn, scheduler)
     expected = old_waiting[:count]
     _expect(isinstance(got, list) and _ids(got) == _ids(expected), desc, "admitted (seq ids, in order)",
             _ids(expected), _ids(got) if isinstance(got, list) else repr(got))
@@ -129,7 +118,7 @@ def _run_admit(fn, desc, block_size, num_blocks, running_lens, waiting_lens, max
             _ids(old_waiting[count:]), _ids(scheduler.waiting))
     for seq in expected:
         _expect(seq.status is Status.RUNNING, desc, f"status of admitted seq {seq.seq_id}", Status.RUNNING, seq.status)
-        need = _blocks(len(seq), block_size)
+        need = blocks_needed(len(seq), block_size)
         _expect(len(seq.block_table) == need, desc, f"blocks of admitted seq {seq.seq_id} ({len(seq)} tokens, "
                 f"block size {block_size})", need, len(seq.block_table))
         _expect(seq.num_computed_tokens == 0, desc, f"num_computed_tokens of seq {seq.seq_id} (nothing cached)",
@@ -166,7 +155,7 @@ def check_admit(admit) -> None:
     back = _seq(0, 5, output_len=6)  # 11 tokens: 3 blocks
     scheduler.add(back)
     desc = "admit, a preempted sequence (5 prompt + 6 output tokens, block size 4) coming back"
-    got = _call(desc, admit, scheduler)
+    got = call(desc, admit, scheduler)
     _expect(_ids(got) == [0] and len(back.block_table) == 3, desc, "admitted ids and blocks of the sequence",
             "[0] with 3 blocks (its 11 tokens)", f"{_ids(got)} with {len(back.block_table)} blocks")
     _pool_consistent(desc, scheduler)
@@ -180,7 +169,7 @@ def check_admit(admit) -> None:
     scheduler.add(new)
     desc = ("admit with prefix caching, block size 4: a new prompt of 11 tokens whose first 8 match a "
             "finished sequence's cached blocks")
-    _call(desc, admit, scheduler)
+    call(desc, admit, scheduler)
     _expect(new.num_computed_tokens == 8, desc, "num_computed_tokens (the cached tokens allocate() reports)", 8,
             new.num_computed_tokens)
     _pool_consistent(desc, scheduler)
@@ -189,7 +178,7 @@ def check_admit(admit) -> None:
     for case in range(RANDOM_CASES):
         block_size = rng.choice([1, 2, 4, 8])
         running = [rng.randint(1, 20) for _ in range(rng.randint(0, 3))]
-        num_blocks = max(1, sum(_blocks(n, block_size) for n in running) + rng.randint(0, 12))
+        num_blocks = max(1, sum(blocks_needed(n, block_size) for n in running) + rng.randint(0, 12))
         waiting = [rng.randint(1, 24) for _ in range(rng.randint(0, 6))]
         max_seqs, budget = rng.randint(1, 6), rng.randint(1, 60)
         _run_admit(admit, f"admit, random case {case}: block size {block_size}, {num_blocks} blocks, running "
@@ -203,7 +192,7 @@ def check_admit(admit) -> None:
 def _expected_decode(lens, free, block_size):
     """(decoded indices in order, preempted indices in order, free blocks afterwards).
     lens: tokens of each running sequence, the newest without a slot."""
-    held = [_blocks(n - 1, block_size) for n in lens]
+    held = [blocks_needed(n - 1, block_size) for n in lens]
     running, batch, preempted = list(range(len(lens))), [], []
     for i in range(len(lens)):
         if i in preempted:
@@ -222,11 +211,11 @@ def _expected_decode(lens, free, block_size):
 
 
 def _run_decode(fn, desc, block_size, extra_free, lens, waiting=()):
-    num_blocks = sum(_blocks(n - 1, block_size) for n in lens) + extra_free
+    num_blocks = sum(blocks_needed(n - 1, block_size) for n in lens) + extra_free
     scheduler = _state(block_size, num_blocks, lens, list(waiting), max_num_seqs=64, decoding=True)
     seqs, old_waiting = list(scheduler.running), list(scheduler.waiting)
     batch, preempted, free = _expected_decode(lens, extra_free, block_size)
-    got = _call(desc, fn, scheduler)
+    got = call(desc, fn, scheduler)
     want = [seqs[i].seq_id for i in batch]
     _expect(isinstance(got, list) and _ids(got) == want, desc, "sequences to decode (seq ids, in order)", want,
             _ids(got) if isinstance(got, list) else repr(got))
@@ -235,7 +224,7 @@ def _run_decode(fn, desc, block_size, extra_free, lens, waiting=()):
     _expect(_ids(scheduler.waiting) == front, desc, "waiting afterwards (the last preempted first)", front,
             _ids(scheduler.waiting))
     for i in batch:
-        need = _blocks(lens[i], block_size)
+        need = blocks_needed(lens[i], block_size)
         _expect(len(seqs[i].block_table) == need, desc, f"blocks of seq {seqs[i].seq_id} ({lens[i]} tokens, the "
                 f"newest needs a slot; block size {block_size})", need, len(seqs[i].block_table))
     for i in preempted:
@@ -286,7 +275,7 @@ def check_preempt(preempt) -> None:
     b_blocks, free = len(b.block_table), scheduler.allocator.num_free
     desc = ("preempt(scheduler, seq 1) with running seqs [0, 1, 2] holding 6, 9, 5 tokens (block size 4), seq 1 "
             "with 2 generated tokens, waiting [3, 4]")
-    _call(desc, preempt, scheduler, b)
+    call(desc, preempt, scheduler, b)
     _expect(_ids(scheduler.running) == [0, 2], desc, "running afterwards", [0, 2], _ids(scheduler.running))
     _expect(_ids(scheduler.waiting) == [1] + _ids(old_waiting), desc, "waiting afterwards (it is next in line)",
             [1] + _ids(old_waiting), _ids(scheduler.waiting))
@@ -304,8 +293,8 @@ def check_preempt(preempt) -> None:
     _pool_consistent(desc, scheduler)
 
     desc = "preempt seq 2 then seq 0 (after seq 1)"
-    _call(desc, preempt, scheduler, c)
-    _call(desc, preempt, scheduler, a)
+    call(desc, preempt, scheduler, c)
+    call(desc, preempt, scheduler, a)
     _expect(_ids(scheduler.waiting)[:3] == [0, 2, 1], desc, "the front of waiting (the last preempted first)",
             [0, 2, 1], _ids(scheduler.waiting)[:3])
     _expect(scheduler.num_preemptions == 3 and scheduler.running == [], desc,
@@ -324,7 +313,7 @@ def check_preempt(preempt) -> None:
     scheduler.running.append(sibling)
     free = scheduler.allocator.num_free
     desc = "preempt one of two samples sharing 3 blocks (a prompt of 10 tokens, block size 4)"
-    _call(desc, preempt, scheduler, sibling)
+    call(desc, preempt, scheduler, sibling)
     _expect(scheduler.allocator.num_free == free, desc, "free blocks (the shared blocks are still held by the "
             "other sample)", free, scheduler.allocator.num_free)
     _pool_consistent(desc, scheduler)
@@ -338,7 +327,7 @@ def check_finish(finish) -> None:
     a, b, c = scheduler.running
     free, b_blocks = scheduler.allocator.num_free, len(b.block_table)
     desc = "finish(scheduler, seq 1, 'stop') with running seqs [0, 1, 2] (6, 9, 5 tokens, block size 4), waiting [3]"
-    _call(desc, finish, scheduler, b, "stop")
+    call(desc, finish, scheduler, b, "stop")
     _expect(b.status is Status.FINISHED, desc, "status of seq 1", Status.FINISHED, b.status)
     _expect(b.finish_reason == "stop", desc, "finish_reason of seq 1", "'stop'", repr(b.finish_reason))
     _expect(_ids(scheduler.running) == [0, 2], desc, "running afterwards", [0, 2], _ids(scheduler.running))
@@ -351,8 +340,8 @@ def check_finish(finish) -> None:
     _pool_consistent(desc, scheduler)
 
     desc = "then finish(scheduler, seq 2, 'length') and finish(scheduler, seq 0, 'length')"
-    _call(desc, finish, scheduler, c, "length")
-    _call(desc, finish, scheduler, a, "length")
+    call(desc, finish, scheduler, c, "length")
+    call(desc, finish, scheduler, a, "length")
     _expect(c.finish_reason == "length" and a.finish_reason == "length", desc, "finish reasons",
             "'length', 'length'", f"{c.finish_reason!r}, {a.finish_reason!r}")
     _expect(scheduler.running == [] and scheduler.allocator.num_free == scheduler.allocator.num_blocks, desc,
@@ -365,7 +354,7 @@ def check_finish(finish) -> None:
     loose = _seq(9, 3)
     loose.block_table, _ = scheduler.allocator.allocate(loose.token_ids)
     desc = "finish a sequence that holds a block but is not in running"
-    _call(desc, finish, scheduler, loose, "length")
+    call(desc, finish, scheduler, loose, "length")
     _expect(loose.status is Status.FINISHED and loose.block_table == [] and _ids(scheduler.running) == [0], desc,
             "status, block table, running", "FINISHED, [], [0]",
             f"{loose.status.name}, {loose.block_table}, {_ids(scheduler.running)}")
@@ -380,7 +369,7 @@ def check_finish(finish) -> None:
     scheduler.running.append(sibling)
     free = scheduler.allocator.num_free
     desc = "finish one of two samples sharing 3 blocks"
-    _call(desc, finish, scheduler, first, "stop")
+    call(desc, finish, scheduler, first, "stop")
     _expect(scheduler.allocator.num_free == free, desc, "free blocks (the other sample still holds them)", free,
             scheduler.allocator.num_free)
     _pool_consistent(desc, scheduler)

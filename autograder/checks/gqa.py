@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from autograder.checks.calling import call
+
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
     "repeat_kv": "decodelab.model.attention:repeat_kv",
@@ -29,15 +31,6 @@ REFERENCES = {
 }
 
 __all__ = ["check_repeat_kv", "check_group_query_attention", "check_pool_kv_heads"]
-
-
-def _call(desc: str, fn, *args):
-    try:
-        return fn(*args)
-    except NotImplementedError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - report the crash with its input
-        raise AssertionError(f"{desc} raised {type(exc).__name__}: {exc}") from None
 
 
 def _expect_tensor(desc: str, got, shape: tuple, dtype: torch.dtype | None = None) -> None:
@@ -78,7 +71,7 @@ def check_repeat_kv(fn) -> None:
         x = torch.randn(b, h_kv, s, d)
         before = x.clone()
         desc = f"repeat_kv(x of shape [{b}, {h_kv}, {s}, {d}], num_queries_per_kv={n})"
-        got = _call(desc, fn, x, n)
+        got = call(desc, fn, x, n)
         _expect_tensor(desc, got, (b, h_kv * n, s, d), x.dtype)
         if not torch.equal(x, before):
             raise AssertionError(f"{desc} changed its input in place; return a new tensor (or x itself for n=1)")
@@ -90,7 +83,7 @@ def check_repeat_kv(fn) -> None:
                 raise AssertionError(f"{desc}: output head {h} should be input head {h // n} (h // n: consecutive "
                                      f"query heads share a KV head), got {read}")
     x = torch.randn(1, 2, 3, 4, dtype=torch.float64)
-    got = _call("repeat_kv on a float64 x of shape [1, 2, 3, 4], n=2", fn, x, 2)
+    got = call("repeat_kv on a float64 x of shape [1, 2, 3, 4], n=2", fn, x, 2)
     _expect_tensor("repeat_kv on a float64 x of shape [1, 2, 3, 4], n=2", got, (1, 4, 3, 4), torch.float64)
 
 
@@ -146,7 +139,7 @@ def check_group_query_attention(fn) -> None:
         k, v = torch.randn(b, h_kv, offset + t, d), torch.randn(b, h_kv, offset + t, d)
         desc = (f"group_query_attention with q [{b}, {h}, {t}, {d}], k and v [{b}, {h_kv}, {offset + t}, {d}], "
                 f"q_offset={offset} ({what})")
-        got = _call(desc, fn, q, k, v, offset)
+        got = call(desc, fn, q, k, v, offset)
         _expect_tensor(desc, got, (b, h, t, d), q.dtype)
         want = _ref_attention(q, k, v, offset)
         err = (got.double() - want).abs()
@@ -159,7 +152,7 @@ def check_group_query_attention(fn) -> None:
     q = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
     k, v = torch.randn(1, 2, 5, 8, dtype=torch.bfloat16), torch.randn(1, 2, 5, 8, dtype=torch.bfloat16)
     desc = "group_query_attention on bfloat16 q [1, 4, 2, 8], k and v [1, 2, 5, 8], q_offset=3"
-    got = _call(desc, fn, q, k, v, 3)
+    got = call(desc, fn, q, k, v, 3)
     _expect_tensor(desc, got, (1, 4, 2, 8), torch.bfloat16)
     err = (got.double() - _ref_attention(q, k, v, 3)).abs().max().item()
     if err > 3e-2:
@@ -188,7 +181,7 @@ def check_pool_kv_heads(fn) -> None:
         copies = base.view(new, 1, head_dim, hidden).expand(new, group, head_dim, hidden).reshape(old * head_dim, hidden)
         desc = (f"pool_kv_heads on a weight of {old} KV heads (head_dim {head_dim}, hidden {hidden}) down to {new}, "
                 f"where old heads {group}i .. {group}i+{group - 1} are all copies of head i")
-        got = _call(desc, fn, copies, new, head_dim)
+        got = call(desc, fn, copies, new, head_dim)
         _expect_tensor(desc, got, (new * head_dim, hidden), copies.dtype)
         err = (got.double() - base.double()).abs().max().item()
         if err > 1e-6:
@@ -198,7 +191,7 @@ def check_pool_kv_heads(fn) -> None:
         weight = torch.randn(rows, *rest) + torch.arange(rows, dtype=torch.float32).view(rows, *[1] * len(rest))
         kind = f"weight [{rows}, {rest[0]}]" if rest else f"bias [{rows}]"
         desc = f"pool_kv_heads on a {kind} ({old} KV heads of head_dim {head_dim}) down to {new}"
-        got = _call(desc, fn, weight, new, head_dim)
+        got = call(desc, fn, weight, new, head_dim)
         _expect_tensor(desc, got, (new * head_dim, *rest), weight.dtype)
         want = _ref_pool(weight, new, head_dim)
         err = (got.double() - want).abs()
@@ -210,7 +203,7 @@ def check_pool_kv_heads(fn) -> None:
                                  f"expected {want[index].item():.6g}, got {got[index].item():.6g}")
     weight = torch.randn(4 * head_dim, hidden, dtype=torch.bfloat16)
     desc = "pool_kv_heads on a bfloat16 weight of 4 KV heads down to 2"
-    got = _call(desc, fn, weight, 2, head_dim)
+    got = call(desc, fn, weight, 2, head_dim)
     _expect_tensor(desc, got, (2 * head_dim, hidden), torch.bfloat16)
     err = (got.double() - _ref_pool(weight, 2, head_dim)).abs().max().item()
     if err > 2e-2:

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from autograder.checks.calling import call, expect_raises
 from decodelab.course.checking import describe, expect_int
 from decodelab.config import ModelConfig
 from decodelab.model.kv_cache import KVCache as _ReferenceCache
@@ -60,16 +61,6 @@ def _greedy_oracle(model, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def _call(what: str, fn, *args, **kwargs):
-    """fn(*args); a crash becomes an AssertionError that says where."""
-    try:
-        return fn(*args, **kwargs)
-    except AssertionError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - report any crash of the code under test
-        raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}") from None
-
-
 def _as_ids(got, what: str) -> list[int]:
     if isinstance(got, torch.Tensor) and got.dim() == 1 and not got.is_floating_point():
         return [int(t) for t in got]
@@ -86,7 +77,7 @@ def _check_generation(fn, name: str, extra_kwargs=lambda: {}, structure=None) ->
         kwargs = extra_kwargs()
         what = (f"{name}(model, prompt_ids={prompt}, max_new_tokens={n}) on a random 2-layer model (seed {seed}"
                 f"{f', sliding window {window}' if window else ''})")
-        got = _as_ids(_call(what, fn, counting, given, n, **kwargs), what)
+        got = _as_ids(call(what, fn, counting, given, n, **kwargs), what)
         if given != prompt:
             raise AssertionError(f"{what} changed the caller's prompt_ids list to {describe(given)}; "
                                  "copy it (ids = list(prompt_ids)) before appending")
@@ -165,14 +156,8 @@ def _pair(got, what: str):
     return got
 
 
-def _expect_raises(what: str, fn, *args, why: str) -> None:
-    try:
-        fn(*args)
-    except ValueError:
-        return
-    except Exception as exc:  # noqa: BLE001
-        raise AssertionError(f"{what} should raise ValueError ({why}); it raised {type(exc).__name__}: {exc}") from None
-    raise AssertionError(f"{what} should raise ValueError ({why}); it raised nothing")
+def _seq_len(cache, when: str):
+    return call(f"your cache's seq_len {when}", getattr, cache, "seq_len")
 
 
 def _cache_bookkeeping(cls) -> None:
@@ -181,42 +166,45 @@ def _cache_bookkeeping(cls) -> None:
     gen = torch.Generator().manual_seed(0)
     rows = lambda t: torch.randn(2, 1, t, 4, generator=gen, dtype=torch.float64)  # noqa: E731 [B, H_kv, T, D]
     made = "KVCache(config with 3 layers, 1 KV head of dim 4, batch_size=2, max_seq_len=8, dtype=torch.float64)"
-    cache = _call(made, cls, config, 2, 8, dtype=torch.float64)
-    seq_len = _call(f"{made}.seq_len", getattr, cache, "seq_len")
+    cache = call(made, cls, config, 2, 8, dtype=torch.float64)
+    seq_len = call(f"{made}.seq_len", getattr, cache, "seq_len")
     expect_int(seq_len, 0, f"seq_len of a new {made}")
     held_k, held_v = [], []
     for step, t in enumerate((3, 2)):
         for layer in range(3):
             k, v = rows(t), rows(t)
             what = f"append(layer={layer}, k, v) of {t} rows after {sum((3, 2)[:step])} held"
-            got_k, got_v = _pair(_call(what, cache.append, layer, k, v), what)
+            got_k, got_v = _pair(call(what, cache.append, layer, k, v), what)
             if step == 0:
                 held_k.append(k), held_v.append(v)
             else:
                 held_k[layer], held_v[layer] = torch.cat([held_k[layer], k], 2), torch.cat([held_v[layer], v], 2)
             _same(got_k, held_k[layer], f"the keys {what} returned")
             _same(got_v, held_v[layer], f"the values {what} returned")
-        expect_int(cache.seq_len, 3 + 2 * step, f"seq_len after appending {(3, 5)[step]} rows to every layer")
+        when = f"after appending {(3, 5)[step]} rows to every layer"
+        expect_int(_seq_len(cache, when), 3 + 2 * step, f"seq_len {when}")
     for layer in range(3):
         what = f"view(layer={layer}) with 5 rows held"
-        got_k, got_v = _pair(_call(what, cache.view, layer), what)
+        got_k, got_v = _pair(call(what, cache.view, layer), what)
         _same(got_k, held_k[layer], f"the keys of {what}")
         _same(got_v, held_v[layer], f"the values of {what}")
-    _call("truncate(2) with 5 rows held", cache.truncate, 2)
-    expect_int(cache.seq_len, 2, "seq_len after truncate(2)")
+    call("truncate(2) with 5 rows held", cache.truncate, 2)
+    expect_int(_seq_len(cache, "after truncate(2)"), 2, "seq_len after truncate(2)")
     for layer in range(3):
         k, v = rows(1), rows(1)
         what = f"append(layer={layer}, one row) after truncate(2)"
-        got_k, got_v = _pair(_call(what, cache.append, layer, k, v), what)
+        got_k, got_v = _pair(call(what, cache.append, layer, k, v), what)
         _same(got_k, torch.cat([held_k[layer][:, :, :2], k], 2), f"the keys {what} returned (2 kept rows, then the new one)")
         _same(got_v, torch.cat([held_v[layer][:, :, :2], v], 2), f"the values {what} returned (2 kept rows, then the new one)")
-        _same(_pair(cache.view(layer), "view")[0], torch.cat([held_k[layer][:, :, :2], k], 2),
-              f"view(layer={layer}) after truncate(2) and one append")
-    expect_int(cache.seq_len, 3, "seq_len after truncate(2) and one more row per layer")
-    _expect_raises("truncate(4) with 3 rows held", cache.truncate, 4, why="it cannot keep more rows than it holds")
-    _expect_raises("truncate(-1)", cache.truncate, -1, why="a length is >= 0")
-    _expect_raises("append(layer=0, 6 rows) with 3 held and max_seq_len=8", cache.append, 0, rows(6), rows(6),
-                   why="3 + 6 rows exceed max_seq_len=8")
+        what = f"view(layer={layer}) after truncate(2) and one append"
+        _same(_pair(call(what, cache.view, layer), what)[0], torch.cat([held_k[layer][:, :, :2], k], 2), what)
+    when = "after truncate(2) and one more row per layer"
+    expect_int(_seq_len(cache, when), 3, f"seq_len {when}")
+    expect_raises("truncate(4) with 3 rows held", ValueError, "it cannot keep more rows than it holds",
+                  cache.truncate, 4)
+    expect_raises("truncate(-1)", ValueError, "a length is >= 0", cache.truncate, -1)
+    expect_raises("append(layer=0, 6 rows) with 3 held and max_seq_len=8", ValueError,
+                  "3 + 6 rows exceed max_seq_len=8", cache.append, 0, rows(6), rows(6))
 
 
 @torch.no_grad()
@@ -226,24 +214,27 @@ def _cache_in_model(cls) -> None:
         ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(seed))
         full = model(ids)  # [2, 12, V]: the oracle, no cache at all
         label = f"a random 2-layer model (seed {seed}{f', sliding window {window}' if window else ''}), batch of 2"
-        cache = _call(f"KVCache(config, 2, 12, dtype=torch.float64) for {label}", cls, model.config, 2, 12,
-                      dtype=torch.float64)
+        cache = call(f"KVCache(config, 2, 12, dtype=torch.float64) for {label}", cls, model.config, 2, 12,
+                     dtype=torch.float64)
         pieces = [(0, 5), *[(i, i + 1) for i in range(5, 12)]]
-        got = torch.cat([_call(f"model(tokens {s}..{e - 1}, kv_cache=your cache) on {label}", model, ids[:, s:e],
-                               kv_cache=cache) for s, e in pieces], 1)
+        got = torch.cat([call(f"model(tokens {s}..{e - 1}, kv_cache=your cache) on {label}", model, ids[:, s:e],
+                              kv_cache=cache) for s, e in pieces], 1)
         err = (got - full).abs().max().item()
         if not err < 1e-9:
             bad = int((got - full).abs().amax(dim=(0, 2)).argmax())
             raise AssertionError(f"prefill of 5 tokens then 7 single tokens through your cache on {label}: the logits "
                                  f"must equal one forward pass without a cache; they differ by {err:.3g} "
                                  f"(first bad position {bad})")
-        expect_int(cache.seq_len, 12, f"seq_len after feeding 12 tokens on {label}")
+        when = f"after feeding 12 tokens on {label}"
+        expect_int(_seq_len(cache, when), 12, f"seq_len {when}")
         # speculative-decoding style: feed 3 guesses, take them back, feed the true continuation
-        cache = cls(model.config, 2, 12, dtype=torch.float64)
-        model(ids[:, :6], kv_cache=cache)
-        model(torch.randint(0, 61, (2, 3), generator=torch.Generator().manual_seed(99)), kv_cache=cache)
-        _call("truncate(6) after 9 tokens", cache.truncate, 6)
-        got = _call(f"model(tokens 6..11, kv_cache=...) after truncate(6) on {label}", model, ids[:, 6:], kv_cache=cache)
+        cache = call(f"KVCache(config, 2, 12, dtype=torch.float64) for {label}", cls, model.config, 2, 12,
+                     dtype=torch.float64)
+        call(f"model(tokens 0..5, kv_cache=your cache) on {label}", model, ids[:, :6], kv_cache=cache)
+        guesses = torch.randint(0, 61, (2, 3), generator=torch.Generator().manual_seed(99))
+        call(f"model(3 guessed tokens, kv_cache=your cache) on {label}", model, guesses, kv_cache=cache)
+        call("truncate(6) after 9 tokens", cache.truncate, 6)
+        got = call(f"model(tokens 6..11, kv_cache=...) after truncate(6) on {label}", model, ids[:, 6:], kv_cache=cache)
         err = (got - full[:, 6:]).abs().max().item()
         if not err < 1e-9:
             raise AssertionError(f"6 tokens, then 3 wrong guesses, truncate(6), then the true tokens 6..11 on {label}: "
@@ -291,7 +282,7 @@ def check_kv_cache_bytes(fn) -> None:
     for name, seq_len, batch, dtype, expected, said in seed_figures:
         assert expected == _expected_bytes(name, seq_len, batch, dtype)
         what = f"kv_bytes({name!r}, seq_len={seq_len}, batch={batch}, dtype={dtype!r}) ({said})"
-        expect_int(_call(what, fn, name, seq_len, batch, dtype), expected, what)
+        expect_int(call(what, fn, name, seq_len, batch, dtype), expected, what)
     cases = [  # sliding windows, dtypes, small and odd sizes
         ("gpt-oss-20b", 100, 1, "bf16", "below the window of 128 every layer holds all 100 positions"),
         ("gpt-oss-20b", 131072, 1, "bf16", "12 sliding layers hold 128 positions, 12 full layers 131,072"),
@@ -303,16 +294,16 @@ def check_kv_cache_bytes(fn) -> None:
     ]
     for name, seq_len, batch, dtype, why in cases:
         what = f"kv_bytes({name!r}, seq_len={seq_len}, batch={batch}, dtype={describe(dtype)}) ({why})"
-        expect_int(_call(what, fn, name, seq_len, batch, dtype), _expected_bytes(name, seq_len, batch, dtype), what)
+        expect_int(call(what, fn, name, seq_len, batch, dtype), _expected_bytes(name, seq_len, batch, dtype), what)
     # the same configs given as config.json dicts and as a ModelConfig
     gpt_oss_like = dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, hidden_size=256,
                         head_dim=32, sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2)
     what = "kv_bytes(a config.json dict: 4 layers alternating sliding (window 16) and full, 2 KV heads of 32, seq_len=50, batch=1, 'fp16')"
-    expect_int(_call(what, fn, gpt_oss_like, 50, 1, "fp16"), 2 * (16 + 50 + 16 + 50) * 2 * 32 * 2, what)
+    expect_int(call(what, fn, gpt_oss_like, 50, 1, "fp16"), 2 * (16 + 50 + 16 + 50) * 2 * 32 * 2, what)
     no_head_dim = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64)  # MHA, head_dim 16
     what = "kv_bytes(a dict without head_dim or num_key_value_heads: 2 layers, 4 heads, hidden 64, seq_len=10, batch=3, 'fp32')"
-    expect_int(_call(what, fn, no_head_dim, 10, 3, "fp32"), 2 * 3 * 10 * 2 * 4 * 16 * 4, what)
+    expect_int(call(what, fn, no_head_dim, 10, 3, "fp32"), 2 * 3 * 10 * 2 * 4 * 16 * 4, what)
     config = ModelConfig(vocab_size=10, hidden_size=48, intermediate_size=8, num_hidden_layers=5,
                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
     what = "kv_bytes(ModelConfig(5 layers, 6 heads, 2 KV heads, hidden 48), seq_len=7, batch=2, 'bf16')"
-    expect_int(_call(what, fn, config, 7, 2, "bf16"), 2 * 2 * 7 * 5 * 2 * 8 * 2, what)
+    expect_int(call(what, fn, config, 7, 2, "bf16"), 2 * 2 * 7 * 5 * 2 * 8 * 2, what)

@@ -19,6 +19,8 @@ import math
 import numbers
 import random
 
+from autograder.checks.calling import call, expect_raises
+
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
@@ -43,13 +45,6 @@ def _describe_config(config) -> str:
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "tie_word_embeddings", "has_qkv_bias")
     return "ModelConfig(" + ", ".join(f"{f}={getattr(config, f)}" for f in fields) + ")"
-
-
-def _call(desc: str, fn, *args):
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 - any crash is a failed check
-        raise AssertionError(f"{desc} raised {type(e).__name__}: {e}") from e
 
 
 def _smollm2_checkpoint():
@@ -108,12 +103,12 @@ def check_count_parameters(fn) -> None:
     if real is not None:
         config, total = real
         _expect_count(f"count_parameters on SmolLM2-135M-Instruct's config.json {_describe_config(config)}",
-                      _call("count_parameters(SmolLM2's config)", fn, config), total,
+                      call("count_parameters(SmolLM2's config)", fn, config), total,
                       "; the real checkpoint stores these tensors (its lm_head is tied to the embeddings)")
     for name, (fields, total) in PUBLISHED.items():
         config = ModelConfig(**fields)
         _expect_count(f"count_parameters on {name}'s config {_describe_config(config)}",
-                      _call(f"count_parameters({name})", fn, config), total,
+                      call(f"count_parameters({name})", fn, config), total,
                       f"; transformers reports {total:,} for {name}")
     for config in _random_configs():
         expected = LlamaForCausalLM(config).num_parameters()
@@ -129,7 +124,7 @@ def check_count_parameters(fn) -> None:
             hints.append(f"head_dim x heads = {config.head_dim * config.num_attention_heads} "
                          f"differs from hidden_size {config.hidden_size}")
         _expect_count(f"count_parameters on {_describe_config(config)}",
-                      _call(f"count_parameters({_describe_config(config)})", fn, config), expected,
+                      call(f"count_parameters({_describe_config(config)})", fn, config), expected,
                       f" (LlamaForCausalLM(config).num_parameters())" + (f"; note: {'; '.join(hints)}" if hints else ""))
 
 
@@ -145,7 +140,7 @@ def check_decode_tokens_per_second_bound(fn) -> None:
     ]
     for num_params, bytes_per_param, bandwidth, expected, note in cases:
         desc = f"decode_tokens_per_second_bound({num_params:g}, {bytes_per_param:g}, {bandwidth:g})"
-        got = _call(desc, fn, num_params, bytes_per_param, bandwidth)
+        got = call(desc, fn, num_params, bytes_per_param, bandwidth)
         try:
             value = float(got)
         except (TypeError, ValueError):
@@ -163,12 +158,4 @@ def check_decode_tokens_per_second_bound(fn) -> None:
     for args, bad in (((0, 2, 1e12), "num_params"), ((-5e9, 2, 1e12), "num_params"), ((7e9, 0, 1e12), "bytes_per_param"),
                       ((7e9, -2, 1e12), "bytes_per_param"), ((7e9, 2, 0), "bandwidth_bytes_per_s"),
                       ((7e9, 2, -1e12), "bandwidth_bytes_per_s")):
-        desc = f"decode_tokens_per_second_bound{args}"
-        try:
-            out = fn(*args)
-        except ValueError:
-            continue
-        except Exception as e:  # noqa: BLE001
-            raise AssertionError(f"{desc} should raise ValueError ({bad} must be > 0); it raised "
-                                 f"{type(e).__name__}: {e}") from e
-        raise AssertionError(f"{desc} should raise ValueError ({bad} must be > 0); it returned {out!r}")
+        expect_raises(f"decode_tokens_per_second_bound{args}", ValueError, f"{bad} must be > 0", fn, *args)

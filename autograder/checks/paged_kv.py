@@ -20,6 +20,8 @@ from fractions import Fraction
 
 import torch
 
+from autograder.checks.calling import call, expect_raises
+
 REFERENCES = {
     "slot_of": "decodelab.engine.block_allocator:slot_of",
     "kv_waste": "decodelab.engine.block_allocator:kv_waste",
@@ -47,8 +49,8 @@ def check_slot_of(fn) -> None:
     for table, block_size in cases:
         expected = _all_slots(table, block_size)
         for position in range(len(table) * block_size):
-            got = fn(list(table), position, block_size)
             what = f"slot_of(block_table={table}, position={position}, block_size={block_size})"
+            got = call(what, fn, list(table), position, block_size)
             if isinstance(got, bool) or not isinstance(got, numbers.Integral):
                 raise AssertionError(f"{what}: expected the integer {expected[position]}, got "
                                      f"{type(got).__name__} {got!r}")
@@ -78,7 +80,7 @@ def _expect_waste(fn, lengths, block_size, max_len=None, label=None):
     expected = float(_exact_waste(lengths, block_size, max_len))
     args = f"block_size={block_size}" + (f", max_len={max_len}" if max_len is not None else "")
     what = f"kv_waste({label or lengths}, {args})"
-    got = fn(list(lengths), block_size, max_len) if max_len is not None else fn(list(lengths), block_size)
+    got = call(what, fn, list(lengths), block_size, *([max_len] if max_len is not None else []))
     if isinstance(got, torch.Tensor) and got.numel() == 1:
         got = got.item()
     if isinstance(got, bool) or not isinstance(got, numbers.Real):
@@ -101,16 +103,8 @@ def check_kv_waste(fn) -> None:
     for block_size in (16, 32, 100, 256):
         _expect_waste(fn, lengths, block_size, label=label)
     _expect_waste(fn, lengths, None, 2048, label=label)
-    try:
-        got = fn([10, 20], None)
-    except ValueError:
-        pass
-    except Exception as exc:  # noqa: BLE001
-        raise AssertionError(f"kv_waste([10, 20], block_size=None) without max_len should raise ValueError "
-                             f"(preallocation needs max_len); it raised {type(exc).__name__}: {exc}") from None
-    else:
-        raise AssertionError("kv_waste([10, 20], block_size=None) without max_len should raise ValueError "
-                             f"(preallocation needs max_len); it returned {got!r}")
+    expect_raises("kv_waste([10, 20], block_size=None) without max_len", ValueError, "preallocation needs max_len",
+                  fn, [10, 20], None)
 
 
 # --------------------------------------------------------------------------- gather_kv
@@ -136,7 +130,7 @@ def check_gather_kv(fn) -> None:
         before = flat.clone()
         what = (f"gather_kv(flat_cache of shape {list(flat.shape)}, block_table={table}, context_len={context_len}, "
                 f"block_size={block_size})")
-        got = fn(flat, list(table), context_len, block_size)
+        got = call(what, fn, flat, list(table), context_len, block_size)
         expected = _loop_gather(before, table, context_len, block_size)
         if not isinstance(got, torch.Tensor):
             raise AssertionError(f"{what}: expected a torch.Tensor, got {type(got).__name__}")
@@ -158,15 +152,8 @@ def check_gather_kv(fn) -> None:
     flat = torch.randn(16, 2, 4, generator=gen)
     for table, context_len in (([1, 2], 9), ([], 1)):
         what = f"gather_kv(flat_cache [16, 2, 4], block_table={table}, context_len={context_len}, block_size=4)"
-        try:
-            got = fn(flat, table, context_len, 4)
-        except ValueError:
-            continue
-        except Exception as exc:  # noqa: BLE001
-            raise AssertionError(f"{what} should raise ValueError ({len(table)} blocks of 4 hold "
-                                 f"{4 * len(table)} < {context_len} tokens); it raised {type(exc).__name__}: {exc}") from None
-        raise AssertionError(f"{what} should raise ValueError ({len(table)} blocks of 4 hold {4 * len(table)} < "
-                             f"{context_len} tokens); it returned a tensor of shape {list(getattr(got, 'shape', []))}")
+        expect_raises(what, ValueError, f"{len(table)} blocks of 4 hold {4 * len(table)} < {context_len} tokens",
+                      fn, flat, table, context_len, 4)
 
 
 # --------------------------------------------------------------------------- copy_on_write_last_block
@@ -184,8 +171,8 @@ def _check_invariants(allocator, tables, what):
                              f"(tables {tables})") from None
 
 
-def _cow_call(fn, allocator, table, what):
-    got = fn(allocator, table)
+def _cow_copied(fn, allocator, table, what):
+    got = call(what, fn, allocator, table)
     if not isinstance(got, bool):
         raise AssertionError(f"{what}: expected True or False (did it copy?), got {type(got).__name__} {got!r}")
     return got
@@ -202,7 +189,7 @@ def check_copy_on_write_last_block(fn) -> None:
     free_before = list(allocator.free)
     what = (f"copy_on_write_last_block on a table {second} whose last block {shared_tail} is shared by two "
             f"sequences (ref_count 2), free list {free_before}")
-    copied = _cow_call(fn, allocator, second, what)
+    copied = _cow_copied(fn, allocator, second, what)
     if not copied:
         raise AssertionError(f"{what}: expected True (the block is shared, so it must be copied), got False")
     new = free_before[0]
@@ -225,7 +212,7 @@ def check_copy_on_write_last_block(fn) -> None:
     for table, name in ((second, "the copy"), (first, "the original")):
         before, table_before = _state(allocator), list(table)
         what = f"copy_on_write_last_block on a table {table_before} whose last block ({name}) is no longer shared"
-        if _cow_call(fn, allocator, table, what):
+        if _cow_copied(fn, allocator, table, what):
             raise AssertionError(f"{what}: expected False (ref_count 1: write in place), got True")
         if table != table_before or _state(allocator) != before:
             raise AssertionError(f"{what}: nothing should change; table {table_before} -> {table}, "
@@ -238,14 +225,14 @@ def check_copy_on_write_last_block(fn) -> None:
     tables = [base, allocator.fork(base), allocator.fork(base)]
     tail = base[-1]
     what = f"copy_on_write_last_block on a table {tables[2]} whose last block {tail} is held by three sequences"
-    if not _cow_call(fn, allocator, tables[2], what):
+    if not _cow_copied(fn, allocator, tables[2], what):
         raise AssertionError(f"{what}: expected True, got False")
     if allocator.blocks[tail].ref_count != 2:
         raise AssertionError(f"{what}: block {tail} should still be held by the two other sequences "
                              f"(ref_count 2), got ref_count {allocator.blocks[tail].ref_count}")
     _check_invariants(allocator, tables, what)
     what = f"then on {tables[1]}, whose last block {tail} is still shared by two"
-    if not _cow_call(fn, allocator, tables[1], what) or tables[1][-1] == tail:
+    if not _cow_copied(fn, allocator, tables[1], what) or tables[1][-1] == tail:
         raise AssertionError(f"{what}: expected a copy (True) and a new last block, got table {tables[1]}")
     _check_invariants(allocator, tables, what)
     if len(allocator.copy_on_write_log) != 2:
@@ -259,14 +246,7 @@ def check_copy_on_write_last_block(fn) -> None:
     before, other_before = _state(allocator), list(other)
     what = (f"copy_on_write_last_block on a shared table {other_before} when no block is free "
             "(allocator.take_free_block() raises OutOfBlocksError)")
-    try:
-        fn(allocator, other)
-    except OutOfBlocksError:
-        pass
-    except Exception as exc:  # noqa: BLE001
-        raise AssertionError(f"{what}: expected OutOfBlocksError to pass through, got {type(exc).__name__}: {exc}") from None
-    else:
-        raise AssertionError(f"{what}: expected OutOfBlocksError (there is nowhere to copy to), but it returned")
+    expect_raises(what, OutOfBlocksError, "there is nowhere to copy to: let it pass through", fn, allocator, other)
     if other != other_before or _state(allocator) != before:
         raise AssertionError(f"{what}: the failed copy changed the pool: ref counts {before[0]} -> "
                              f"{[b.ref_count for b in allocator.blocks]}, table {other_before} -> {other} "

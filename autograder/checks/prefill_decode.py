@@ -23,6 +23,9 @@ import random
 
 import torch
 
+from autograder.checks.calling import call, expect_raises
+from decodelab.model.toy import random_llama
+
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
     "prefill": "decodelab.lessons.prefill_decode:prefill",
@@ -35,36 +38,9 @@ __all__ = ["check_prefill", "check_latencies_from_timestamps", "check_arithmetic
 
 VOCAB = 97
 LLAMA_31_8B_PARAMETERS = 8_030_261_248  # what transformers reports for meta-llama/Llama-3.1-8B
-
-
-def _call(desc: str, fn, *args):
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 - any crash is a failed check
-        raise AssertionError(f"{desc} raised {type(e).__name__}: {e}") from e
-
-
-def _random_model(seed: int, **overrides):
-    """A small random Llama (8 query heads over 2 KV heads) whose logits are O(1), so that a
-    1e-4 tolerance proves something."""
-    from decodelab.config import ModelConfig
-    from decodelab.model.llama import LlamaForCausalLM
-
-    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
-    fields.update(overrides)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(ModelConfig(**fields))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    return model.eval().requires_grad_(False)
+# The random Llama the prefill and prefix checks run (`random_llama`: O(1) logits, so that a 1e-4
+# tolerance proves something): 3 layers, 8 query heads over 2 KV heads of 16.
+MODEL = dict(vocab_size=VOCAB, num_hidden_layers=3, num_attention_heads=8, head_dim=16)
 
 
 @torch.inference_mode()
@@ -108,14 +84,14 @@ def _expect_logits(got, want: torch.Tensor, what: str, atol: float = 1e-4) -> No
 def check_prefill(fn) -> None:
     from decodelab.model.kv_cache import KVCache
 
-    model = _random_model(31)
+    model = random_llama(31, **MODEL)
     gen = torch.Generator().manual_seed(31)
     prompt = torch.randint(0, VOCAB, (12,), generator=gen).tolist()
 
     cache = KVCache(model.config, 1, 32)
     counter = _Counter(model)
     try:
-        got = _call(f"prefill(model, a 12-token list, an empty cache)", fn, model, prompt, cache)
+        got = call(f"prefill(model, a 12-token list, an empty cache)", fn, model, prompt, cache)
     finally:
         counter.remove()
     if counter.calls == 0:
@@ -134,19 +110,19 @@ def check_prefill(fn) -> None:
                    "the decode step right after prefill (token 5 fed with the cache prefill filled)")
 
     batch = torch.randint(0, VOCAB, (2, 9), generator=gen)
-    got = _call("prefill(model, a [2, 9] tensor of two prompts, an empty cache for 2)", fn, model, batch,
-                KVCache(model.config, 2, 16))
+    got = call("prefill(model, a [2, 9] tensor of two prompts, an empty cache for 2)", fn, model, batch,
+               KVCache(model.config, 2, 16))
     _expect_logits(got, _oracle_last_logits(model, batch.tolist()),
                    "prefill(model, a [2, 9] tensor of two prompts, a cache for 2)")
 
     flat = torch.tensor(prompt[:7])
-    got = _call("prefill(model, a [7] tensor, an empty cache)", fn, model, flat, KVCache(model.config, 1, 16))
+    got = call("prefill(model, a [7] tensor, an empty cache)", fn, model, flat, KVCache(model.config, 1, 16))
     _expect_logits(got, _oracle_last_logits(model, [prompt[:7]]), "prefill(model, a [7] tensor, an empty cache)")
 
     # a cache that already holds a prefix: prefill continues after it (chunked prefill, prefix reuse)
     chunked = KVCache(model.config, 1, 32)
-    _call("prefill of the first 5 tokens", fn, model, prompt[:5], chunked)
-    got = _call("prefill of the other 7 tokens into the same cache", fn, model, prompt[5:], chunked)
+    call("prefill of the first 5 tokens", fn, model, prompt[:5], chunked)
+    got = call("prefill of the other 7 tokens into the same cache", fn, model, prompt[5:], chunked)
     _expect_logits(got, _oracle_last_logits(model, [prompt]),
                    "prefill of 7 tokens into a cache that already holds the 5 before them (positions 5..11)")
 
@@ -165,7 +141,7 @@ def _expect_number(got, want: float, what: str) -> None:
 
 def _expect_latencies(fn, start: float, times: list[float], name: str) -> None:
     desc = f"latencies_from_timestamps({start!r}, {name})"
-    got = _call(desc, fn, start, list(times))
+    got = call(desc, fn, start, list(times))
     if not isinstance(got, dict) or not {"ttft_s", "itl_s"} <= set(got):
         raise AssertionError(f"{desc}: expected a dict with keys 'ttft_s' and 'itl_s', got {got!r}")
     _expect_number(got["ttft_s"], times[0] - start, f"{desc}['ttft_s'] (first token - start)")
@@ -180,13 +156,7 @@ def _expect_latencies(fn, start: float, times: list[float], name: str) -> None:
 
 
 def _expect_value_error(fn, start, times, what: str, why: str) -> None:
-    try:
-        result = fn(start, times)
-    except ValueError:
-        return
-    except Exception as e:  # noqa: BLE001
-        raise AssertionError(f"{what} should raise ValueError ({why}); it raised {type(e).__name__}: {e}") from None
-    raise AssertionError(f"{what} should raise ValueError ({why}); it returned {result!r}")
+    expect_raises(what, ValueError, why, fn, start, times)
 
 
 def check_latencies_from_timestamps(fn) -> None:
@@ -232,8 +202,8 @@ def check_arithmetic_intensity(fn) -> None:
     from decodelab.model.llama import LlamaForCausalLM
 
     def expect(config, desc, tokens, kv_len, dtype, want):
-        got = _call(f"arithmetic_intensity({desc}, num_tokens={tokens}, kv_len={kv_len}, bytes_per_param={dtype!r})",
-                    fn, config, tokens, kv_len, dtype)
+        got = call(f"arithmetic_intensity({desc}, num_tokens={tokens}, kv_len={kv_len}, bytes_per_param={dtype!r})",
+                   fn, config, tokens, kv_len, dtype)
         if isinstance(got, bool) or not isinstance(got, numbers.Real):
             raise AssertionError(f"arithmetic_intensity({desc}, {tokens}, {kv_len}, {dtype!r}): expected a number "
                                  f"(FLOPs per byte), got {type(got).__name__} {got!r}")
@@ -254,22 +224,15 @@ def check_arithmetic_intensity(fn) -> None:
                               tokens, kv_len, nbytes))
     for tokens, kv_len, why in ((0, 0, "num_tokens=0: a forward pass over no token"),
                                 (1, -1, "kv_len=-1: a negative number of cached tokens")):
-        try:
-            result = fn("Llama-3.1-8B", tokens, kv_len, "fp16")
-        except ValueError:
-            continue
-        except Exception as e:  # noqa: BLE001
-            raise AssertionError(f"arithmetic_intensity('Llama-3.1-8B', {tokens}, {kv_len}, 'fp16') should raise "
-                                 f"ValueError ({why}); it raised {type(e).__name__}: {e}") from None
-        raise AssertionError(f"arithmetic_intensity('Llama-3.1-8B', {tokens}, {kv_len}, 'fp16') should raise "
-                             f"ValueError ({why}); it returned {result!r}")
+        expect_raises(f"arithmetic_intensity('Llama-3.1-8B', {tokens}, {kv_len}, 'fp16')", ValueError, why,
+                      fn, "Llama-3.1-8B", tokens, kv_len, "fp16")
 
 
 # --------------------------------------------------------------------------- prefix reuse
 
 
 def check_reuse_prefix(fn) -> None:
-    model = _random_model(41)
+    model = random_llama(41, **MODEL)
     gen = torch.Generator().manual_seed(41)
     prefix = torch.randint(0, VOCAB, (20,), generator=gen).tolist()
     suffixes = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (1, 5, 9)]
@@ -277,7 +240,7 @@ def check_reuse_prefix(fn) -> None:
 
     counter = _Counter(model)
     try:
-        got = _call("reuse_prefix(model, a 20-token prefix, suffixes of 1, 5 and 9 tokens)", fn, model, prefix, suffixes)
+        got = call("reuse_prefix(model, a 20-token prefix, suffixes of 1, 5 and 9 tokens)", fn, model, prefix, suffixes)
     finally:
         counter.remove()
     if not isinstance(got, (list, tuple)) or len(got) != 3:
@@ -291,12 +254,12 @@ def check_reuse_prefix(fn) -> None:
                              f"{counter.tokens} tokens through the model; computing the prefix once and each suffix "
                              f"once is {expected_tokens}")
 
-    again = _call("reuse_prefix with the same suffixes in reverse order", fn, model, prefix, suffixes[::-1])
+    again = call("reuse_prefix with the same suffixes in reverse order", fn, model, prefix, suffixes[::-1])
     for n, g, w in zip((9, 5, 1), again, want[::-1]):
         _expect_logits(g, w, f"reuse_prefix with the suffixes reversed: the {n}-token suffix (each suffix must "
                              f"start from its own copy of the prefix's cache)")
 
-    one = _call("reuse_prefix(model, prefix, one flat list of 5 ids)", fn, model, prefix, suffixes[1])
+    one = call("reuse_prefix(model, prefix, one flat list of 5 ids)", fn, model, prefix, suffixes[1])
     if not isinstance(one, (list, tuple)) or len(one) != 1:
         raise AssertionError(f"reuse_prefix(model, prefix, a flat list of 5 ids): a flat list is one suffix, expected "
                              f"a list of 1 logits tensor, got {type(one).__name__}"

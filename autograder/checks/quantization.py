@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from autograder.checks.calling import call, expect_raises
+
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
     "quantize_int8_per_tensor": "decodelab.model.quantization:quantize_int8_per_tensor",
@@ -58,16 +60,6 @@ def _ref_levels_from_bytes(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(nibbles >= 8, nibbles - 16, nibbles)
 
 
-def _expect_value_error(fn, *args, what: str) -> None:
-    try:
-        result = fn(*args)
-    except ValueError:
-        return
-    except Exception as exc:  # noqa: BLE001 - the wrong exception
-        raise AssertionError(f"{what}: should raise ValueError, raised {type(exc).__name__}: {exc}") from None
-    raise AssertionError(f"{what}: should raise ValueError, returned {type(result).__name__} instead")
-
-
 def _pair(result, name: str):
     if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result)):
         raise AssertionError(f"{name}: expected a tuple of two tensors (q, scale), got {type(result).__name__}")
@@ -106,13 +98,15 @@ def check_quantize_int8_per_tensor(fn) -> None:
     cases = {"w [8, 48]": w, "-w (extreme negative)": -w, "w 1-D [37]": w.flatten()[:37],
              "w [2, 4, 48]": w.reshape(2, 4, 48), "w [1, 1] = [[-3.0]]": torch.tensor([[-3.0]])}
     for name, x in cases.items():
-        q, scale = _pair(fn(x.clone()), f"quantize_int8_per_tensor({name})")
+        what = f"quantize_int8_per_tensor({name})"
+        q, scale = _pair(call(what, fn, x.clone()), what)
         assert q.dtype == torch.int8 and tuple(q.shape) == tuple(x.shape), \
             f"{name}: expected q int8 of shape {tuple(x.shape)}, got {q.dtype} {tuple(q.shape)}"
         assert scale.dtype == torch.float32 and scale.dim() == 0, \
             f"{name}: expected a float32 scalar scale (shape []), got {scale.dtype} of shape {tuple(scale.shape)}"
         _check_absmax(name, x, q, scale, x.double().abs().max() / 127, 127)
-    q, scale = _pair(fn(torch.zeros(3, 5)), "quantize_int8_per_tensor(zeros [3, 5])")
+    what = "quantize_int8_per_tensor(zeros [3, 5])"
+    q, scale = _pair(call(what, fn, torch.zeros(3, 5)), what)
     assert torch.isfinite(scale) and float(scale) == 1.0, \
         f"all-zero w [3, 5]: the scale must be 1.0 (not 0: 0 / 0 is nan), got {float(scale)}"
     assert torch.equal(q, torch.zeros(3, 5, dtype=torch.int8)), f"all-zero w: every level must be 0, got {q.tolist()}"
@@ -121,7 +115,8 @@ def check_quantize_int8_per_tensor(fn) -> None:
 def check_quantize_int8_per_channel(fn) -> None:
     w = _weights(16, 96, seed=1)
     for name, x in {"w [16, 96], rows from 1e-3 to 10": w, "-w": -w, "w [1, 5]": w[-1:, :5]}.items():
-        q, scale = _pair(fn(x.clone()), f"quantize_int8_per_channel({name})")
+        what = f"quantize_int8_per_channel({name})"
+        q, scale = _pair(call(what, fn, x.clone()), what)
         assert q.dtype == torch.int8 and tuple(q.shape) == tuple(x.shape), \
             f"{name}: expected q int8 of shape {tuple(x.shape)}, got {q.dtype} {tuple(q.shape)}"
         assert scale.dtype == torch.float32 and tuple(scale.shape) == (x.shape[0], 1), (
@@ -129,17 +124,18 @@ def check_quantize_int8_per_channel(fn) -> None:
             f"kept as a column so that q * scale broadcasts")
         _check_absmax(name, x, q, scale, x.double().abs().amax(dim=1, keepdim=True) / 127, 127)
     small_row = w[0]
-    q, scale = fn(w.clone())
+    q, scale = call("quantize_int8_per_channel(w [16, 96])", fn, w.clone())
     err = (small_row - q[0].float() * scale[0]).abs().max()
     assert float(err) <= float(small_row.abs().max()) / 254 * (1 + 1e-5), (
         f"row 0 of w (max|w| = {float(small_row.abs().max()):.3g}) must keep its own precision, max|w| / 254 = "
         f"{float(small_row.abs().max()) / 254:.3g}; its error is {float(err):.3g}")
     rows = torch.tensor([[0.0, 0.0, 0.0], [1.0, -0.5, 0.25]])
-    q, scale = fn(rows)
+    q, scale = call("quantize_int8_per_channel(w [[0, 0, 0], [1, -0.5, 0.25]])", fn, rows)
     assert torch.isfinite(scale).all() and float(scale[0, 0]) == 1.0 and not q[0].any(), \
         f"w [[0, 0, 0], [1, -0.5, 0.25]]: an all-zero row gets scale 1.0 and levels 0; got scale " \
         f"{scale.flatten().tolist()}, q {q.tolist()}"
-    _expect_value_error(fn, torch.zeros(2, 3, 4), what="quantize_int8_per_channel on a 3-D tensor [2, 3, 4]")
+    expect_raises("quantize_int8_per_channel on a 3-D tensor [2, 3, 4]", ValueError, "a weight matrix is 2-D", fn,
+                  torch.zeros(2, 3, 4))
 
 
 # --------------------------------------------------------------------------- int4 packing
@@ -147,29 +143,30 @@ def check_quantize_int8_per_channel(fn) -> None:
 
 def check_pack_int4(fn) -> None:
     example = torch.tensor([[-1, 7, -8, 0]], dtype=torch.int8)
-    got = fn(example.clone())
+    got = call("pack_int4([[-1, 7, -8, 0]])", fn, example.clone())
     assert isinstance(got, torch.Tensor) and got.dtype == torch.uint8, \
         f"pack_int4 must return uint8 bytes, got {getattr(got, 'dtype', type(got).__name__)}"
     expected = torch.tensor([[0x7F, 0x08]], dtype=torch.uint8)
     assert torch.equal(got, expected), (
         f"pack_int4([[-1, 7, -8, 0]]) should give bytes [0x7f, 0x08] (even column in the low nibble, -1 as 0xF), "
         f"got {[hex(b) for b in got.flatten().tolist()]}")
-    got = fn(ALL_PAIRS.clone())
+    got = call("pack_int4 of all 256 pairs of 4-bit values, int8 [256, 2]", fn, ALL_PAIRS.clone())
     assert tuple(got.shape) == (256, 1), f"pack_int4 of int8 [256, 2] should be uint8 [256, 1], got {tuple(got.shape)}"
     bad = (got != ALL_PAIR_BYTES).flatten().nonzero().flatten()
     assert bad.numel() == 0, (f"pack_int4 of the pair {ALL_PAIRS[bad[0]].tolist()} gave {hex(int(got[bad[0]]))}, "
                               f"expected {hex(int(ALL_PAIR_BYTES[bad[0]]))}")
     g = torch.Generator().manual_seed(4)
     q = torch.randint(-8, 8, (2, 3, 10), generator=g, dtype=torch.int8)
-    got = fn(q.clone())
+    got = call("pack_int4 of int8 [2, 3, 10]", fn, q.clone())
     assert tuple(got.shape) == (2, 3, 5) and torch.equal(_ref_levels_from_bytes(got), q.long()), \
         f"pack_int4 of int8 [2, 3, 10] should pack along the last dimension into uint8 [2, 3, 5]; " \
         f"got {tuple(got.shape)}"
-    _expect_value_error(fn, torch.zeros(2, 3, dtype=torch.int8), what="pack_int4 on 3 columns (odd)")
+    expect_raises("pack_int4 on 3 columns (odd)", ValueError, "two columns share a byte", fn,
+                  torch.zeros(2, 3, dtype=torch.int8))
 
 
 def check_unpack_int4(fn) -> None:
-    got = fn(ALL_PAIR_BYTES.clone())
+    got = call("unpack_int4 of all 256 bytes, uint8 [256, 1]", fn, ALL_PAIR_BYTES.clone())
     assert isinstance(got, torch.Tensor) and got.dtype == torch.int8 and tuple(got.shape) == (256, 2), \
         f"unpack_int4 of uint8 [256, 1] should be int8 [256, 2], got {getattr(got, 'dtype', None)} " \
         f"{tuple(getattr(got, 'shape', ()))}"
@@ -178,12 +175,12 @@ def check_unpack_int4(fn) -> None:
         f"unpack_int4 of the byte {hex(int(ALL_PAIR_BYTES[bad[0]]))} gave {got[bad[0]].tolist()}, expected "
         f"{ALL_PAIRS[bad[0]].tolist()} (low nibble first; a nibble >= 8 is negative: 0xF is -1)")
     packed = torch.tensor([[0x7F, 0x08, 0x80]], dtype=torch.uint8)
-    got = fn(packed)
+    got = call("unpack_int4(bytes [[0x7f, 0x08, 0x80]])", fn, packed)
     assert got.tolist() == [[-1, 7, -8, 0, 0, -8]], \
         f"unpack_int4(bytes [[0x7f, 0x08, 0x80]]) should be [[-1, 7, -8, 0, 0, -8]], got {got.tolist()}"
     g = torch.Generator().manual_seed(5)
     packed = torch.randint(0, 256, (3, 2, 7), generator=g).to(torch.uint8)
-    got = fn(packed)
+    got = call("unpack_int4 of uint8 [3, 2, 7]", fn, packed)
     assert tuple(got.shape) == (3, 2, 14) and torch.equal(got.long(), _ref_levels_from_bytes(packed)), \
         f"unpack_int4 of uint8 [3, 2, 7] should unpack the last dimension into int8 [3, 2, 14], got {tuple(got.shape)}"
 
@@ -197,7 +194,8 @@ def check_quantize_int4_groupwise(fn) -> None:
         for sign in (1, -1):
             x = sign * w
             name = f"{'-' if sign < 0 else ''}w [6, 256], group_size={group_size}"
-            packed, scale = _pair(fn(x.clone(), group_size), f"quantize_int4_groupwise({name})")
+            what = f"quantize_int4_groupwise({name})"
+            packed, scale = _pair(call(what, fn, x.clone(), group_size), what)
             assert packed.dtype == torch.uint8 and tuple(packed.shape) == (6, 128), \
                 f"{name}: expected packed uint8 [6, 128] (two values per byte), " \
                 f"got {packed.dtype} {tuple(packed.shape)}"
@@ -206,8 +204,8 @@ def check_quantize_int4_groupwise(fn) -> None:
             groups = x.reshape(6, -1, group_size)  # [out, G, g]
             levels = _ref_levels_from_bytes(packed).reshape(6, -1, group_size)
             _check_absmax(name, groups, levels, scale[..., None], groups.double().abs().amax(-1, keepdim=True) / 7, 7)
-    packed, scale = fn(torch.zeros(2, 64), 32)
+    packed, scale = call("quantize_int4_groupwise(zeros [2, 64], group_size=32)", fn, torch.zeros(2, 64), 32)
     assert torch.isfinite(scale).all() and bool((scale == 1.0).all()) and not _ref_levels_from_bytes(packed).any(), \
         f"all-zero w [2, 64], group_size=32: expected levels 0 and every scale 1.0, got scale {scale.tolist()}"
-    _expect_value_error(fn, torch.zeros(4, 96), 64, what="quantize_int4_groupwise(w [4, 96], group_size=64): "
-                                                        "64 does not divide 96")
+    expect_raises("quantize_int4_groupwise(w [4, 96], group_size=64)", ValueError, "64 does not divide 96", fn,
+                  torch.zeros(4, 96), 64)

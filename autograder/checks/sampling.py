@@ -31,6 +31,7 @@ from statistics import NormalDist
 
 import torch
 
+from autograder.checks.calling import call, expect_raises
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
@@ -195,24 +196,6 @@ def _row_name(index: int, lead_shape: torch.Size) -> str:
     return f" in row {coords} of a batch with leading dims {list(lead_shape)}"
 
 
-def _call(desc: str, fn, *args):
-    """Call the function under test; its own exceptions become a readable AssertionError."""
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 - any crash is a failed check
-        raise AssertionError(f"{desc} raised {type(e).__name__}: {e}") from e
-
-
-def _expect_value_error(desc: str, why: str, fn, *args) -> None:
-    try:
-        out = fn(*args)
-    except ValueError:
-        return
-    except Exception as e:  # noqa: BLE001
-        raise AssertionError(f"{desc} should raise ValueError ({why}); it raised {type(e).__name__}: {e}") from e
-    raise AssertionError(f"{desc} should raise ValueError ({why}); it returned {_fmt(out)}")
-
-
 def _check_tensor(desc: str, got, like: torch.Tensor) -> None:
     if not isinstance(got, torch.Tensor):
         raise AssertionError(f"{desc} returned {type(got).__name__}; "
@@ -292,13 +275,13 @@ def check_apply_temperature(fn) -> None:
         x = torch.tensor(values)
         before = x.clone()
         desc = f"apply_temperature(logits, temperature={t})"
-        got = _call(f"{desc} on logits {_fmt(x)}", fn, x, t)
+        got = call(f"{desc} on logits {_fmt(x)}", fn, x, t)
         _check_unchanged(desc, before, x)
         _compare(desc, x, _ref_temperature(x, t), got, source="logits / temperature", note=note)
     for i, (shape, t) in enumerate([((7,), 0.7), ((3, 11), 1.8), ((2, 3, 50), 0.3), ((2, 3, 50), 1.0)]):
         x = _random_logits(shape, seed=100 + i)
         desc = f"apply_temperature(logits, temperature={t}) on random logits of shape {list(shape)}"
-        got = _call(desc, fn, x.clone(), t)
+        got = call(desc, fn, x.clone(), t)
         if hf is not None:
             expected, source = _hf_apply(hf.temperature(float(t)), x), "Hugging Face TemperatureLogitsWarper"
         else:
@@ -306,8 +289,8 @@ def check_apply_temperature(fn) -> None:
         _compare(desc, x, expected, got, source=source)
     x = torch.tensor([1.0, 2.0, 3.0])
     for t in (0.0, -1.0):
-        _expect_value_error(f"apply_temperature(logits, temperature={t})",
-                            "temperature must be > 0; 0 means greedy decoding, which never divides", fn, x, t)
+        expect_raises(f"apply_temperature(logits, temperature={t})", ValueError,
+                      "temperature must be > 0; 0 means greedy decoding, which never divides", fn, x, t)
 
 
 # --------------------------------------------------------------------------- top-k
@@ -332,7 +315,7 @@ def check_top_k_filter(fn) -> None:
         x = torch.tensor(values)
         before = x.clone()
         desc = f"top_k_filter(logits, k={k})"
-        got = _call(f"{desc} on logits {_fmt(x)}", fn, x, k)
+        got = call(f"{desc} on logits {_fmt(x)}", fn, x, k)
         _check_unchanged(desc, before, x)
         _compare(desc, x, _ref_top_k(x, k), got, source="keep logits >= the k-th largest", note=note)
     randoms = [((9,), 3, 2.0), ((4, 13), 1, 2.0), ((4, 13), 5, 2.0), ((2, 3, 50), 10, 2.0), ((2, 3, 50), 50, 2.0)]
@@ -345,12 +328,12 @@ def check_top_k_filter(fn) -> None:
         _top_k_random(fn, hf, ties, k, "random integer logits [4, 20] (many ties)")
     x = torch.tensor([1.0, 2.0, 3.0])
     for k in (0, -1):
-        _expect_value_error(f"top_k_filter(logits, k={k})", "k must be an integer >= 1", fn, x, k)
+        expect_raises(f"top_k_filter(logits, k={k})", ValueError, "k must be an integer >= 1", fn, x, k)
 
 
 def _top_k_random(fn, hf, x, k, what):
     desc = f"top_k_filter(logits, k={k}) on {what}"
-    got = _call(desc, fn, x.clone(), k)
+    got = call(desc, fn, x.clone(), k)
     if hf is not None:
         expected, source = _hf_apply(hf.top_k(k), x), "Hugging Face TopKLogitsWarper"
     else:
@@ -443,19 +426,19 @@ def check_top_p_filter(fn) -> None:
         x = torch.tensor(values)
         before = x.clone()
         desc = f"top_p_filter(logits, p={p})"
-        got = _call(f"{desc} on logits {_fmt(x)}", fn, x, p)
+        got = call(f"{desc} on logits {_fmt(x)}", fn, x, p)
         _check_unchanged(desc, before, x)
         _validate_top_p(desc, x, p, got, note=note)
     randoms = [((9,), 0.5), ((4, 13), 0.1), ((4, 13), 0.9), ((2, 3, 40), 0.97), ((2, 3, 40), 0.7)]
     for i, (shape, p) in enumerate(randoms):
         x = _random_logits(shape, seed=300 + i, scale=2.0)
         desc = f"top_p_filter(logits, p={p}) on random logits of shape {list(shape)}"
-        got = _call(desc, fn, x.clone(), p)
+        got = call(desc, fn, x.clone(), p)
         hf_expected = _hf_apply(hf.top_p(p), x) if hf is not None else None
         _validate_top_p(desc, x, p, got, hf_expected=hf_expected)
     x = torch.tensor([1.0, 2.0, 3.0])
     for p in (0.0, -0.1, 1.5):
-        _expect_value_error(f"top_p_filter(logits, p={p})", "p must be in (0, 1]", fn, x, p)
+        expect_raises(f"top_p_filter(logits, p={p})", ValueError, "p must be in (0, 1]", fn, x, p)
 
 
 # --------------------------------------------------------------------------- repetition penalty
@@ -482,7 +465,7 @@ def check_repetition_penalty(fn) -> None:
         token_ids = torch.tensor(ids, dtype=torch.long).reshape(*x.shape[:-1], -1)
         before = x.clone()
         desc = f"apply_repetition_penalty(logits, token_ids={_fmt(token_ids)}, penalty={penalty})"
-        got = _call(f"{desc} on logits {_fmt(x)}", fn, x, token_ids, penalty)
+        got = call(f"{desc} on logits {_fmt(x)}", fn, x, token_ids, penalty)
         _check_unchanged(desc, before, x)
         _compare(desc, x, _ref_repetition(x, token_ids, penalty), got,
                  source="x / penalty if x > 0 else x * penalty, for every id in token_ids", note=note)
@@ -493,7 +476,7 @@ def check_repetition_penalty(fn) -> None:
         token_ids = torch.randint(0, shape[-1], (*shape[:-1], n), generator=g)  # with duplicates
         desc = (f"apply_repetition_penalty(logits, token_ids, penalty={penalty}) on random logits of shape "
                 f"{list(shape)}, token_ids of shape {list(token_ids.shape)} (with repeated ids)")
-        got = _call(desc, fn, x.clone(), token_ids.clone(), penalty)
+        got = call(desc, fn, x.clone(), token_ids.clone(), penalty)
         if hf is not None:
             expected = _hf_apply(hf.repetition(float(penalty)), x, token_ids)
             source = "Hugging Face RepetitionPenaltyLogitsProcessor"
@@ -502,8 +485,8 @@ def check_repetition_penalty(fn) -> None:
         _compare(desc, x, expected, got, source=source, note=once)
     x, token_ids = torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0, 1])
     for penalty in (0.0, -1.0):
-        _expect_value_error(f"apply_repetition_penalty(logits, token_ids, penalty={penalty})",
-                            "the penalty must be > 0", fn, x, token_ids, penalty)
+        expect_raises(f"apply_repetition_penalty(logits, token_ids, penalty={penalty})", ValueError,
+                      "the penalty must be > 0", fn, x, token_ids, penalty)
 
 
 # --------------------------------------------------------------------------- sampling
@@ -562,8 +545,8 @@ def check_sample(fn) -> None:
         x, want = torch.tensor(values), torch.tensor(want)
         for top_k, top_p in ((0, 1.0), (2, 0.5)):
             desc = f"sample(logits, {_params_str(0.0, top_k, top_p)}, generator) on logits {_fmt(x)}"
-            got = _check_ids(desc, _call(desc, fn, x.clone(), _params(0.0, top_k, top_p),
-                                         torch.Generator().manual_seed(0)), x.shape[:-1], x.shape[-1])
+            got = _check_ids(desc, call(desc, fn, x.clone(), _params(0.0, top_k, top_p),
+                                        torch.Generator().manual_seed(0)), x.shape[:-1], x.shape[-1])
             if not torch.equal(got, want):
                 raise AssertionError(f"{desc}: expected {_fmt(want)}, got {_fmt(got)} (temperature 0 is greedy: the "
                                      "argmax, and the lowest id among tied maxima)")
@@ -571,7 +554,7 @@ def check_sample(fn) -> None:
     # top_k = 1 leaves one token per row: each row must get its own argmax (no mixing of rows).
     x = _random_logits((2, 3, 17), seed=500)
     desc = f"sample(logits, {_params_str(0.8, 1)}, generator) on random logits of shape [2, 3, 17]"
-    got = _check_ids(desc, _call(desc, fn, x.clone(), _params(0.8, 1), torch.Generator().manual_seed(1)),
+    got = _check_ids(desc, call(desc, fn, x.clone(), _params(0.8, 1), torch.Generator().manual_seed(1)),
                      x.shape[:-1], 17)
     want = x.argmax(dim=-1)
     if not torch.equal(got, want):
@@ -588,7 +571,7 @@ def check_sample(fn) -> None:
         x = torch.tensor(values)
         desc = f"sample(logits, {_params_str(t, k, p)}, generator) on logits {_fmt(x)}, drawn {N_DRAWS} times"
         batch = x.repeat(N_DRAWS, 1)
-        ids = _check_ids(desc, _call(desc, fn, batch, _params(t, k, p), torch.Generator().manual_seed(2024)),
+        ids = _check_ids(desc, call(desc, fn, batch, _params(t, k, p), torch.Generator().manual_seed(2024)),
                          batch.shape[:-1], x.shape[-1])
         counts = torch.bincount(ids, minlength=x.shape[-1]).double()
         freq = counts / N_DRAWS
@@ -613,7 +596,7 @@ def check_sample(fn) -> None:
     g = torch.Generator().manual_seed(7)
     desc = f"sample(logits, {_params_str(t, k, p)}, generator) on 1-D logits {_fmt(x)}"
     for _ in range(20):
-        i = int(_check_ids(desc, _call(desc, fn, x.clone(), _params(t, k, p), g), torch.Size([]), x.shape[-1]))
+        i = int(_check_ids(desc, call(desc, fn, x.clone(), _params(t, k, p), g), torch.Size([]), x.shape[-1]))
         if i not in support:
             raise AssertionError(f"{desc}: drew token {i}, which the filters remove (possible: {sorted(support)})")
 
@@ -624,10 +607,10 @@ def check_sample(fn) -> None:
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(11)
-        first = _call(desc, fn, batch.clone(), params, torch.Generator().manual_seed(1234))
+        first = call(desc, fn, batch.clone(), params, torch.Generator().manual_seed(1234))
         torch.manual_seed(22)
-        again = _call(desc, fn, batch.clone(), params, torch.Generator().manual_seed(1234))
-        other = _call(desc, fn, batch.clone(), params, torch.Generator().manual_seed(4321))
+        again = call(desc, fn, batch.clone(), params, torch.Generator().manual_seed(1234))
+        other = call(desc, fn, batch.clone(), params, torch.Generator().manual_seed(4321))
     finally:
         torch.random.set_rng_state(state)
     first, again, other = (_check_ids(desc, v, batch.shape[:-1], x.shape[-1]) for v in (first, again, other))
@@ -653,7 +636,7 @@ def check_probs(fn) -> None:
     for values, t, k, p in cases:
         x = torch.tensor(values)
         desc = f"probs(logits, {_params_str(t, k, p)})"
-        got = _call(f"{desc} on logits {_fmt(x)}", fn, x.clone(), _params(t, k, p))
+        got = call(f"{desc} on logits {_fmt(x)}", fn, x.clone(), _params(t, k, p))
         _check_tensor(desc, got, x)
         expected = _ref_sampling_probs(x, t, k, p)
         g = got.detach().cpu().double()

@@ -21,6 +21,8 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autograder.checks.calling import call
+
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
     "online_softmax_update": "decodelab.lessons.tiled_attention:online_softmax_update",
@@ -29,15 +31,6 @@ REFERENCES = {
 }
 
 __all__ = ["check_online_softmax_update", "check_tiled_attention", "check_attention_memory_bytes"]
-
-
-def _call(desc: str, fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except NotImplementedError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - report the crash with its input
-        raise AssertionError(f"{desc} raised {type(exc).__name__}: {exc}") from None
 
 
 def _first_bad(got: torch.Tensor, want: torch.Tensor, tol: float) -> tuple | None:
@@ -86,7 +79,7 @@ def check_online_softmax_update(fn) -> None:
         want = _state_of(all_scores, torch.cat([old_values, v_tile], -2))
         desc = (f"online_softmax_update on a state of {before} earlier keys and a tile of {tile} keys, "
                 f"{t} queries, D={d}, leading dims {list(lead)} ({what})")
-        _compare_state(desc, _call(desc, fn, *[s.clone() for s in state], scores_tile, v_tile), want, (*lead, t), d)
+        _compare_state(desc, call(desc, fn, *[s.clone() for s in state], scores_tile, v_tile), want, (*lead, t), d)
     # rows whose tile is entirely masked: the state must not change, and a row that has seen nothing stays (-inf, 0, 0)
     inf = math.inf
     masked = torch.tensor([[-inf, -inf, -inf], [0.5, -inf, 1.0], [-inf, -inf, -inf]], dtype=torch.float64)
@@ -98,7 +91,7 @@ def check_online_softmax_update(fn) -> None:
     desc = ("online_softmax_update on 3 queries: query 0 has max 1, sum 2, out [1, -1] and a tile of all -inf "
             "(masked); query 1 has seen nothing (max -inf, sum 0, out 0) and gets scores [0.5, -inf, 1]; query 2 "
             "has seen nothing and gets only -inf (it must stay max -inf, sum 0, out 0)")
-    _compare_state(desc, _call(desc, fn, *[s.clone() for s in state], masked, v_tile), want, (3,), 2)
+    _compare_state(desc, call(desc, fn, *[s.clone() for s in state], masked, v_tile), want, (3,), 2)
 
 
 def _compare_state(desc: str, got, want, rows: tuple, d: int) -> None:
@@ -172,7 +165,7 @@ def check_tiled_attention(fn) -> None:
         k, v = torch.randn(b, h_kv, s, d, generator=gen), torch.randn(b, h_kv, s, d, generator=gen)
         desc = (f"tiled_attention(q [{b}, {h}, {t}, {d}], k and v [{b}, {h_kv}, {s}, {d}], tile_size={tile}, "
                 f"causal={causal}, q_offset={offset}) ({what})")
-        got = _call(desc, fn, q, k, v, tile_size=tile, causal=causal, q_offset=offset)
+        got = call(desc, fn, q, k, v, tile_size=tile, causal=causal, q_offset=offset)
         _expect_output(desc, got, q)
         want = _ref_attention(q, k, v, causal, offset)
         bad = _first_bad(got, want, 1e-5)
@@ -183,7 +176,7 @@ def check_tiled_attention(fn) -> None:
     q = torch.randn(1, 4, 5, 8, dtype=torch.float64, generator=gen)
     k, v = torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=gen), torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=gen)
     desc = "tiled_attention on float64 q [1, 4, 5, 8], k and v [1, 2, 12, 8], tile_size=5, q_offset=7"
-    got = _call(desc, fn, q, k, v, tile_size=5, causal=True, q_offset=7)
+    got = call(desc, fn, q, k, v, tile_size=5, causal=True, q_offset=7)
     _expect_output(desc, got, q)
     err = (got - _ref_attention(q, k, v, True, 7)).abs().max().item()
     if err > 1e-10:
@@ -197,7 +190,7 @@ def check_tiled_attention(fn) -> None:
             f"q_offset={offset})")
     watch = _Largest()
     with torch.inference_mode(), watch:
-        got = _call(desc, fn, q, k, v, tile_size=tile, causal=True, q_offset=offset)
+        got = call(desc, fn, q, k, v, tile_size=tile, causal=True, q_offset=offset)
     _expect_output(desc, got, q)
     limit = t * (offset + t)
     if watch.numel >= limit:
@@ -231,7 +224,7 @@ def check_attention_memory_bytes(fn) -> None:
     for t, s, h, b, tile, size in cases:
         desc = (f"attention_memory_bytes(num_queries={t}, num_keys={s}, num_heads={h}, batch_size={b}, "
                 f"tile_size={tile}, bytes_per_value={size})")
-        got = _call(desc, fn, t, s, num_heads=h, batch_size=b, tile_size=tile, bytes_per_value=size)
+        got = call(desc, fn, t, s, num_heads=h, batch_size=b, tile_size=tile, bytes_per_value=size)
         width = s if tile is None else min(tile, s)
         want = int(b * h * t * width * size)
         if isinstance(got, bool) or not isinstance(got, (int, float)) or got != want:

@@ -13,11 +13,11 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from decodelab.config import ModelConfig  # noqa: E402
 from decodelab.params import SamplingParams  # noqa: E402
 
-__version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "ModelConfig", "EngineHooks", "RequestOutput", "CompletionOutput", "load",
-           "__version__"]
+__version__ = "0.2.0"  # the one place the version is written: pyproject.toml reads it, releases record it
+__all__ = ["LLM", "SamplingParams", "ModelConfig", "EngineArgs", "EngineHooks", "RequestOutput", "CompletionOutput",
+           "load", "__version__"]
 
-_LAZY = {"LLM": "engine.llm", "EngineHooks": "engine.llm", "RequestOutput": "engine.llm",
+_LAZY = {"LLM": "engine.llm", "EngineArgs": "engine.args", "EngineHooks": "engine.llm", "RequestOutput": "engine.llm",
          "CompletionOutput": "engine.llm", "load": "model.registry"}
 
 

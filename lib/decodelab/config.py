@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from decodelab.validation import check_int
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -54,9 +56,8 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+            check_int(f"config field {name}", getattr(self, name), minimum=1, allowed="a positive integer",
+                      error=ConfigError)
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model_type {self.model_type!r} is not supported; "
                               f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")

@@ -15,6 +15,7 @@ from decodelab.model.kv_cache import KVCache
 from decodelab.params import SamplingParams
 from decodelab.decoding.sampling import apply_repetition_penalty, sample
 from decodelab.model.tokenizer import StreamDecoder, Tokenizer
+from decodelab.validation import check_int
 
 
 class PromptTooLongError(ValueError):
@@ -42,8 +43,7 @@ def make_generator(seed: int | None, device) -> torch.Generator | None:
 
 def _check_greedy_request(model, prompt_ids: list[int], max_new_tokens: int) -> None:
     check_prompt(prompt_ids, model.config.max_position_embeddings, model.config.vocab_size)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, minimum=0)
     if len(prompt_ids) + max_new_tokens > model.config.max_position_embeddings:
         raise PromptTooLongError(f"{len(prompt_ids)} prompt + {max_new_tokens} new tokens exceed the model's "
                                  f"context of {model.config.max_position_embeddings} tokens")
@@ -95,8 +95,7 @@ def stream_token_ids(model, prompt_ids: list[int], params: SamplingParams,
     config = model.config
     check_prompt(prompt_ids, config.max_position_embeddings, config.vocab_size)
     budget = min(params.max_tokens, config.max_position_embeddings - len(prompt_ids))
-    stops = set() if params.ignore_eos else set(stop_token_ids)
-    stops |= set(params.stop_token_ids)
+    stops = stop_token_set(params, stop_token_ids)
     device = model.device
     cache = cache_class(config, 1, len(prompt_ids) + budget, device=device, dtype=model.dtype)
     generator = make_generator(params.seed, device)
@@ -145,13 +144,13 @@ def stream_text(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samp
     """
     completion = completion if completion is not None else Completion(list(prompt_ids))
     decoder = StreamDecoder(tokenizer)
-    stop_ids = set(tokenizer.stop_token_ids()) | set(params.stop_token_ids)
+    stop_ids = stop_token_set(params, tokenizer.stop_token_ids())
     hold = max((len(s) for s in params.stop), default=1) - 1
     text, emitted = "", 0
     completion.finish_reason = "length"
     for token_id in stream_token_ids(model, prompt_ids, params, tokenizer.stop_token_ids(), cache_class):
         completion.output_ids.append(token_id)
-        if token_id in stop_ids and not (params.ignore_eos and token_id not in params.stop_token_ids):
+        if token_id in stop_ids:
             completion.finish_reason = "stop"
         text += decoder.push(token_id)
         cut = first_stop_string(text, params.stop)
@@ -169,6 +168,12 @@ def stream_text(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samp
     completion.text = text
     if len(text) > emitted:
         yield text[emitted:]
+
+
+def stop_token_set(params: SamplingParams, eos_token_ids=()) -> set[int]:
+    """The token ids that end generation: params.stop_token_ids, and the model's own
+    end-of-sequence ids (`Tokenizer.stop_token_ids()`) unless params.ignore_eos."""
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
 
 
 def first_stop_string(text: str, stop: list[str]) -> int | None:

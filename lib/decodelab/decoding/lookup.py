@@ -13,6 +13,8 @@ Use it as a drafter: ``stream_speculative(target, propose_from_prompt, ...)``, o
 """
 from __future__ import annotations
 
+from decodelab.validation import check_int
+
 
 def propose_from_prompt(token_ids: list[int], k: int, max_ngram: int = 3) -> list[int]:
     """Up to k guesses for what follows token_ids (the prompt plus the output so far).
@@ -20,10 +22,8 @@ def propose_from_prompt(token_ids: list[int], k: int, max_ngram: int = 3) -> lis
     For n = max_ngram down to 1: find the latest earlier occurrence of the last n tokens and
     return the (up to) k tokens that followed it. [] when no n-gram occurs earlier.
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ValueError(f"k must be an integer >= 0, got {k!r}")
-    if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < 1:
-        raise ValueError(f"max_ngram must be an integer >= 1, got {max_ngram!r}")
+    check_int("k", k, minimum=0)
+    check_int("max_ngram", max_ngram, minimum=1)
     token_ids = list(token_ids)
     length = len(token_ids)
     if k == 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from decodelab.params import SamplingParams
+from decodelab.validation import check_int
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -22,8 +23,7 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the k largest logits (and every logit tied with the k-th); k >= vocabulary keeps all."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"top-k needs an integer k >= 1, got {k!r}")
+    check_int("k", k, minimum=1)
     k = min(k, logits.shape[-1])
     kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]  # [..., 1]
     return logits.masked_fill(logits < kth_largest, float("-inf"))

@@ -29,6 +29,11 @@ class Block:
     token_ids: tuple = ()  # kept to rule out hash collisions
 
 
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks of block_size slots that num_tokens tokens occupy: ceil(num_tokens / block_size), without floats."""
+    return -(-num_tokens // block_size)
+
+
 def block_hash(parent_hash: int | None, token_ids) -> int:
     """Chained hash: a block's name depends on every token before it, not just its own."""
     return hash((parent_hash, tuple(token_ids)))
@@ -67,7 +72,7 @@ class BlockAllocator:
         return len(self.free)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_needed(num_tokens, self.block_size)
 
     # ------------------------------------------------------------ primitives
     def take_free_block(self) -> Block:
@@ -245,7 +250,7 @@ def kv_waste(sequence_lengths, block_size: int | None, max_len: int | None = Non
             raise ValueError("preallocation needs max_len")
         reserved = max_len * len(sequence_lengths)
     else:
-        reserved = sum(-(-n // block_size) * block_size for n in sequence_lengths)
+        reserved = sum(blocks_needed(n, block_size) * block_size for n in sequence_lengths)
     return 1 - used / reserved
 
 

@@ -5,6 +5,10 @@
     outputs = llm.generate(["What is gravity?", "Name three colours."], SamplingParams(max_tokens=32))
     print(outputs[0].outputs[0].text)
 
+The keyword arguments are `EngineArgs` fields (`decodelab.engine.args`, where each is described):
+`LLM.from_args(EngineArgs(model="smollm2", max_num_seqs=8))` builds the same engine from one
+object, and `llm.args` says how an engine was built.
+
 Inside: a `BlockAllocator` (paged KV with prefix caching), a `Scheduler` (continuous
 batching with preemption), a `PagedKVStore`, and one packed forward pass per step. By default
 (`mix_decode_with_prefill=True`) the running sequences decode in the same pass that prefills
@@ -27,18 +31,17 @@ from typing import Callable, Iterator
 
 import torch
 
-from decodelab.decoding.generate import check_prompt, make_generator
+from decodelab.decoding.generate import check_prompt, first_stop_string, make_generator, stop_token_set
 from decodelab.model.registry import load
 from decodelab.model.packed_linear import can_prepack, prepack_linear_layers, prepacked_copy
-from decodelab.engine.block_allocator import BlockAllocator
+from decodelab.engine.block_allocator import BlockAllocator, blocks_needed, slot_of
+from decodelab.engine.args import DEFAULT_KV_CACHE_BYTES, EngineArgs
 from decodelab.engine.paged_attention import PagedBatch, PagedKVStore, SequenceSlice
 from decodelab.params import SamplingParams
 from decodelab.decoding.sampling import apply_repetition_penalty, sample
 from decodelab.engine.scheduler import Scheduler
-from decodelab.engine.sequence import Sequence, Status
+from decodelab.engine.sequence import Request, Sequence, Status
 from decodelab.model.tokenizer import StreamDecoder
-
-DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator) -> int:
@@ -140,39 +143,68 @@ class LLM:
                  speculative_model=None, num_speculative_tokens: int = 4, max_model_len: int | None = None,
                  mix_decode_with_prefill: bool = True, prepack_weights: bool | None = None,
                  hooks: EngineHooks | None = None):
-        if quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {quantization!r}")
-        # model: a name ("smollm2", "tiny"), a model folder, or a (model, tokenizer) pair
-        loaded_here = isinstance(model, (str, os.PathLike))
-        self.model, self.tokenizer = load(model, device=device, dtype=dtype) if loaded_here else model
-        if quantization is not None:
-            from decodelab.model.quantization import quantize_model
-            quantize_model(self.model, bits=8 if quantization == "int8" else 4)
-        # prepack_weights: None packs where it helps (CPU, bfloat16); True insists; False never
-        if prepack_weights or (prepack_weights is None and can_prepack(self.model.device, self.model.dtype)):
-            if loaded_here:  # nobody else holds this model: pack it in place
-                prepack_linear_layers(self.model)
-            else:  # the caller's model stays as it was
-                self.model = prepacked_copy(self.model)
-        self.config = self.model.config
-        self.device = self.model.device
-        self.hooks = hooks or EngineHooks()
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
-        if num_kv_blocks is None:  # the memory budget, but no more than max_num_seqs full contexts
-            enough = max_num_seqs * -(-self.max_model_len // kv_block_size)
-            num_kv_blocks = min(kv_blocks_for_memory(self.config, kv_cache_memory, kv_block_size, self.model.dtype),
-                                enough)
-        self.store = PagedKVStore(self.config, num_kv_blocks, kv_block_size, self.device, self.model.dtype)
-        self.allocator = self.hooks.allocator(num_kv_blocks, kv_block_size, enable_prefix_caching)
-        self.scheduler = self.hooks.scheduler(self.allocator, max_num_seqs, max_num_batched_tokens)
-        self.max_seq_len = min(self.max_model_len, num_kv_blocks * kv_block_size)
-        self.speculator = None
-        if speculative_model is not None:
-            from decodelab.engine.speculative import BatchSpeculator
-            self.speculator = BatchSpeculator(self, speculative_model, num_speculative_tokens)
-        if hasattr(self.scheduler, "mix_decode_with_prefill"):  # speculative decode steps stay apart
-            self.scheduler.mix_decode_with_prefill = mix_decode_with_prefill and self.speculator is None
+        """Load the model, build the paged KV cache, its allocator and the scheduler, and with a
+        speculative_model the speculator. Every argument is an `EngineArgs` field (documented
+        there); `self.args` holds them, and `LLM.from_args(args)` builds the same engine."""
+        self.args = EngineArgs(model=model, device=device, dtype=dtype, quantization=quantization,
+                               kv_block_size=kv_block_size, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
+                               kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+                               speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
+                               max_model_len=max_model_len, mix_decode_with_prefill=mix_decode_with_prefill,
+                               prepack_weights=prepack_weights, hooks=hooks)
+        self.model, self.tokenizer = self._load_model(self.args)
+        self.config, self.device = self.model.config, self.model.device
+        self.hooks = self.args.hooks or EngineHooks()
+        self._build_kv_cache(self.args)
+        self._start_speculator(self.args)
         self._next_seq_id = 0
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> "LLM":
+        """The engine `args` describe, as LLM(**fields of args) builds it; its `.args` equals `args`."""
+        return cls(**args.as_keywords())
+
+    # ------------------------------------------------------------------ building
+    def _load_model(self, args: EngineArgs):
+        """-> (model, tokenizer): loaded when args.model names one, else the caller's pair; then
+        quantized and prepacked as args ask."""
+        model, tokenizer = load(args.model, device=args.device, dtype=args.dtype) if args.loads_model else args.model
+        if args.quantization is not None:
+            from decodelab.model.quantization import quantize_model
+            quantize_model(model, bits=8 if args.quantization == "int8" else 4)
+        # prepack_weights: None packs where it helps (CPU, bfloat16); True insists; False never
+        if args.prepack_weights or (args.prepack_weights is None and can_prepack(model.device, model.dtype)):
+            if args.loads_model:  # nobody else holds this model: pack it in place
+                prepack_linear_layers(model)
+            else:  # the caller's model stays as it was
+                model = prepacked_copy(model)
+        return model, tokenizer
+
+    def _build_kv_cache(self, args: EngineArgs) -> None:
+        """Size and build the paged KV store, the block allocator and the scheduler (the hooks'
+        classes); sets max_model_len, and max_seq_len: the longest sequence that fits both the
+        model's context and the blocks."""
+        context = self.config.max_position_embeddings
+        self.max_model_len = min(args.max_model_len or context, context)
+        num_kv_blocks, block_size = args.num_kv_blocks, args.kv_block_size
+        if num_kv_blocks is None:  # the memory budget, but no more than max_num_seqs full contexts
+            enough = args.max_num_seqs * blocks_needed(self.max_model_len, block_size)
+            num_kv_blocks = min(kv_blocks_for_memory(self.config, args.kv_cache_memory, block_size, self.model.dtype),
+                                enough)
+        self.store = PagedKVStore(self.config, num_kv_blocks, block_size, self.device, self.model.dtype)
+        self.allocator = self.hooks.allocator(num_kv_blocks, block_size, args.enable_prefix_caching)
+        self.scheduler = self.hooks.scheduler(self.allocator, args.max_num_seqs, args.max_num_batched_tokens)
+        self.max_seq_len = min(self.max_model_len, num_kv_blocks * block_size)
+
+    def _start_speculator(self, args: EngineArgs) -> None:
+        """With a speculative_model, a `BatchSpeculator` drafts and verifies every decode step."""
+        self.speculator = None
+        if args.speculative_model is not None:
+            from decodelab.engine.speculative import BatchSpeculator
+            self.speculator = BatchSpeculator(self, args.speculative_model, args.num_speculative_tokens)
+        if hasattr(self.scheduler, "mix_decode_with_prefill"):  # speculative decode steps stay apart
+            self.scheduler.mix_decode_with_prefill = args.mix_decode_with_prefill and self.speculator is None
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -180,15 +212,15 @@ class LLM:
         """One RequestOutput per prompt, in prompt order. A prompt is a str or a list of token ids."""
         requests = self._add_requests(prompts, params)
         progress = self._progress(len(requests), use_tqdm)
-        done = sum(1 for r in requests if r["error"])
+        done = sum(1 for request in requests if request.error is not None)
         for _ in self._run_until_done():
-            finished = sum(1 for r in requests if r["error"] or all(s.is_finished for s in r["seqs"]))
+            finished = sum(1 for request in requests if request.is_done)
             if progress is not None and finished > done:
                 progress.update(finished - done)
             done = finished
         if progress is not None:
             progress.close()
-        return [self._request_output(i, r) for i, r in enumerate(requests)]
+        return [self._request_output(i, request) for i, request in enumerate(requests)]
 
     def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """messages: one conversation [{"role", "content"}, ...] or a list of them."""
@@ -203,7 +235,7 @@ class LLM:
             yield from events
 
     # ------------------------------------------------------------------ requests
-    def _add_requests(self, prompts, params) -> list[dict]:
+    def _add_requests(self, prompts, params) -> list[Request]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -211,15 +243,17 @@ class LLM:
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         return [self._add_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params_list))]
 
-    def _add_request(self, index: int, prompt, params: SamplingParams) -> dict:
+    def _add_request(self, index: int, prompt, params: SamplingParams) -> Request:
+        """Admit prompt `index` (text or token ids): its n sequences, the first one scheduled. A prompt
+        that cannot run (empty, too long, ids outside the vocabulary) becomes a Request with an error."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params for prompt {index} must be a SamplingParams, got {type(params).__name__}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        request = {"prompt": prompt if isinstance(prompt, str) else None, "ids": ids, "seqs": [], "error": None}
+        request = Request(prompt if isinstance(prompt, str) else None, ids)
         try:
             check_prompt(ids, self.max_seq_len, self.config.vocab_size)
         except ValueError as exc:
-            request["error"] = f"prompt {index}: {exc}"
+            request.error = f"prompt {index}: {exc}"
             return request
         now = time.perf_counter()
         for j in range(params.n):
@@ -227,9 +261,9 @@ class LLM:
             seq = Sequence(self._next_seq_id, index, j, list(ids), params, arrival_time=now,
                            generator=make_generator(seed, self.device), decoder=StreamDecoder(self.tokenizer))
             self._next_seq_id += 1
-            request["seqs"].append(seq)
-        first = request["seqs"][0]
-        first.siblings = request["seqs"][1:]  # forked from `first` after its prefill (shared prompt blocks)
+            request.seqs.append(seq)
+        first = request.seqs[0]
+        first.siblings = request.seqs[1:]  # forked from `first` after its prefill (shared prompt blocks)
         for sibling in first.siblings:
             sibling.status = Status.RUNNING  # not waiting: it joins when `first` is prefilled
         self.scheduler.add(first)
@@ -296,7 +330,7 @@ class LLM:
             wanted += range(len(ids), len(ids) + len(tokens)) if all_logits else [len(ids) + len(tokens) - 1]
             ids += tokens
             positions += range(start, end)
-            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            slots += [slot_of(table, p, block_size) for p in range(start, end)]
         device = self.device
         batch = PagedBatch(store, slices, torch.tensor(slots, device=device), model.config.sliding_window)
         logits = model(torch.tensor([ids], device=device), positions=torch.tensor(positions, device=device),
@@ -327,36 +361,34 @@ class LLM:
         seq.first_token_time = seq.first_token_time or now
         seq.output_token_ids.append(token_id)
         params = seq.params
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids.update(self.tokenizer.stop_token_ids())
+        stop_ids = stop_token_set(params, self.tokenizer.stop_token_ids())
         before = len(seq.text)
         seq.text += seq.decoder.push(token_id)
         reason = "stop" if token_id in stop_ids else None
-        cut = min((i for i in (seq.text.find(s) for s in params.stop) if i >= 0), default=-1)
-        if cut >= 0:
+        cut = first_stop_string(seq.text, params.stop)
+        if cut is not None:
             seq.text, reason = seq.text[:cut], "stop"
         elif reason is None and (len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.max_seq_len):
             reason = "length"
         if reason is not None:
-            if cut < 0:
+            if cut is None:
                 seq.text += seq.decoder.flush()
             seq.finish_time = now
             self.scheduler.finish(seq, reason)
         return StreamEvent(seq.request_index, seq.sample_index, token_id, seq.text[before:], reason is not None)
 
     # ------------------------------------------------------------------ outputs
-    def _request_output(self, index: int, request: dict) -> RequestOutput:
-        if request["error"]:
-            return RequestOutput(index, request["prompt"], request["ids"],
-                                 [CompletionOutput(0, "", [], "error")], error=request["error"])
+    def _request_output(self, index: int, request: Request) -> RequestOutput:
+        if request.error is not None:
+            return RequestOutput(index, request.prompt, request.prompt_token_ids,
+                                 [CompletionOutput(0, "", [], "error")], error=request.error)
         outputs = [CompletionOutput(s.sample_index, s.text, list(s.output_token_ids), s.finish_reason)
-                   for s in request["seqs"]]
-        first = request["seqs"][0]
+                   for s in request.seqs]
+        first = request.seqs[0]
         metrics = {"ttft_s": (first.first_token_time or first.arrival_time) - first.arrival_time,
-                   "latency_s": max((s.finish_time or s.arrival_time) for s in request["seqs"]) - first.arrival_time,
-                   "preemptions": sum(s.num_preemptions for s in request["seqs"])}
-        return RequestOutput(index, request["prompt"], request["ids"], outputs, metrics=metrics)
+                   "latency_s": max((s.finish_time or s.arrival_time) for s in request.seqs) - first.arrival_time,
+                   "preemptions": sum(s.num_preemptions for s in request.seqs)}
+        return RequestOutput(index, request.prompt, request.prompt_token_ids, outputs, metrics=metrics)
 
     @staticmethod
     def _progress(total: int, use_tqdm: bool):

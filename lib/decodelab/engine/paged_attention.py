@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from decodelab.model.attention import causal_attention
 from decodelab.config import ModelConfig
+from decodelab.engine.block_allocator import blocks_needed, slot_of
 
 
 class PagedKVStore:
@@ -56,11 +57,11 @@ def gather_kv(flat_cache: torch.Tensor, block_table: list[int], context_len: int
     table's blocks hold fewer than context_len slots.
     """
     if context_len > len(block_table) * block_size:
-        raise ValueError(f"context_len {context_len} needs {-(-context_len // block_size)} blocks of {block_size}, "
-                         f"the block table has {len(block_table)}")
+        raise ValueError(f"context_len {context_len} needs {blocks_needed(context_len, block_size)} blocks of "
+                         f"{block_size}, the block table has {len(block_table)}")
     positions = torch.arange(context_len, device=flat_cache.device)
     table = torch.as_tensor(block_table, dtype=torch.long, device=flat_cache.device)
-    slots = table[positions // block_size] * block_size + positions % block_size  # [context_len]
+    slots = slot_of(table, positions, block_size)  # [context_len] (slot_of works on tensors too)
     return flat_cache[slots].transpose(0, 1)  # [H_kv, context_len, D]
 
 
@@ -139,7 +140,7 @@ class PagedBatch:
         self.decode_groups: list[DecodeGroup] = []
         if self.decode_slices:
             block_size = store.block_size
-            needed = [-(-s.context_len // block_size) for s in self.decode_slices]
+            needed = [blocks_needed(s.context_len, block_size) for s in self.decode_slices]
             for members in group_by_length(needed, block_size, self.DECODE_GROUP_COST):
                 self.decode_groups.append(self.decode_group([self.decode_slices[i] for i in members],
                                                             slot_mapping.device))
@@ -147,10 +148,10 @@ class PagedBatch:
     def decode_group(self, slices: list[SequenceSlice], device) -> DecodeGroup:
         """The DecodeGroup of these decode slices (tables, mask and rows built once per step)."""
         block_size = self.store.block_size
-        max_blocks = max(-(-s.context_len // block_size) for s in slices)
+        max_blocks = max(blocks_needed(s.context_len, block_size) for s in slices)
         tables = torch.zeros(len(slices), max_blocks, dtype=torch.long)
         for i, s in enumerate(slices):
-            used = s.block_table[: -(-s.context_len // block_size)]
+            used = s.block_table[: blocks_needed(s.context_len, block_size)]
             tables[i, : len(used)] = torch.tensor(used, dtype=torch.long)
         lengths = torch.tensor([s.context_len for s in slices])
         key_pos = torch.arange(max_blocks * block_size)

@@ -52,3 +52,25 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt of a `LLM.generate` call, from admission to its `RequestOutput`.
+
+    prompt: the prompt's text, or None when it was given as token ids.
+    prompt_token_ids: the prompt as token ids (encoded here when it was text).
+    seqs: its SamplingParams.n sequences, sample_index 0 .. n-1; the first is scheduled, the
+        others are forked from it after its prefill. Empty when the prompt was refused.
+    error: why the prompt was refused ("prompt 2: the prompt is empty"), else None.
+    """
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def is_done(self) -> bool:
+        """Refused, or every one of its sequences finished."""
+        return self.error is not None or all(seq.is_finished for seq in self.seqs)

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from decodelab.engine.block_allocator import BlockAllocator
+from decodelab.engine.block_allocator import BlockAllocator, blocks_needed
 from decodelab.params import SamplingParams
 from decodelab.engine.scheduler import Scheduler
 from decodelab.engine.sequence import Sequence
@@ -197,8 +197,8 @@ def simulate(workload: list[Request], policy: str = "continuous", scheduler_cls=
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     longest = max(r.prompt_len + r.output_len for r in workload)
     if num_blocks is None:
-        num_blocks = max_num_seqs * -(-longest // block_size)
-    elif -(-longest // block_size) > num_blocks:
+        num_blocks = max_num_seqs * blocks_needed(longest, block_size)
+    elif blocks_needed(longest, block_size) > num_blocks:
         raise ValueError(f"a request of {longest} tokens does not fit in {num_blocks} blocks of {block_size}")
     scheduler = scheduler_cls(BlockAllocator(num_blocks, block_size, enable_prefix_caching=False),
                               max_num_seqs, max_num_batched_tokens)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from decodelab.model.attention import causal_mask, repeat_kv
+from decodelab.validation import is_int
 
 
 def attention_kind(num_heads: int, num_kv_heads: int) -> str:
@@ -124,10 +125,10 @@ def pool_model_kv_heads(model, num_kv_heads: int, pool=pool_kv_heads):
     """
     config = model.config
     old = config.num_key_value_heads
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or not 1 <= num_kv_heads <= old \
-            or old % num_kv_heads:
-        raise ValueError(f"num_kv_heads must divide the model's {old} KV heads "
-                         f"(one of {[n for n in range(1, old + 1) if old % n == 0]}), got {num_kv_heads!r}")
+    divisors = [n for n in range(1, old + 1) if old % n == 0]
+    if not is_int(num_kv_heads) or num_kv_heads not in divisors:
+        raise ValueError(f"num_kv_heads must divide the model's {old} KV heads (one of {divisors}), "
+                         f"got {num_kv_heads!r}")
     pooled = copy.deepcopy(model)  # keeps tied embeddings tied
     pooled.config = dataclasses.replace(config, num_key_value_heads=num_kv_heads, extra=dict(config.extra))
     for layer in pooled.model.layers:

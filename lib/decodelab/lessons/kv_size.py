@@ -20,6 +20,7 @@ import torch
 
 from decodelab.config import ModelConfig
 from decodelab.lessons.measure import kv_bytes_per_token
+from decodelab.validation import check_int
 
 # The config.json fields we rely on, per model; source repository in the comment above each.
 PRESETS: dict[str, dict] = {
@@ -122,10 +123,8 @@ def kv_bytes(config_or_preset, seq_len: int, batch: int = 1, dtype="fp16") -> in
     dtype: of the stored K/V (see `bytes_per_value`). E.g. Llama-3.1-8B in fp16:
     2 x 32 layers x 8 KV heads x 128 x 2 bytes = 128 KiB per token, 512 MiB at 4,096 tokens.
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"seq_len must be an integer >= 0, got {seq_len!r}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+    check_int("seq_len", seq_len, minimum=0)
+    check_int("batch", batch, minimum=1)
     fields = config_fields(config_or_preset)
     per_layer_position = kv_bytes_per_token(1, fields["num_key_value_heads"], fields["head_dim"],
                                             bytes_per_value(dtype))  # K and V of one position, one layer

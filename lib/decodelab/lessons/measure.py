@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from decodelab.validation import check_int, check_positive
+
 
 def synchronize(device) -> None:
     device = torch.device(device)
@@ -109,8 +111,7 @@ def decode_tokens_per_second_bound(num_params: float, bytes_per_param: float, ba
     on 3.35e12 bytes/s: 140 GB per token, 42 ms, about 24 tokens/s."""
     for name, value in (("num_params", num_params), ("bytes_per_param", bytes_per_param),
                         ("bandwidth_bytes_per_s", bandwidth_bytes_per_s)):
-        if isinstance(value, bool) or not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value!r}")
+        check_positive(name, value)
     return bandwidth_bytes_per_s / (num_params * bytes_per_param)
 
 
@@ -124,12 +125,10 @@ def decode_roofline_fraction(tokens_per_s: float, batch_size: int, weight_bytes:
     tokens_per_s divided by that bound. Raises ValueError unless tokens_per_s >= 0 and the
     other arguments are > 0.
     """
-    if isinstance(tokens_per_s, bool) or not tokens_per_s >= 0:
-        raise ValueError(f"tokens_per_s must be >= 0, got {tokens_per_s!r}")
+    check_positive("tokens_per_s", tokens_per_s, allow_zero=True)
     for name, value in (("batch_size", batch_size), ("weight_bytes", weight_bytes),
                         ("bandwidth_bytes_per_s", bandwidth_bytes_per_s)):
-        if isinstance(value, bool) or not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value!r}")
+        check_positive(name, value)
     return tokens_per_s / (batch_size * bandwidth_bytes_per_s / weight_bytes)
 
 
@@ -139,8 +138,7 @@ def decode_speed(model, prompt_ids: list[int], num_tokens: int = 32) -> float:
     from decodelab.decoding.generate import stream_token_ids
     from decodelab.params import SamplingParams
 
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-        raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
+    check_int("num_tokens", num_tokens, minimum=1)
     params = SamplingParams(temperature=0, max_tokens=num_tokens + 1, ignore_eos=True)
     stamps = []
     for _ in stream_token_ids(model, prompt_ids, params):  # each id is on the host: the step is done

@@ -25,6 +25,7 @@ from decodelab.model.kv_cache import KVCache
 from decodelab.lessons.kv_size import bytes_per_value, config_fields, kv_bytes, parameter_count
 from decodelab.lessons.measure import synchronize
 from decodelab.params import SamplingParams
+from decodelab.validation import check_int
 
 
 def as_batch(model, token_ids) -> torch.Tensor:
@@ -94,10 +95,8 @@ def arithmetic_intensity(config, num_tokens: int, kv_len: int = 0, bytes_per_par
               written once), all at bytes_per_param; activations are not counted.
     Decode (num_tokens = 1) in fp16 lands near 1 FLOP/byte; a prefill of T tokens near T.
     """
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-        raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
-    if isinstance(kv_len, bool) or not isinstance(kv_len, int) or kv_len < 0:
-        raise ValueError(f"kv_len must be an integer >= 0, got {kv_len!r}")
+    check_int("num_tokens", num_tokens, minimum=1)
+    check_int("kv_len", kv_len, minimum=0)
     fields = config_fields(config)
     params = parameter_count(fields)
     flops = 2 * params * num_tokens
@@ -133,8 +132,7 @@ def token_timestamps(model, prompt_ids, n: int) -> tuple[float, list[float], lis
     then right after each token is produced (n readings). The device is synchronized at
     every token so asynchronous GPUs are timed honestly.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    check_int("n", n, minimum=1)
     prompt = [int(t) for t in prompt_ids]
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     stamps, token_ids = [], []
@@ -166,8 +164,7 @@ def decode_greedy(model, cache: KVCache, logits: torch.Tensor, max_tokens: int, 
     what the prefill returned. Stops after max_tokens or once a token in stop_token_ids has
     been produced (it is included). Returns the generated ids.
     """
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    check_int("max_tokens", max_tokens, minimum=1)
     token_ids = []
     for _ in range(max_tokens):
         token = logits.argmax(dim=-1)  # [1]

@@ -11,7 +11,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR, si
-from decodelab.course.widgets.controls import SLIDER, bake_current_state
+from decodelab.course.widgets.controls import SLIDER, finish_explorer
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
@@ -66,7 +66,4 @@ def batch_roofline_explorer(fraction_fn, weight_bytes: float, num_params: float,
     for control in controls.values():
         control.observe(redraw, names="value")
     box = widgets.VBox([widgets.HBox([batch, gbps]), bytes_per_weight, fig])
-    box.figure, box.controls, box.redraw = fig, controls, redraw
-    redraw()
-    bake_current_state(fig)
-    return box
+    return finish_explorer(box, fig, controls, redraw)

@@ -10,7 +10,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from decodelab.course.widgets.controls import SLIDER, bake_current_state
+from decodelab.course.widgets.controls import SLIDER, finish_explorer
 from decodelab.lessons.continuous_batching import POLICIES, BatchingResult, StepCost, mixed_workload, simulate
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR
 
@@ -139,10 +139,7 @@ def batching_explorer(scheduler_cls, cost: StepCost, num_requests: int = 48, max
     for control in (rate, slots):
         control.observe(redraw, names="value")
     box = widgets.VBox([widgets.VBox([rate, slots]), fig])
-    box.figure, box.controls, box.redraw = fig, {"arrival_rate": rate, "max_num_seqs": slots}, redraw
-    redraw()
-    bake_current_state(fig)
-    return box
+    return finish_explorer(box, fig, {"arrival_rate": rate, "max_num_seqs": slots}, redraw)
 
 
 __all__ = ["occupancy_figure", "batch_tradeoff_figure", "trace_figure", "batching_explorer", "POLICY_COLORS"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 
 import ipywidgets as widgets
+import plotly.graph_objects as go
 
 # Wide enough for the longest label ("speculative tokens k", "tokens per second, batch 1").
 SLIDER = dict(style={"description_width": "180px"}, layout=widgets.Layout(width="500px"))
@@ -31,8 +32,10 @@ def bake_current_state(fig) -> None:
 
 
 def finish_explorer(box, fig, controls: dict, redraw):
-    """Attach figure, controls and redraw to the box, draw once, and make that the start state."""
+    """Attach figure, controls and redraw to the box, draw once, and make that the start state
+    (of a FigureWidget: a plain Figure that redraw() displays whole into an Output has none)."""
     box.figure, box.controls, box.redraw = fig, controls, redraw
     redraw()
-    bake_current_state(fig)
+    if isinstance(fig, go.FigureWidget):
+        bake_current_state(fig)
     return box

@@ -16,7 +16,7 @@ from decodelab.lessons.gqa import attention_kind
 from decodelab.lessons.kv_size import config_fields, format_bytes, kv_bytes
 from decodelab.lessons.measure import median, time_call
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR, si
-from decodelab.course.widgets.controls import SLIDER, bake_current_state
+from decodelab.course.widgets.controls import SLIDER, finish_explorer
 
 MiB = 2**20
 
@@ -170,10 +170,7 @@ def kv_heads_explorer(config="Llama-3.1-8B", dtype="fp16", kv_bytes_fn=kv_bytes)
     for control in (kv_heads, seq_len):
         control.observe(redraw, names="value")
     box = widgets.VBox([widgets.VBox([kv_heads, seq_len]), fig])
-    box.figure, box.controls, box.redraw = fig, {"kv_heads": kv_heads, "seq_len": seq_len}, redraw
-    redraw()
-    bake_current_state(fig)  # views created late (Run All) start from this drawing
-    return box
+    return finish_explorer(box, fig, {"kv_heads": kv_heads, "seq_len": seq_len}, redraw)
 
 
 __all__ = ["ModelWithAttention", "time_decode_attention", "kv_heads_figure", "kv_heads_explorer",

@@ -18,7 +18,7 @@ from decodelab.lessons.kv_size import PRESETS, config_fields, format_bytes, para
 from decodelab.lessons.measure import synchronize
 from decodelab.model.toy import tiny_model
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR, log_range
-from decodelab.course.widgets.controls import bake_current_state
+from decodelab.course.widgets.controls import finish_explorer
 
 # The seed's table: position T -> (ms per token without a cache, with a cache), a 0.5M-parameter
 # numpy Transformer on a shared 2-core Xeon, one thread.
@@ -160,10 +160,7 @@ def kv_size_calculator(kv_bytes_fn, presets: dict[str, dict] | None = None):
     for control in (seq_len, batch, preset, dtype):
         control.observe(redraw, names="value")
     box = widgets.VBox([widgets.HBox([widgets.VBox([seq_len, batch]), widgets.VBox([preset, dtype])]), fig])
-    box.figure, box.controls, box.redraw = fig, {"seq_len": seq_len, "batch": batch, "preset": preset, "dtype": dtype}, redraw
-    redraw()
-    bake_current_state(fig)
-    return box
+    return finish_explorer(box, fig, {"seq_len": seq_len, "batch": batch, "preset": preset, "dtype": dtype}, redraw)
 
 
 __all__ = ["SEED_MS_PER_TOKEN", "SEED_MAX_LOGIT_DIFF", "cache_class_or_reference", "per_token_ms",

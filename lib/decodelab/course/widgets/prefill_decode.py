@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 
 from decodelab.lessons.measure import Roofline
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR, add_seed_and_measured_points, log_range
-from decodelab.course.widgets.controls import SLIDER, bake_current_state
+from decodelab.course.widgets.controls import SLIDER, finish_explorer
 
 # The seed's H100 figures (fp16 dense matrix units, HBM3): about 990 TFLOP/s and 3.35 TB/s.
 H100_ROOF = Roofline(bandwidth=3.35e12, peak_flops=990e12)
@@ -133,10 +133,7 @@ def roofline_explorer(intensity_fn, roofs: dict[str, Roofline], presets: list[st
     for control in (length, batch, preset, dtype):
         control.observe(redraw, names="value")
     box = widgets.VBox([widgets.VBox([length, batch, preset, dtype]), fig])
-    box.figure, box.controls, box.redraw = fig, {"length": length, "batch": batch, "preset": preset, "dtype": dtype}, redraw
-    redraw()
-    bake_current_state(fig)
-    return box
+    return finish_explorer(box, fig, {"length": length, "batch": batch, "preset": preset, "dtype": dtype}, redraw)
 
 
 __all__ = ["H100_ROOF", "roofline_figure", "speedup_figure", "latency_figure", "timing_bars", "roofline_explorer"]

@@ -23,7 +23,7 @@ from decodelab.model.kv_cache import KVCache
 from decodelab.params import SamplingParams
 from decodelab.lessons.perplexity import perplexity
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR
-from decodelab.course.widgets.controls import SLIDER, bake_current_state
+from decodelab.course.widgets.controls import SLIDER, finish_explorer
 
 QUANT_FUNCTIONS = ("quantize_int8_per_channel", "quantize_int4_groupwise", "pack_int4", "unpack_int4")
 
@@ -175,10 +175,7 @@ def quantization_explorer(measure, fp32_row: dict, cache: dict | None = None):
     for control in (bits, group):
         control.observe(redraw, names="value")
     box = widgets.VBox([widgets.VBox([bits, group]), fig])
-    box.figure, box.controls, box.redraw = fig, {"bits": bits, "group_size": group}, redraw
-    redraw()
-    bake_current_state(fig)  # views created late (Run All) start from this drawing
-    return box
+    return finish_explorer(box, fig, {"bits": bits, "group_size": group}, redraw)
 
 
 def asymmetric_int4_error(w: torch.Tensor, block: int = 32) -> float:

@@ -12,7 +12,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR
-from decodelab.course.widgets.controls import SLIDER, bake_current_state
+from decodelab.course.widgets.controls import SLIDER, finish_explorer
 
 
 # Seed article (tiny char-level pair on CPU, temperature 0.7): k -> (tokens per target call, speedup)
@@ -64,10 +64,7 @@ def speculative_explorer(tokens_fn, speedup_fn, measured: dict | None = None, se
     for control in (alpha_slider, cost_slider, k_slider):
         control.observe(redraw, names="value")
     box = widgets.VBox([widgets.VBox([alpha_slider, cost_slider, k_slider]), fig])
-    box.figure, box.controls, box.redraw = fig, {"alpha": alpha_slider, "draft_cost": cost_slider, "max_k": k_slider}, redraw
-    redraw()
-    bake_current_state(fig)
-    return box
+    return finish_explorer(box, fig, {"alpha": alpha_slider, "draft_cost": cost_slider, "max_k": k_slider}, redraw)
 
 
 __all__ = ["speculative_explorer", "SEED_POINTS"]

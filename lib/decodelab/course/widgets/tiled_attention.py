@@ -2,8 +2,8 @@
 plain against tiled attention, and a KV cache that attends with a given tiled attention (the
 learner's) so that a real model can generate with it.
 
-The explorer follows widgets.py: it returns an ipywidgets box with ``.figure``, ``.controls``
-and ``.redraw()``.
+The explorer follows `decodelab.course.widgets.controls`: it returns an ipywidgets box with
+``.figure``, ``.controls`` and ``.redraw()``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from decodelab.model.kv_cache import KVCache
 from decodelab.lessons.measure import median, time_call
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR
 from decodelab.lessons.tiled_attention import measure_tensor_memory
-from decodelab.course.widgets.controls import SLIDER
+from decodelab.course.widgets.controls import SLIDER, finish_explorer
 
 MiB = 2**20
 
@@ -181,9 +181,7 @@ def tiled_explorer(update_fn, max_len: int = 96, head_dim: int = 16, seed: int =
     for control in (tile, length, step):
         control.observe(redraw, names="value")
     box = widgets.VBox([widgets.VBox([tile, length, widgets.HBox([play, step])]), plot])
-    box.figure, box.controls, box.redraw = fig, {"tile_size": tile, "length": length, "step": step}, redraw
-    redraw()
-    return box
+    return finish_explorer(box, fig, {"tile_size": tile, "length": length, "step": step}, redraw)
 
 
 __all__ = ["tiled_cache_class", "memory_and_time", "memory_figure", "tiled_explorer"]

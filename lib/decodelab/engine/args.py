@@ -1,0 +1,100 @@
+"""`EngineArgs`: every setting of the serving engine in one object, after vLLM's `EngineArgs`.
+
+    from decodelab.engine.args import EngineArgs
+    args = EngineArgs(model="tiny", kv_block_size=8, speculative_model="tiny-draft")
+    llm = LLM.from_args(args)        # the same engine as LLM(model="tiny", kv_block_size=8, ...)
+    llm.args                         # the settings an engine was built from (LLM(...) makes one too)
+    dataclasses.replace(args, max_num_seqs=8)   # a variant, checked again
+
+The fields are `LLM`'s keyword arguments, with the same names and defaults. Creating one checks
+the values that need no model (`quantization`, `num_speculative_tokens`); the checks that need
+the model's shape (does `kv_cache_memory` hold one KV block?) run when the engine is built.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+if TYPE_CHECKING:  # llm.py imports this module: name the hooks' type without importing it back
+    from decodelab.engine.llm import EngineHooks
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+QUANTIZATIONS = (None, "int8", "int4")
+
+
+@dataclass(frozen=True, repr=False)
+class EngineArgs:
+    """The settings of one `LLM` (frozen: an engine's `args` keep saying how it was built).
+
+    model: a registry name ("smollm2", "tiny"), a model folder, or a (model, tokenizer) pair
+        that the engine uses as given (quantization, if asked, changes that model in place).
+    device, dtype: where and in what precision a named or folder model is loaded (device None:
+        cuda if present, else mps or cpu); ignored for a (model, tokenizer) pair.
+    quantization: None, or "int8" / "int4" weight-only quantization of the linear layers.
+    kv_block_size: tokens per paged KV block.
+    max_num_seqs, max_num_batched_tokens: the scheduler's limits per step (sequences running,
+        tokens in one packed forward pass).
+    num_kv_blocks: KV blocks to allocate; None: as many as `kv_cache_memory` bytes hold, but no
+        more than max_num_seqs full contexts.
+    kv_cache_memory: bytes for the KV cache when num_kv_blocks is None.
+    enable_prefix_caching: share the KV blocks of identical prompt prefixes.
+    speculative_model: None, or a draft model for speculative decoding: a registry name, a
+        folder, a (model, tokenizer) pair or a model sharing the target's vocabulary.
+    num_speculative_tokens: tokens the draft model proposes per step (>= 1 when speculating).
+    max_model_len: the longest sequence (prompt + output); None: the model's context.
+    mix_decode_with_prefill: running sequences decode in the passes that prefill new ones
+        (off while speculating: its decode steps stay apart).
+    prepack_weights: None packs the linear layers where it helps (CPU, bfloat16), True always,
+        False never (`decodelab.model.packed_linear`).
+    hooks: an `EngineHooks` swapping a learner's function in for one stage; None: the library's.
+    """
+
+    model: Any = "smollm2"
+    device: Any = None
+    dtype: Any = "float32"
+    quantization: str | None = None
+    kv_block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int = DEFAULT_KV_CACHE_BYTES
+    enable_prefix_caching: bool = True
+    speculative_model: Any = None
+    num_speculative_tokens: int = 4
+    max_model_len: int | None = None
+    mix_decode_with_prefill: bool = True
+    prepack_weights: bool | None = None
+    hooks: EngineHooks | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+        # Only a speculating engine uses k, so only then is a bad one an error (as before EngineArgs).
+        if self.speculative_model is not None and self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+
+    @property
+    def loads_model(self) -> bool:
+        """True when `model` names a model to load; False for a (model, tokenizer) pair."""
+        return isinstance(self.model, (str, os.PathLike))
+
+    def as_keywords(self) -> dict[str, Any]:
+        """The fields as `LLM`'s keyword arguments (shallow: the model itself is not copied)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={_short_repr(value)}" for name, value in self.as_keywords().items())
+        return f"EngineArgs({fields})"
+
+
+def _short_repr(value: Any) -> str:
+    """repr, except that a model is named by its type: its own repr lists every layer."""
+    if isinstance(value, nn.Module):
+        return f"<{type(value).__name__}>"
+    if isinstance(value, tuple):  # a (model, tokenizer) pair
+        return "(" + ", ".join(_short_repr(item) for item in value) + ")"
+    return repr(value)

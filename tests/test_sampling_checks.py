@@ -1,0 +1,98 @@
+"""Notebook 01's hidden checks (autograder/checks/sampling.py) pass on the reference
+`decodelab.decoding.sampling` and catch the kept buggy versions (tests/fixtures/buggy_sampling.py),
+with and without transformers, with messages that give the input, the expected and the got."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autograder.checks import sampling as checks
+from decodelab.decoding import sampling
+from oracles import load_fixture
+
+buggy = load_fixture("buggy_sampling")
+
+REFERENCE = {
+    "check_apply_temperature": sampling.apply_temperature,
+    "check_top_k_filter": sampling.top_k_filter,
+    "check_top_p_filter": sampling.top_p_filter,
+    "check_repetition_penalty": sampling.apply_repetition_penalty,
+    "check_sample": sampling.sample,
+    "check_probs": sampling.probs,
+}
+
+
+@pytest.fixture(params=["transformers", "analytic-only"])
+def hf_mode(request, monkeypatch):
+    """Run each check with the Hugging Face comparison, and as if transformers were missing."""
+    if request.param == "transformers":
+        if checks._load_hf() is None:
+            pytest.skip("transformers is not importable")
+    else:
+        monkeypatch.setattr(checks, "_load_hf", lambda: None)
+    return request.param
+
+
+@pytest.mark.parametrize("check_name", sorted(REFERENCE))
+def test_reference_passes(check_name, hf_mode):
+    getattr(checks, check_name)(REFERENCE[check_name])
+
+
+@pytest.mark.parametrize("bug", sorted(buggy.BUGS))
+def test_bug_is_caught(bug, hf_mode):
+    fn, check_name, what = buggy.BUGS[bug]
+    with pytest.raises(AssertionError) as info:
+        getattr(checks, check_name)(fn)
+    message = str(info.value)
+    assert len(message) > 40, f"{bug} ({what}): message too terse to help: {message!r}"
+
+
+def test_messages_give_input_expected_and_got():
+    with pytest.raises(AssertionError) as info:
+        checks.check_top_p_filter(buggy.top_p_one_too_few)
+    message = str(info.value)
+    assert "kept 2 tokens for p=0.9" in message and "has 3" in message
+    assert "[2, 1, 0.5, -1]" in message  # the input
+    with pytest.raises(AssertionError) as info:
+        checks.check_top_k_filter(buggy.top_k_drops_ties)
+    message = str(info.value)
+    assert "expected" in message and "got" in message and "tied" in message
+    with pytest.raises(AssertionError, match="should raise ValueError"):
+        checks.check_apply_temperature(buggy.temperature_no_validation)
+    frequency_message = r"frequency 0\.\d+, but its exact probability is 0\.6225.*standard errors"
+    with pytest.raises(AssertionError, match=frequency_message):
+        checks.check_sample(buggy.sample_ignores_temperature)
+    with pytest.raises(AssertionError, match="drew token 2 .* times, but .* its probability is 0"):
+        checks.check_sample(buggy.sample_top_p_before_top_k)
+    with pytest.raises(AssertionError, match="drew token 2 .* times, but .* its probability is 0"):
+        checks.check_sample(buggy.sample_forgets_top_p)
+    with pytest.raises(AssertionError, match="modified its input logits in place"):
+        checks.check_repetition_penalty(buggy.repetition_in_place)
+    with pytest.raises(AssertionError, match="gave different ids"):
+        checks.check_sample(buggy.sample_ignores_generator)
+
+
+def test_crash_in_function_under_test_becomes_assertion():
+    def crashes(logits, k):
+        raise IndexError("boom")
+
+    with pytest.raises(AssertionError, match="raised IndexError: boom"):
+        checks.check_top_k_filter(crashes)
+
+
+def test_check_sample_restores_global_rng():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    checks.check_sample(sampling.sample)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_tolerance_is_derived_from_n_draws():
+    # Bonferroni: two-sided tail ALPHA / K per category; more categories -> wider bound.
+    z8 = checks._z_bound(8)
+    assert 5.0 < z8 < 6.0
+    assert checks._z_bound(16) > z8
+    from statistics import NormalDist
+
+    assert 2 * 8 * (1 - NormalDist().cdf(z8)) == pytest.approx(checks.ALPHA, rel=1e-6)
