@@ -22,19 +22,21 @@ p_i(d_i), and a rejection draws from p_i with d_i removed. At temperature 0, a f
 drafter can also put its top-w candidates for the next token to the target in one pass
 (`tree_width=w`, `decodelab.decoding.draft_tree`).
 
-The loop (`stream_speculative`) sees every kind through one protocol, `DraftProposer`
-(start / propose / verify / accept / observe / rollback), with one adapter per kind, chosen by
-`make_proposer`: `DraftModelProposer`, `FunctionProposer`, `FeatureProposer`, `TreeProposer`.
-The feature drafter's modules (`eagle`, `draft_tree`) are imported only when one is used.
+This module holds the acceptance rule, the steps above, the loop (`stream_speculative`) and
+the theory (expected tokens per call and speedup). The loop sees every kind of drafter through
+one protocol, `decodelab.decoding.proposers.DraftProposer`, with one adapter per kind, chosen by
+`make_proposer`; the adapters call this module's steps through the module, so a step swapped in
+here (notebook 08, the kept-bug tests) is the one that runs. The feature drafter's adapters
+(`decodelab.decoding.feature_proposers`, with `eagle` and `draft_tree`) are imported only when
+one is used.
 
 Shapes: k drafted tokens, V vocab_size, B independent steps (the batched acceptance rule).
 """
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Union
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -44,45 +46,12 @@ from decodelab.decoding.generate import check_prompt, make_generator, stop_token
 from decodelab.model.kv_cache import KVCache
 from decodelab.model.llama import LlamaForCausalLM
 from decodelab.params import SamplingParams
-from decodelab.decoding.sampling import draw_draft_token, greedy, probs
+from decodelab.decoding.sampling import draw_draft_token, greedy
 from decodelab.validation import check_int
 
 if TYPE_CHECKING:
-    from decodelab.decoding.eagle import FeatureDrafter, FeatureDraftSession
-
-# What a caller passes as `drafter` (module docstring); `make_proposer` wraps it in a `DraftProposer`.
-Drafter = Union[nn.Module, "FeatureDrafter", Callable[[list, int], list]]
-
-# The feature drafter's names, from decodelab.decoding.eagle and draft_tree. They are imported on
-# first use (`__getattr__` below), so a draft model or a function never loads them, and stay
-# attributes of this module, which tests patch (monkeypatch "...speculative.keep_row").
-_EAGLE_NAMES = {"FeatureDrafter", "FeatureDraftSession"}
-_TREE_NAMES = {"top_candidates", "verify_candidates", "accept_candidate", "path_rows", "keep_row"}
-
-
-def __getattr__(name: str):
-    """Import one of the feature drafter's names on first use (PEP 562), and keep it here."""
-    if name in _EAGLE_NAMES:
-        from decodelab.decoding import eagle as home
-    elif name in _TREE_NAMES:
-        from decodelab.decoding import draft_tree as home
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = globals()[name] = getattr(home, name)
-    return value
-
-
-def _late(name: str):
-    """This module's attribute `name`, read at call time: imported on first use if it is one of
-    the feature drafter's, and a test's monkeypatch of it takes effect."""
-    return getattr(sys.modules[__name__], name)
-
-
-def _is_eagle_instance(value, class_name: str) -> bool:
-    """isinstance(value, decodelab.decoding.eagle.<class_name>), without importing eagle: until
-    something has imported it, no instance of its classes can exist."""
-    eagle = sys.modules.get("decodelab.decoding.eagle")
-    return eagle is not None and isinstance(value, getattr(eagle, class_name))
+    from decodelab.decoding.eagle import FeatureDraftSession
+    from decodelab.decoding.proposers import Draft, Drafter
 
 
 # ----------------------------------------------------------------------- the acceptance rule
@@ -167,7 +136,7 @@ def propose(drafter: Drafter, cache: KVCache | FeatureDraftSession | None, ids: 
     """
     if k == 0:
         return torch.empty(0, dtype=torch.long, device=device), torch.empty(0, vocab_size, device=device)
-    if _is_eagle_instance(cache, "FeatureDraftSession"):
+    if hasattr(cache, "propose"):  # a FeatureDraftSession drafts from its own state (a KVCache has no `propose`)
         return cache.propose(ids, k, params, generator)
     if cache is None:  # a function: deterministic guesses, one-hot q
         tokens = torch.tensor(list(drafter(ids, k))[:k], dtype=torch.long, device=device)
@@ -205,219 +174,6 @@ def rollback(target_cache: KVCache, draft_cache: KVCache | None, length: int) ->
     target_cache.truncate(length)
     if draft_cache is not None:
         draft_cache.truncate(min(draft_cache.seq_len, length))
-
-
-# ------------------------------------------------------------------------------ the drafters
-@dataclass
-class Draft:
-    """One step's proposal.
-
-    tokens: LongTensor [k'], k' <= k: the guesses, in order (a tree: w candidates for ONE position).
-    probs: [k', V], the distribution each guess was drawn from (one-hot for a function's); None
-        when greedy, where the acceptance rule needs none.
-    calls: the drafter's forwards (or function calls) the proposal cost.
-    positions: the positions the target judges: k' for a chain, 1 for a tree (0: no candidate).
-    """
-
-    tokens: torch.Tensor
-    probs: torch.Tensor | None
-    calls: int
-    positions: int | None = None  # None: one per token (a chain)
-
-    def __post_init__(self) -> None:
-        if self.positions is None:
-            self.positions = len(self.tokens)
-
-
-class DraftProposer(Protocol):
-    """A drafter as `stream_speculative` drives it through one generation, one adapter per kind
-    (`make_proposer`). Between steps, with `ids` the tokens so far, the last one (the pending
-    token) is in no cache: the target's KVCache holds len(ids) - 1 positions, the drafter's state
-    as many (a draft model's cache may lag by one). Shapes: k' proposed tokens, V vocab_size."""
-
-    context: int  # the longest sequence target and drafter can both hold
-
-    def start(self, target_cache: KVCache, prompt_ids: list[int], max_len: int) -> None:
-        """Feed prompt_ids[:-1] (all but the pending token) to the target, into target_cache (which
-        this proposer keeps), and to the drafter; neither will hold more than max_len positions."""
-
-    def propose(self, ids: list[int], k: int) -> Draft:
-        """Up to k guesses for the tokens after ids (none for k = 0): Draft.tokens [k'],
-        Draft.probs [k', V] or None (greedy)."""
-
-    def verify(self, pending: torch.Tensor, draft: Draft) -> torch.Tensor:
-        """ONE target pass over [pending, draft.tokens] (pending [1]) -> logits [k'+1, V]; row 0
-        is the target's next-token logits after pending, row i after draft token i."""
-
-    def accept(self, draft: Draft, target_logits: torch.Tensor) -> torch.Tensor:
-        """The tokens the step emits, LongTensor [n+1], 1 <= n+1 <= k'+1: the n accepted guesses,
-        then one token of the target's (the residual's draw, or the bonus token)."""
-
-    def observe(self, emitted: torch.Tensor) -> None:
-        """Let the drafter learn what the step emitted (emitted [n+1], `accept`'s result): a feature
-        drafter takes the target's features of the accepted path, kept from `verify`."""
-
-    def rollback(self, length: int) -> None:
-        """Forget the rejected guesses: every cache keeps at most `length` positions (all tokens
-        but the new pending one)."""
-
-
-class ChainProposer:
-    """What drafters of a chain d_1 .. d_k' share: the target's prefill, a plain verify pass, the
-    acceptance rule (greedy, or `accept_draft_tokens`), nothing to observe, and a rollback of the
-    target's cache. Subclasses give `propose` and add their own state. The steps are this
-    module's functions (`prefill`, `propose`, `verify`, `accept_draft_tokens`, `rollback`), read
-    at call time: notebook 08 and the kept-bug tests swap them in the module."""
-
-    def __init__(self, target, params: SamplingParams, generator: torch.Generator | None):
-        self.target, self.params, self.generator = target, params, generator
-        self.context = target.config.max_position_embeddings
-        self.target_cache: KVCache | None = None  # set by `start`
-
-    def start(self, target_cache: KVCache, prompt_ids: list[int], max_len: int) -> None:
-        self.target_cache = target_cache
-        prefill(self.target, target_cache, prompt_ids[:-1])
-
-    def _propose(self, drafter, state, ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The module's `propose` (tokens [k'], probs [k', V] or None) for this drafter and state."""
-        config = self.target.config
-        return propose(drafter, state, ids, k, self.params, self.generator, config.vocab_size, self.target.device)
-
-    def verify(self, pending: torch.Tensor, draft: Draft) -> torch.Tensor:
-        return verify(self.target, self.target_cache, pending, draft.tokens)
-
-    def accept(self, draft: Draft, target_logits: torch.Tensor) -> torch.Tensor:
-        if self.params.greedy:
-            return greedy_accept(draft.tokens, target_logits)
-        target_probs = probs(target_logits, self.params)  # [k'+1, V]
-        return accept_draft_tokens(draft.tokens, draft.probs, target_probs, self.generator)
-
-    def observe(self, emitted: torch.Tensor) -> None:
-        pass  # a draft model or a function learns nothing from the target
-
-    def rollback(self, length: int) -> None:
-        rollback(self.target_cache, None, length)  # the module's `rollback`, not this method
-
-
-class DraftModelProposer(ChainProposer):
-    """A draft model: any `LlamaForCausalLM` with the target's vocabulary, with its own KVCache;
-    k forwards per proposal, each guess drawn from its logits (q_i recorded when sampling)."""
-
-    def __init__(self, target, draft_model: nn.Module, params: SamplingParams, generator):
-        super().__init__(target, params, generator)
-        vocab = target.config.vocab_size
-        if draft_model.config.vocab_size != vocab:
-            raise ValueError(f"draft vocabulary ({draft_model.config.vocab_size}) differs from the "
-                             f"target's ({vocab})")
-        self.draft_model = draft_model
-        self.context = min(self.context, draft_model.config.max_position_embeddings)
-        self.draft_cache: KVCache | None = None
-
-    def start(self, target_cache: KVCache, prompt_ids: list[int], max_len: int) -> None:
-        draft = self.draft_model
-        self.draft_cache = KVCache(draft.config, 1, max_len, device=self.target.device, dtype=draft.dtype)
-        prefill(draft, self.draft_cache, prompt_ids[:-1])
-        super().start(target_cache, prompt_ids, max_len)
-
-    def propose(self, ids: list[int], k: int) -> Draft:
-        return Draft(*self._propose(self.draft_model, self.draft_cache, ids, k), calls=k)
-
-    def rollback(self, length: int) -> None:
-        rollback(self.target_cache, self.draft_cache, length)
-
-
-class FunctionProposer(ChainProposer):
-    """A function (token_ids, k) -> up to k guesses, such as prompt lookup: one call per
-    proposal, deterministic guesses, so q is one-hot."""
-
-    def __init__(self, target, function: Callable[[list, int], list], params: SamplingParams, generator):
-        super().__init__(target, params, generator)
-        self.function = function
-
-    def propose(self, ids: list[int], k: int) -> Draft:
-        return Draft(*self._propose(self.function, None, ids, k), calls=int(k > 0))
-
-
-class FeatureProposer(ChainProposer):
-    """A `decodelab.decoding.eagle.FeatureDrafter`: a `FeatureDraftSession` turns the target's
-    features into guesses, so the target's passes return its features too: the prompt's at
-    `start`, and the verify pass's, of which `observe` hands the accepted ones to the session."""
-
-    def __init__(self, target, drafter: FeatureDrafter, params: SamplingParams, generator):
-        super().__init__(target, params, generator)
-        if drafter.target is not target:
-            raise ValueError("this FeatureDrafter is attached to another model: drafter.attach(target) first")
-        self.drafter = drafter
-        self.session: FeatureDraftSession | None = None
-        self.features: torch.Tensor | None = None  # [k'+1, E]: the last verify pass's
-
-    def start(self, target_cache: KVCache, prompt_ids: list[int], max_len: int) -> None:
-        self.target_cache = target_cache
-        self.session = _late("FeatureDraftSession")(self.drafter, max_len)
-        if len(prompt_ids) > 1:  # the prefill's features: the session's first entries
-            prompt = torch.tensor([prompt_ids[:-1]], device=self.target.device)
-            self.session.add_features(self.target.features(prompt, kv_cache=target_cache)[0])
-
-    def propose(self, ids: list[int], k: int) -> Draft:
-        return Draft(*self._propose(self.drafter, self.session, ids, k), calls=k)
-
-    def verify(self, pending: torch.Tensor, draft: Draft) -> torch.Tensor:
-        target_logits, self.features = verify_with_features(self.target, self.target_cache, pending, draft.tokens)
-        return target_logits
-
-    def observe(self, emitted: torch.Tensor) -> None:
-        self.session.add_features(self.features[:len(emitted)])  # pending's and the accepted drafts'
-
-
-class TreeProposer(FeatureProposer):
-    """A feature drafter's top-`width` candidates for the next token, judged in one tree-masked
-    pass (`decodelab.decoding.draft_tree`; greedy, k = 1). Only the accepted candidate's cache
-    row and features are kept."""
-
-    def __init__(self, target, drafter: FeatureDrafter, params: SamplingParams, generator, width: int):
-        super().__init__(target, drafter, params, generator)
-        self.width, self.max_len = width, 0
-        self.row = 0  # the accepted candidate's row in the last verify pass (0: none was)
-
-    def start(self, target_cache: KVCache, prompt_ids: list[int], max_len: int) -> None:
-        super().start(target_cache, prompt_ids, max_len)
-        self.max_len = max_len
-
-    def propose(self, ids: list[int], k: int) -> Draft:
-        width = min(self.width, self.max_len - len(ids)) if k else 0  # the cache must hold them all
-        candidates = _late("top_candidates")(self.session, ids, width)  # [w]
-        return Draft(candidates, None, calls=k, positions=min(1, len(candidates)))
-
-    def verify(self, pending: torch.Tensor, draft: Draft) -> torch.Tensor:
-        target_logits, self.features = _late("verify_candidates")(self.target, self.target_cache, pending,
-                                                                  draft.tokens)
-        return target_logits  # [w+1, V]
-
-    def accept(self, draft: Draft, target_logits: torch.Tensor) -> torch.Tensor:
-        emitted, self.row = _late("accept_candidate")(draft.tokens, target_logits)
-        return emitted
-
-    def observe(self, emitted: torch.Tensor) -> None:
-        self.session.add_features(self.features[_late("path_rows")(self.row)])  # the accepted path
-
-    def rollback(self, length: int) -> None:
-        _late("keep_row")(self.target_cache, self.row, length)
-
-
-def make_proposer(target, drafter: Drafter, params: SamplingParams, generator: torch.Generator | None,
-                  tree_width: int = 1) -> DraftProposer:
-    """The adapter for this kind of drafter, checked against the target: a feature drafter (a
-    `TreeProposer` when tree_width > 1), a draft model, or a function. tree_width > 1 is only
-    for a feature drafter (`stream_speculative` checks it)."""
-    if _is_eagle_instance(drafter, "FeatureDrafter"):
-        if tree_width > 1:
-            return TreeProposer(target, drafter, params, generator, tree_width)
-        return FeatureProposer(target, drafter, params, generator)
-    if isinstance(drafter, nn.Module):
-        return DraftModelProposer(target, drafter, params, generator)
-    if callable(drafter):
-        return FunctionProposer(target, drafter, params, generator)
-    raise ValueError(f"drafter must be a draft model or a function (token_ids, k) -> ids, got {drafter!r}")
 
 
 # ----------------------------------------------------------------------------- generation
@@ -474,10 +230,14 @@ def stream_speculative(target, drafter: Drafter, prompt_ids: list[int], params: 
     judged together in one pass (`decodelab.decoding.draft_tree`); a step's draft then counts as accepted
     when any candidate is, so stats' alpha is per position, not per candidate.
     """
+    # Imported here, not at the top: the adapters call this module's steps, so `proposers` imports
+    # this module, and importing it back at module level would make the two a cycle.
+    from decodelab.decoding.proposers import is_feature_drafter, make_proposer
+
     k = num_speculative_tokens
     check_int("num_speculative_tokens", k, minimum=1)
     check_int("tree_width", tree_width, minimum=1)
-    if tree_width > 1 and not (_is_eagle_instance(drafter, "FeatureDrafter") and params.greedy and k == 1):
+    if tree_width > 1 and not (is_feature_drafter(drafter) and params.greedy and k == 1):
         raise ValueError("tree_width > 1 needs a feature drafter, temperature 0 and num_speculative_tokens=1")
     if params.repetition_penalty != 1:
         raise ValueError("speculative decoding does not support repetition_penalty != 1")
