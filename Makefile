@@ -31,7 +31,7 @@ lab: setup
 		$(BIN)/jupyter lab --ServerApp.root_dir=course $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # Regenerate the student release course/NAME/ from solutions/NAME/ (nbgrader, nbgrader_config.py).
-# RELEASE="01_sampling" limits it to some notebooks.
+# RELEASE="02_sampling" limits it to some notebooks.
 release: setup
 	$(BIN)/python -m autograder.release $(RELEASE)
 
@@ -53,12 +53,12 @@ bench: setup
 clean-venv:
 	rm -rf $(VENV)
 
-# Grade a class: make grade ASSIGNMENT=01_sampling SUBMISSIONS=path/to/submitted OUT=grades.csv
+# Grade a class: make grade ASSIGNMENT=02_sampling SUBMISSIONS=path/to/submitted OUT=grades.csv
 # (SUBMISSIONS in nbgrader's <student>/<assignment>/<assignment>.ipynb layout; the sandbox needs root).
 ASSIGNMENT ?=
 SUBMISSIONS ?= submitted
 OUT ?= grades.csv
 GRADE_ARGS ?=
 grade: setup
-	$(if $(ASSIGNMENT),,$(error make grade needs ASSIGNMENT=NAME, e.g. ASSIGNMENT=01_sampling))
+	$(if $(ASSIGNMENT),,$(error make grade needs ASSIGNMENT=NAME, e.g. ASSIGNMENT=02_sampling))
 	$(BIN)/python -m autograder grade --assignment $(ASSIGNMENT) --submissions $(SUBMISSIONS) --out $(OUT) $(GRADE_ARGS)

@@ -1,6 +1,6 @@
 """Grade a whole class: one command, parallel, sandboxed, one CSV row per student.
 
-    python -m autograder grade --assignment 01_sampling --submissions DIR --out grades.csv \\
+    python -m autograder grade --assignment 02_sampling --submissions DIR --out grades.csv \\
         [--feedback FEEDBACK_DIR] [--workers N] [--no-sandbox]
 
 DIR is in nbgrader's layout, DIR/<student>/<assignment>/<assignment>.ipynb; the roster is the

@@ -1,7 +1,7 @@
 """Generate the student release course/NAME/ from the source solutions/NAME/ with nbgrader.
 
     python -m autograder.release                 # every notebook in solutions/ (what `make release` runs)
-    python -m autograder.release 01_sampling     # one
+    python -m autograder.release 02_sampling     # one
     python -m autograder.release --out DIR       # somewhere else (the sync test compares DIR with course/)
 
 nbgrader runs in a throw-away course folder (its own gradebook), with the repository's

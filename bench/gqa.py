@@ -14,7 +14,7 @@
 
 Variants are timed interleaved within each round (the machine is shared and noisy);
 medians over rounds. Writes bench/results/gqa_<device>.json.
-Seed figures (notebook 04 draft): 8 -> 2 -> 1 KV heads: 32 -> 8 -> 4 MB, 5.95 -> 2.06 -> 1.18 ms.
+Seed figures (notebook 05 draft): 8 -> 2 -> 1 KV heads: 32 -> 8 -> 4 MB, 5.95 -> 2.06 -> 1.18 ms.
 """
 from __future__ import annotations
 

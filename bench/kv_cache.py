@@ -8,7 +8,7 @@ attending to T - 1 cached positions), on the same model and the same held-out Py
 Both variants are timed interleaved, position by position, in one process (the machine is
 shared and noisy) and the median over rounds is reported. Also: greedy generation with and
 without the cache (same tokens? largest logit difference?) and the K/V rows each computes.
-Writes bench/results/kv_cache_<model>_<device>.json. Seed figures (notebook 03 draft):
+Writes bench/results/kv_cache_<model>_<device>.json. Seed figures (notebook 04 draft):
 4.2x faster at T=16 up to 92x at T=511; same tokens, max logit diff ~3e-6.
 """
 from __future__ import annotations

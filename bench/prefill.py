@@ -11,7 +11,7 @@
 
 Variants are timed interleaved within each round (the machine is shared and noisy);
 medians over rounds. Text: held-out Python source. Writes bench/results/prefill_<model>_<device>.json.
-Seed figures (notebook 03 draft): prefill ~4.1x faster than one by one; 384 + 64 tokens:
+Seed figures (notebook 04 draft): prefill ~4.1x faster than one by one; 384 + 64 tokens:
 96.8 ms recompute vs 13.4 ms reuse.
 """
 from __future__ import annotations

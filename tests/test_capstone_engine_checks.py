@@ -1,4 +1,4 @@
-"""Notebook 09's hidden checks: they pass on the library's reference implementations and catch
+"""Notebook 10's hidden checks: they pass on the library's reference implementations and catch
 every kept bug (tests/fixtures/buggy_capstone_engine.py) with a message that names the case."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Notebook 07's hidden checks: they pass on the library's reference step pieces
+"""Notebook 08's hidden checks: they pass on the library's reference step pieces
 (`decodelab.engine.scheduler`) and catch every kept bug (tests/fixtures/buggy_continuous_batching.py) with a
 message that names the case; plus the simulator and serving helpers the notebook uses
 (`decodelab.lessons.continuous_batching`)."""

@@ -1,4 +1,4 @@
-"""Notebook 04's hidden checks: they pass on the library's reference implementations and catch
+"""Notebook 05's hidden checks: they pass on the library's reference implementations and catch
 every kept bug (tests/fixtures/buggy_gqa.py) with a message that names the case."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Notebook 02's hidden checks: they pass on the library's references (and on a cache written
+"""Notebook 03's hidden checks: they pass on the library's references (and on a cache written
 another valid way), and catch every kept bug (tests/fixtures/buggy_kv_cache.py) with a message
 that names the case. Also the small library functions the notebook added."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Notebook 06's hidden checks: they pass on the library's reference implementations and catch
+"""Notebook 07's hidden checks: they pass on the library's reference implementations and catch
 every kept bug (tests/fixtures/buggy_paged_kv.py) with a message that names the case."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Notebook 03's hidden checks: they pass on the library's reference implementations and catch
+"""Notebook 04's hidden checks: they pass on the library's reference implementations and catch
 every kept bug (tests/fixtures/buggy_prefill_decode.py) with a message that names the case. Also the
 two small library functions the notebook added (latencies_from_timestamps, decode_greedy), and the
 rule that each exercise has exactly its reference's signature and docstring."""
@@ -20,7 +20,7 @@ from notebooks import grade_id, read, solution_path
 from oracles import expect_bug_caught, load_fixture, random_model
 
 buggy = load_fixture("buggy_prefill_decode")
-NAME = "03_prefill_decode"
+NAME = "04_prefill_decode"
 
 
 def _reference(function: str):

@@ -1,7 +1,7 @@
 """Quantization (`decodelab.model.quantization`) and perplexity (`decodelab.lessons.perplexity`).
 
 The ``check_*`` functions take the implementation under test (the library's reference here,
-a kept buggy version in the negative tests, a learner's own in notebook 05) and raise
+a kept buggy version in the negative tests, a learner's own in notebook 06) and raise
 AssertionError with the input, the expected and the actual result. Their expected values
 come from small plain-torch formulas here, never from `decodelab.model.quantization` itself.
 

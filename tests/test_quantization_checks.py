@@ -1,4 +1,4 @@
-"""Notebook 05's hidden checks (autograder/checks/quantization.py): they pass on the library's
+"""Notebook 06's hidden checks (autograder/checks/quantization.py): they pass on the library's
 reference implementations and catch every kept bug, those of tests/fixtures/buggy_quantization.py
 and those of tests/fixtures/library/buggy_quantization.py whose check the notebook grades, with a message
 that names the case."""

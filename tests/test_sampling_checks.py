@@ -1,4 +1,4 @@
-"""Notebook 01's hidden checks (autograder/checks/sampling.py) pass on the reference
+"""Notebook 02's hidden checks (autograder/checks/sampling.py) pass on the reference
 `decodelab.decoding.sampling` and catch the kept buggy versions (tests/fixtures/buggy_sampling.py),
 with and without transformers, with messages that give the input, the expected and the got."""
 from __future__ import annotations

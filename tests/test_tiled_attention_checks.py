@@ -1,4 +1,4 @@
-"""The bonus notebook 10's hidden checks: they pass on the library's reference implementations and
+"""The bonus notebook 11's hidden checks: they pass on the library's reference implementations and
 catch every kept bug (tests/fixtures/buggy_tiled_attention.py) with a message that names the case."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checks for notebook 09, the capstone: the engine's loop body, KV-pool sizing, roofline fraction.
+"""Checks for notebook 10, the capstone: the engine's loop body, KV-pool sizing, roofline fraction.
 
 Every ``check_*`` takes the function under test and raises ``AssertionError`` naming the case,
 the expected and the actual result.

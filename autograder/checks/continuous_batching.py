@@ -1,4 +1,4 @@
-"""Checks for notebook 07, continuous batching: the four step pieces of `decodelab.engine.scheduler`
+"""Checks for notebook 08, continuous batching: the four step pieces of `decodelab.engine.scheduler`
 (`admit`, `decode_batch`, `preempt`, `finish`).
 
 Each ``check_*`` takes the function under test (the library's reference in CI, a kept buggy

@@ -1,4 +1,4 @@
-"""Checks for notebook 04, grouped-query attention: `repeat_kv`, `group_query_attention`, `pool_kv_heads`.
+"""Checks for notebook 05, grouped-query attention: `repeat_kv`, `group_query_attention`, `pool_kv_heads`.
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and either

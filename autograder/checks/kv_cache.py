@@ -1,4 +1,4 @@
-"""Checks for notebook 02, the KV cache: generation without a cache, a KV cache class, generation
+"""Checks for notebook 03, the KV cache: generation without a cache, a KV cache class, generation
 with it, and the KV bytes formula.
 
 Every ``check_*`` takes the function (or class) under test: the library's reference in CI, a

@@ -1,4 +1,4 @@
-"""Checks for notebook 06, paged KV: `slot_of`, `kv_waste`, `gather_kv`, `copy_on_write_last_block`.
+"""Checks for notebook 07, paged KV: `slot_of`, `kv_waste`, `gather_kv`, `copy_on_write_last_block`.
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and either

@@ -1,4 +1,4 @@
-"""Checks for notebook 03, prefill and decode: the prompt in one forward pass, TTFT and
+"""Checks for notebook 04, prefill and decode: the prompt in one forward pass, TTFT and
 inter-token latency, arithmetic intensity, and reusing a shared prefix's KV cache.
 
 Each ``check_*`` takes the function under test (the library's reference in CI, a kept buggy

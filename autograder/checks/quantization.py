@@ -1,4 +1,4 @@
-"""Checks for notebook 05, `decodelab.model.quantization`: absmax int8 (per tensor, per channel), int4 nibble
+"""Checks for notebook 06, `decodelab.model.quantization`: absmax int8 (per tensor, per channel), int4 nibble
 packing, group-wise int4.
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy

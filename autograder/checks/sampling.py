@@ -1,4 +1,4 @@
-"""Checks for notebook 01, `decodelab.decoding.sampling`: temperature, top-k, top-p, repetition penalty, sampling.
+"""Checks for notebook 02, `decodelab.decoding.sampling`: temperature, top-k, top-p, repetition penalty, sampling.
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and either

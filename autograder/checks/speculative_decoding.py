@@ -1,4 +1,4 @@
-"""Checks for notebook 08, speculative decoding: the acceptance rule, the total variation
+"""Checks for notebook 09, speculative decoding: the acceptance rule, the total variation
 distance, and the rollback that keeps the KV caches in step with the accepted tokens.
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy

@@ -1,4 +1,4 @@
-"""Checks for the bonus notebook 10, tiled attention: `online_softmax_update`, `tiled_attention`,
+"""Checks for the bonus notebook 11, tiled attention: `online_softmax_update`, `tiled_attention`,
 `attention_memory_bytes`.
 
 Every ``check_*`` takes the function under test and either returns None or raises

@@ -186,7 +186,7 @@ def generate(model, tokenizer: Tokenizer, prompt: str | list[dict], params: Samp
              chat: bool = True, cache_class=KVCache) -> Completion:
     """Generate a whole completion for one prompt (see `stream_text` for the streaming form).
 
-    cache_class: the KV cache to generate with (notebook 02 passes the learner's own)."""
+    cache_class: the KV cache to generate with (notebook 03 passes the learner's own)."""
     params = params or SamplingParams()
     completion = Completion(encode_prompt(tokenizer, prompt, chat))
     for _ in stream_text(model, tokenizer, completion.prompt_ids, params, completion, cache_class):

@@ -10,7 +10,7 @@ rollback), and one adapter per kind of drafter, chosen by `make_proposer`:
                                                                  `decodelab.decoding.feature_proposers`)
 
 The adapters run the loop's steps (`prefill`, `propose`, `verify`, `accept_draft_tokens`,
-`rollback`) as attributes of the `speculative` module, looked up at each call: notebook 08 and
+`rollback`) as attributes of the `speculative` module, looked up at each call: notebook 09 and
 the kept-bug tests swap a step there (`mock.patch.object(speculative, "rollback", ...)`) and the
 loop must run theirs. The feature drafter's adapters, with `eagle` and `draft_tree`, are imported
 only when a feature drafter is used.

@@ -26,7 +26,7 @@ This module holds the acceptance rule, the steps above, the loop (`stream_specul
 the theory (expected tokens per call and speedup). The loop sees every kind of drafter through
 one protocol, `decodelab.decoding.proposers.DraftProposer`, with one adapter per kind, chosen by
 `make_proposer`; the adapters call this module's steps through the module, so a step swapped in
-here (notebook 08, the kept-bug tests) is the one that runs. The feature drafter's adapters
+here (notebook 09, the kept-bug tests) is the one that runs. The feature drafter's adapters
 (`decodelab.decoding.feature_proposers`, with `eagle` and `draft_tree`) are imported only when
 one is used.
 

@@ -12,7 +12,7 @@ also mixes the two (`Scheduler.mix_decode_with_prefill`): running sequences keep
 the steps that prefill newcomers.
 
 The four step pieces (`admit`, `decode_batch`, `preempt`, `finish`) are plain functions of
-the scheduler, bound as its methods: notebook 07 has the learner write each one, and a
+the scheduler, bound as its methods: notebook 08 has the learner write each one, and a
 subclass with the learner's versions plugs into `EngineHooks(scheduler=...)`.
 """
 from __future__ import annotations

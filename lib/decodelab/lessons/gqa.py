@@ -121,7 +121,7 @@ def pool_model_kv_heads(model, num_kv_heads: int, pool=pool_kv_heads):
     are pooled, and config.num_key_value_heads is updated, so the new model runs in the
     same engine and its KV cache is H_kv_old / num_kv_heads times smaller. The original
     model is left untouched. `pool` pools one weight or bias (the signature of
-    `pool_kv_heads`; notebook 04 passes the learner's own).
+    `pool_kv_heads`; notebook 05 passes the learner's own).
     """
     config = model.config
     old = config.num_key_value_heads

@@ -1,4 +1,4 @@
-"""Prefill: the prompt in one forward pass, and what that buys (notebook 03).
+"""Prefill: the prompt in one forward pass, and what that buys (notebook 04).
 
 Feeding a T-token prompt one token at a time runs T forward passes, each a batch of
 matrix-vector products that reads every weight once for one token. Prefill runs the same

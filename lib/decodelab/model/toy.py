@@ -61,7 +61,7 @@ def random_llama(seed: int = 0, dtype: torch.dtype = torch.float32, weight_scale
 
 
 def tiny_model(seed: int = 0, sliding_window: int | None = None, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """Notebook 02's model: a random 2-layer Llama (4 query heads sharing 2 KV heads, vocabulary
+    """Notebook 03's model: a random 2-layer Llama (4 query heads sharing 2 KV heads, vocabulary
     61, context 64) with plain norms; random weights give O(1) logits whose argmax depends on
     the whole context."""
     return random_llama(seed, dtype=dtype, norm_jitter=0.0, vocab_size=61, hidden_size=32, intermediate_size=64,

@@ -1,4 +1,4 @@
-"""Notebook 09's widget: batched decode on this machine's roofline.
+"""Notebook 10's widget: batched decode on this machine's roofline.
 
 A decode step reads every weight once and yields one token per sequence in the batch, so the
 memory roof rises with the batch: batch x bandwidth / weight_bytes tokens/s. The arithmetic

@@ -1,4 +1,4 @@
-"""Figures and the explorer of notebook 07 (continuous batching): slot occupancy over time, the
+"""Figures and the explorer of notebook 08 (continuous batching): slot occupancy over time, the
 batch-size trade-off, a scheduler trace, and an arrival-rate slider over static vs continuous.
 
 Every figure takes results computed by the caller (`decodelab.lessons.continuous_batching` with the learner's

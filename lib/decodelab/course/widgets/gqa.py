@@ -1,4 +1,4 @@
-"""Notebook 04 (grouped-query attention): the KV-heads explorer, the timing of one decode step of
+"""Notebook 05 (grouped-query attention): the KV-heads explorer, the timing of one decode step of
 attention against the number of KV heads, its figure beside the seed's, and a way to run a
 model with another attention function (the learner's) inside the single-request generator.
 

@@ -1,4 +1,4 @@
-"""What notebook 02 (the KV cache) draws and measures beyond the shared widgets: per-token
+"""What notebook 03 (the KV cache) draws and measures beyond the shared widgets: per-token
 timing with and without a cache, and the KV-size calculator.
 
 Everything takes the functions to run as arguments (the learner's own, or the library's

@@ -1,4 +1,4 @@
-"""Notebook 06's pictures and explorer: KV waste against block size, and the block pool as
+"""Notebook 07's pictures and explorer: KV waste against block size, and the block pool as
 requests come and go. The notebook passes in the functions to use (the learner's own, or the
 library's reference while an exercise is unfinished).
 

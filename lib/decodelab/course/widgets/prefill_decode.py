@@ -1,4 +1,4 @@
-"""Figures and the roofline explorer of notebook 03 (prefill and decode).
+"""Figures and the roofline explorer of notebook 04 (prefill and decode).
 
 The numbers are computed by the caller (with the learner's functions where there are some);
 these functions only draw. The explorer follows widgets.py: an ipywidgets box with

@@ -1,4 +1,4 @@
-"""Notebook 05's measurements and its explorer: quantize a model with the learner's functions,
+"""Notebook 06's measurements and its explorer: quantize a model with the learner's functions,
 measure what it costs (bytes, weight error, perplexity, greedy agreement, decode time), compare
 KV-cache dtypes, and multiply with a few outlier columns kept in float (LLM.int8's idea).
 

@@ -1,4 +1,4 @@
-"""Notebook 01's explorer: sliders T / k / p / penalty redraw the next-token distribution."""
+"""Notebook 02's explorer: sliders T / k / p / penalty redraw the next-token distribution."""
 from __future__ import annotations
 
 import html

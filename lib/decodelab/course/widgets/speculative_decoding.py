@@ -1,4 +1,4 @@
-"""Notebook 08's explorer: acceptance rate alpha, draft cost c and the number of drafts k ->
+"""Notebook 09's explorer: acceptance rate alpha, draft cost c and the number of drafts k ->
 tokens per target call and the speed-up they allow, beside what was measured.
 
 Same shape as `decodelab.course.widgets.controls`: an ipywidgets box with ``.figure`` (the FigureWidget),

@@ -1,4 +1,4 @@
-"""Bonus notebook 10 (tiled attention): the tile-by-tile explorer, the memory and time sweep of
+"""Bonus notebook 11 (tiled attention): the tile-by-tile explorer, the memory and time sweep of
 plain against tiled attention, and a KV cache that attends with a given tiled attention (the
 learner's) so that a real model can generate with it.
 
