@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"
 COURSE = ROOT / "course"
 
-READY = ["00_meet_the_model", "01_sampling", "02_kv_cache", "03_prefill_decode", "04_gqa", "05_quantization",
-         "06_paged_kv", "07_continuous_batching", "08_speculative_decoding", "09_capstone_engine"]
+READY = ["00_meet_the_model", "01_forward_pass", "01_sampling", "02_kv_cache", "03_prefill_decode", "04_gqa",
+         "05_quantization", "06_paged_kv", "07_continuous_batching", "08_speculative_decoding", "09_capstone_engine"]
 # Not yet in the matrix: 10_tiled_attention (bonus). Its solution autogrades to full marks and its
 # browser run takes 16 s, but executing its release with nbclient stalls 300 s after the tile
 # explorer's cell (reproducible; not in JupyterLab, not under nbgrader). Run it alone with
