@@ -62,8 +62,8 @@ def layers_figure(result: dict[str, list[float]], logit_diff: float) -> go.Figur
     layers = list(range(len(result["max_diff"])))
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=(
         "RMS of the residual stream after each layer", "largest |yours - library| after each layer"))
-    fig.add_scatter(x=layers, y=result["library_rms"], name="library", mode="lines+markers",
-                    line=dict(color=OTHER_COLOR, dash="dash"), row=1, col=1)
+    fig.add_scatter(x=layers, y=result["library_rms"], name="library", mode="lines",  # a band under yours
+                    line=dict(color=OTHER_COLOR, width=8), opacity=0.4, row=1, col=1)
     fig.add_scatter(x=layers, y=result["yours_rms"], name="yours", mode="lines+markers",
                     line=dict(color=MEASURED_COLOR), row=1, col=1)
     fig.add_scatter(x=layers, y=result["max_diff"], name="yours - library, per layer", mode="lines+markers",
@@ -74,7 +74,7 @@ def layers_figure(result: dict[str, list[float]], logit_diff: float) -> go.Figur
                     mode="lines", line=dict(color=SEED_COLOR, dash="dash"), row=1, col=2)
     fig.update_xaxes(title="decoder layer")
     fig.update_yaxes(type="log", title="RMS", row=1, col=1)
-    fig.update_yaxes(type="log", title="max |difference|", row=1, col=2)
+    fig.update_yaxes(type="log", title="max |difference|", exponentformat="e", row=1, col=2)
     fig.update_layout(height=420, margin=dict(l=10, r=10, t=60, b=40), legend=dict(orientation="h", y=-0.25))
     return fig
 
@@ -104,10 +104,10 @@ def rope_explorer(rope_fn, max_distance: int = 1024):
                               **SLIDER)
     fig = go.FigureWidget()
     distances = list(range(1, max_distance))  # d = 0 is the reference, 1, and has no place on a log axis
+    fig.add_scatter(x=distances, y=[0.0] * len(distances), mode="lines", name="q at d, k at 0",  # a band under
+                    line=dict(color=OTHER_COLOR, width=8), opacity=0.4)
     fig.add_scatter(x=distances, y=[0.0] * len(distances), mode="lines", name="q at shift + d, k at shift",
                     line=dict(color=MEASURED_COLOR))
-    fig.add_scatter(x=distances, y=[0.0] * len(distances), mode="lines", name="q at d, k at 0",
-                    line=dict(color=OTHER_COLOR, dash="dot"))
     fig.update_layout(height=420, margin=dict(l=10, r=10, t=80, b=40), legend=dict(orientation="h", y=-0.2))
     fig.update_xaxes(title="distance d = position of q - position of k", type="log")
     fig.update_yaxes(title="score(q, k) / score at d = 0", range=[-0.4, 1.05])
@@ -117,8 +117,8 @@ def rope_explorer(rope_fn, max_distance: int = 1024):
         at_zero = rope_score_curve(rope_fn, head_dim.value, theta.value, 0, max_distance)
         gap = max(abs(a - b) for a, b in zip(shifted, at_zero))
         with fig.batch_update():
-            fig.data[0].y, fig.data[1].y = shifted[1:], at_zero[1:]
-            fig.data[0].name = f"q at {shift.value} + d, k at {shift.value}"
+            fig.data[0].y, fig.data[1].y = at_zero[1:], shifted[1:]
+            fig.data[1].name = f"q at {shift.value} + d, k at {shift.value}"
             fig.layout.title.text = (f"RoPE, theta = {theta.value:.3g}, D = {head_dim.value}: the score falls and "
                                      f"wobbles with distance<br>shifting both positions by {shift.value} moves it "
                                      f"by at most {gap:.1e}")
