@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"
 COURSE = ROOT / "course"
 
-READY = ["00_meet_the_model", "02_sampling", "03_kv_cache", "04_prefill_decode", "05_gqa", "06_quantization",
-         "07_paged_kv", "08_continuous_batching", "09_speculative_decoding", "10_capstone_engine"]
+READY = ["00_meet_the_model", "01_forward_pass", "02_sampling", "03_kv_cache", "04_prefill_decode", "05_gqa",
+         "06_quantization", "07_paged_kv", "08_continuous_batching", "09_speculative_decoding", "10_capstone_engine"]
 # Not yet in the matrix: 11_tiled_attention (bonus). Its solution autogrades to full marks and its
 # browser run takes 16 s, but executing its release with nbclient stalls 300 s after the tile
 # explorer's cell (reproducible; not in JupyterLab, not under nbgrader). Run it alone with

@@ -13,12 +13,17 @@ import torch
 from decodelab.config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """The rotation speed of each channel pair, after rope_scaling. Shape [head_dim / 2], float32."""
-    dim = config.head_dim
+def plain_inverse_frequencies(head_dim: int, rope_theta: float) -> torch.Tensor:
+    """theta^(-2i/D) for the channel pairs i = 0 .. D/2 - 1, without any rope_scaling.
+    Shape [head_dim / 2], float32."""
     # float32 throughout, exactly as `transformers` computes it: float64 here differs in the
     # last bit for some channels, which moves logits by ~1e-4 after a few hundred positions.
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    return 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """The rotation speed of each channel pair, after rope_scaling. Shape [head_dim / 2], float32."""
+    inv_freq = plain_inverse_frequencies(config.head_dim, config.rope_theta)
     scaling = config.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "linear":
