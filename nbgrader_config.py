@@ -26,6 +26,14 @@ c.ClearSolutions.code_stub = {
 c.Execute.timeout = 300
 c.Execute.startup_timeout = 120
 
+# Late submissions (python -m autograder grade; see README "Grading a class"). The due date is the
+# gradebook's (nbgrader db assignment add NAME --duedate ..., or grade --due); a time without a zone
+# is in Exchange.timezone. Uncomment to charge late work:
+# c.Exchange.timezone = "Europe/Berlin"
+# c.AssignLatePenalties.plugin_class = "autograder.late.PointsPerDay"  # or PercentPerDay, ZeroAfterCutoff
+# c.PointsPerDay.points = 1         # per day late; a started day counts (partial_days = "fraction" prorates)
+# c.PointsPerDay.cutoff_days = 7    # later than that: score 0
+
 # Hidden-test cells import `autograder.run`, which lives next to this file and is never part of the
 # student release. Kernels started by nbgrader (autograde, validate) inherit this environment.
 _root = os.path.dirname(os.path.abspath(__file__))

@@ -1,7 +1,8 @@
 """Grade a whole class: one command, parallel, sandboxed, one CSV row per student.
 
     python -m autograder grade --assignment 02_sampling --submissions DIR --out grades.csv \\
-        [--feedback FEEDBACK_DIR] [--workers N] [--no-sandbox]
+        [--feedback FEEDBACK_DIR] [--workers N] [--no-sandbox] [--due "2026-03-01 17:00 Europe/Berlin"] \\
+        [--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay --PointsPerDay.points=1 ...]
 
 DIR is in nbgrader's layout, DIR/<student>/<assignment>/<assignment>.ipynb; the roster is the
 student folders in DIR. Built on nbgrader: `generate_assignment` of the source notebook makes
@@ -24,10 +25,20 @@ status (the first that applies wins) | score
   ok          none of the above                                        as graded
 
 The notes column says what happened, and flags what never changes a score: "integrity:" (an
-answer that calls the library's reference or touches autograder/) and "version:" (a notebook
-released for another decodelab version than the one grading it, or recording none: the
-release writes `decodelab.__version__` into its metadata). The summary printed at the end
-lists both.
+answer that calls the library's reference or touches autograder/), "similarity:" (an answer
+cell that is the same code as another submission's or the library's reference once names,
+literals and formatting are set aside: autograder/similarity.py, run in this process once
+every row is graded) and "version:" (a notebook released for another decodelab version than
+the one grading it, or recording none: the release writes `decodelab.__version__` into its
+metadata). The summary printed at the end lists them.
+
+Late submissions (autograder/late.py): when the assignment has a due date in the gradebook
+(nbgrader's `duedate`, from `nbgrader db assignment add` or `--due`), each submission's
+nbgrader `timestamp.txt` is read, the penalty plugin nbgrader's `AssignLatePenalties.plugin_class`
+names (nbgrader_config.py, or `--Class.trait=value` here) gives the points off, and the row
+gets `submitted_at` (UTC, ISO 8601) and `late_penalty`; `score` is net of it, never below 0. A
+missing or malformed timestamp is a "late:" note and costs nothing. No due date: the two
+columns stay empty.
 """
 from __future__ import annotations
 
@@ -46,7 +57,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STATUSES = ("unreadable", "missing", "crashed", "timeout", "tampered", "ok")
-COLUMNS = ("student", "assignment", "score", "max_score", "status", "notes")
+COLUMNS = ("student", "assignment", "score", "max_score", "status", "notes", "submitted_at", "late_penalty")
 HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 NO_SANDBOX_NOTE = "graded WITHOUT the sandbox (--no-sandbox): the kernel ran as the grader"
 
@@ -367,6 +378,7 @@ def save_grades(result: Result, settings: Settings) -> tuple[float, float]:
             grade.auto_score = 0
             grade.manual_score = None
             grade.needs_manual_grade = False
+        sub.late_submission_penalty = None
         gb.db.commit()
     if result.notebook is not None:
         nb = nbformat.reads(result.notebook, as_version=4)
@@ -445,14 +457,106 @@ def _fmt(x: float) -> str:
     return f"{x:g}"
 
 
+# --------------------------------------------------------------------------- late submissions
+
+def late_policy(overrides=None):
+    """The late policy of nbgrader_config.py (with command-line `--Class.trait=value` settings
+    on top): SystemExit with the reason if its plugin or time zone is wrong."""
+    from autograder import late
+    from autograder.release import load_config
+
+    config = load_config()
+    if overrides is not None:
+        config.merge(overrides)
+    try:
+        return late.policy_from_config(config)
+    except ValueError as exc:
+        raise SystemExit(f"autograder grade: {exc}") from None
+
+
+def set_due_date(db_url: str, assignment: str, due: str | None, policy):
+    """Write `--due` (None: keep the gradebook's, "none": remove it) into nbgrader's gradebook;
+    returns the assignment's due date (naive UTC) or None."""
+    from nbgrader.api import Gradebook
+
+    with Gradebook(db_url) as gb:
+        if due is not None:
+            gb.update_or_create_assignment(assignment, duedate=parse_due(due, policy))
+        return gb.find_assignment(assignment).duedate
+
+
+def parse_due(due: str, policy):
+    """`--due` as nbgrader's gradebook stores it (naive UTC; None for "none"); SystemExit if malformed."""
+    from autograder import late
+
+    try:
+        return late.due_date_of(due, policy.timezone)
+    except ValueError as exc:
+        raise SystemExit(f"autograder grade: --due {due!r}: {exc}") from None
+
+
+def late_columns(result: Result, settings: Settings, policy, submissions: Path, score: float) -> tuple[float, dict]:
+    """(the score net of any late penalty, the row's submitted_at and late_penalty); a "late:"
+    note joins result.notes when the submission is late or its time cannot be read."""
+    from autograder import late
+
+    empty = {"submitted_at": "", "late_penalty": ""}
+    if policy is None:
+        return score, empty
+    try:
+        found = policy.record(settings.db_url, settings.assignment, Path(settings.notebook).stem, result.student,
+                              submissions / result.student / settings.assignment, score)
+    except Exception as exc:  # noqa: BLE001 - the grade stands; the note says why nothing was taken off
+        result.notes.append(f"late: not checked ({type(exc).__name__}: {_short(exc, 150)}), no penalty")
+        return score, empty
+    if found is None:
+        return score, empty
+    if found.note:
+        result.notes.append(found.note)
+    penalty = found.penalty
+    return max(0.0, score - (penalty or 0.0)), {"submitted_at": late.show(found.submitted_at),
+                                                "late_penalty": "" if penalty is None else _fmt(penalty)}
+
+
+# --------------------------------------------------------------------------- answer similarity
+
+def add_similarity_notes(settings: Settings, jobs: dict[str, Path], rows: dict, out: Path) -> None:
+    """The class-wide comparison of answer cells (autograder/similarity.py), once every row is
+    graded: its "similarity:" notes join those rows and the CSV is written again. Unreadable and
+    missing submissions are skipped; a failure is a note, never a lost grade."""
+    import nbformat
+
+    from autograder import similarity
+
+    graded = {s: p for s, p in jobs.items()
+              if rows.get((s, settings.assignment), {}).get("status") not in ("unreadable", "missing", None)}
+    if not graded:
+        return
+    try:
+        found = similarity.class_notes(nbformat.read(settings.release, as_version=4), graded)
+    except Exception as exc:  # noqa: BLE001 - the grades are written; only the comparison is lost
+        found = {s: [f"similarity: not checked ({type(exc).__name__}: {_short(exc, 100)})"] for s in graded}
+    for student, notes in found.items():
+        row = rows[(student, settings.assignment)]
+        row["notes"] = "; ".join([n for n in row["notes"].split("; ") if n] + notes)
+    write_csv(out, rows)
+
+
 def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path | None = None, workers: int = 2,
                 sandbox_on: bool = True, source: Path = ROOT / "solutions", gradebook: Path | None = None,
                 cell_timeout: float = 300, notebook_timeout: float = 1800, memory_bytes: int = 4 * 2**30,
-                max_processes: int = 128, output_limit: int = 1_000_000, progress: bool = True) -> list[dict]:
-    """Grade every student folder in submissions; returns the rows written for this run."""
+                max_processes: int = 128, output_limit: int = 1_000_000, progress: bool = True,
+                due: str | None = None, late_settings=None) -> list[dict]:
+    """Grade every student folder in submissions; returns the rows written for this run.
+
+    `due`: a due date to write into the gradebook first ("none" removes it; None keeps what it
+    has); `late_settings`: a traitlets Config over nbgrader_config.py for the late policy."""
     from autograder import sandbox
     from autograder.release import library_version
 
+    policy = late_policy(late_settings)
+    if due is not None:
+        parse_due(due, policy)  # refused before any work
     submissions, out = submissions.resolve(), out.resolve()
     gradebook = (gradebook or out.with_name("gradebook.db")).resolve()
     if not submissions.is_dir():
@@ -467,17 +571,19 @@ def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path
         if sandbox_on:
             sandbox.preflight(work, limits, hide)
         db_url, release = prepare_course(assignment, source, work / "c", gradebook)
+        if set_due_date(db_url, assignment, due, policy) is None:
+            policy = None  # no due date: nothing is late
         settings = Settings(assignment=assignment, notebook=f"{assignment}.ipynb", db_url=db_url, release=str(release),
                             work=str(work), cell_timeout=cell_timeout, notebook_timeout=notebook_timeout,
                             output_limit=output_limit, sandbox=sandbox_on, limits=asdict(limits),
                             hide=[str(p) for p in hide + [work / "c"]], version=library_version())
-        return _run(settings, submissions, out, feedback, workers, progress)
+        return _run(settings, submissions, out, feedback, workers, progress, policy)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None, workers: int,
-         progress: bool) -> list[dict]:
+         progress: bool, policy=None) -> list[dict]:
     import multiprocessing
 
     from tqdm import tqdm
@@ -506,10 +612,11 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
         if not settings.sandbox:
             result.notes.insert(0, NO_SANDBOX_NOTE)
         score, max_score = save_grades(result, settings)
+        score, late = late_columns(result, settings, policy, submissions, score)
         if feedback is not None:
             write_feedback(result, settings, feedback.resolve(), score, max_score)
         row = {"student": result.student, "assignment": settings.assignment, "score": _fmt(score),
-               "max_score": _fmt(max_score), "status": result.status, "notes": "; ".join(result.notes)}
+               "max_score": _fmt(max_score), "status": result.status, "notes": "; ".join(result.notes), **late}
         rows[(result.student, settings.assignment)] = row
         written.append(row)
         write_csv(out, rows)  # after every student: a crash of the grader loses nothing done
@@ -529,6 +636,7 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
                     result = Result(futures[future], "crashed", [f"grader worker died: {type(exc).__name__}: {exc}"])
                 finish(result)
     bar.close()
+    add_similarity_notes(settings, jobs, rows, out)
     return sorted(written, key=lambda r: r["student"])
 
 
@@ -550,7 +658,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-processes", type=int, default=128, help="processes/threads per kernel (default 128)")
     parser.add_argument("--output-limit", type=int, default=1_000_000, help="bytes of output kept per cell")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
+    parser.add_argument("--due", help='the due date, written into the gradebook as nbgrader\'s duedate and kept '
+                        'for later runs: "YYYY-MM-DD HH:MM[:SS] [ZONE]" (no zone: Exchange.timezone, default UTC); '
+                        '"none" removes it. Default: the gradebook\'s')
+    parser.epilog = ("Late penalty settings as in nbgrader_config.py, for this run: "
+                     "--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay --PointsPerDay.points=1 "
+                     "--PointsPerDay.cutoff_days=7 --Exchange.timezone=Europe/Berlin")
+    args, extra = parser.parse_known_args(argv)
+    try:
+        late_settings = nbgrader_settings(extra)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
     if args.memory <= 0 or args.cell_timeout <= 0 or args.notebook_timeout <= 0:
@@ -568,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
                            sandbox_on=not args.no_sandbox, source=args.source, gradebook=args.gradebook,
                            cell_timeout=args.cell_timeout, notebook_timeout=args.notebook_timeout,
                            memory_bytes=int(args.memory * 2**30), max_processes=args.max_processes,
-                           output_limit=args.output_limit, progress=not args.quiet)
+                           output_limit=args.output_limit, progress=not args.quiet, due=args.due,
+                           late_settings=late_settings)
     except sandbox.SandboxUnavailable as exc:
         print(f"autograder grade: refusing to run learners' code: {exc}", file=sys.stderr)
         return 3
@@ -578,14 +697,50 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+LATE_SETTINGS = ("Exchange", "AssignLatePenalties", "LateSubmissionPlugin", "DailyPenalty", "PointsPerDay",
+                 "PercentPerDay", "ZeroAfterCutoff")
+
+
+def nbgrader_settings(extra: list[str]):
+    """`--Class.trait=value` arguments (nbgrader's command-line syntax) -> a traitlets Config.
+    ValueError for anything else, or a class the late policy does not read."""
+    import re
+
+    from traitlets.config.loader import KVArgParseConfigLoader
+
+    bad = [a for a in extra if not re.fullmatch(r"--[A-Za-z_]\w*\.[A-Za-z_]\w*=.*", a, re.S)]
+    if bad:
+        raise ValueError(f"unrecognized arguments: {' '.join(bad)} (nbgrader settings are --Class.trait=value)")
+    config = KVArgParseConfigLoader(argv=extra).load_config()
+    plugin = str(config.AssignLatePenalties.get("plugin_class", "")).rpartition(".")[2] if extra else ""
+    unknown = sorted(set(config) - set(LATE_SETTINGS) - {plugin})
+    if unknown:
+        raise ValueError(f"--{unknown[0]}.…: only the late policy's settings can be given here "
+                         f"({', '.join(LATE_SETTINGS)}, or the plugin class named by AssignLatePenalties.plugin_class)")
+    return config
+
+
 def summary(rows: list[dict], assignment: str, seconds: float, out: Path, version: str) -> list[str]:
-    """What `grade` prints at the end: the count of each status, every integrity flag, and which
-    submissions were released for another decodelab version than the one grading them."""
+    """What `grade` prints at the end: the count of each status, every integrity flag, the late
+    submissions, the similarity flags, and which submissions were released for another
+    decodelab version than the one grading them."""
     counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
     lines = [f"graded {len(rows)} submissions of {assignment} in {seconds:.0f} s: "
              + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" -> {out}"]
     for row in rows:
         lines += [f"  {row['student']}: {flag}" for flag in row["notes"].split("; ") if flag.startswith("integrity:")]
+    late = [r["student"] for r in rows if r.get("late_penalty") not in ("", "0", None)]
+    if late:
+        lines.append(f"  {len(late)} late submission(s) with points off (late_penalty; score is net): "
+                     f"{', '.join(late)}")
+    unknown = [r["student"] for r in rows if any(n.startswith("late:") and "not checked" in n
+                                                 for n in r["notes"].split("; "))]
+    if unknown:
+        lines.append(f"  {len(unknown)} submission time(s) not read (a late: note; no penalty): {', '.join(unknown)}")
+    similar = [r["student"] for r in rows if any(n.startswith("similarity:") for n in r["notes"].split("; "))]
+    if similar:
+        lines.append(f"  {len(similar)} submission(s) with answers like another's or the library's "
+                     f"(a similarity: note; scores unchanged): {', '.join(similar)}")
     other = [row["student"] for row in rows if any(n.startswith("version:") for n in row["notes"].split("; "))]
     if other:
         lines.append(f"  {len(other)} submission(s) not released for decodelab {version}, the version grading them "

@@ -6,6 +6,10 @@ Most students submit a trimmed release (the imports cell, the two exercises and 
 the learner may delete ungraded cells) so that the class grades in CI's budget; `correct` is
 the full solution notebook and `stub` the full release.
 
+The class is due at DUE with a penalty of a point a day (0 past 7 days); a few students carry
+nbgrader's timestamp.txt (TIMESTAMPS): on time, 1.5 days late, past the cut-off, malformed.
+Their answers also feed the similarity notes, and the graded class feeds the exports.
+
 The sandbox needs root (its own uid per worker, namespaces, cgroups). Not as root, these tests
 check the refusal and grade the cases that do not need isolation with --no-sandbox instead.
 """
@@ -174,6 +178,17 @@ EXPECTED = {
 }
 NEEDS_SANDBOX = {"memory_bomb", "fork_bomb", "socket", "escape"}
 
+DUE = "2026-03-01 17:00 Europe/Berlin"  # 16:00 UTC
+LATE_SETTINGS = ("--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay", "--PointsPerDay.points=1",
+                 "--PointsPerDay.cutoff_days=7")
+TIMESTAMPS = {  # nbgrader's timestamp.txt of a few students
+    "correct": "2026-03-01 16:59:00.000000 CET",         # a minute early
+    "big_output": "2026-03-03 05:00:00.000000 CET",      # 1.5 days late: 2 points off
+    "stripped_metadata": "2026-03-12 12:00:00 UTC",      # past the cut-off: the whole score
+    "edited_test": "yesterday at noon",                  # malformed: a note, no penalty
+}
+LATE_PENALTY = {"big_output": 2, "stripped_metadata": 4}
+
 
 def build_class(root: Path, port: int, out_dir: Path) -> Path:
     subs = root / "submissions"
@@ -228,6 +243,8 @@ def build_class(root: Path, port: int, out_dir: Path) -> Path:
     for shadow in ("decodelab.py", "autograder.py"):  # sent beside the notebook: must not shadow imports
         (escape_nb.parent / shadow).write_text("raise SystemExit('a shadowing module was imported')\n")
     put("silenced_tracebacks", _trimmed(count=SILENCED_SOURCE))
+    for student, stamp in TIMESTAMPS.items():
+        (subs / student / NAME / "timestamp.txt").write_text(stamp + "\n")
     return subs
 
 
@@ -285,7 +302,7 @@ def graded(tmp_path_factory):
     before = _snapshot(subs, files=watched_files)
     out = out_dir / "grades.csv"
     feedback = root / "feedback"
-    extra = ["--feedback", str(feedback)] + ([] if AS_ROOT else ["--no-sandbox"])
+    extra = ["--feedback", str(feedback), "--due", DUE, *LATE_SETTINGS] + ([] if AS_ROOT else ["--no-sandbox"])
     result = _grade(subs, out, *extra)
     stop.set()
     thread.join()
@@ -301,7 +318,8 @@ def test_status_and_score(graded, student):
         pytest.skip("needs the sandbox (root)")
     row = graded["rows"][student]
     status, score = EXPECTED[student]
-    assert (row["status"], float(row["score"]), float(row["max_score"])) == (status, score, 4), row
+    net = score - LATE_PENALTY.get(student, 0)  # the score column is net of the late penalty
+    assert (row["status"], float(row["score"]), float(row["max_score"])) == (status, net, 4), row
     if not AS_ROOT:
         assert row["notes"].startswith("graded WITHOUT the sandbox"), row
 
@@ -310,7 +328,8 @@ def test_one_row_per_student_and_progress(graded):
     expected = {s for s in EXPECTED if AS_ROOT or s not in NEEDS_SANDBOX}
     with open(graded["out"], newline="") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == ["student", "assignment", "score", "max_score", "status", "notes"]
+    assert list(rows[0]) == ["student", "assignment", "score", "max_score", "status", "notes", "submitted_at",
+                             "late_penalty"]
     assert sorted(r["student"] for r in rows) == sorted(expected)
     assert "grading 00_meet_the_model" in graded["result"].stderr  # the progress bar
     assert "graded 18 submissions" in graded["result"].stdout or not AS_ROOT
@@ -361,6 +380,73 @@ def test_feedback_shows_no_hidden_tests(graded):
         assert "BEGIN HIDDEN TESTS" not in page and 'hidden("meet_the_model.' not in page, student
     assert "expected 7056, got 1600" in pages["wrong"]  # the visible test's message
     assert len(pages["big_output"]) < 2_000_000
+    assert "2 point(s) off" in pages["big_output"]  # the late note reaches the student
+    assert not any("similarity:" in page or "integrity:" in page for page in pages.values())
+
+
+def test_late_penalties(graded):
+    """nbgrader's timestamp.txt against the due date: submitted_at, late_penalty, a net score,
+    a "late:" note (and nothing guessed), nbgrader's gradebook, the summary."""
+    from nbgrader.api import Gradebook
+
+    rows = graded["rows"]
+    got = {s: (rows[s]["submitted_at"], rows[s]["late_penalty"], rows[s]["score"]) for s in TIMESTAMPS}
+    assert got == {"correct": ("2026-03-01T15:59:00+00:00", "0", "4"),
+                   "big_output": ("2026-03-03T04:00:00+00:00", "2", "2"),
+                   "stripped_metadata": ("2026-03-12T12:00:00+00:00", "4", "0"),
+                   "edited_test": ("", "", "2")}
+    notes = {s: r["notes"].split("; ") for s, r in rows.items()}
+    assert ("late: submitted 2026-03-03T04:00:00+00:00, 1.5 day(s) after the due date 2026-03-01T16:00:00+00:00: "
+            "2 point(s) off (PointsPerDay: 1 point(s) per day, score 0 past 7 day(s))") in notes["big_output"]
+    assert any(n.startswith("late: timestamp.txt is malformed") for n in notes["edited_test"])
+    assert "late: no timestamp.txt in the submission folder: not checked, no penalty" in notes["stub"]
+    assert not any(n.startswith("late:") for n in notes["correct"])
+    assert (rows["stub"]["submitted_at"], rows["stub"]["late_penalty"]) == ("", "")
+    with Gradebook(f"sqlite:///{graded['out_dir'] / 'gradebook.db'}") as gb:
+        assert gb.find_submission_notebook(NAME, NAME, "big_output").late_submission_penalty == 2
+        assert gb.find_submission(NAME, "big_output").total_seconds_late == 1.5 * 86400
+    assert "2 late submission(s) with points off (late_penalty; score is net): big_output, stripped_metadata" \
+        in graded["result"].stdout
+
+
+def test_similarity_notes(graded):
+    """The same answers across the fake class are flagged with whom; short answers, the stub and
+    unreadable submissions never are; scores are untouched (test_status_and_score)."""
+    notes = {s: [n for n in r["notes"].split("; ") if n.startswith("similarity:")] for s, r in graded["rows"].items()}
+    same = next(n for n in notes["correct"] if n.startswith("similarity: ex_count_parameters identical to "))
+    assert "deleted_test's" in same and "infinite_loop's" in same, notes["correct"]
+    assert not any("ex_count_parameters" in n for n in notes["wrong"])  # a 3-line answer: too short to tell
+    for student in ("stub", "malformed_json", "empty_file", "wrong_file_name", "stripped_metadata"):
+        assert notes[student] == [], (student, notes[student])
+    assert "with answers like another's or the library's" in graded["result"].stdout
+
+
+def test_exports_of_the_graded_class(graded, tmp_path):
+    """`export --format long` reads the gradebook grade left; `--format canvas` fills a roster."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "lib")]))
+    long_out = tmp_path / "cells.csv"
+    result = subprocess.run([sys.executable, "-m", "autograder", "export", "--format", "long", "--grades",
+                             str(graded["out"]), "--out", str(long_out)], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    with open(long_out, newline="") as f:
+        cells = list(csv.DictReader(f))
+    wrong = {r["grade_id"]: (r["points"], r["max_points"]) for r in cells if r["student"] == "wrong"}
+    assert wrong == {"test_count_parameters": ("0", "2"), "test_decode_tokens_per_second_bound": ("2", "2")}
+    for student, row in graded["rows"].items():  # per-cell points add up to the score before the penalty
+        raw = float(row["score"]) + float(row["late_penalty"] or 0)
+        assert sum(float(r["points"]) for r in cells if r["student"] == student) == raw, student
+    roster = tmp_path / "roster.csv"
+    roster.write_text(f"Student,ID,SIS User ID,SIS Login ID,Section,{NAME} (77),Current Score\n"
+                      "    Points Possible,,,,,4,(read only)\n"
+                      "One,1,,correct,A,,90\nTwo,2,wrong,w2,A,,80\nThree,3,,nobody,A,1,70\n")
+    result = subprocess.run([sys.executable, "-m", "autograder", "export", "--format", "canvas", "--grades",
+                             str(graded["out"]), "--roster", str(roster), "--out", str(tmp_path / "canvas.csv")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    filled = (tmp_path / "canvas.csv").read_text().splitlines()
+    assert filled[2:] == ["One,1,,correct,A,4,90", "Two,2,wrong,w2,A,2,80", "Three,3,,nobody,A,1,70"]
+    assert "not in the roster" in result.stderr and "Three (nobody)" in result.stderr
 
 
 @pytest.mark.skipif(not AS_ROOT, reason="the sandbox needs root")
@@ -433,3 +519,5 @@ def test_no_sandbox_says_so_in_every_row(tmp_path):
     rows = _rows(tmp_path / "grades.csv")
     assert [rows[s]["status"] for s in ("a", "b")] == ["unreadable", "missing"]
     assert all(r["notes"].startswith("graded WITHOUT the sandbox") for r in rows.values()), rows
+    # no due date: the late columns stay empty and nothing is said about time
+    assert all(r["submitted_at"] == r["late_penalty"] == "" and "late:" not in r["notes"] for r in rows.values())

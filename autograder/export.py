@@ -1,0 +1,359 @@
+"""Export the grades for an LMS.
+
+    python -m autograder export --format canvas --grades grades.csv --roster canvas_export.csv \\
+        --out canvas.csv [--assignment NAME] [--column "Assignment Name (12345)"]
+    python -m autograder export --format long --grades grades.csv --out cells.csv \\
+        [--gradebook gradebook.db] [--assignment NAME]
+
+canvas: the roster is Canvas's own gradebook export (Grades > Export): the columns Student, ID,
+SIS User ID, SIS Login ID (Integration ID, Root Account if present), Section, then one column per
+assignment named "Assignment Name (id)" and Canvas's read-only totals; a "Points Possible" row
+(and, in some exports, a posting-policy row) follows the header. Each student of grades.csv is
+found by SIS Login ID, else SIS User ID, else Canvas ID (compared without case or surrounding
+spaces); the score (net of any late penalty) goes into the column of the matching assignment:
+the one whose name before " (id)" is the assignment's name, or --column. Every other cell,
+row, the delimiter and a byte-order mark are kept, so the file imports back (Grades > Import).
+Students missing from either side are listed on stderr; the exit status is 1 only if no
+student matched (then nothing is written).
+
+long: one row per student x graded test cell: student, assignment, grade_id, points,
+max_points, read from the nbgrader gradebook `grade` leaves (default: gradebook.db beside
+grades.csv). Points are the test cells' own, before any late penalty (which is per notebook).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+ASSIGNMENT_COLUMN = re.compile(r"^(?P<name>.*)\s\((?P<id>\d+)\)$")
+KEYS = ("SIS Login ID", "SIS User ID", "ID")       # how a student is found, first match wins
+NOT_STUDENT = re.compile(r"^\s*(Muted|Manual Posting.*|\(read only\))?\s*$", re.I)
+TEST_STUDENTS = {"student, test", "test student"}  # Canvas's Student View user
+LONG_COLUMNS = ("student", "assignment", "grade_id", "points", "max_points")
+
+
+class ExportError(Exception):
+    """A file or option the export cannot use; the message says which and why."""
+
+
+# --------------------------------------------------------------------------- grades.csv
+
+def read_grades(path: Path, assignment: str | None = None) -> list[dict]:
+    """The rows of a grades CSV (`python -m autograder grade --out`), of one assignment if given."""
+    text = _read_text(path, "--grades")
+    reader = csv.DictReader(io.StringIO(text))
+    missing = [c for c in ("student", "assignment", "score", "max_score") if c not in (reader.fieldnames or [])]
+    if missing:
+        raise ExportError(f"--grades {path}: not a grades CSV of `python -m autograder grade` (no column "
+                          f"{', '.join(repr(c) for c in missing)})")
+    rows = [r for r in reader if r.get("student")]
+    if assignment is not None:
+        rows = [r for r in rows if r["assignment"] == assignment]
+    if not rows:
+        raise ExportError(f"--grades {path}: no rows" + (f" for assignment {assignment!r}" if assignment else ""))
+    return rows
+
+
+def _read_bytes(path: Path, option: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ExportError(f"{option} {path}: no such file") from None
+    except IsADirectoryError:
+        raise ExportError(f"{option} {path}: a folder, not a CSV file") from None
+    except OSError as exc:
+        raise ExportError(f"{option} {path}: cannot be read ({exc.strerror})") from None
+
+
+def _decode(raw: bytes, path: Path, option: str) -> str:
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ExportError(f"{option} {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _read_text(path: Path, option: str) -> str:
+    return _decode(_read_bytes(path, option), path, option)
+
+
+# --------------------------------------------------------------------------- Canvas
+
+@dataclass
+class Roster:
+    """A Canvas gradebook export, kept cell for cell."""
+    header: list[str]
+    rows: list[list[str]]
+    delimiter: str = ","
+    bom: bool = False
+    newline: str = "\r\n"
+
+    def is_student(self, row: list[str]) -> bool:
+        if not row or "Points Possible" in row[0]:
+            return False
+        return not all(NOT_STUDENT.match(cell or "") for cell in row)
+
+    def column(self, name: str) -> int | None:
+        names = [h.strip() for h in self.header]
+        return names.index(name) if name in names else None
+
+    def assignment_columns(self) -> dict[str, int]:
+        """"Name (id)" -> its index, for every assignment column."""
+        return {h.strip(): i for i, h in enumerate(self.header) if ASSIGNMENT_COLUMN.match(h.strip())}
+
+    def points_possible(self, index: int) -> str:
+        row = next((r for r in self.rows if r and "Points Possible" in r[0]), None)
+        return row[index].strip() if row is not None and index < len(row) else ""
+
+
+def read_roster(path: Path) -> Roster:
+    """Canvas's gradebook CSV (comma or semicolon separated, with or without a BOM)."""
+    raw = _read_bytes(path, "--roster")
+    text = _decode(raw, path, "--roster")
+    first = text.split("\n", 1)[0]
+    delimiter = ";" if first.count(";") > first.count(",") else ","
+    try:
+        rows = list(csv.reader(io.StringIO(text, newline=""), delimiter=delimiter))
+    except csv.Error as exc:
+        raise ExportError(f"--roster {path}: not a CSV file ({exc})") from None
+    if not rows or len(rows[0]) < 3 or "Student" not in rows[0][0] or "ID" not in [h.strip() for h in rows[0]]:
+        raise ExportError(f"--roster {path}: not a Canvas gradebook export (its first columns are Student, ID, "
+                          f"SIS User ID, SIS Login ID, Section; got {', '.join(rows[0][:5]) if rows else 'nothing'})")
+    width = len(rows[0])
+    for number, row in enumerate(rows[1:], start=2):
+        if row and len(row) != width:
+            raise ExportError(f"--roster {path}: row {number} has {len(row)} cells, the header {width}")
+    return Roster(rows[0], rows[1:], delimiter, raw.startswith(b"\xef\xbb\xbf"), "\r\n" if "\r\n" in text else "\n")
+
+
+def find_column(roster: Roster, assignment: str, column: str | None) -> int:
+    """The roster's column for an assignment: `column` exactly, else the one whose name before
+    " (id)" is the assignment (case and spaces aside). ExportError naming the choices if none or several."""
+    columns = roster.assignment_columns()
+    choices = "; ".join(columns) or "none"
+    if column is not None:
+        if column.strip() not in columns:
+            raise ExportError(f"--column {column!r}: the roster has no such assignment column (its assignment "
+                              f"columns: {choices})")
+        return columns[column.strip()]
+    key = " ".join(assignment.split()).casefold()
+    found = [i for name, i in columns.items()
+             if " ".join(ASSIGNMENT_COLUMN.match(name)["name"].split()).casefold() == key]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ExportError(f"no column for assignment {assignment!r} in the roster (its assignment columns: "
+                          f"{choices}): name the Canvas assignment {assignment!r}, or give --column \"Name (id)\"")
+    raise ExportError(f"several columns for assignment {assignment!r}: "
+                      f"{'; '.join(roster.header[i] for i in found)}: give --column")
+
+
+def match_students(roster: Roster, students: list[str]) -> tuple[dict[str, int], list[str], list[str]]:
+    """(student -> roster row index, students not found, problems): by SIS Login ID, then SIS User
+    ID, then ID; a value shared by several roster rows matches none of them."""
+    indexes = {}
+    for key in KEYS:
+        col = roster.column(key)
+        if col is None:
+            continue
+        index: dict[str, list[int]] = {}
+        for i, row in enumerate(roster.rows):
+            if roster.is_student(row) and row[col].strip():
+                index.setdefault(row[col].strip().casefold(), []).append(i)
+        indexes[key] = index
+    matched, missing, problems = {}, [], []
+    for student in students:
+        hit = None
+        for key, index in indexes.items():
+            rows = index.get(student.strip().casefold(), [])
+            if len(rows) > 1:
+                problems.append(f"{student}: {len(rows)} roster rows have {key} {student!r}; none filled")
+                hit = -1
+                break
+            if rows:
+                hit = rows[0]
+                break
+        if hit is None:
+            missing.append(student)
+        elif hit >= 0:
+            matched[student] = hit
+    return matched, missing, problems
+
+
+def export_canvas(grades: list[dict], roster: Roster, column: str | None = None) -> tuple[Roster, list[str], int]:
+    """Fill the roster's assignment column(s) from the grades; (roster, report lines, students filled)."""
+    assignments = sorted({r["assignment"] for r in grades})
+    if column is not None and len(assignments) > 1:
+        raise ExportError(f"--column fills one assignment; the grades hold {', '.join(assignments)}: give --assignment")
+    report, filled = [], 0
+    for assignment in assignments:
+        rows = {r["student"]: r for r in grades if r["assignment"] == assignment}
+        col = find_column(roster, assignment, column)
+        report += _points_warning(roster, col, assignment, rows.values())
+        matched, missing, problems = match_students(roster, sorted(rows))
+        for student, i in matched.items():
+            roster.rows[i][col] = rows[student]["score"]
+        filled += len(matched)
+        report += problems
+        if missing:
+            report.append(f"{assignment}: {len(missing)} graded student(s) not in the roster (by SIS Login ID, "
+                          f"SIS User ID or ID): {', '.join(missing)}")
+        ungraded = [_who(roster, row) for i, row in enumerate(roster.rows)
+                    if roster.is_student(row) and i not in matched.values() and not _is_test_student(row)]
+        if ungraded:
+            report.append(f"{assignment}: {len(ungraded)} roster student(s) not in the grades (left as they were): "
+                          f"{', '.join(ungraded)}")
+    return roster, report, filled
+
+
+def _points_warning(roster: Roster, col: int, assignment: str, rows) -> list[str]:
+    possible = roster.points_possible(col)
+    maxima = {r.get("max_score", "") for r in rows} - {""}
+    try:
+        differs = possible and len(maxima) == 1 and float(possible) != float(next(iter(maxima)))
+    except ValueError:
+        differs = False
+    if differs:
+        return [f"{assignment}: the Canvas column is worth {possible} points, the grades' max_score is "
+                f"{next(iter(maxima))}: scores written as graded, not scaled"]
+    return []
+
+
+def _who(roster: Roster, row: list[str]) -> str:
+    login = roster.column("SIS Login ID")
+    name = row[0].strip() or "?"
+    return f"{name} ({row[login].strip()})" if login is not None and row[login].strip() else name
+
+
+def _is_test_student(row: list[str]) -> bool:
+    return row[0].strip().casefold() in TEST_STUDENTS
+
+
+def write_roster(roster: Roster, out: Path) -> None:
+    """Atomically, with the roster's delimiter, line ending and byte-order mark."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    with open(tmp, "w", newline="", encoding="utf-8-sig" if roster.bom else "utf-8") as f:
+        writer = csv.writer(f, delimiter=roster.delimiter, lineterminator=roster.newline)
+        writer.writerow(roster.header)
+        writer.writerows(roster.rows)
+    os.replace(tmp, out)
+
+
+# --------------------------------------------------------------------------- long
+
+def export_long(grades: list[dict], gradebook: Path) -> tuple[list[dict], list[str]]:
+    """(one row per student x graded cell, report lines) from nbgrader's gradebook."""
+    from nbgrader.api import Gradebook, MissingEntry
+
+    check_gradebook(gradebook)
+    out, report = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with Gradebook(f"sqlite:///{Path(gradebook).resolve()}") as gb:
+                for row in sorted(grades, key=lambda r: (r["assignment"], r["student"])):
+                    try:
+                        submission = gb.find_submission(row["assignment"], row["student"])
+                    except MissingEntry:
+                        report.append(f"{row['student']}: no {row['assignment']} submission in the gradebook")
+                        continue
+                    out += _cell_rows(submission, row)
+        except ExportError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - not a gradebook, or another nbgrader's
+            raise ExportError(f"--gradebook {gradebook}: not an nbgrader gradebook ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
+    return out, report
+
+
+def check_gradebook(path: Path) -> None:
+    """ExportError unless path is an nbgrader gradebook (read only: nbgrader's Gradebook would
+    add its tables to any other SQLite file it is given)."""
+    import sqlite3
+
+    if not Path(path).is_file():
+        raise ExportError(f"--gradebook {path}: no such file (grade writes gradebook.db beside its --out)")
+    try:
+        with sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True) as db:
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.DatabaseError as exc:
+        raise ExportError(f"--gradebook {path}: not an nbgrader gradebook ({exc})") from None
+    if not {"assignment", "submitted_assignment", "grade", "alembic_version"} <= tables:
+        raise ExportError(f"--gradebook {path}: not an nbgrader gradebook (no assignment, submission or grade tables)")
+
+
+def _cell_rows(submission, row: dict) -> list[dict]:
+    cells = []
+    for notebook in submission.notebooks:
+        for grade in sorted(notebook.grades, key=lambda g: g.name):
+            cells.append({"student": row["student"], "assignment": row["assignment"], "grade_id": grade.name,
+                          "points": f"{float(grade.score):g}", "max_points": f"{float(grade.max_score):g}"})
+    return cells
+
+
+def write_long(rows: list[dict], out: Path) -> None:
+    tmp = out.with_name(f".{out.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=LONG_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, out)
+
+
+# --------------------------------------------------------------------------- the command
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m autograder export", description=__doc__.splitlines()[0],
+                                     epilog="canvas matches students by SIS Login ID, then SIS User ID, then ID.")
+    parser.add_argument("--format", required=True, choices=("canvas", "long"), help="what to write")
+    parser.add_argument("--grades", required=True, type=Path, help="the CSV `python -m autograder grade` wrote")
+    parser.add_argument("--out", required=True, type=Path, help="the file to write")
+    parser.add_argument("--roster", type=Path, help="canvas: Canvas's gradebook export (Grades > Export)")
+    parser.add_argument("--column", help='canvas: the assignment column to fill, "Name (id)" as in the roster')
+    parser.add_argument("--assignment", help="only this assignment's rows of --grades")
+    parser.add_argument("--gradebook", type=Path,
+                        help="long: nbgrader's gradebook (default: gradebook.db beside --grades)")
+    args = parser.parse_args(argv)
+    if args.format == "canvas" and args.roster is None:
+        parser.error("--format canvas needs --roster (Canvas's gradebook export)")
+    if args.format == "long" and (args.roster is not None or args.column is not None):
+        parser.error("--roster and --column are for --format canvas")
+    try:
+        return _canvas(args) if args.format == "canvas" else _long(args)
+    except ExportError as exc:
+        print(f"autograder export: {exc}", file=sys.stderr)
+        return 2
+
+
+def _canvas(args) -> int:
+    grades = read_grades(args.grades, args.assignment)
+    roster, report, filled = export_canvas(grades, read_roster(args.roster), args.column)
+    for line in report:
+        print(f"autograder export: {line}", file=sys.stderr)
+    if not filled:
+        print(f"autograder export: no graded student is in the roster: {args.out} not written", file=sys.stderr)
+        return 1
+    write_roster(roster, args.out)
+    print(f"filled {filled} grade(s) into {args.out}")
+    return 0
+
+
+def _long(args) -> int:
+    grades = read_grades(args.grades, args.assignment)
+    rows, report = export_long(grades, args.gradebook or args.grades.parent / "gradebook.db")
+    for line in report:
+        print(f"autograder export: {line}", file=sys.stderr)
+    if not rows:
+        print(f"autograder export: no graded cells found: {args.out} not written", file=sys.stderr)
+        return 1
+    write_long(rows, args.out)
+    print(f"wrote {len(rows)} cell grade(s) of {len({(r['student'], r['assignment']) for r in rows})} "
+          f"submission(s) to {args.out}")
+    return 0

@@ -1,0 +1,154 @@
+"""`python -m autograder export` (autograder/export.py) on small hand-written files: Canvas's
+gradebook export filled and kept importable, students matched by SIS Login ID, SIS User ID, then
+ID, everyone missing on either side reported; the long format from nbgrader's gradebook; and a
+clear error for every bad input."""
+from __future__ import annotations
+
+import csv
+import io
+
+import pytest
+
+from autograder import export
+from gradebooks import make_gradebook
+
+GRADES = """student,assignment,score,max_score,status,notes,submitted_at,late_penalty
+ali,02_sampling,8,10,ok,,,
+bo,02_sampling,6.5,10,ok,,2026-03-03T04:00:00+00:00,2
+cy,02_sampling,10,10,ok,,,
+zed,02_sampling,0,10,missing,no 02_sampling/02_sampling.ipynb; found: nothing,,
+ali,00_meet_the_model,4,4,ok,,,
+"""
+# Canvas's export: header, the Points Possible row, students; the read-only totals at the end.
+ROSTER = """Student,ID,SIS User ID,SIS Login ID,Section,02_sampling (1201),Quiz 1 (1190),Current Score,Final Score
+    Points Possible,,,,,10,5,(read only),(read only)
+"Lovelace, Ada",101,S-001,ALI,Section A,,4,80,80
+"Babbage, Charles",102,bo,cbabbage,Section A,3,5,60,60
+"Hopper, Grace",cy,S-003,ghopper,Section B,,3,70,70
+"Turing, Alan",104,S-004,aturing,Section B,7,2,40,40
+"Student, Test",105,,,Section A,,,,
+"""
+
+
+def _write(tmp_path, name: str, text: str, **kw):
+    path = tmp_path / name
+    path.write_text(text, **kw)
+    return path
+
+
+def _export(tmp_path, capsys, *args, grades: str = GRADES, roster: str | None = ROSTER):
+    argv = ["--grades", str(_write(tmp_path, "grades.csv", grades)), "--out", str(tmp_path / "out.csv"), *args]
+    if roster is not None:
+        argv += ["--roster", str(_write(tmp_path, "roster.csv", roster, newline=""))]
+    code = export.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _rows(path):
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        return list(csv.reader(f))
+
+
+def test_canvas_fills_the_column_and_keeps_the_rest(tmp_path, capsys):
+    code, out, err = _export(tmp_path, capsys, "--format", "canvas", "--assignment", "02_sampling")
+    assert code == 0 and "filled 3 grade(s)" in out
+    before, after = list(csv.reader(io.StringIO(ROSTER))), _rows(tmp_path / "out.csv")
+    assert after[0] == before[0] and after[1] == before[1]  # the header and the Points Possible row
+    col = before[0].index("02_sampling (1201)")
+    assert [r[col] for r in after[2:]] == ["8", "6.5", "10", "7", ""]  # ali by login, bo by SIS id, cy by ID
+    for b, a in zip(before, after):  # nothing else changed
+        assert b[:col] + b[col + 1:] == a[:col] + a[col + 1:]
+    assert "1 graded student(s) not in the roster (by SIS Login ID, SIS User ID or ID): zed" in err
+    assert "1 roster student(s) not in the grades (left as they were): Turing, Alan (aturing)" in err
+    assert "Test" not in err  # Canvas's Student View user is not a student
+
+
+def test_canvas_explicit_column_and_semicolons_and_bom(tmp_path, capsys):
+    roster = ROSTER.replace(",", ";").replace('"Lovelace; Ada"', '"Lovelace, Ada"')
+    roster = roster.replace("Babbage; Charles", "Babbage, Charles").replace("Hopper; Grace", "Hopper, Grace")
+    roster = roster.replace("Turing; Alan", "Turing, Alan").replace("Student; Test", "Student, Test")
+    code, _, err = _export(tmp_path, capsys, "--format", "canvas", "--assignment", "00_meet_the_model",
+                           "--column", "Quiz 1 (1190)", roster="\ufeff" + roster)
+    assert code == 0, err
+    raw = (tmp_path / "out.csv").read_bytes()
+    assert raw.startswith(b"\xef\xbb\xbf") and b";" in raw.splitlines()[0]
+    after = [line.split(";") for line in raw.decode("utf-8-sig").splitlines()]
+    assert after[2][6] == "4" and after[3][6] == "5"  # ali's quiz replaced, bo's kept
+    assert "worth 5 points, the grades' max_score is 4" in err
+
+
+def test_canvas_reports_and_fails_when_nobody_matches(tmp_path, capsys):
+    grades = GRADES.replace("ali,", "nobody1,").replace("bo,", "nobody2,").replace("cy,", "nobody3,")
+    code, _, err = _export(tmp_path, capsys, "--format", "canvas", "--assignment", "02_sampling", grades=grades)
+    assert code == 1 and "no graded student is in the roster" in err
+    assert not (tmp_path / "out.csv").exists()
+
+
+def test_canvas_duplicate_login_matches_nobody(tmp_path, capsys):
+    roster = ROSTER.replace("cbabbage", "ALI")
+    code, _, err = _export(tmp_path, capsys, "--format", "canvas", "--assignment", "02_sampling", roster=roster)
+    assert code == 0 and "ali: 2 roster rows have SIS Login ID 'ali'; none filled" in err
+
+
+@pytest.mark.parametrize("args, roster, grades, message", [
+    (["--assignment", "03_kv_cache"], ROSTER, GRADES, "no rows for assignment '03_kv_cache'"),
+    ([], ROSTER, GRADES, "no column for assignment '00_meet_the_model'"),
+    (["--assignment", "02_sampling", "--column", "Quiz 9 (1)"], ROSTER, GRADES, "no such assignment column"),
+    (["--column", "Quiz 1 (1190)"], ROSTER, GRADES, "--column fills one assignment"),
+    (["--assignment", "02_sampling"], "Name,Score\nali,3\n", GRADES, "not a Canvas gradebook export"),
+    (["--assignment", "02_sampling"], ROSTER + "short,row\n", GRADES, "row 8 has 2 cells"),
+    (["--assignment", "02_sampling"], ROSTER, "who,what\nali,3\n", "not a grades CSV"),
+    (["--assignment", "02_sampling"], ROSTER.replace("Quiz 1 (1190)", "02_sampling (1300)"), GRADES,
+     "several columns for assignment '02_sampling'"),
+])
+def test_canvas_clear_errors(tmp_path, capsys, args, roster, grades, message):
+    code, _, err = _export(tmp_path, capsys, "--format", "canvas", *args, roster=roster, grades=grades)
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "out.csv").exists()
+
+
+def test_missing_and_unreadable_files(tmp_path, capsys):
+    code = export.main(["--format", "canvas", "--grades", str(tmp_path / "nope.csv"), "--roster",
+                        str(tmp_path / "nope2.csv"), "--out", str(tmp_path / "o.csv")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--grades" in err and "no such file" in err
+    (tmp_path / "latin1.csv").write_bytes(b"Student,ID\n\xe9,1\n")
+    code = export.main(["--format", "canvas", "--grades", str(_write(tmp_path, "grades.csv", GRADES)), "--roster",
+                        str(tmp_path / "latin1.csv"), "--out", str(tmp_path / "o.csv")])
+    assert code == 2 and "not UTF-8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: canvas needs --roster
+        export.main(["--format", "canvas", "--grades", "g.csv", "--out", "o.csv"])
+
+
+# --------------------------------------------------------------------------- long
+
+def test_long_one_row_per_student_and_test_cell(tmp_path, capsys):
+    make_gradebook(tmp_path / "gradebook.db", "02_sampling", {"test_top_k": 6, "test_top_p": 4},
+                   {"ali": {"test_top_k": 6, "test_top_p": 2}, "bo": {"test_top_k": 0, "test_top_p": 4}})
+    code, out, err = _export(tmp_path, capsys, "--format", "long", "--assignment", "02_sampling", roster=None)
+    assert code == 0 and "wrote 4 cell grade(s) of 2 submission(s)" in out
+    rows = list(csv.DictReader(open(tmp_path / "out.csv", newline="")))
+    assert [tuple(r.values()) for r in rows] == [
+        ("ali", "02_sampling", "test_top_k", "6", "6"), ("ali", "02_sampling", "test_top_p", "2", "4"),
+        ("bo", "02_sampling", "test_top_k", "0", "6"), ("bo", "02_sampling", "test_top_p", "4", "4")]
+    assert "cy: no 02_sampling submission in the gradebook" in err and "zed:" in err
+
+
+def test_long_clear_errors(tmp_path, capsys):
+    code, _, err = _export(tmp_path, capsys, "--format", "long", roster=None)
+    assert code == 2 and "gradebook.db: no such file" in err
+    (tmp_path / "gradebook.db").write_text("student,score\n")
+    code, _, err = _export(tmp_path, capsys, "--format", "long", roster=None)
+    assert code == 2 and "not an nbgrader gradebook" in err
+    import sqlite3
+
+    (tmp_path / "gradebook.db").unlink()
+    with sqlite3.connect(tmp_path / "gradebook.db") as db:
+        db.execute("CREATE TABLE notes (x)")
+    code, _, err = _export(tmp_path, capsys, "--format", "long", roster=None)
+    assert code == 2 and "not an nbgrader gradebook" in err
+    with sqlite3.connect(tmp_path / "gradebook.db") as db:  # nbgrader did not add its tables to it
+        assert [r[0] for r in db.execute("SELECT name FROM sqlite_master")] == ["notes"]
+    with pytest.raises(SystemExit):
+        export.main(["--format", "long", "--grades", "g.csv", "--out", "o.csv", "--roster", "r.csv"])
