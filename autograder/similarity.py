@@ -16,7 +16,7 @@ replaced by placeholders (0 and 'S'). Two answers are
 * near-identical: difflib's SequenceMatcher ratio of the two token sequences >= NEAR (0.9).
 
 Both must hold at least MIN_TOKENS (50) tokens, about four lines: a short answer has few
-correct forms (the course's answers of three or four lines, `apply_temperature`, `slot_of`,
+correct forms (the course's answers of three or four lines, `apply_temperature`,
 `tvd`, `rollback`, `prefill`, `finish`, `attention_memory_bytes`, are 14 to 48 tokens, each
 written the same way by the library), so it is never flagged. The threshold, measured on
 notebook 02's `top_p_filter` (116-147 tokens): four independent implementations, one of them

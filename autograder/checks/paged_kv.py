@@ -1,16 +1,23 @@
-"""Checks for notebook 07, paged KV: `slot_of`, `kv_waste`, `gather_kv`, `copy_on_write_last_block`.
+"""Checks for notebook 07, paged KV: `kv_waste`, `gather_kv` and the `BlockAllocator` class.
 
-Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
-version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and either
-returns None or raises ``AssertionError`` whose message gives the input, the expected and the
-actual result.
+Every ``check_*`` takes the function or class under test (the library's reference in CI, a
+kept buggy version in CI's negative tests, the learner's own in a notebook's hidden-test cell)
+and either returns None or raises ``AssertionError`` whose message gives the input, the
+expected and the actual result.
 
-The expected results never come from ``decodelab.engine.block_allocator``: slots from spelling out every slot
-of every block in table order, waste from counting empty slots exactly (fractions), gathered
-K/V from a Python loop over tokens. The copy-on-write check drives the library's real
-`BlockAllocator` (its free list and reference counts are the state being changed) and checks
-the result against the invariant "every block's ref count = the number of tables holding it"
-and the exact expected tables, log and ref counts.
+The expected waste and gathered K/V never come from the library: waste from counting empty
+slots exactly (fractions), gathered K/V from a Python loop over tokens. The allocator is driven
+through scripted stories and random sequences of operations (allocate, append a token, fork,
+free) side by side with the library's `BlockAllocator` as the oracle, and judged by behaviour,
+never layout: block ids and hash values are the learner's own. What must agree is what the
+engine sees: can_allocate / can_append, the number of cached tokens, the number of free
+blocks, which sequences share which blocks, and the number of blocks the prefix cache names.
+Two oracle-free invariants hold after every operation: every block's ref_count equals the
+number of live block tables holding it, and free + held = all blocks. And a model of the KV
+store (each slot remembers the prefix whose K/V the engine wrote there; copy-on-write pairs
+are copied as the engine copies them) checks that every sequence reads its own K/V: a cached
+block must hold exactly the prompt's prefix, and nobody may write into a block another
+sequence still holds.
 """
 from __future__ import annotations
 
@@ -23,40 +30,12 @@ import torch
 from autograder.checks.calling import call, expect_raises
 
 REFERENCES = {
-    "slot_of": "decodelab.engine.block_allocator:slot_of",
     "kv_waste": "decodelab.engine.block_allocator:kv_waste",
     "gather_kv": "decodelab.engine.paged_attention:gather_kv",
-    "copy_on_write_last_block": "decodelab.engine.block_allocator:copy_on_write_last_block",
+    "BlockAllocator": "decodelab.engine.block_allocator:BlockAllocator",
 }
 
-__all__ = ["check_slot_of", "check_kv_waste", "check_gather_kv", "check_copy_on_write_last_block"]
-
-
-# --------------------------------------------------------------------------- slot_of
-
-
-def _all_slots(block_table, block_size):
-    """Slot of token 0, 1, 2, ...: every slot of every block, blocks in table order."""
-    return [block_id * block_size + offset for block_id in block_table for offset in range(block_size)]
-
-
-def check_slot_of(fn) -> None:
-    rng = random.Random(6)
-    cases = [([7, 2, 9], 4), ([0], 16), ([3, 0, 5, 1], 1), ([12, 4], 16)]
-    for _ in range(20):
-        block_size = rng.choice([2, 3, 8, 16, 32])
-        cases.append((rng.sample(range(64), rng.randint(1, 6)), block_size))
-    for table, block_size in cases:
-        expected = _all_slots(table, block_size)
-        for position in range(len(table) * block_size):
-            what = f"slot_of(block_table={table}, position={position}, block_size={block_size})"
-            got = call(what, fn, list(table), position, block_size)
-            if isinstance(got, bool) or not isinstance(got, numbers.Integral):
-                raise AssertionError(f"{what}: expected the integer {expected[position]}, got "
-                                     f"{type(got).__name__} {got!r}")
-            if int(got) != expected[position]:
-                raise AssertionError(f"{what}: expected slot {expected[position]} (block "
-                                     f"{table[position // block_size]}, offset {position % block_size}), got {got}")
+__all__ = ["check_kv_waste", "check_gather_kv", "check_block_allocator"]
 
 
 # --------------------------------------------------------------------------- kv_waste
@@ -156,98 +135,421 @@ def check_gather_kv(fn) -> None:
                       fn, flat, table, context_len, 4)
 
 
-# --------------------------------------------------------------------------- copy_on_write_last_block
+# --------------------------------------------------------------------------- BlockAllocator
 
 
-def _state(allocator):
-    return ([b.ref_count for b in allocator.blocks], list(allocator.free), list(allocator.copy_on_write_log))
+def _shown(tokens) -> str:
+    tokens = list(tokens)
+    if len(tokens) <= 16:
+        return str(tokens)
+    return f"[{', '.join(map(str, tokens[:12]))}, ... ({len(tokens)} tokens)]"
 
 
-def _check_invariants(allocator, tables, what):
-    try:
-        allocator.check_invariants(tables)
-    except AssertionError as exc:
-        raise AssertionError(f"{what}: afterwards the pool is inconsistent: {exc} "
-                             f"(tables {tables})") from None
+class _Story:
+    """The learner's allocator and the library's side by side, the same operations on both, a
+    model of the KV store written through the learner's block tables, and a log of what was done."""
+
+    def __init__(self, cls, num_blocks: int, block_size: int, caching: bool = True):
+        from decodelab.engine.block_allocator import BlockAllocator
+
+        name = getattr(cls, "__name__", "BlockAllocator")
+        self.header = f"{name}(num_blocks={num_blocks}, block_size={block_size}, enable_prefix_caching={caching})"
+        self.mine = call(self.header, cls, num_blocks, block_size, caching)
+        self.lib = BlockAllocator(num_blocks, block_size, caching)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.tables: dict[str, list[int]] = {}  # the learner's tables by sequence name
+        self.lib_tables: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.kv: dict[int, dict[int, tuple]] = {}  # learner's block id -> offset -> the prefix written there
+        self.log: list[str] = []
+        log = call(f"{self.header}.copy_on_write_log", getattr, self.mine, "copy_on_write_log")
+        if not isinstance(log, list) or log:
+            self.fail("copy_on_write_log of a new allocator", "an empty list", repr(log))
+
+    # ------------------------------------------------------------ messages
+    def where(self) -> str:
+        if not self.log:
+            return f"{self.header}, new"
+        shown = self.log if len(self.log) <= 40 else ["..."] + self.log[-40:]
+        return f"{self.header}, after\n" + "\n".join(f"    {line}" for line in shown)
+
+    def fail(self, what: str, expected: str, got: str, why: str = "") -> None:
+        raise AssertionError(f"{self.where()}\n  then {what}: expected {expected}, got {got}"
+                             + (f"\n  ({why})" if why else ""))
+
+    def broken(self, what: str, problem: str) -> None:
+        raise AssertionError(f"{self.where()}\n  then {what}: {problem}")
+
+    def _call(self, what: str, fn, *args):
+        return call(f"{self.where()}\n  then {what}", fn, *args)
+
+    def _bool(self, what: str, fn, *args) -> bool:
+        got = self._call(what, fn, *args)
+        if not isinstance(got, bool):
+            self.broken(what, f"expected True or False, got {type(got).__name__} {got!r}")
+        return got
+
+    def _int(self, what: str, got) -> int:
+        if isinstance(got, bool) or not isinstance(got, numbers.Integral):
+            self.broken(what, f"expected an int, got {type(got).__name__} {got!r}")
+        return int(got)
+
+    def num_free(self, what: str = "num_free") -> int:
+        return self._int(what, self._call(what, getattr, self.mine, "num_free"))
+
+    # ------------------------------------------------------------ the KV store model
+    def _write(self, name: str, positions, op: str) -> None:
+        """The engine writes the K/V of tokens `positions` of `name` through its table."""
+        table, tokens, size = self.tables[name], self.tokens[name], self.block_size
+        for position in positions:
+            block = table[position // size]
+            others = [other for other, t in self.tables.items() if other != name and block in t]
+            if others:
+                self.broken(op, f"{name} must now write the K/V of its token {position} into block {block} "
+                                f"(entry {position // size} of its table {table}), which {' and '.join(others)} "
+                                f"also hold{'s' if len(others) == 1 else ''}: that would change their K/V. Only "
+                                "blocks full of tokens already computed may be shared; a shared block a "
+                                "sequence writes into must be copied first (copy-on-write)")
+            self.kv.setdefault(block, {})[position % size] = tuple(tokens[:position + 1])
+
+    def _check_kv(self, op: str) -> None:
+        """Every live sequence's blocks hold the K/V of its own tokens."""
+        size = self.block_size
+        for name, table in self.tables.items():
+            tokens = self.tokens[name]
+            for position in range(len(tokens)):
+                block = table[position // size]
+                held = self.kv.get(block, {}).get(position % size)
+                if held != tuple(tokens[:position + 1]):
+                    if held is None:
+                        what = "holds nothing written there"
+                    else:
+                        what = (f"holds the K/V of token {len(held) - 1} of the prefix {_shown(held)}"
+                                if held[:-1] != tuple(tokens[:position]) else
+                                f"holds the K/V of token {held[-1]} in that place")
+                    self.broken(op, f"{name}'s token {position} ({tokens[position]}) should be read from block "
+                                    f"{block} (entry {position // size} of its table {table}) at offset "
+                                    f"{position % size}, but that slot {what}, not {name}'s own "
+                                    f"{_shown(tokens[:position + 1])}")
+
+    def _apply_copies(self, op: str) -> None:
+        """What the engine does before its next forward pass: copy each (source, destination)."""
+        log = self._call(f"{op}: its copy_on_write_log", getattr, self.mine, "copy_on_write_log")
+        if not isinstance(log, list):
+            self.broken(op, f"copy_on_write_log should be a list of (source, destination) pairs, got {log!r}")
+        for pair in list(log):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                self.broken(op, f"copy_on_write_log holds {pair!r}; expected (source block, destination block)")
+            src, dst = (int(b) for b in pair)
+            self.kv[dst] = dict(self.kv.get(src, {}))
+        log.clear()
+        self.lib.copy_on_write_log.clear()
+
+    # ------------------------------------------------------------ comparisons after every operation
+    @staticmethod
+    def _sharing(tables: dict[str, list[int]]) -> dict[tuple[str, int], tuple]:
+        holders: dict[int, list] = {}
+        for name, table in tables.items():
+            for index, block in enumerate(table):
+                holders.setdefault(block, []).append((name, index))
+        return {entry: tuple(entries) for entries in holders.values() for entry in entries}
+
+    def compare(self, op: str) -> None:
+        size, mine, lib = self.block_size, self.mine, self.lib
+        for name, table in self.tables.items():
+            if len(table) != len(self.lib_tables[name]):
+                needed = -(-len(self.tokens[name]) // size)
+                self.fail(f"{op}: the length of {name}'s block table", f"{needed} blocks "
+                          f"({len(self.tokens[name])} tokens in blocks of {size})", f"{len(table)}: {table}")
+            bad = [b for b in table if isinstance(b, bool) or not isinstance(b, numbers.Integral)
+                   or not 0 <= b < self.num_blocks]
+            if bad:
+                self.broken(op, f"{name}'s block table {table} holds {bad[0]!r}, not a block id 0..{self.num_blocks - 1}")
+        self._check_kv(op)
+        counts = [0] * self.num_blocks
+        for table in self.tables.values():
+            for block in table:
+                counts[block] += 1
+        refs = [self._int(f"{op}: ref_count({b})", self._call(f"{op}: ref_count({b})", mine.ref_count, b))
+                for b in range(self.num_blocks)]
+        for block, (ref, count) in enumerate(zip(refs, counts)):
+            if ref != count:
+                who = [name for name, table in self.tables.items() if block in table]
+                held = f"held by {', '.join(who)}" if who else "held by no live table"
+                self.fail(f"{op}: ref_count({block})", f"{count} (block {block} is {held})", str(ref),
+                          "a block's reference count is the number of live block tables that hold it")
+        free = self.num_free(f"{op}: num_free")
+        held = sum(1 for count in counts if count)
+        if free + held != self.num_blocks:
+            self.fail(f"{op}: num_free", f"{self.num_blocks - held} ({held} of {self.num_blocks} blocks are held "
+                      "by live tables; every other block is free)", str(free),
+                      "free + held = all blocks: a block nobody holds must go back to the free list, "
+                      "and a held block must not be on it")
+        if free != lib.num_free:  # cannot differ when the invariants hold and the tables match; kept as a guard
+            self.fail(f"{op}: num_free", f"{lib.num_free} (the library's allocator after the same operations)",
+                      str(free))
+        got, expected = self._sharing(self.tables), self._sharing(self.lib_tables)
+        for entry in sorted(expected):
+            if got[entry] != expected[entry]:
+                name, index = entry
+                def say(group):
+                    others = [f"{n}'s entry {i}" for n, i in group if (n, i) != entry]
+                    return f"shared with {', '.join(others)}" if others else "held by it alone"
+                self.fail(f"{op}: entry {index} of {name}'s table {self.tables[name]}", say(expected[entry]),
+                          say(got[entry]), "which blocks are shared is decided by the prefix cache (full blocks "
+                          "with the same prefix), fork, and copy-on-write; everything else is private")
+        named = [self._bool(f"{op}: is_cached({b})", mine.is_cached, b) for b in range(self.num_blocks)]
+        for name, table in self.tables.items():
+            tokens = self.tokens[name]
+            for index, (block, lib_block) in enumerate(zip(table, self.lib_tables[name])):
+                expected = lib.is_cached(lib_block)
+                if named[block] != expected:
+                    chunk = tokens[index * size:(index + 1) * size]
+                    if len(chunk) < size:
+                        kind = f"partly filled: {len(chunk)} of {size} tokens"
+                    else:
+                        kind = f"full: {_shown(chunk)} after {index * size} tokens"
+                    self.fail(f"{op}: is_cached({block}), {name}'s entry {index} ({kind})", str(expected),
+                              str(named[block]), _NAMING)
+        if sum(named) != len(lib.cached):
+            self.fail(f"{op}: the number of blocks the prefix cache names (is_cached True), free ones included",
+                      f"{len(lib.cached)}", str(sum(named)), _NAMING + "; free blocks are handed out least "
+                      "recently freed first, so a prefix freed recently is the last to lose its names")
+
+    # ------------------------------------------------------------ operations
+    def arrive(self, name: str, tokens) -> bool:
+        """A new sequence: can_allocate, then allocate (or OutOfBlocksError). True if it got its blocks."""
+        tokens, size = list(tokens), self.block_size
+        op = f"{len(self.log) + 1}. {name} = allocate({_shown(tokens)})"
+        expected_ok = self.lib.can_allocate(tokens)
+        ok = self._bool(f"can_allocate({_shown(tokens)})", self.mine.can_allocate, list(tokens))
+        if ok != expected_ok:
+            need = self.lib.blocks_needed(len(tokens))
+            hits = self.lib._cached_prefix_blocks(tokens)
+            revived = sum(1 for b in hits if self.lib.blocks[b].ref_count == 0)
+            self.fail(f"can_allocate({_shown(tokens)})", str(expected_ok), str(ok),
+                      f"{need} blocks for {len(tokens)} tokens, {len(hits)} of them found in the prefix cache "
+                      f"({revived} of those on the free list, which takes them off it), "
+                      f"{self.lib.num_free} free")
+        if not ok:
+            before = self.num_free()
+            expect_raises(f"{self.where()}\n  then {op} when can_allocate says False",
+                          _out_of_blocks(), "the pool has too few free blocks", self.mine.allocate, list(tokens))
+            self.log.append(f"{op} -> OutOfBlocksError")
+            self.compare(op)
+            if self.num_free() != before:
+                self.fail(f"{op} (refused)", f"num_free still {before}", str(self.num_free()),
+                          "a refused allocation changes nothing")
+            return False
+        given = list(tokens)
+        got = self._call(op, self.mine.allocate, given)
+        if not (isinstance(got, tuple) and len(got) == 2):
+            self.broken(op, f"expected a pair (block table, number of cached tokens), got {got!r}")
+        table, cached = got
+        if not isinstance(table, list):
+            self.broken(op, f"expected the block table as a list of block ids, got {type(table).__name__} {table!r}")
+        cached = self._int(f"{op}: the number of cached tokens", cached)
+        lib_table, lib_cached = self.lib.allocate(list(tokens))
+        if given != tokens:
+            self.broken(op, f"allocate changed the caller's token list to {_shown(given)}")
+        self.tables[name], self.lib_tables[name], self.tokens[name] = table, lib_table, tokens
+        self.log.append(f"{op} -> table {table}, {cached} tokens cached")
+        if len(table) != len(lib_table):
+            del self.tables[name], self.lib_tables[name], self.tokens[name]
+            self.fail(op, f"a table of {len(lib_table)} blocks ({len(tokens)} tokens in blocks of {size}: "
+                      f"ceil({len(tokens)} / {size}))", f"{len(table)} blocks: {table}")
+        if cached != lib_cached:
+            found = lib_cached // size
+            self.fail(f"{op}: the number of cached tokens", f"{lib_cached} ({found} full block"
+                      f"{'' if found == 1 else 's'} of this prefix in the prefix cache)", str(cached),
+                      "the prefix cache finds full blocks only, each named by its tokens and the name of the "
+                      "block before it, and it always leaves the prompt's last token to compute")
+        self._write(name, range(cached, len(tokens)), op)
+        self.compare(op)
+        return True
+
+    def grow(self, name: str, token: int) -> bool:
+        """Append a token: can_append, then append_slot (or OutOfBlocksError). True if it grew."""
+        table, tokens = self.tables[name], self.tokens[name]
+        tokens.append(token)
+        op = f"{len(self.log) + 1}. append_slot({name}'s table {list(table)}, its {len(tokens)} tokens, now ending {token})"
+        expected_ok = self.lib.can_append(self.lib_tables[name], len(tokens) - 1)
+        ok = self._bool(f"can_append({name}'s table {table}, {len(tokens) - 1})", self.mine.can_append,
+                        table, len(tokens) - 1)
+        if ok != expected_ok:
+            full = (len(tokens) - 1) % self.block_size == 0
+            shared = not full and self.lib.blocks[self.lib_tables[name][-1]].ref_count > 1
+            self.fail(f"can_append({name}'s table {table}, {len(tokens) - 1})", str(expected_ok), str(ok),
+                      f"its last block is {'full: the token needs a new block' if full else 'shared: the token needs a copy' if shared else 'its own and has room'}; "
+                      f"{self.lib.num_free} free")
+        if not ok:
+            before = list(table)
+            expect_raises(f"{self.where()}\n  then {op} when can_append says False", _out_of_blocks(),
+                          "the pool has no free block for it", self.mine.append_slot, table, list(tokens))
+            tokens.pop()
+            self.log.append(f"{op} -> OutOfBlocksError")
+            if table != before:
+                self.broken(op, f"the refused append changed {name}'s table {before} to {table}; a refused "
+                                "append changes nothing (take the free block before you let go of anything)")
+            self.compare(op)
+            return False
+        self._call(op, self.mine.append_slot, table, list(tokens))
+        self.lib.append_slot(self.lib_tables[name], tokens)
+        self.log.append(f"{op} -> table {table}")
+        self._apply_copies(op)
+        if len(table) != len(self.lib_tables[name]):
+            self.fail(f"{op}: {name}'s table", f"{len(self.lib_tables[name])} blocks for {len(tokens)} tokens",
+                      f"{len(table)}: {table}")
+        self._write(name, [len(tokens) - 1], op)
+        self.compare(op)
+        return True
+
+    def fork(self, name: str, parent: str) -> None:
+        op = f"{len(self.log) + 1}. {name} = fork({parent}'s table {self.tables[parent]})"
+        table = self._call(op, self.mine.fork, self.tables[parent])
+        if not isinstance(table, list):
+            self.broken(op, f"expected a new list of block ids, got {type(table).__name__} {table!r}")
+        if table is self.tables[parent]:
+            self.broken(op, "fork returned the parent's own list: the two sequences' tables must be two lists "
+                            "(holding the same blocks), or a copy-on-write in one would change the other")
+        self.tables[name], self.tokens[name] = table, list(self.tokens[parent])
+        self.lib_tables[name] = self.lib.fork(self.lib_tables[parent])
+        self.log.append(f"{op} -> {table}")
+        self.compare(op)
+
+    def free(self, name: str) -> None:
+        table = self.tables[name]
+        op = f"{len(self.log) + 1}. free_sequence({name}'s table {list(table)})"
+        self._call(op, self.mine.free_sequence, table)
+        self.lib.free_sequence(self.lib_tables.pop(name))
+        self.log.append(op)
+        if table:
+            self.broken(op, f"free_sequence should empty the table in place, it still holds {table}")
+        del self.tables[name], self.tokens[name]
+        self.compare(op)
+
+    def free_all(self) -> None:
+        for name in list(self.tables):
+            self.free(name)
+        if self.num_free() != self.num_blocks:
+            self.fail("with every sequence freed: num_free", str(self.num_blocks), str(self.num_free()),
+                      "a block leaked")
 
 
-def _cow_copied(fn, allocator, table, what):
-    got = call(what, fn, allocator, table)
-    if not isinstance(got, bool):
-        raise AssertionError(f"{what}: expected True or False (did it copy?), got {type(got).__name__} {got!r}")
-    return got
+_NAMING = ("every full block is named by its tokens and the name of the block before it; the first block "
+           "under a name keeps it; a partly filled block is never named; a block loses its name when it is "
+           "handed out again")
 
 
-def check_copy_on_write_last_block(fn) -> None:
-    from decodelab.engine.block_allocator import BlockAllocator, OutOfBlocksError
+def _out_of_blocks():
+    from decodelab.engine.block_allocator import OutOfBlocksError
 
-    # Two sequences share a 20-token prompt in blocks of 8: three blocks, the last one 4/8 full.
-    allocator = BlockAllocator(8, 8, enable_prefix_caching=False)
-    first, _ = allocator.allocate(list(range(20)))
-    second = allocator.fork(first)
-    shared_tail = first[-1]
-    free_before = list(allocator.free)
-    what = (f"copy_on_write_last_block on a table {second} whose last block {shared_tail} is shared by two "
-            f"sequences (ref_count 2), free list {free_before}")
-    copied = _cow_copied(fn, allocator, second, what)
-    if not copied:
-        raise AssertionError(f"{what}: expected True (the block is shared, so it must be copied), got False")
-    new = free_before[0]
-    if len(second) != 3 or second[:2] != first[:2]:
-        raise AssertionError(f"{what}: the table should keep its first two blocks {first[:2]} and end with the copy, "
-                             f"in place: expected {first[:2] + [new]}, got {second}")
-    if second[-1] != new:
-        raise AssertionError(f"{what}: expected the new block {new} (the least recently freed, from "
-                             f"allocator.take_free_block()) at the end of the table, got table {second}")
-    if allocator.copy_on_write_log != [(shared_tail, new)]:
-        raise AssertionError(f"{what}: expected copy_on_write_log [({shared_tail}, {new})] (source, destination: "
-                             f"the KV store copies the shared block's rows into the new one), got "
-                             f"{allocator.copy_on_write_log}")
-    if allocator.blocks[shared_tail].ref_count != 1:
-        raise AssertionError(f"{what}: block {shared_tail} should be held once afterwards (by the other sequence "
-                             f"only), its ref_count is {allocator.blocks[shared_tail].ref_count}")
-    _check_invariants(allocator, [first, second], what)
+    return OutOfBlocksError
 
-    # Now each last block belongs to one sequence: nothing to copy.
-    for table, name in ((second, "the copy"), (first, "the original")):
-        before, table_before = _state(allocator), list(table)
-        what = f"copy_on_write_last_block on a table {table_before} whose last block ({name}) is no longer shared"
-        if _cow_copied(fn, allocator, table, what):
-            raise AssertionError(f"{what}: expected False (ref_count 1: write in place), got True")
-        if table != table_before or _state(allocator) != before:
-            raise AssertionError(f"{what}: nothing should change; table {table_before} -> {table}, "
-                                 f"free list {before[1]} -> {list(allocator.free)}, "
-                                 f"log {before[2]} -> {allocator.copy_on_write_log}")
 
-    # Three samples of one prompt: one copy leaves the others sharing (ref_count 3 -> 2).
-    allocator = BlockAllocator(6, 4, enable_prefix_caching=False)
-    base, _ = allocator.allocate(list(range(6)))
-    tables = [base, allocator.fork(base), allocator.fork(base)]
-    tail = base[-1]
-    what = f"copy_on_write_last_block on a table {tables[2]} whose last block {tail} is held by three sequences"
-    if not _cow_copied(fn, allocator, tables[2], what):
-        raise AssertionError(f"{what}: expected True, got False")
-    if allocator.blocks[tail].ref_count != 2:
-        raise AssertionError(f"{what}: block {tail} should still be held by the two other sequences "
-                             f"(ref_count 2), got ref_count {allocator.blocks[tail].ref_count}")
-    _check_invariants(allocator, tables, what)
-    what = f"then on {tables[1]}, whose last block {tail} is still shared by two"
-    if not _cow_copied(fn, allocator, tables[1], what) or tables[1][-1] == tail:
-        raise AssertionError(f"{what}: expected a copy (True) and a new last block, got table {tables[1]}")
-    _check_invariants(allocator, tables, what)
-    if len(allocator.copy_on_write_log) != 2:
-        raise AssertionError(f"{what}: expected two (source, destination) pairs in copy_on_write_log, got "
-                             f"{allocator.copy_on_write_log}")
+def _scripted_stories(cls) -> None:
+    """Short stories that each put one rule to the test, with readable messages."""
+    system = [1, 2, 3, 4, 5, 6, 7, 8]  # two full blocks of 4
+    # Blocks, free list, sharing a system prompt, freeing.
+    story = _Story(cls, 12, 4)
+    story.arrive("A", system + [100, 101, 102])
+    story.arrive("B", system + [200, 201, 202, 203, 204])  # finds A's two blocks
+    story.arrive("C", [9, 9, 9, 9, 9, 9, 9, 9])  # 8 tokens: exactly two blocks
+    for token in (103, 104, 105):
+        story.grow("A", token)  # fills A's third block, then opens a fourth
+    story.free("A")
+    story.arrive("D", system + [100, 101, 102, 103, 400])  # A's first three blocks, from the free list
+    story.arrive("E", system + [100, 101, 102, 103])  # the last token stays to compute: two blocks cached
+    story.free_all()
 
-    # A full pool: the copy cannot be made, and the pool must be left as it was.
-    allocator = BlockAllocator(2, 4, enable_prefix_caching=False)
-    base, _ = allocator.allocate(list(range(7)))
-    other = allocator.fork(base)
-    before, other_before = _state(allocator), list(other)
-    what = (f"copy_on_write_last_block on a shared table {other_before} when no block is free "
-            "(allocator.take_free_block() raises OutOfBlocksError)")
-    expect_raises(what, OutOfBlocksError, "there is nowhere to copy to: let it pass through", fn, allocator, other)
-    if other != other_before or _state(allocator) != before:
-        raise AssertionError(f"{what}: the failed copy changed the pool: ref counts {before[0]} -> "
-                             f"{[b.ref_count for b in allocator.blocks]}, table {other_before} -> {other} "
-                             "(take the free block before you drop the reference)")
+    # The name of a block stands for its whole prefix (chained), and a partly filled block has none.
+    story = _Story(cls, 16, 4)
+    story.arrive("A", [1, 2, 3, 4, 50, 51, 52, 53, 60])
+    story.arrive("B", [5, 6, 7, 8, 50, 51, 52, 53, 61])  # same second block, other first block
+    story.arrive("C", [5, 6, 7, 8, 50, 51, 52, 53, 62])  # B's prefix: two blocks cached, B's, not A's
+    story.arrive("D", [1, 2, 3, 4, 50, 51, 52, 53, 60, 70])  # A's 9 tokens + 1: A's third block is partial
+    story.arrive("E", [1, 2, 3, 4, 50, 51])
+    story.arrive("F", [1, 2, 3, 4, 50, 51, 90])  # E's partial second block must not be found
+    story.free_all()
+
+    # n > 1: fork shares every block, copy-on-write parts the last one.
+    story = _Story(cls, 10, 4, caching=False)
+    story.arrive("A", list(range(10, 16)))  # 6 tokens: the second block half full
+    story.fork("A2", "A")
+    story.fork("A3", "A")
+    story.grow("A2", 20)  # shared last block: copied
+    story.grow("A", 21)  # still shared with A3: copied
+    story.grow("A3", 22)  # now its own: written in place
+    story.grow("A3", 23)  # fills it
+    story.grow("A3", 24)  # a new block
+    story.free("A")
+    story.free_all()
+
+    # A full pool: refusals change nothing.
+    story = _Story(cls, 3, 4)
+    story.arrive("A", list(range(30, 37)))  # 7 tokens: 2 blocks
+    story.arrive("B", list(range(40, 53)))  # 13 tokens need 4 blocks: OutOfBlocksError
+    story.fork("A2", "A")
+    story.arrive("C", [60, 61, 62])  # the last free block
+    story.grow("A2", 70)  # needs a copy, no block free: OutOfBlocksError, nothing changes
+    story.grow("C", 63)  # its own block has room
+    story.grow("C", 64)  # needs a new block: OutOfBlocksError
+    story.free("C")
+    story.grow("A2", 70)  # now the copy can be made
+    story.free_all()
+
+    # Freed blocks keep their names until handed out again, least recently freed first; the
+    # tail of a sequence is freed before its head, so the head is the last to be forgotten.
+    story = _Story(cls, 6, 4)
+    story.arrive("A", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    story.free("A")
+    story.arrive("B", [20, 21, 22, 23, 24, 25, 26, 27, 28])  # the three blocks never used
+    story.arrive("C", [30, 31, 32, 33, 34])  # A's third block, then its second
+    story.arrive("D", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # A's first block is still there
+    story.free_all()
+
+    # A cached block found on the free list must come off it: it costs a free block too.
+    story = _Story(cls, 4, 4)
+    story.arrive("A", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    story.free("A")
+    story.arrive("B", [50, 51, 52])
+    story.arrive("C", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])  # 4 blocks, 2 of them cached and free: 4 > 3
+    story.arrive("D", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # 3 blocks, 2 of them cached and free: 3 <= 3
+    story.free_all()
+
+
+def _random_story(cls, seed: int) -> None:
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 3, 4, 4])
+    story = _Story(cls, rng.randint(5, 30), block_size, caching=rng.random() < 0.85)
+    pieces = [[rng.randint(1, 6) for _ in range(block_size)] for _ in range(4)]  # shared block contents
+    past: list[list[int]] = []
+    names = iter(f"S{i}" for i in range(1000))
+    for _ in range(36):
+        live = list(story.tables)
+        roll = rng.random()
+        if roll < 0.35 or not live:
+            if past and rng.random() < 0.4:  # a prefix of an earlier sequence, maybe more
+                earlier = rng.choice(past)
+                tokens = earlier[:rng.randint(1, len(earlier))] + [rng.randint(1, 6) for _ in range(rng.randint(0, 3))]
+            else:
+                tokens = [t for _ in range(rng.randint(0, 4)) for t in rng.choice(pieces)]
+                tokens += [rng.randint(1, 6) for _ in range(rng.randint(0 if tokens else 1, 2 * block_size))]
+            name = next(names)
+            if story.arrive(name, tokens):
+                past.append(tokens)
+        elif roll < 0.7:
+            name = rng.choice(live)
+            if story.grow(name, rng.randint(1, 6)):
+                past.append(list(story.tokens[name]))
+        elif roll < 0.8:
+            story.fork(next(names), rng.choice(live))
+        else:
+            story.free(rng.choice(live))
+    story.free_all()
+
+
+def check_block_allocator(cls) -> None:
+    _scripted_stories(cls)
+    for seed in range(60):
+        _random_story(cls, seed)

@@ -74,6 +74,15 @@ class BlockAllocator:
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_needed(num_tokens, self.block_size)
 
+    def ref_count(self, block_id: int) -> int:
+        """How many block tables hold this block (0: it is free)."""
+        return self.blocks[block_id].ref_count
+
+    def is_cached(self, block_id: int) -> bool:
+        """Is this block in the prefix cache: would a later prompt with its prefix find it?"""
+        block = self.blocks[block_id]
+        return block.hash is not None and self.cached.get(block.hash) == block_id
+
     # ------------------------------------------------------------ primitives
     def take_free_block(self) -> Block:
         """The least recently freed block, now held once (ref_count 1), its old name dropped."""

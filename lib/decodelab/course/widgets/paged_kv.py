@@ -1,10 +1,15 @@
 """Notebook 07's pictures and explorer: KV waste against block size, and the block pool as
-requests come and go. The notebook passes in the functions to use (the learner's own, or the
-library's reference while an exercise is unfinished).
+requests come and go. The notebook passes in the functions and classes to use (the learner's
+own, or the library's reference while an exercise is unfinished).
 
     box = waste_explorer(kv_waste)          # box.figure, box.controls, box.redraw()
-    snapshots = play_block_story(allocator, events)
-    block_table_figure(snapshots).show()
+    allocator_cls = allocator_class_or_reference(BlockAllocator, block_allocator.BlockAllocator)
+    snapshots = play_block_story(allocator_cls(12, 4), events)
+    block_table_figure(snapshots, title).show()
+    outputs, snapshots = serve_recording(llm, chats, params)   # the engine's pool, step by step
+
+An allocator here is anything with the library `BlockAllocator`'s interface; the pictures read
+it only through that interface (`ref_count`, `is_cached`, `num_blocks`, `num_free`).
 """
 from __future__ import annotations
 
@@ -93,7 +98,68 @@ def waste_explorer(waste_fn, num_requests: int = 1000):
     return finish_explorer(box, fig, {"block_size": block_size, "longest": longest}, redraw)
 
 
+def fragmentation_figure(results, labels: list[str], title: str) -> go.Figure:
+    """Stacked bars, one per layout: the shares of the pool's memory-time that hold tokens, are
+    internal fragmentation, external fragmentation, or idle (`lessons.fragmentation.simulate`)."""
+    fig = go.Figure()
+    parts = [("tokens", "holds tokens", MEASURED_COLOR), ("internal", "internal fragmentation", "#9467bd"),
+             ("external", "external fragmentation", "#ff7f0e"), ("idle", "free, too little for the next request", "#d9d9d9")]
+    for key, name, color in parts:
+        values = [100 * getattr(r, key) for r in results]
+        fig.add_bar(y=labels, x=values, name=name, orientation="h", marker_color=color,
+                    text=[f"{v:.1f}%" if v >= 3 else "" for v in values], textposition="inside", insidetextanchor="middle",
+                    hovertemplate="%{y}: %{x:.2f}%<extra>" + name + "</extra>")
+    fig.update_layout(barmode="stack", title=title, height=150 + 45 * len(results), margin=dict(l=10, r=10, t=80, b=40),
+                      legend=dict(orientation="h", y=-0.3, traceorder="normal"))
+    fig.update_xaxes(title="share of the pool's memory over time (%)", range=[0, 100])
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
 # --------------------------------------------------------------------------- the block pool over time
+
+
+def allocator_class_or_reference(learner_class, reference_class):
+    """The learner's allocator class if a short story runs through it with its counts right at
+    every step (two prompts sharing a block, a fork, a copy-on-write, everyone freed), else the
+    reference, with `course.use_or_reference`'s notice on stdout."""
+    from decodelab import course
+
+    def probe():
+        story = [("A", "arrive", "A", [1, 2, 3, 4, 5]), ("B", "arrive", "B", [1, 2, 3, 4, 6, 7]),
+                 ("B2", "fork", "B2", "B"), ("B2 grows", "grow", "B2", [8, 9, 10]), ("A ends", "finish", "A"),
+                 ("B ends", "finish", "B"), ("B2 ends", "finish", "B2")]
+        allocator = learner_class(8, 4)
+        play_block_story(allocator, story)  # checks the ref counts and free + held = all after every event
+        if allocator.num_free != 8:
+            raise AssertionError(f"{allocator.num_free} of 8 blocks free after every sequence was freed")
+        if len(allocator.copy_on_write_log) != 1:
+            raise AssertionError(f"copy_on_write_log {allocator.copy_on_write_log} after one copy-on-write")
+        if allocator.allocate([1, 2, 3, 4])[1] != 0:
+            raise AssertionError("a prompt of one cached block found it: its last token must stay to compute")
+
+    chosen = course.use_or_reference(probe, reference_class, name=getattr(learner_class, "__name__", "BlockAllocator"))
+    return learner_class if chosen is probe else reference_class
+
+
+def pool_snapshot(allocator, tables: dict[str, list[int]], label: str) -> dict:
+    """The pool at one moment, for `block_table_figure`, after checking it: every block's
+    ref_count is the number of the given live tables that hold it, and free + held = all.
+    -> {"label", "holders": [names per block], "ref_counts", "cached": [bool per block]}."""
+    holders = [[] for _ in range(allocator.num_blocks)]
+    for name, table in tables.items():
+        for block_id in table:
+            holders[block_id].append(name)
+    refs = [allocator.ref_count(b) for b in range(allocator.num_blocks)]
+    for block_id, (ref, who) in enumerate(zip(refs, holders)):
+        if ref != len(who):
+            raise AssertionError(f"{label}: block {block_id} has ref_count {ref} but {len(who)} tables hold it "
+                                 f"({', '.join(who) or 'none'})")
+    held = sum(1 for who in holders if who)
+    if allocator.num_free + held != allocator.num_blocks:
+        raise AssertionError(f"{label}: {allocator.num_free} free + {held} held != {allocator.num_blocks} blocks")
+    cached = [not who and allocator.is_cached(b) for b, who in enumerate(holders)]
+    return {"label": label, "holders": holders, "ref_counts": refs, "cached": cached}
 
 
 def play_block_story(allocator, events) -> list[dict]:
@@ -123,32 +189,66 @@ def play_block_story(allocator, events) -> list[dict]:
             tokens.pop(name)
         else:
             raise ValueError(f"unknown action {action!r}; use arrive, grow, fork or finish")
-        allocator.check_invariants(list(tables.values()))
-        holders = [[] for _ in range(allocator.num_blocks)]
-        for seq, table in tables.items():
-            for block_id in table:
-                holders[block_id].append(seq)
-        snapshots.append({"label": label, "holders": holders, "ref_counts": [b.ref_count for b in allocator.blocks],
-                          "cached": [b.ref_count == 0 and b.hash is not None for b in allocator.blocks]})
+        snapshots.append(pool_snapshot(allocator, tables, label))
     return snapshots
 
 
-def block_table_figure(snapshots: list[dict], title: str) -> go.Figure:
+def serve_recording(llm, prompts, params, label=None):
+    """llm.chat(prompts, params) (a prompt is a conversation), with a snapshot of the engine's
+    pool after every step that changed a block table -> (outputs, snapshots). A sequence is
+    named by its prompt's letter and its sample's number (A1, A2, B1, ...)."""
+    from decodelab.engine.llm import engine_step
+
+    snapshots, last, steps = [], [None], [0]
+    label = label or (lambda step: f"after step {step}")
+
+    def step(engine):
+        events = engine_step(engine)
+        steps[0] += 1
+        seqs = sorted(engine.scheduler.running, key=lambda s: (s.request_index, s.sample_index))
+        tables = {f"{chr(65 + s.request_index)}{s.sample_index + 1}": list(s.block_table) for s in seqs}
+        if tables != last[0]:
+            snapshots.append(pool_snapshot(engine.allocator, tables, label(steps[0]) if tables else "all finished"))
+            last[0] = tables
+        return events
+
+    saved, llm.hooks.step = llm.hooks.step, step
+    try:
+        outputs = llm.chat(prompts, params)
+    finally:
+        llm.hooks.step = saved
+    if last[0] != {}:
+        snapshots.append(pool_snapshot(llm.allocator, {}, "all finished"))
+    return outputs, snapshots
+
+
+def block_table_figure(snapshots: list[dict], title: str, used_only: bool = False) -> go.Figure:
     """One row per moment, one column per block of the pool: colour = how many sequences hold
-    the block (white free, grey free but still named in the prefix cache), text = who."""
-    z, text = [], []
+    the block (white free, grey free but still named in the prefix cache), text = who.
+    used_only: leave out the blocks that no moment shows held or cached."""
+    columns = list(range(len(snapshots[0]["ref_counts"])))
+    if used_only:
+        columns = [b for b in columns if any(s["ref_counts"][b] or s["cached"][b] for s in snapshots)] or columns
+    z, text, hover = [], [], []
     for snap in snapshots:
-        z.append([0.5 if cached else refs for refs, cached in zip(snap["ref_counts"], snap["cached"])])
-        text.append(["+".join(h) if h else ("cached" if c else "") for h, c in zip(snap["holders"], snap["cached"])])
+        z.append([0.5 if snap["cached"][b] else snap["ref_counts"][b] for b in columns])
+        names = ["+".join(snap["holders"][b]) if snap["holders"][b] else ("cached" if snap["cached"][b] else "")
+                 for b in columns]
+        hover.append(names)
+        text.append([name if len(snap["holders"][b]) <= 3 else f"{len(snap['holders'][b])} seqs"
+                     for b, name in zip(columns, names)])
     top = max(3, max(max(row) for row in z))
     scale = [[0, "#ffffff"], [0.5 / top, "#d9d9d9"], [1 / top, "#9ecae1"], [2 / top, "#3182bd"], [1, "#08306b"]]
-    fig = go.Figure(go.Heatmap(z=z, x=list(range(len(z[0]))), y=[s["label"] for s in snapshots], text=text,
+    fig = go.Figure(go.Heatmap(z=z, x=[str(b) for b in columns], y=[s["label"] for s in snapshots], text=text,
+                               customdata=hover, hovertemplate="block %{x}: %{customdata}<extra>%{y}</extra>",
                                texttemplate="%{text}", textfont=dict(size=10), colorscale=scale, zmin=0, zmax=top,
                                xgap=2, ygap=2, colorbar=dict(title="ref count", tickvals=list(range(top + 1)))))
     fig.update_layout(title=title, height=110 + 38 * len(snapshots), margin=dict(l=10, r=10, t=70, b=40))
-    fig.update_xaxes(title="block id in the pool", dtick=1)
+    fig.update_xaxes(title="block id in the pool", type="category")
     fig.update_yaxes(autorange="reversed")
     return fig
 
 
-__all__ = ["SEED_WASTE", "uniform_lengths", "waste_figure", "waste_explorer", "play_block_story", "block_table_figure"]
+__all__ = ["SEED_WASTE", "uniform_lengths", "waste_figure", "waste_explorer", "fragmentation_figure",
+           "allocator_class_or_reference",
+           "pool_snapshot", "play_block_story", "serve_recording", "block_table_figure"]
