@@ -7,24 +7,21 @@ import torch
 
 from autograder.checks import gqa as checks
 from decodelab.lessons import gqa
-from decodelab.model.attention import causal_attention, repeat_kv
+from decodelab.model.attention import causal_attention
 from oracles import expect_bug_caught, load_fixture
 
 buggy = load_fixture("buggy_gqa")
 
 
 def test_reference_passes():
-    checks.check_repeat_kv(repeat_kv)
-    checks.check_group_query_attention(gqa.group_query_attention)
+    checks.check_broadcast_gqa_attention(gqa.broadcast_gqa_attention)
     checks.check_pool_kv_heads(gqa.pool_kv_heads)
 
 
 def test_loop_oracles_agree_with_transformers():
-    """The checks' own float64 loops against transformers' Llama repeat_kv and eager attention."""
+    """The checks' own float64 loop against transformers' Llama eager attention (its repeat_kv grouping)."""
     modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
     torch.manual_seed(3)
-    x = torch.randn(2, 3, 5, 4)
-    assert torch.equal(checks._ref_repeat_kv(x, 3), modeling.repeat_kv(x, 3))
     q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16)
     mask = torch.full((4, 4), float("-inf")).triu(1)[None, None]
     module = type("Attn", (torch.nn.Module,), {})()
@@ -34,9 +31,15 @@ def test_loop_oracles_agree_with_transformers():
     assert (got - want.double()).abs().max() < 1e-5
 
 
-def test_sdpa_attention_passes():
-    """The production path (SDPA, grouped heads read in place) meets the same definition."""
-    checks.check_group_query_attention(causal_attention)
+def test_sdpa_and_repeat_kv_attention_give_the_same_float32_values():
+    """The production path (SDPA, grouped heads read in place) and the repeat_kv version meet the
+    same definition in float32; the repeat_kv version is then caught as a copy of K and V, while
+    SDPA's fused kernel creates no tensor of that size."""
+    checks._check_float32_cases(causal_attention, "causal_attention")
+    checks._check_float32_cases(gqa.group_query_attention, "group_query_attention")
+    with pytest.raises(AssertionError, match=r"K or V was copied to every query head"):
+        checks.check_broadcast_gqa_attention(gqa.group_query_attention)
+    checks._check_no_copy(causal_attention)
 
 
 @pytest.mark.parametrize("bug", sorted(buggy.BUGS))
@@ -45,20 +48,39 @@ def test_bug_is_caught(bug):
 
 
 def test_messages_name_the_case():
-    with pytest.raises(AssertionError, match=r"output head 1 should be input head 0 .*got input head 1"):
-        checks.check_repeat_kv(buggy.library_bugs.repeat_kv_round_robin)
-    with pytest.raises(AssertionError, match=r"expected shape \[1, 8, 3, 4\], got shape \[1, 2, 12, 4\]"):
-        checks.check_repeat_kv(buggy.repeat_kv_along_sequence)
+    attention = checks.check_broadcast_gqa_attention
     with pytest.raises(AssertionError, match=r"q_offset=9 .*sees keys 0 \.\. q_offset \+ t"):
-        checks.check_group_query_attention(buggy.library_bugs.gqa_mask_ignores_offset)
-    with pytest.raises(AssertionError, match=r"5-token prompt.*KV head h % 2.*h // 4"):
-        checks.check_group_query_attention(buggy.library_bugs.gqa_round_robin)
+        attention(buggy.gqa_mask_ignores_offset)
+    with pytest.raises(AssertionError, match=r"5-token prompt.*expected .*, got .*KV head h % 2.*h // 4"):
+        attention(buggy.gqa_round_robin)
+    with pytest.raises(AssertionError, match=r"right heads in the wrong order"):
+        attention(buggy.gqa_heads_wrong_order)
+    with pytest.raises(AssertionError,
+                       match=r"bfloat16 q \[2, 9, 3, 64\].*expected .*within bfloat16 rounding.*got .*float32"):
+        attention(buggy.gqa_softmax_in_half)
+    for bug in (buggy.gqa_copies_with_repeat_kv, buggy.gqa_copies_with_repeat_interleave, buggy.gqa_matmul_broadcasts):
+        with pytest.raises(AssertionError, match=r"q \[1, 8, 1, 64\], k and v \[1, 2, 2048, 64\].* took [\d.]+ MiB at "
+                                                 r"once .*expected at most 2\.00 MiB"):
+            attention(bug)
+    with pytest.raises(AssertionError, match=r"torch.matmul expands and copies"):
+        attention(buggy.gqa_matmul_broadcasts)
     with pytest.raises(AssertionError, match=r"originals back"):
         checks.check_pool_kv_heads(buggy.pool_kv_heads_sum)
     with pytest.raises(AssertionError, match=r"copies of head i: should give the 2 originals back"):
         checks.check_pool_kv_heads(buggy.library_bugs.pool_kv_heads_strided)
     with pytest.raises(AssertionError, match=r"new head \d should be the mean of old heads"):
         checks.check_pool_kv_heads(buggy.pool_kv_heads_first_of_group)
+    with pytest.raises(AssertionError, match=r"should raise ValueError \(4 does not divide the 6 KV heads\); it raised "
+                                             r"RuntimeError"):
+        checks.check_pool_kv_heads(buggy.pool_kv_heads_unchecked)
+
+
+def test_a_stub_is_reported_as_not_written():
+    def broadcast_gqa_attention(q, k, v, q_offset=0):
+        raise NotImplementedError("replace this line with your code")
+
+    with pytest.raises(AssertionError, match=r"^broadcast_gqa_attention is not written yet"):
+        checks.check_broadcast_gqa_attention(broadcast_gqa_attention)
 
 
 def test_pool_model_uses_the_given_pool():

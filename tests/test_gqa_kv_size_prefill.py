@@ -21,6 +21,7 @@ from decodelab.config import ModelConfig
 from decodelab.decoding.generate import stream_token_ids
 from decodelab.model.kv_cache import KVCache
 from decodelab.lessons.measure import Roofline
+from decodelab.lessons.tiled_attention import measure_tensor_memory
 from decodelab.model.llama import LlamaForCausalLM
 from decodelab.params import SamplingParams
 from decodelab.model.toy import random_llama
@@ -53,6 +54,20 @@ def check_group_query_attention(fn):
         err = (got - want).abs().max().item()
         assert err < 1e-5, (f"attention with {h} query heads over {h_kv} KV heads, {t} queries at "
                             f"q_offset={offset}: differs from causal_attention by {err:.3g}")
+
+
+def check_broadcast_gqa_attention(fn):
+    """Equal to causal_attention within 1e-5 in float32, and no tensor of a [B, H, S, D] copy of K or V."""
+    check_group_query_attention(fn)
+    torch.manual_seed(3)
+    for h, h_kv, t, s in [(8, 2, 1, 1024), (8, 1, 3, 512), (9, 3, 2, 700)]:
+        q, k, v = torch.randn(2, h, t, 32), torch.randn(2, h_kv, s, 32), torch.randn(2, h_kv, s, 32)
+        out, seen = measure_tensor_memory(fn, q, k, v, s - t)
+        assert (out - causal_attention(q, k, v, s - t)).abs().max() < 1e-5
+        copy = 2 * h * s * 32 * 4  # one of K or V repeated to all H heads, float32
+        assert seen.peak_bytes < copy // 2, (
+            f"{h} query heads over {h_kv} KV heads, {t} queries over {s} keys: held {seen.peak_bytes:,} bytes "
+            f"at once (largest {seen.largest_shape}), a [2, {h}, {s}, 32] copy of K is {copy:,}")
 
 
 def check_pool_kv_heads(fn):
@@ -100,6 +115,7 @@ def check_prefill(fn):
 
 REFERENCE = {
     "check_group_query_attention": gqa.group_query_attention,
+    "check_broadcast_gqa_attention": gqa.broadcast_gqa_attention,
     "check_pool_kv_heads": gqa.pool_kv_heads,
     "check_kv_bytes": kv_size.kv_bytes,
     "check_prefill": pf.prefill,
@@ -133,6 +149,52 @@ def test_explicit_gqa_equals_sdpa_path(batch, kv_heads, group, queries, q_offset
     v = torch.randn(batch, kv_heads, q_offset + queries, head_dim, generator=g)
     torch.testing.assert_close(gqa.group_query_attention(q, k, v, q_offset),
                                causal_attention(q, k, v, q_offset), atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 2), kv_heads=st.sampled_from([1, 2, 3, 4]), group=st.sampled_from([1, 2, 3, 4]),
+       queries=st.integers(1, 6), q_offset=st.integers(0, 40), head_dim=st.sampled_from([2, 8, 16]),
+       seed=st.integers(0, 2**16))
+def test_broadcast_gqa_equals_sdpa_path(batch, kv_heads, group, queries, q_offset, head_dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, kv_heads * group, queries, head_dim, generator=g)
+    k = torch.randn(batch, kv_heads, q_offset + queries, head_dim, generator=g)
+    v = torch.randn(batch, kv_heads, q_offset + queries, head_dim, generator=g)
+    torch.testing.assert_close(gqa.broadcast_gqa_attention(q, k, v, q_offset),
+                               causal_attention(q, k, v, q_offset), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [8, 4, 2, 1])
+def test_broadcast_gqa_allocates_no_repeated_kv(kv_heads):
+    """measure_tensor_memory sees every tensor made, the copy inside a broadcasting matmul included:
+    broadcasting holds only [B, H, T, S] blocks; repeat_kv makes [B, H, S, D] copies of K and V."""
+    batch, heads, seq, dim = 2, 8, 1024, 64
+    q = torch.randn(batch, heads, 1, dim)
+    k, v = torch.randn(batch, kv_heads, seq, dim), torch.randn(batch, kv_heads, seq, dim)
+    out, seen = measure_tensor_memory(gqa.broadcast_gqa_attention, q, k, v, seq - 1)
+    torch.testing.assert_close(out, causal_attention(q, k, v, seq - 1), atol=1e-5, rtol=1e-5)
+    repeated = batch * heads * seq * dim * 4  # [B, H, S, D] float32
+    scores = batch * heads * 1 * seq * 4  # [B, H, T, S] float32
+    assert seen.peak_bytes <= 4 * scores < repeated // 8, seen
+    _, copied = measure_tensor_memory(gqa.group_query_attention, q, k, v, seq - 1)
+    g = heads // kv_heads
+    # K and V repeated to H heads (for MQA repeat_kv's reshape is still a view: the copy happens in matmul)
+    assert copied.peak_bytes >= (repeated if g > 1 else 0), copied
+    _, matmul = measure_tensor_memory(  # the same scores by @ on a broadcast axis: matmul copies K inside
+        lambda q, k: q.view(batch, kv_heads, g, 1, dim) @ k.unsqueeze(2).transpose(-2, -1), q, k)
+    assert matmul.peak_bytes >= (repeated if g > 1 else 0), matmul
+
+
+def test_broadcast_gqa_keeps_dtype_and_rejects_bad_shapes():
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    got = gqa.broadcast_gqa_attention(q, k.bfloat16(), v.bfloat16(), 3)
+    want = gqa.group_query_attention(q, k.bfloat16(), v.bfloat16(), 3)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)  # the same float32 arithmetic, rounded once
+    with pytest.raises(ValueError, match="3"):
+        gqa.broadcast_gqa_attention(torch.randn(1, 8, 2, 4), torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 4))
+    with pytest.raises(ValueError, match="q_offset"):
+        gqa.broadcast_gqa_attention(torch.randn(1, 8, 2, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), 1)
 
 
 def test_mha_and_mqa_are_the_extremes():

@@ -157,6 +157,22 @@ def test_tracker_frees_dropped_tensors_and_ignores_inputs():
     assert seen.largest_shape == (1000,)
 
 
+def test_tracker_sees_the_copy_inside_a_broadcasting_matmul():
+    """torch.matmul flattens a broadcast batch axis by expanding and copying the operand: real memory,
+    made inside one call. The tracker runs such composites through their decomposition and counts it,
+    while naming the largest tensor by the caller's own shapes."""
+    a, b = torch.randn(1, 2, 4, 1, 64), torch.randn(1, 2, 1, 64, 512)  # b broadcast over 4
+    out, seen = measure_tensor_memory(torch.matmul, a, b)
+    assert out.shape == (1, 2, 4, 1, 512)
+    assert seen.peak_bytes >= 2 * 4 * 64 * 512 * 4, seen  # b expanded to [1, 2, 4, 64, 512] and copied
+    _, folded = measure_tensor_memory(lambda a, b: a.reshape(1, 2, 4, 64) @ b.squeeze(2), a, b)
+    assert folded.peak_bytes == 2 * 4 * 512 * 4, folded  # the result only: b read in place
+    x, y = torch.randn(2, 3, 32, 4), torch.randn(2, 3, 4, 32)
+    _, plain = measure_tensor_memory(torch.matmul, x, y)
+    assert plain.largest_shape == (2, 3, 32, 32)  # the caller's shape, not the bmm's [6, 32, 32]
+    assert plain.peak_bytes == 2 * 3 * 32 * 32 * 4
+
+
 def test_memory_formula():
     assert attention_memory_bytes(4096, 4096, num_heads=32) == 4096 * 4096 * 32 * 4
     assert attention_memory_bytes(4096, 4096, num_heads=32, tile_size=128) == 4096 * 128 * 32 * 4

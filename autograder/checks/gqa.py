@@ -1,19 +1,23 @@
-"""Checks for notebook 05, grouped-query attention: `repeat_kv`, `group_query_attention`, `pool_kv_heads`.
+"""Checks for notebook 05, grouped-query attention: `broadcast_gqa_attention`, `pool_kv_heads`.
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and either
 returns None or raises ``AssertionError`` whose message gives the input, the expected and the
 actual result.
 
-The expected results never come from `decodelab`: they are written out here head by head and
-query by query in float64 (``_ref_*``), from the definitions:
+The expected results never come from `decodelab`'s attention or pooling: they are written out
+here head by head and query by query in float64 (``_ref_*``), from the definitions:
 
 * query head h reads KV head h // (H / H_kv) (consecutive query heads share one KV head, as in
   Llama and `transformers`: tests/test_gqa_checks.py holds the loop oracle against
-  `transformers`' own ``repeat_kv``; the check does not import transformers, which would cost a
-  learner seconds per run);
+  `transformers`' own ``repeat_kv`` and eager attention; the check does not import transformers,
+  which would cost a learner seconds per run);
 * query t of T sits at position q_offset + t and sees keys 0 .. q_offset + t, softmax(q.k / sqrt(D));
 * pooled head i is the mean of old heads i*g .. i*g + g - 1, g = H_kv / H_new.
+
+What broadcasting saves is measured with `decodelab.lessons.tiled_attention.measure_tensor_memory`
+(it sees every tensor an operation makes, the copy inside a broadcasting ``@`` included): on a
+long decode step the function must not hold as much as half of one K repeated to all H heads.
 """
 from __future__ import annotations
 
@@ -21,16 +25,18 @@ import math
 
 import torch
 
-from autograder.checks.calling import call
+from autograder.checks.calling import call, expect_raises
+from decodelab.lessons.tiled_attention import measure_tensor_memory
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
-    "repeat_kv": "decodelab.model.attention:repeat_kv",
-    "group_query_attention": "decodelab.lessons.gqa:group_query_attention",
+    "broadcast_gqa_attention": "decodelab.lessons.gqa:broadcast_gqa_attention",
     "pool_kv_heads": "decodelab.lessons.gqa:pool_kv_heads",
 }
 
-__all__ = ["check_repeat_kv", "check_group_query_attention", "check_pool_kv_heads"]
+__all__ = ["check_broadcast_gqa_attention", "check_pool_kv_heads"]
+
+MiB = 2**20
 
 
 def _expect_tensor(desc: str, got, shape: tuple, dtype: torch.dtype | None = None) -> None:
@@ -46,48 +52,7 @@ def _where(index: tuple, names: str) -> str:
     return ", ".join(f"{n}={i}" for n, i in zip(names.split(), index))
 
 
-# --------------------------------------------------------------------------- repeat_kv
-
-
-def _ref_repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
-    b, h_kv, s, d = x.shape
-    out = torch.empty(b, h_kv * n, s, d, dtype=x.dtype)
-    for h in range(h_kv * n):
-        out[:, h] = x[:, h // n]  # query head h reads KV head h // n
-    return out
-
-
-def check_repeat_kv(fn) -> None:
-    """repeat_kv(x [B, H_kv, S, D], n) -> [B, H_kv * n, S, D], head h = input head h // n, exactly."""
-    torch.manual_seed(10)
-    cases = [  # (batch, kv_heads, seq, head_dim, n)
-        (1, 2, 3, 4, 4),  # GQA: 8 query heads over 2 KV heads
-        (2, 3, 5, 2, 3),  # SmolLM2's grouping: 9 over 3, batch of two
-        (1, 1, 4, 3, 6),  # MQA: every query head reads the one KV head
-        (2, 4, 3, 2, 1),  # MHA: nothing to repeat
-        (1, 4, 1, 8, 2),  # a single position (one decode step)
-    ]
-    for b, h_kv, s, d, n in cases:
-        x = torch.randn(b, h_kv, s, d)
-        before = x.clone()
-        desc = f"repeat_kv(x of shape [{b}, {h_kv}, {s}, {d}], num_queries_per_kv={n})"
-        got = call(desc, fn, x, n)
-        _expect_tensor(desc, got, (b, h_kv * n, s, d), x.dtype)
-        if not torch.equal(x, before):
-            raise AssertionError(f"{desc} changed its input in place; return a new tensor (or x itself for n=1)")
-        want = _ref_repeat_kv(x, n)
-        for h in range(h_kv * n):
-            if not torch.equal(got[:, h], want[:, h]):
-                source = next((j for j in range(h_kv) if torch.equal(got[:, h], x[:, j])), None)
-                read = f"input head {source}" if source is not None else "no input head unchanged"
-                raise AssertionError(f"{desc}: output head {h} should be input head {h // n} (h // n: consecutive "
-                                     f"query heads share a KV head), got {read}")
-    x = torch.randn(1, 2, 3, 4, dtype=torch.float64)
-    got = call("repeat_kv on a float64 x of shape [1, 2, 3, 4], n=2", fn, x, 2)
-    _expect_tensor("repeat_kv on a float64 x of shape [1, 2, 3, 4], n=2", got, (1, 4, 3, 4), torch.float64)
-
-
-# --------------------------------------------------------------------------- group_query_attention
+# --------------------------------------------------------------------------- broadcast_gqa_attention
 
 
 def _ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
@@ -120,11 +85,29 @@ def _diagnose(got: torch.Tensor, q, k, v, q_offset: int) -> str:
     if q_offset > 0 and torch.allclose(got.double(), _ref_attention(q, k, v, q_offset, mask_offset=0), atol=1e-5):
         return (" (this is what a causal mask that ignores q_offset gives: query t sits at position "
                 "q_offset + t and sees keys 0 .. q_offset + t)")
+    b, t, d = q.shape[0], q.shape[2], q.shape[3]
+    if h_kv not in (1, h):
+        swapped = _ref_attention(q, k, v, q_offset).view(b, h_kv, h // h_kv, t, d).transpose(1, 2).reshape(b, h, t, d)
+        if torch.allclose(got.double(), swapped, atol=1e-5):
+            return (f" (these are the right heads in the wrong order: head g*{h_kv} + j where j*{h // h_kv} + g "
+                    f"belongs; put [B, H_kv, G, T, D] back to [B, H, T, D] without swapping H_kv and G)")
     return ""
 
 
-def check_group_query_attention(fn) -> None:
-    """Causal GQA over a cache: every case compared with the float64 loop above."""
+def _case(b: int, h: int, h_kv: int, t: int, offset: int, d: int, dtype=torch.float32):
+    q = torch.randn(b, h, t, d).to(dtype)
+    k, v = torch.randn(b, h_kv, offset + t, d).to(dtype), torch.randn(b, h_kv, offset + t, d).to(dtype)
+    return q, k, v
+
+
+def _describe(name: str, q, k, offset: int, what: str = "") -> str:
+    dtype = "" if q.dtype == torch.float32 else f"{str(q.dtype).removeprefix('torch.')} "
+    return (f"{name} with {dtype}q {list(q.shape)}, k and v {list(k.shape)}, q_offset={offset}"
+            + (f" ({what})" if what else ""))
+
+
+def _check_float32_cases(fn, name: str = "broadcast_gqa_attention") -> None:
+    """The values, in float32, on GQA, MHA and MQA; prompts, decode steps and chunks."""
     torch.manual_seed(11)
     cases = [  # (batch, heads, kv_heads, queries T, q_offset, head_dim, what)
         (1, 8, 2, 5, 0, 16, "GQA, a 5-token prompt"),
@@ -132,31 +115,85 @@ def check_group_query_attention(fn) -> None:
         (2, 8, 4, 3, 6, 8, "GQA, a 3-token chunk after 6 cached tokens, batch of two"),
         (1, 6, 6, 4, 3, 8, "MHA (H_kv = H)"),
         (2, 4, 1, 4, 5, 8, "MQA (H_kv = 1)"),
+        (2, 4, 1, 1, 7, 8, "MQA, one decode step"),
         (1, 9, 3, 2, 7, 64, "SmolLM2's shape: 9 query heads over 3 KV heads, head_dim 64"),
     ]
     for b, h, h_kv, t, offset, d, what in cases:
-        q = torch.randn(b, h, t, d)
-        k, v = torch.randn(b, h_kv, offset + t, d), torch.randn(b, h_kv, offset + t, d)
-        desc = (f"group_query_attention with q [{b}, {h}, {t}, {d}], k and v [{b}, {h_kv}, {offset + t}, {d}], "
-                f"q_offset={offset} ({what})")
+        q, k, v = _case(b, h, h_kv, t, offset, d)
+        desc = _describe(name, q, k, offset, what)
         got = call(desc, fn, q, k, v, offset)
         _expect_tensor(desc, got, (b, h, t, d), q.dtype)
         want = _ref_attention(q, k, v, offset)
         err = (got.double() - want).abs()
-        if err.max() > 1e-5:
-            index = tuple(int(i) for i in (err == err.max()).nonzero()[0])
+        if not err.max() <= 1e-5:  # NaN fails too
+            index = tuple(int(i) for i in (err == err.max()).nonzero()[0]) if not err.isnan().any() \
+                else tuple(int(i) for i in err.isnan().nonzero()[0])
             hint = _diagnose(got, q, k, v, offset)
             raise AssertionError(f"{desc}: at {_where(index, 'batch head query dim')} expected "
                                  f"{want[index].item():.6g}, got {got[index].item():.6g} "
                                  f"(max difference {err.max().item():.3g}){hint}")
-    q = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
-    k, v = torch.randn(1, 2, 5, 8, dtype=torch.bfloat16), torch.randn(1, 2, 5, 8, dtype=torch.bfloat16)
-    desc = "group_query_attention on bfloat16 q [1, 4, 2, 8], k and v [1, 2, 5, 8], q_offset=3"
-    got = call(desc, fn, q, k, v, 3)
-    _expect_tensor(desc, got, (1, 4, 2, 8), torch.bfloat16)
-    err = (got.double() - _ref_attention(q, k, v, 3)).abs().max().item()
-    if err > 3e-2:
-        raise AssertionError(f"{desc}: differs from the float64 result by {err:.3g} (more than bfloat16 rounding)")
+
+
+def _check_bfloat16(fn) -> None:
+    """bfloat16 in, bfloat16 out, and no more error than rounding the exact result to bfloat16 once:
+    scores and softmax in float32. bfloat16 keeps 8 bits of mantissa, so one rounding moves a value by
+    at most 2**-8 of itself; a softmax computed in bfloat16 is off by far more."""
+    torch.manual_seed(13)
+    q, k, v = _case(2, 9, 3, 3, 29, 64, torch.bfloat16)
+    q = q * 2  # sharper softmax rows, where half precision shows
+    desc = _describe("broadcast_gqa_attention", q, k, 29, "SmolLM2's heads, a 3-token chunk")
+    got = call(desc, fn, q, k, v, 29)
+    _expect_tensor(desc, got, tuple(q.shape), torch.bfloat16)
+    want = _ref_attention(q, k, v, 29)
+    excess = (got.double() - want).abs() - 2**-8 * want.abs()
+    if not excess.max() <= 1e-4:
+        index = tuple(int(i) for i in (excess == excess.max()).nonzero()[0]) if not excess.isnan().any() \
+            else tuple(int(i) for i in excess.isnan().nonzero()[0])
+        raise AssertionError(f"{desc}: at {_where(index, 'batch head query dim')} expected {want[index].item():.6g} "
+                             f"(within bfloat16 rounding, {2**-8 * abs(want[index].item()):.2g}), got "
+                             f"{got[index].item():.6g}: compute the scores and the softmax in float32 "
+                             f"(q.float(), k.float(), v.float()) and convert only the result back to q's dtype")
+
+
+def _check_no_copy(fn) -> None:
+    """Long decode steps and a chunk: the tensors the call holds at once stay under half of one
+    [B, H, S, D] float32 tensor (K repeated to every query head), as broadcasting needs only the
+    [B, H, T, S] scores and weights."""
+    torch.manual_seed(14)
+    for b, h, h_kv, t, offset, d, what in [(1, 8, 2, 1, 2047, 64, "GQA, a decode step over a 2,048-token cache"),
+                                           (1, 8, 1, 4, 1020, 64, "MQA, a 4-token chunk over 1,020 cached tokens")]:
+        q, k, v = _case(b, h, h_kv, t, offset, d)
+        desc = _describe("broadcast_gqa_attention", q, k, offset, what)
+        got, seen = call(desc, measure_tensor_memory, fn, q, k, v, offset)
+        _expect_tensor(desc, got, (b, h, t, d), q.dtype)
+        s = offset + t
+        repeated, scores = b * h * s * d * 4, b * h * t * s * 4
+        if seen.peak_bytes > repeated // 2:
+            raise AssertionError(
+                f"{desc}: the tensors it created took {seen.peak_bytes / MiB:.2f} MiB at once (largest "
+                f"{list(seen.largest_shape)}); expected at most {repeated / 2 / MiB:.2f} MiB, half of one K repeated "
+                f"to all {h} query heads ([{b}, {h}, {s}, {d}] float32 = {repeated / MiB:.2f} MiB), while broadcasting "
+                f"needs a few [{b}, {h}, {t}, {s}] score blocks of {scores / MiB:.3f} MiB. K or V was copied to every "
+                f"query head: repeat_kv, repeat_interleave, expand + reshape, or @ on a broadcast (size-1) head "
+                f"axis, which torch.matmul expands and copies before multiplying; fold the G heads of a group "
+                f"into the query rows, [B, H_kv, G*T, D] @ [B, H_kv, D, S], instead")
+
+
+def _check_errors(fn) -> None:
+    for h, h_kv, t, s, offset, why in [(8, 3, 2, 2, 0, "3 KV heads cannot split 8 query heads into equal groups"),
+                                       (8, 2, 2, 5, 1, "S must be q_offset + T = 3 keys"),
+                                       (4, 2, 1, 4, 4, "S must be q_offset + T = 5 keys")]:
+        q, k, v = torch.randn(1, h, t, 4), torch.randn(1, h_kv, s, 4), torch.randn(1, h_kv, s, 4)
+        expect_raises(_describe("broadcast_gqa_attention", q, k, offset), ValueError, why, fn, q, k, v, offset)
+
+
+def check_broadcast_gqa_attention(fn) -> None:
+    """Causal GQA over a cache without copying K/V: values against the float64 loop above (float32
+    and bfloat16), the memory a long decode step holds, and ValueError for shapes that do not fit."""
+    _check_float32_cases(fn)
+    _check_bfloat16(fn)
+    _check_no_copy(fn)
+    _check_errors(fn)
 
 
 # --------------------------------------------------------------------------- pool_kv_heads
@@ -172,7 +209,8 @@ def _ref_pool(weight: torch.Tensor, new: int, head_dim: int) -> torch.Tensor:
 
 
 def check_pool_kv_heads(fn) -> None:
-    """Mean of consecutive groups of heads, for weights [H_kv * D, E] and biases [H_kv * D]."""
+    """Mean of consecutive groups of heads, for weights [H_kv * D, E] and biases [H_kv * D]; ValueError
+    for a head count that does not divide the KV heads and for rows that are not whole heads."""
     torch.manual_seed(12)
     head_dim, hidden = 4, 6
     for old, new in [(4, 2), (8, 2), (6, 3), (3, 1), (4, 4)]:
@@ -201,6 +239,13 @@ def check_pool_kv_heads(fn) -> None:
             raise AssertionError(f"{desc}: new head {head} should be the mean of old heads {head * group} .. "
                                  f"{head * group + group - 1}; at index {index[0] if len(index) == 1 else index} "
                                  f"expected {want[index].item():.6g}, got {got[index].item():.6g}")
+    for rows, new, why in [(6 * head_dim, 4, "4 does not divide the 6 KV heads"),
+                           (4 * head_dim, 8, "a weight of 4 KV heads cannot be pooled up to 8"),
+                           (4 * head_dim, 0, "at least one KV head must remain"),
+                           (4 * head_dim + 2, 2, f"{4 * head_dim + 2} rows are not whole heads of {head_dim}")]:
+        weight = torch.randn(rows, hidden)
+        expect_raises(f"pool_kv_heads(weight [{rows}, {hidden}], num_kv_heads_new={new}, head_dim={head_dim})",
+                      ValueError, why, fn, weight, new, head_dim)
     weight = torch.randn(4 * head_dim, hidden, dtype=torch.bfloat16)
     desc = "pool_kv_heads on a bfloat16 weight of 4 KV heads down to 2"
     got = call(desc, fn, weight, 2, head_dim)

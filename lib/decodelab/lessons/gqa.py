@@ -49,13 +49,8 @@ def kv_head_for_query_head(query_head: int, num_heads: int, num_kv_heads: int) -
     return query_head // (num_heads // num_kv_heads)
 
 
-def group_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
-    """Causal attention of q [B, H, T, D] over k, v [B, H_kv, S, D]; returns [B, H, T, D] in q's dtype.
-
-    The readable reference for `decodelab.model.attention.causal_attention` (which calls SDPA):
-    the T queries sit at positions q_offset .. q_offset + T - 1 and each may look at every
-    key at its own position or before (S = q_offset + T). Scores and softmax in float32.
-    """
+def _attention_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> tuple[int, ...]:
+    """(B, H, H_kv, T, S, D) of q [B, H, T, D] and k, v [B, H_kv, S, D]; ValueError if they do not fit."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"expected q [B, H, T, D] and k, v [B, H_kv, S, D]; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -69,7 +64,19 @@ def group_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_o
     if q_offset < 0 or num_keys != q_offset + num_queries:
         raise ValueError(f"got {num_keys} keys for {num_queries} queries at q_offset={q_offset}; "
                          f"expected q_offset + T = {q_offset + num_queries} keys")
+    return batch, num_heads, num_kv_heads, num_queries, num_keys, head_dim
 
+
+def group_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
+    """Causal attention of q [B, H, T, D] over k, v [B, H_kv, S, D]; returns [B, H, T, D] in q's dtype.
+
+    The readable reference for `decodelab.model.attention.causal_attention` (which calls SDPA):
+    the T queries sit at positions q_offset .. q_offset + T - 1 and each may look at every
+    key at its own position or before (S = q_offset + T). Scores and softmax in float32.
+    K and V are first copied to all H heads with `repeat_kv` ([B, H, S, D] each): the simple
+    way, and the one `broadcast_gqa_attention` avoids.
+    """
+    _, num_heads, num_kv_heads, num_queries, num_keys, head_dim = _attention_shapes(q, k, v, q_offset)
     group_size = num_heads // num_kv_heads
     k = repeat_kv(k, group_size).float()  # [B, H, S, D]: query head h reads KV head h // group_size
     v = repeat_kv(v, group_size).float()  # [B, H, S, D]
@@ -80,13 +87,40 @@ def group_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_o
     return (weights @ v).to(q.dtype)  # [B, H, T, D]
 
 
+def broadcast_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
+    """Causal grouped-query attention that never copies K or V: q [B, H, T, D] over k, v [B, H_kv, S, D]
+    (S = q_offset + T); returns [B, H, T, D] in q's dtype, the same numbers as `group_query_attention`.
+
+    Query head h = j*g + i (g = H / H_kv) reads KV head j = h // g, so q viewed as [B, H_kv, g, T, D]
+    puts the g heads of group j next to their one K and V, which broadcast over the g axis as
+    k.unsqueeze(2) [B, H_kv, 1, S, D]. The products fold g into the query rows, [B, H_kv, g*T, D]
+    @ [B, H_kv, D, S], so every row of group j reads the same K in place. (`q5 @ k.unsqueeze(2)
+    .transpose(-2, -1)` gives the same numbers, but torch.matmul expands and copies the broadcast
+    K to [B, H_kv, g, D, S] before multiplying: the copy of `repeat_kv` again.) The query at
+    position q_offset + t sees keys 0 .. q_offset + t; scores and softmax in float32. Tensors
+    created: scores and weights [B, H, T, S] and the output, nothing of size [B, H, S, D].
+    ValueError if H_kv does not divide H or S != q_offset + T.
+    """
+    batch, num_heads, num_kv_heads, num_queries, num_keys, head_dim = _attention_shapes(q, k, v, q_offset)
+    group = num_heads // num_kv_heads
+    rows = q.float().reshape(batch, num_kv_heads, group * num_queries, head_dim)  # [B, H_kv, g*T, D]
+    scores = rows @ k.float().transpose(-2, -1) / math.sqrt(head_dim)  # [B, H_kv, g*T, S]: K read in place
+    scores = scores.view(batch, num_kv_heads, group, num_queries, num_keys)  # [B, H_kv, g, T, S]
+    allowed = causal_mask(num_queries, num_keys, q_offset, q.device)  # [T, S], broadcast over B, H_kv, g
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # over the keys
+    out = weights.view(batch, num_kv_heads, group * num_queries, num_keys) @ v.float()  # [B, H_kv, g*T, D]
+    return out.view(batch, num_heads, num_queries, head_dim).to(q.dtype)  # head j*g + i, as q had them
+
+
 def pool_kv_heads(k_proj_weight: torch.Tensor, num_kv_heads_new: int, head_dim: int) -> torch.Tensor:
     """Mean-pool consecutive groups of KV heads in a k_proj (or v_proj) weight or bias.
 
     k_proj_weight [H_kv * D, E] (or a bias [H_kv * D]) -> [H_new * D, E] (or [H_new * D]),
     where new head i is the mean of old heads i*g .. i*g + g - 1, g = H_kv / H_new.
     Consecutive groups keep every query head attached to the mean of the KV heads it used
-    to read (see `kv_head_for_query_head`).
+    to read (see `kv_head_for_query_head`). The mean is taken in float32 and returned in the
+    input's dtype. ValueError if the rows are not whole heads of head_dim, or if num_kv_heads_new
+    is not a divisor (>= 1) of the current number of KV heads.
     """
     rows = k_proj_weight.shape[0]
     if head_dim < 1 or rows % head_dim:
@@ -139,5 +173,5 @@ def pool_model_kv_heads(model, num_kv_heads: int, pool=pool_kv_heads):
     return pooled
 
 
-__all__ = ["attention_kind", "kv_head_for_query_head", "group_query_attention", "pool_kv_heads",
-           "pool_model_kv_heads", "repeat_kv"]
+__all__ = ["attention_kind", "kv_head_for_query_head", "group_query_attention", "broadcast_gqa_attention",
+           "pool_kv_heads", "pool_model_kv_heads", "repeat_kv"]

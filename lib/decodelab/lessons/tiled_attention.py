@@ -116,11 +116,27 @@ class TensorMemory:
 
 class _TrackTensors(TorchDispatchMode):
     """Sees the output of every tensor operation; counts a storage from its first tensor until its
-    last tensor is garbage (CPython frees at once). Work buffers inside one kernel are not seen."""
+    last tensor is garbage (CPython frees at once). Work buffers inside one kernel are not seen.
+
+    An operation that PyTorch writes in terms of others (a composite such as `matmul`, `einsum`,
+    `reshape`, `softmax`) is run through its decomposition under this mode, so the tensors it
+    makes on the way are counted too: `a @ b` with a broadcast batch dimension expands and copies
+    the broadcast operand before its `bmm`, and that copy is real memory."""
 
     def __init__(self, record: TensorMemory, existing: set[int]):
         super().__init__()
         self.record, self.existing = record, existing
+        self.depth = 0  # > 0 inside a composite's decomposition
+        self.largest_is_outer = False
+
+    def _note_size(self, tensor: torch.Tensor) -> None:
+        """The largest tensor so far; on a tie, a result of the caller's own op names it rather than
+        a part inside a composite (matmul's [B*H, T, S] bmm result is the caller's [B, H, T, S])."""
+        numel, outer = tensor.numel(), self.depth == 0
+        if numel > self.record.largest_numel or (numel == self.record.largest_numel and outer
+                                                 and not self.largest_is_outer):
+            self.record.largest_numel, self.record.largest_shape = numel, tuple(tensor.shape)
+            self.largest_is_outer = outer
 
     def _forget(self, address: int) -> None:
         entry = self.record._live.get(address)
@@ -132,12 +148,23 @@ class _TrackTensors(TorchDispatchMode):
             del self.record._live[address]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        self.depth += 1
+        try:
+            with self:  # a composite op: its parts come back through this mode and are counted there
+                out = func.decompose(*args, **kwargs)
+        finally:
+            self.depth -= 1
+        if out is not NotImplemented:
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor):
+                    self._note_size(tensor)
+            return out
+        out = func(*args, **kwargs)
         for tensor in out if isinstance(out, (tuple, list)) else (out,):
             if not isinstance(tensor, torch.Tensor):
                 continue
-            if tensor.numel() > self.record.largest_numel:
-                self.record.largest_numel, self.record.largest_shape = tensor.numel(), tuple(tensor.shape)
+            self._note_size(tensor)
             storage = tensor.untyped_storage()
             address = storage.data_ptr()
             if address in self.existing or storage.nbytes() == 0:
@@ -156,7 +183,8 @@ def measure_tensor_memory(fn, *args, **kwargs) -> tuple[object, TensorMemory]:
     it created and held at the same time, and the largest tensor it created (numel and shape).
 
     Measured on any device by watching every tensor operation (a torch dispatch mode), so it
-    sees the tensors Python code makes, not the scratch memory inside one fused kernel.
+    sees the tensors Python code makes, and those an operation built from others makes on the way
+    (the copy `torch.matmul` makes of a broadcast operand), not the scratch memory inside one fused kernel.
     """
     existing = {a.untyped_storage().data_ptr() for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)}
     record = TensorMemory()

@@ -1,8 +1,8 @@
-"""Notebook 05 (grouped-query attention): the KV-heads explorer, the timing of one decode step of
-attention against the number of KV heads, its figure beside the seed's, and a way to run a
-model with another attention function (the learner's) inside the single-request generator.
+"""Notebook 05 (grouped-query attention): the KV-heads explorer, and the experiment of one decode
+step of attention (time and the memory of the tensors it creates) against the number of KV heads
+and the sequence length, with its figures beside the seed's.
 
-The explorer follows widgets.py: it returns an ipywidgets box with ``.figure`` (here a
+The explorer follows widgets.py: it returns an ipywidgets box with ``.figure`` (here
 a FigureWidget, see `kv_heads_explorer`), ``.controls`` and ``.redraw()``.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from plotly.subplots import make_subplots
 from decodelab.lessons.gqa import attention_kind
 from decodelab.lessons.kv_size import config_fields, format_bytes, kv_bytes
 from decodelab.lessons.measure import median, time_call
+from decodelab.lessons.tiled_attention import measure_tensor_memory
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR, si
 from decodelab.course.widgets.controls import SLIDER, finish_explorer
 
@@ -26,80 +27,54 @@ SEED_KV_HEADS = [8, 2, 1]
 SEED_CACHE_MB = [32.0, 8.0, 4.0]
 SEED_STEP_MS = [5.947, 2.057, 1.182]
 
-
-# --------------------------------------------------------------------------- another attention in the model
-
-
-class _CacheWithAttention:
-    """Wraps a `KVCache`: stores K/V as usual, then attends with `attention(q, k, v, q_offset)`."""
-
-    def __init__(self, cache, attention):
-        self.cache, self.attention = cache, attention
-
-    @property
-    def seq_len(self) -> int:
-        return self.cache.seq_len
-
-    def attend(self, layer: int, q, k, v):
-        offset = self.cache.lengths[layer]  # tokens this layer held before the new ones
-        k_all, v_all = self.cache.append(layer, k, v)  # [B, H_kv, offset + T, D]
-        return self.attention(q, k_all, v_all, offset)
-
-
-class ModelWithAttention:
-    """`model`, but every cached forward pass runs `attention(q, k, v, q_offset)` (the signature of
-    `decodelab.lessons.gqa.group_query_attention`) in every layer. Works with `decodelab.decoding.generate`."""
-
-    def __init__(self, model, attention):
-        self.model, self.attention = model, attention
-        self.config = model.config
-
-    @property
-    def device(self):
-        return self.model.device
-
-    @property
-    def dtype(self):
-        return self.model.dtype
-
-    def __call__(self, input_ids, kv_cache=None, **kwargs):
-        if kv_cache is None:
-            raise ValueError("ModelWithAttention needs a kv_cache (the generator always passes one)")
-        return self.model(input_ids, kv_cache=_CacheWithAttention(kv_cache, self.attention), **kwargs)
+SERIES_COLORS = ["#ff7f0e", MEASURED_COLOR, OTHER_COLOR, "#2ca02c"]
+CACHE_COLOR = "#9467bd"  # the cache itself, apart from the series measured on it
 
 
 # --------------------------------------------------------------------------- the experiment
 
 
-def time_decode_attention(attention, num_kv_heads: int, num_heads: int = 8, seq_len: int = 4096,
-                          head_dim: int = 128, repeats: int = 11, device="cpu", dtype=torch.float32) -> dict:
-    """One decode step of one layer's attention: a query [1, H, 1, D] over a cache [1, H_kv, S, D].
+def measure_decode_attention(attention, num_kv_heads: int, num_heads: int = 8, seq_len: int = 4096,
+                             head_dim: int = 128, repeats: int = 11, device="cpu", dtype=torch.float32) -> dict:
+    """One decode step of one layer's attention: a query [1, H, 1, D] over a cache [1, H_kv, S, D],
+    `attention(q, k, v, q_offset)` with q_offset = S - 1.
 
-    Returns {"cache_bytes": bytes of K and V, "ms": median milliseconds of `repeats` calls}.
+    Returns {"cache_bytes": bytes of K and V, "ms": median milliseconds of `repeats` calls,
+    "peak_bytes": the most bytes of new tensors the call held at once (`measure_tensor_memory`,
+    which also sees the copies inside a broadcasting matmul), "largest_shape": its largest tensor}.
     """
     generator = torch.Generator().manual_seed(num_kv_heads)
     q = torch.randn(1, num_heads, 1, head_dim, generator=generator).to(device, dtype)  # [1, H, 1, D]
     k = torch.randn(1, num_kv_heads, seq_len, head_dim, generator=generator).to(device, dtype)  # [1, H_kv, S, D]
     v = torch.randn(1, num_kv_heads, seq_len, head_dim, generator=generator).to(device, dtype)
+    _, seen = measure_tensor_memory(attention, q, k, v, seq_len - 1)
     with torch.inference_mode():
         seconds = time_call(lambda: attention(q, k, v, seq_len - 1), device, repeats=repeats, warmup=2)
-    return {"cache_bytes": k.nbytes + v.nbytes, "ms": 1000 * median(seconds)}
+    return {"cache_bytes": k.nbytes + v.nbytes, "ms": 1000 * median(seconds), "peak_bytes": seen.peak_bytes,
+            "largest_shape": seen.largest_shape}
+
+
+def _add_series(fig, x: list, measured: dict[str, list[dict]], key: str, scale: float, col: int, legend: bool) -> None:
+    for i, (name, results) in enumerate(measured.items()):
+        fig.add_scatter(x=x, y=[r[key] / scale for r in results], mode="lines+markers", name=name,
+                        legendgroup=name, showlegend=legend, marker_color=SERIES_COLORS[i % len(SERIES_COLORS)],
+                        row=1, col=col)
 
 
 def kv_heads_figure(kv_heads: list[int], measured: dict[str, list[dict]], seq_len: int, title: str) -> go.Figure:
-    """Cache size and decode-step time against the number of KV heads, the seed's beside ours.
+    """Cache size, decode-step time and the peak memory of the tensors one step creates, against the
+    number of KV heads; the seed's size and time beside ours.
 
-    measured: series name -> one `time_decode_attention` result per entry of kv_heads.
+    measured: series name -> one `measure_decode_attention` result per entry of kv_heads.
     """
-    fig = make_subplots(rows=1, cols=2, subplot_titles=(f"KV cache of one layer, {seq_len:,} tokens, fp32",
-                                                        "one decode step of attention"))
+    fig = make_subplots(rows=1, cols=3, subplot_titles=(f"KV cache of one layer, {seq_len:,} tokens, fp32",
+                                                        "one decode step of attention",
+                                                        "new tensors held at once (peak)"))
     first = next(iter(measured.values()))
     fig.add_scatter(x=kv_heads, y=[r["cache_bytes"] / MiB for r in first], mode="lines+markers",
-                    name="measured here: K and V tensors", marker_color=MEASURED_COLOR, row=1, col=1)
-    colors = [MEASURED_COLOR, OTHER_COLOR, "#ff7f0e"]
-    for i, (name, results) in enumerate(measured.items()):
-        fig.add_scatter(x=kv_heads, y=[r["ms"] for r in results], mode="lines+markers", name=name,
-                        marker_color=colors[i % len(colors)], row=1, col=2)
+                    name="measured here: K and V tensors", marker_color=CACHE_COLOR, row=1, col=1)
+    _add_series(fig, kv_heads, measured, "ms", 1, 2, True)
+    _add_series(fig, kv_heads, measured, "peak_bytes", MiB, 3, False)
     for col, values, unit in ((1, SEED_CACHE_MB, "MB"), (2, SEED_STEP_MS, "ms")):
         fig.add_scatter(x=SEED_KV_HEADS, y=values, mode="markers+text", text=[f"{v:g} {unit}" for v in values],
                         textposition=["middle left", "middle right", "middle right"],  # 8 is at the right edge
@@ -108,8 +83,29 @@ def kv_heads_figure(kv_heads: list[int], measured: dict[str, list[dict]], seq_le
     fig.update_xaxes(type="log", title="KV heads (8 query heads)", tickvals=[1, 2, 4, 8])
     fig.update_yaxes(title="MiB", row=1, col=1, rangemode="tozero")
     fig.update_yaxes(title="milliseconds (median)", row=1, col=2, rangemode="tozero")
-    fig.update_layout(title=title, height=440, margin=dict(l=10, r=10, t=90, b=40),
+    fig.update_yaxes(title="MiB (log scale)", type="log", row=1, col=3)
+    fig.update_layout(title=dict(text=title, y=0.97), height=500, margin=dict(l=10, r=10, t=120, b=40),
                       legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def seq_len_figure(lengths: list[int], measured: dict[str, list[dict]], num_kv_heads: int, title: str) -> go.Figure:
+    """Decode-step time and peak memory of the tensors it creates against the number of cached tokens.
+
+    measured: series name -> one `measure_decode_attention` result per entry of lengths.
+    """
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("one decode step of attention",
+                                                        "new tensors held at once (peak)"))
+    _add_series(fig, lengths, measured, "ms", 1, 1, True)
+    _add_series(fig, lengths, measured, "peak_bytes", MiB, 2, False)
+    cache = [r["cache_bytes"] / MiB for r in next(iter(measured.values()))]
+    fig.add_scatter(x=lengths, y=cache, mode="lines", line=dict(dash="dash", color=CACHE_COLOR),
+                    name=f"the cache itself (K and V, {num_kv_heads} KV heads)", row=1, col=2)
+    fig.update_xaxes(type="log", title="cached tokens S (log scale)", tickvals=lengths)
+    fig.update_yaxes(type="log", title="milliseconds (median, log scale)", row=1, col=1)
+    fig.update_yaxes(type="log", title="MiB (log scale)", row=1, col=2)
+    fig.update_layout(title=title, height=440, margin=dict(l=10, r=10, t=90, b=40),
+                      legend=dict(orientation="h", y=-0.3))
     return fig
 
 
@@ -173,5 +169,5 @@ def kv_heads_explorer(config="Llama-3.1-8B", dtype="fp16", kv_bytes_fn=kv_bytes)
     return finish_explorer(box, fig, {"kv_heads": kv_heads, "seq_len": seq_len}, redraw)
 
 
-__all__ = ["ModelWithAttention", "time_decode_attention", "kv_heads_figure", "kv_heads_explorer",
+__all__ = ["measure_decode_attention", "kv_heads_figure", "seq_len_figure", "kv_heads_explorer",
            "SEED_KV_HEADS", "SEED_CACHE_MB", "SEED_STEP_MS"]
