@@ -146,6 +146,28 @@ def test_widget_views_start_from_the_first_drawing():
     assert all(len(trace.get("x", ())) > 0 for trace in box.figure._widget_data)
 
 
+def test_no_widget_displays_into_an_output_widget():
+    """Under nbclient (the notebook tests, nbgrader's autograde, the class grader) a cell that
+    displays into an ipywidgets.Output can stall for the whole cell timeout: nbclient echoes each
+    such output to the kernel on the shell socket through a blocking shadow of the asyncio socket
+    it polls for the execute_reply, and that send can swallow the poll's wake-up. The tiled
+    attention explorer did, and its release run stalled 300 s. Explorers draw into FigureWidgets."""
+    import ast
+    from pathlib import Path
+
+    import decodelab.course.widgets as package
+
+    offenders = []
+    for path in sorted(Path(package.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = getattr(node, "attr", None) or getattr(node, "id", None)
+            if isinstance(node, (ast.Attribute, ast.Name)) and name in ("Output", "clear_output"):
+                offenders.append(f"{path.name}:{node.lineno} {name}")
+            if isinstance(node, ast.ImportFrom) and any(a.name in ("Output", "clear_output") for a in node.names):
+                offenders.append(f"{path.name}:{node.lineno} import")
+    assert not offenders, f"ipywidgets.Output / clear_output in a widget module: {offenders}"
+
+
 def test_sampling_explorer_uses_the_given_functions():
     from decodelab.course.widgets.sampling import sampling_explorer
 

@@ -189,6 +189,8 @@ def test_explorer_redraws_with_the_first_slider_in_the_title():
 
     box = widgets_tiled_nb.tiled_explorer(update)
     assert calls, "the explorer must run the given update function"
+    assert type(box.figure).__name__ == "FigureWidget"  # not a Figure displayed into an Output (nbclient stalls)
+    assert box.figure._widget_layout["title"]["text"].startswith("tile size 16")  # views start from the first drawing
     before = box.figure.layout.title.text
     assert before.startswith("tile size 16: tile 1 of 4")
     box.controls["tile_size"].value = 8

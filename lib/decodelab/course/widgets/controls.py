@@ -7,6 +7,10 @@ unfinished), so the sliders run exactly the code the exercises build.
 Each explorer returns its box with three extra attributes, so that code (and the tests) can
 drive it without a browser: ``box.figure`` (the FigureWidget), ``box.controls`` (name ->
 widget) and ``box.redraw()``; `finish_explorer` sets them.
+
+No explorer displays a figure into an ipywidgets.Output: under nbclient (the notebook tests,
+nbgrader's autograde, the class grader) a cell that writes into an Output widget can stall for
+the whole cell timeout (see `decodelab.course.widgets.tiled_attention.tiled_explorer`).
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ def bake_current_state(fig) -> None:
 
 def finish_explorer(box, fig, controls: dict, redraw):
     """Attach figure, controls and redraw to the box, draw once, and make that the start state
-    (of a FigureWidget: a plain Figure that redraw() displays whole into an Output has none)."""
+    of the FigureWidget (a plain Figure has none: it is only redrawn)."""
     box.figure, box.controls, box.redraw = fig, controls, redraw
     redraw()
     if isinstance(fig, go.FigureWidget):

@@ -11,7 +11,6 @@ import math
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
-from IPython.display import clear_output, display
 import torch
 from plotly.subplots import make_subplots
 
@@ -168,19 +167,21 @@ def tiled_explorer(update_fn, max_len: int = 96, head_dim: int = 16, seed: int =
                 f"prompt<br>held at once: [{n}, {min(size, n)}] scores, not [{n}, {n}]; exact outputs so far: "
                 f"{end} of {n}")
 
-    # Redrawn as a whole into an Output widget, as in widgets_gqa: a FigureWidget lost its first
-    # figure or its updates in JupyterLab on a loaded machine, intermittently.
-    fig, plot = base, widgets.Output()
+    # A FigureWidget, as in every other explorer (finish_explorer bakes the first drawing in, so a
+    # view created late still starts from it). Not a figure displayed into an ipywidgets.Output:
+    # nbclient (the notebook tests, nbgrader's autograde, the class grader) mimics an Output
+    # widget by sending each output back to the kernel as a comm message on the shell socket,
+    # through a blocking shadow of the asyncio socket it is polling for the cell's execute_reply.
+    # That send can swallow the socket's edge-triggered wake-up, and the cell then stalls until
+    # nbclient's timeout (300 s in the tests) before the reply is read.
+    fig = go.FigureWidget(base)
 
     def redraw(*_):
         draw(fig)
-        with plot:
-            clear_output(wait=True)
-            display(fig)
 
     for control in (tile, length, step):
         control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.VBox([tile, length, widgets.HBox([play, step])]), plot])
+    box = widgets.VBox([widgets.VBox([tile, length, widgets.HBox([play, step])]), fig])
     return finish_explorer(box, fig, {"tile_size": tile, "length": length, "step": step}, redraw)
 
 
