@@ -4,14 +4,17 @@
         [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
         [--repetition-penalty R] [--device D] [--dtype fp32|bf16|fp16] [--no-chat] [--json]
     python -m decodelab prepare        # convert SmolLM2 into the cache once
+    python -m decodelab progress --course DIR [--notebooks 02_sampling,03] [--timeout S] [--json]
+        # your notebooks' exercises: passing, failing (and why), not started
 
 Text streams to stdout; with --json exactly one JSON object is printed there instead.
-Progress and errors go to stderr.
+Progress and errors go to stderr; a bad command line exits with 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
@@ -32,6 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true", help="feed the prompt as is, without the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, output_ids, text")
     commands.add_parser("prepare", help="convert the default model (SmolLM2) into the cache")
+    prog = commands.add_parser(
+        "progress", help="run the visible tests of your notebooks' exercises and list what passes",
+        description="For every exercise in DIR/NN_topic/NN_topic.ipynb: passing, failing (with the first line "
+                    "of the message) or not started. It runs the code in your notebooks, one subprocess per "
+                    "notebook: use it on your own folder.")
+    prog.add_argument("--course", required=True, metavar="DIR",
+                      help="the folder that holds NN_topic/NN_topic.ipynb (your course/ or your home after a fetch)")
+    prog.add_argument("--notebooks", default=None, metavar="NAMES",
+                      help="only these notebooks, comma-separated: 02_sampling,03_kv_cache or 02,03")
+    prog.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                      help="seconds per notebook (default 60); an exercise still running then fails")
+    prog.add_argument("--json", action="store_true",
+                      help='print one JSON object: {"exercises": [{notebook, exercise, part, status}]}')
     return parser
 
 
@@ -60,6 +76,21 @@ def run_generate(args) -> int:
     return 0
 
 
+def run_progress(args) -> int:
+    from decodelab.course import progress
+
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        raise ValueError(f"--timeout must be a number of seconds > 0, got {args.timeout:g}")
+    names = args.notebooks.split(",") if args.notebooks else None
+    tell = None
+    if sys.stderr.isatty():
+        def tell(notebook):
+            print(f"checking {notebook} ...", file=sys.stderr, flush=True)
+    rows = progress.check_course(args.course, names, timeout=args.timeout, progress=tell)
+    print(progress.to_json(rows) if args.json else progress.format_table(rows))
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -67,6 +98,8 @@ def main(argv=None) -> int:
             from decodelab.model.registry import prepare_smollm2
             print(prepare_smollm2(), file=sys.stderr)
             return 0
+        if args.command == "progress":
+            return run_progress(args)
         return run_generate(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,0 +1,557 @@
+"""`python -m decodelab progress`: how far the learner's engine has come, exercise by exercise.
+
+    python -m decodelab progress --course ~/course [--json] [--notebooks 02_sampling,03] [--timeout 60]
+
+It reads every notebook ``NN_topic/NN_topic.ipynb`` below the folder (a self-study learner's
+``course/``, or a student's home after nbgrader's fetch) and, for every exercise cell in it
+(nbgrader ``grade_id`` ``ex_<name>``), runs the *visible* part of its test cell ``test_<name>``
+(everything before ``### BEGIN HIDDEN TESTS``). Each exercise gets one status:
+
+* ``passing``: the visible tests ran to the end;
+* ``failing: <first line of the message>`` (an AssertionError's message as is, any other
+  exception as ``Type: message``; ``it uses X, which is not written yet`` when the
+  NotImplementedError came from an earlier exercise's stub; ``timed out after 60 s``;
+  ``the kernel died (...)``; ``the notebook cannot be read: ...``);
+* ``not started``: the exercise cell is unchanged since the release (the checksum nbgrader
+  wrote into its metadata still matches; nothing is run for it), or running it reached a
+  ``raise NotImplementedError`` in the exercise's own cell. A cell edited since the release
+  that still does (a class with one method left) reads ``failing: KVCache.truncate is not
+  written yet`` instead.
+
+What runs for exercise X, in a fresh module namespace (the cell-selection rule):
+
+1. the notebook's set-up: its code cells that come before the first exercise cell *and* before
+   the first markdown heading ``## N`` with N >= 1 (the imports and section 0, which loads the
+   model the exercises may use). Cells with an nbgrader grade id never count as set-up;
+2. every exercise cell before X, in notebook order (what X may build on);
+3. X's own cell;
+4. the visible part of X's test cell.
+
+Nothing else runs: not the explorers, plots and experiments between the exercises, and not
+the hidden tests. The set-up runs again for every exercise, so one exercise's test cannot
+change what the next one sees.
+
+Each notebook runs in its own subprocess (``DECODELAB_FAST=1``, ``NBGRADER_EXECUTION`` unset,
+stdout and stderr captured, in the notebook's folder), under one time limit for the whole
+notebook: an endless loop or a crash of the learner's code costs that notebook's rows, never
+the command. After a crash the remaining exercises run in a fresh subprocess.
+
+It runs the learner's own code, as the notebook does: it is meant for the learner's own folder,
+and refuses to run as root over a folder that root does not own (`check_owner`).
+
+`PARTS` names the stage of the engine each exercise builds; tests/test_progress.py checks that
+it names every exercise in solutions/.
+"""
+from __future__ import annotations
+
+import builtins
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# (notebook, exercise) -> the stage of the engine that exercise builds.
+PARTS: dict[tuple[str, str], str] = {
+    ("00_meet_the_model", "count_parameters"): "model size: parameter count",
+    ("00_meet_the_model", "decode_tokens_per_second_bound"): "decode speed: bandwidth bound",
+    ("01_forward_pass", "rms_norm"): "forward pass: RMSNorm",
+    ("01_forward_pass", "rope"): "forward pass: RoPE",
+    ("01_forward_pass", "attention"): "forward pass: attention",
+    ("01_forward_pass", "mlp"): "forward pass: SwiGLU MLP",
+    ("01_forward_pass", "forward"): "forward pass: decoder layer and model loop",
+    ("02_sampling", "apply_temperature"): "sampling: temperature",
+    ("02_sampling", "top_k_filter"): "sampling: top-k",
+    ("02_sampling", "top_p_filter"): "sampling: top-p",
+    ("02_sampling", "apply_repetition_penalty"): "sampling: repetition penalty",
+    ("02_sampling", "sample"): "sampling: drawing the token",
+    ("03_kv_cache", "generate_without_cache"): "generation loop without a cache",
+    ("03_kv_cache", "KVCache"): "KV cache",
+    ("03_kv_cache", "generate_with_cache"): "generation loop with the KV cache",
+    ("03_kv_cache", "kv_bytes"): "KV cache size",
+    ("04_prefill_decode", "prefill"): "prefill",
+    ("04_prefill_decode", "latencies_from_timestamps"): "latency: TTFT and inter-token",
+    ("04_prefill_decode", "arithmetic_intensity"): "roofline: arithmetic intensity",
+    ("04_prefill_decode", "reuse_prefix"): "prefix reuse",
+    ("05_gqa", "repeat_kv"): "GQA: repeating K/V heads",
+    ("05_gqa", "group_query_attention"): "GQA: attention over a cache",
+    ("05_gqa", "pool_kv_heads"): "GQA: pooling K/V heads",
+    ("06_quantization", "quantize_int8_per_tensor"): "quantization: int8 per tensor",
+    ("06_quantization", "quantize_int8_per_channel"): "quantization: int8 per channel",
+    ("06_quantization", "pack_int4"): "quantization: int4 packing",
+    ("06_quantization", "unpack_int4"): "quantization: int4 unpacking",
+    ("06_quantization", "quantize_int4_groupwise"): "quantization: int4 group-wise",
+    ("07_paged_kv", "gather_kv"): "paged KV: gather through a block table",
+    ("07_paged_kv", "kv_waste"): "paged KV: counting the waste",
+    ("07_paged_kv", "BlockAllocator"): "block allocator",
+    ("08_continuous_batching", "admit"): "scheduler: admit",
+    ("08_continuous_batching", "preempt"): "scheduler: preempt",
+    ("08_continuous_batching", "decode_batch"): "scheduler: decode batch",
+    ("08_continuous_batching", "finish"): "scheduler: finish",
+    ("09_speculative_decoding", "tvd"): "speculative decoding: TVD",
+    ("09_speculative_decoding", "accept_draft_tokens"): "speculative decoding: acceptance rule",
+    ("09_speculative_decoding", "rollback"): "speculative decoding: rollback",
+    ("10_capstone_engine", "kv_blocks_for_memory"): "engine: KV block budget",
+    ("10_capstone_engine", "engine_step"): "engine: the step",
+    ("10_capstone_engine", "decode_roofline_fraction"): "engine: roofline fraction",
+    ("11_tiled_attention", "attention_memory_bytes"): "tiled attention: score memory",
+    ("11_tiled_attention", "online_softmax_update"): "tiled attention: online softmax",
+    ("11_tiled_attention", "tiled_attention"): "tiled attention: the tiled loop",
+}
+
+DEFAULT_TIMEOUT_S = 60.0
+NOTEBOOK_DIR = re.compile(r"^\d\d_\w+$")
+HIDDEN_BEGIN = "### BEGIN HIDDEN TESTS"
+NUMBERED_SECTION = re.compile(r"^##\s+([0-9]+)\b", re.MULTILINE)  # "## 1. Temperature"
+PASSING, NOT_STARTED = "passing", "not started"
+
+
+class ProgressError(ValueError):
+    """A bad command line: no such folder, no notebooks in it, not the caller's folder (exit 2)."""
+
+
+@dataclass
+class Row:
+    notebook: str
+    exercise: str
+    part: str
+    status: str
+
+
+@dataclass
+class Plan:
+    """What one notebook's check needs: its set-up, its exercise cells, their visible tests."""
+    notebook: str
+    path: Path
+    setup: list[tuple[int, str]] = field(default_factory=list)  # (cell index, source)
+    cells: list[tuple[str, int, str]] = field(default_factory=list)  # (exercise, cell index, source), in order
+    tests: dict[str, str] = field(default_factory=dict)  # exercise -> visible part of its test cell
+    unchanged: set[str] = field(default_factory=set)  # exercise cells still as released
+    changed: set[str] = field(default_factory=set)  # exercise cells edited since the release
+    problems: dict[str, str] = field(default_factory=dict)  # exercise -> why it cannot run
+    error: str | None = None  # the notebook cannot be read at all
+
+
+# --------------------------------------------------------------------------- finding and reading
+
+
+def find_notebooks(course_dir, names=None) -> list[Path]:
+    """NN_topic/NN_topic.ipynb below course_dir, by name; `names` keeps those whose folder is
+    named, or whose NN is given ("02_sampling" or "02")."""
+    folder = _folder(course_dir)
+    found = sorted(p / f"{p.name}.ipynb" for p in folder.iterdir()
+                   if p.is_dir() and NOTEBOOK_DIR.match(p.name) and (p / f"{p.name}.ipynb").is_file())
+    if not found:
+        raise ProgressError(f"no course notebooks in {folder}: expected folders like 02_sampling/02_sampling.ipynb")
+    if names:
+        wanted = {n.strip().rstrip("/") for n in names if n.strip()}
+        kept = [p for p in found if p.parent.name in wanted or p.parent.name[:2] in wanted]
+        unknown = sorted(n for n in wanted if not any(p.parent.name == n or p.parent.name[:2] == n for p in found))
+        if unknown:
+            raise ProgressError(f"no notebook {', '.join(unknown)} in {folder}; it has "
+                                f"{', '.join(p.parent.name for p in found)}")
+        found = kept
+    return found
+
+
+def _folder(course_dir) -> Path:
+    folder = Path(course_dir).expanduser()
+    if not folder.is_dir():
+        raise ProgressError(f"{folder} is not a folder: give the folder that holds your notebooks "
+                            f"(NN_topic/NN_topic.ipynb), e.g. --course ~/course")
+    return folder
+
+
+def check_owner(course_dir) -> None:
+    """Root may check only a folder root owns: this runs the code in the notebooks."""
+    if hasattr(os, "getuid") and os.getuid() == 0:
+        owner = os.stat(_folder(course_dir)).st_uid
+        if owner != os.getuid():
+            raise ProgressError(
+                f"{course_dir} belongs to uid {owner}, and this runs the code in its notebooks: "
+                f"`progress` is for your own folder. Run it as that user, not as root.")
+
+
+def _nbgrader(cell) -> dict:
+    meta = cell.get("metadata", {}).get("nbgrader", {})
+    return meta if isinstance(meta, dict) else {}
+
+
+def release_checksum(cell) -> str:
+    """nbgrader's checksum of a solution cell (nbgrader.utils.compute_checksum for a cell that is
+    a solution and not graded): generate_assignment stores it in the released cell's metadata."""
+    meta = _nbgrader(cell)
+    grade, solution = bool(meta.get("grade")), bool(meta.get("solution"))
+    locked = False if solution else (True if grade else bool(meta.get("locked")))
+    m = hashlib.md5()
+    for piece in (cell.get("source", ""), cell.get("cell_type", ""), str(grade), str(solution), str(locked),
+                  meta.get("grade_id", "")):
+        m.update(str(piece).encode("utf-8"))
+    if grade:
+        m.update(str(float(meta.get("points", 0))).encode("utf-8"))
+    return m.hexdigest()
+
+
+def _source(cell) -> str:
+    source = cell.get("source", "")
+    return "".join(source) if isinstance(source, list) else str(source)
+
+
+def plan_notebook(path: Path) -> Plan:
+    """Read one notebook and pick its cells (the rule in the module's docstring)."""
+    import nbformat
+
+    plan = Plan(notebook=path.parent.name, path=path)
+    try:
+        _pick_cells(plan, list(nbformat.read(str(path), as_version=4).cells))
+    except Exception as exc:  # noqa: BLE001 - any unreadable notebook becomes its rows' status
+        plan.error = f"the notebook cannot be read: {_first_line(f'{type(exc).__name__}: {exc}')}"
+    return plan
+
+
+def _pick_cells(plan: Plan, cells: list) -> None:
+    setup_open = True  # until the first exercise cell or the first "## N" heading with N >= 1
+    test_cells = {}
+    for index, cell in enumerate(cells):
+        grade_id = str(_nbgrader(cell).get("grade_id") or "")
+        kind = cell.get("cell_type")
+        if kind == "markdown" and any(int(n) >= 1 for n in NUMBERED_SECTION.findall(_source(cell))):
+            setup_open = False
+        if kind != "code":
+            continue
+        if grade_id.startswith("ex_"):
+            setup_open = False
+            name = grade_id[3:]
+            plan.cells.append((name, index, _source(cell)))
+            checksum = _nbgrader(cell).get("checksum")
+            if checksum:
+                (plan.unchanged if checksum == release_checksum(cell) else plan.changed).add(name)
+        elif grade_id.startswith("test_"):
+            test_cells.setdefault(grade_id[5:], []).append(_source(cell))
+        elif setup_open and not grade_id:
+            plan.setup.append((index, _source(cell)))
+    seen = [name for name, _, _ in plan.cells]
+    for name in seen:
+        if seen.count(name) > 1:
+            plan.problems[name] = f"its exercise cell ex_{name} is in the notebook twice: delete one copy"
+        elif len(test_cells.get(name, [])) > 1:
+            plan.problems[name] = f"its test cell test_{name} is in the notebook twice: delete one copy"
+        elif name in test_cells:
+            plan.tests[name] = test_cells[name][0].split(HIDDEN_BEGIN, 1)[0]
+        else:
+            plan.problems[name] = f"its test cell test_{name} is missing from the notebook"
+    exercises = {name for name, _, _ in plan.cells}
+    for (notebook, name) in PARTS:
+        if notebook == plan.notebook and name not in exercises:
+            plan.problems[name] = f"its exercise cell ex_{name} is missing from the notebook"
+
+
+def _exercise_names(plan: Plan) -> list[str]:
+    names = list(dict.fromkeys(name for name, _, _ in plan.cells))
+    return names + [name for name in plan.problems if name not in names]
+
+
+def _first_line(text: str, limit: int = 240) -> str:
+    line = next((l.strip() for l in str(text).splitlines() if l.strip()), "")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------- running one notebook
+
+
+def worker_env() -> dict[str, str]:
+    """The notebook subprocess's environment: fast mode, not under nbgrader, this decodelab."""
+    env = dict(os.environ)
+    env.pop("NBGRADER_EXECUTION", None)
+    env["DECODELAB_FAST"] = "1"
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("MPLBACKEND", "Agg")
+    here = str(Path(__file__).resolve().parents[2])  # the folder that holds decodelab/
+    paths = [here, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+class _Tail:
+    """Drains a pipe on a thread and keeps only its last bytes (the learner may print forever)."""
+
+    def __init__(self, pipe, keep: int = 4096):
+        self.data, self.keep = b"", keep
+        self.thread = threading.Thread(target=self._drain, args=(pipe,), daemon=True)
+        self.thread.start()
+
+    def _drain(self, pipe):
+        for chunk in iter(lambda: pipe.read(65536), b""):
+            self.data = (self.data + chunk)[-self.keep:]
+
+    def text(self) -> str:
+        self.thread.join(timeout=1)
+        return self.data.decode("utf-8", "replace")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
+
+
+def _death(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = ": out of memory?" if -returncode == signal.SIGKILL else ""
+        return f"the kernel died (killed by {name}{hint})"
+    return f"the kernel died (exit code {returncode})"
+
+
+def run_notebook(plan: Plan, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, str]:
+    """exercise -> status for the exercises of `plan` that must run; subprocesses under one
+    deadline; a crash marks the exercise it was running and the rest run in a fresh one."""
+    statuses: dict[str, str] = {}
+    pending = [name for name, _, _ in plan.cells if name not in plan.unchanged and name not in plan.problems]
+    if not pending:
+        return statuses
+    deadline = time.monotonic() + timeout
+    shown = f"{timeout:g} s"
+    with tempfile.TemporaryDirectory(prefix="decodelab-progress-") as tmp:
+        attempt = 0
+        while pending:
+            attempt += 1
+            spec_path, results_path = Path(tmp) / f"spec{attempt}.json", Path(tmp) / f"results{attempt}.jsonl"
+            spec = {"notebook": plan.notebook, "setup": plan.setup, "cells": plan.cells, "tests": plan.tests,
+                    "changed": sorted(plan.changed), "run": pending}
+            spec_path.write_text(json.dumps(spec))
+            results_path.write_text("")
+            proc = subprocess.Popen([sys.executable, "-m", "decodelab.course.progress", "--worker", str(spec_path),
+                                     str(results_path)], cwd=str(plan.path.parent), env=worker_env(),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            tail = _Tail(proc.stdout)
+            timed_out = False
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            _kill_group(proc)
+            proc.wait()
+            tail.text()  # drained
+            running, phase = None, None
+            for line in results_path.read_text().splitlines():
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if event.get("event") == "start":
+                    running, phase = event.get("exercise"), "set-up"
+                elif event.get("event") == "phase":
+                    phase = event.get("phase")
+                elif event.get("event") == "done" and event.get("exercise") in pending:
+                    statuses[event["exercise"]] = str(event.get("status"))
+                    running = phase = None
+                elif event.get("event") == "setup_failed":
+                    for name in pending:
+                        statuses.setdefault(name, f"failing: {event.get('status')}")
+            pending = [name for name in pending if name not in statuses]
+            if not pending:
+                break
+            in_setup = " in the set-up cells" if phase == "set-up" else ""
+            if timed_out:
+                for name in pending:
+                    if name == running:
+                        statuses[name] = f"failing: timed out after {shown}{in_setup}"
+                    else:
+                        where = f" in {running}" if running else ""
+                        statuses[name] = f"failing: not checked: the notebook timed out after {shown}{where}"
+                break
+            death = _death(proc.returncode)
+            if running is None or phase == "set-up":
+                # the set-up itself kills the kernel: every later attempt would die the same way
+                last = _first_line(tail.text().strip().splitlines()[-1]) if tail.text().strip() else ""
+                why = f" ({last})" if running is None and last else ""
+                for name in pending:
+                    statuses[name] = f"failing: {death}{in_setup or ' before the first exercise'}{why}"
+                break
+            statuses[running] = f"failing: {death}"
+            pending = [name for name in pending if name not in statuses]
+            if pending and time.monotonic() >= deadline:
+                for name in pending:
+                    statuses[name] = f"failing: not checked: the notebook timed out after {shown}"
+                break
+    return statuses
+
+
+def check_notebook(path: Path, timeout: float = DEFAULT_TIMEOUT_S) -> list[Row]:
+    plan = plan_notebook(path)
+    if plan.error:
+        names = [name for (notebook, name) in PARTS if notebook == plan.notebook] or ["-"]
+        return [Row(plan.notebook, name, PARTS.get((plan.notebook, name), ""), f"failing: {plan.error}")
+                for name in names]
+    statuses = run_notebook(plan, timeout)
+    rows = []
+    for name in _exercise_names(plan):
+        if name in plan.problems:
+            status = f"failing: {plan.problems[name]}"
+        elif name in plan.unchanged:
+            status = NOT_STARTED
+        else:
+            status = statuses.get(name, "failing: not checked")
+        rows.append(Row(plan.notebook, name, PARTS.get((plan.notebook, name), ""), status))
+    return rows
+
+
+def check_course(course_dir, names=None, timeout: float = DEFAULT_TIMEOUT_S, progress=None) -> list[Row]:
+    """Every exercise's row, notebook by notebook. `progress(notebook)` is told before each one."""
+    check_owner(course_dir)
+    rows = []
+    for path in find_notebooks(course_dir, names):
+        if progress:
+            progress(path.parent.name)
+        rows.extend(check_notebook(path, timeout))
+    return rows
+
+
+# --------------------------------------------------------------------------- output
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ("notebook", "exercise", "engine part", "status")
+    table = [header, *[(r.notebook, r.exercise, r.part or "-", r.status) for r in rows]]
+    widths = [max(len(line[i]) for line in table) for i in range(3)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line[:3], widths)) + "  " + line[3] for line in table]
+    passing = sum(r.status == PASSING for r in rows)
+    not_started = sum(r.status == NOT_STARTED for r in rows)
+    lines.append(f"\n{passing} of {len(rows)} exercises passing their visible tests, "
+                 f"{len(rows) - passing - not_started} failing, {not_started} not started.")
+    return "\n".join(lines)
+
+
+def to_json(rows: list[Row]) -> str:
+    return json.dumps({"exercises": [asdict(r) for r in rows]})
+
+
+# --------------------------------------------------------------------------- the subprocess
+
+
+def _compile(source: str, filename: str):
+    return compile(source, filename, "exec", dont_inherit=True)
+
+
+def _fresh_namespace() -> dict:
+    module = types.ModuleType("__main__")
+    module.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = module
+    return module.__dict__
+
+
+def _raised_in(exc: BaseException) -> tuple[str, str]:
+    """(file name, qualified name) of the innermost frame of exc's traceback: where it was raised."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return "", ""
+    code = tb.tb_frame.f_code
+    return code.co_filename, getattr(code, "co_qualname", code.co_name)
+
+
+def _message(exc: BaseException) -> str:
+    text = _first_line(str(exc))
+    if isinstance(exc, AssertionError) and text:
+        return text
+    if isinstance(exc, SyntaxError):
+        return f"SyntaxError: {exc.msg} (line {exc.lineno})"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _check_one(spec: dict, name: str, emit) -> str:
+    os.chdir(spec["cwd"])  # an earlier exercise may have moved away
+    ns = _fresh_namespace()
+    emit(event="phase", phase="set-up")
+    for index, source in spec["setup"]:
+        try:
+            exec(_compile(source, f"<set-up cell {index}>"), ns)
+        except BaseException as exc:  # noqa: BLE001 - the learner's code: anything may come out
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            raise _SetupFailed(f"the set-up cell {index} raised {_message(exc)}") from None
+    emit(event="phase", phase="exercise")
+    files = {}
+    for other, index, source in spec["cells"]:
+        filename = f"<exercise {other}, cell {index}>"
+        files[filename] = other
+        try:
+            exec(_compile(source, filename), ns)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001
+            if other == name:
+                return f"failing: {_message(exc)}"
+            # an earlier exercise's broken cell: its own row says so; this one goes on without it
+        if other == name:
+            break
+    try:
+        exec(_compile(spec["tests"][name], f"<test cell of {name}>"), ns)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001
+        if isinstance(exc, NotImplementedError):
+            filename, function = _raised_in(exc)
+            owner = files.get(filename)
+            if owner == name:
+                # a stub: not started, unless the cell was edited since the release (a class
+                # with some methods written): then say which piece is still missing
+                return f"failing: {function} is not written yet" if name in spec.get("changed", ()) else NOT_STARTED
+            if owner is not None:
+                return f"failing: it uses {owner}, which is not written yet"
+        return f"failing: {_message(exc)}"
+    return PASSING
+
+
+class _SetupFailed(Exception):
+    pass
+
+
+def worker(spec_path: str, results_path: str) -> int:
+    """In the notebook's subprocess: check each exercise in `run`, one JSON line per event."""
+    spec = json.loads(Path(spec_path).read_text())
+    spec["cells"] = [tuple(c) for c in spec["cells"]]
+    spec["cwd"] = os.getcwd()
+    sys.path.insert(0, spec["cwd"])  # as in a kernel: the notebook's folder is importable
+    with open(results_path, "a", buffering=1) as results:
+        def emit(**event):
+            results.write(json.dumps(event) + "\n")
+            results.flush()
+
+        for name in spec["run"]:
+            emit(event="start", exercise=name)
+            try:
+                status = _check_one(spec, name, emit)
+            except _SetupFailed as exc:
+                emit(event="setup_failed", status=str(exc))
+                return 0
+            except SystemExit as exc:
+                status = f"failing: SystemExit: {exc.code}" if exc.code not in (None, 0) else "failing: SystemExit"
+            except BaseException:  # noqa: BLE001 - whatever escapes is this exercise's failure
+                status = f"failing: {_first_line(traceback.format_exc().splitlines()[-1])}"
+            emit(event="done", exercise=name, status=status)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        sys.exit(worker(sys.argv[2], sys.argv[3]))
+    print("usage: python -m decodelab progress --course DIR [--json]", file=sys.stderr)
+    sys.exit(2)
