@@ -192,3 +192,20 @@ def test_sampling_explorer_uses_the_given_functions():
     assert sum(box.figure.data[1].y[:2]) == pytest.approx(1.0)  # draws only from the two kept tokens
     box.controls["temperature"].value = 0.0
     assert list(box.figure.data[0].y) == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_speculative_figures_draw_measured_beside_benchmark_and_seed():
+    from decodelab.course.widgets.speculative_decoding import (BENCH_TINY_VERIFY_COST, SEED_ALPHA_RANGE, SEED_POINTS,
+                                                               temperature_figure, verify_cost_figure)
+
+    fig = temperature_figure({0.0: (0.58, 0.9), 0.7: (0.48, 0.8), 1.0: (0.55, 0.85)}, k=2)
+    names = [trace.name for trace in fig.data]
+    assert names.count("measured here") == 2 and f"seed article, T = 0.7, k = 2" in names
+    assert list(fig.data[0].y) == [0.58, 0.48, 0.55] and list(fig.data[2].y) == [0.9, 0.8, 0.85]
+    assert any(shape.y0 == SEED_ALPHA_RANGE[0] for shape in fig.layout.shapes)
+    seed = next(trace for trace in fig.data if trace.name.startswith("seed article"))
+    assert list(seed.y) == [SEED_POINTS[2][1]]
+    fig = verify_cost_figure({1: 1.0, 2: 1.2, 5: 1.4, 9: 1.7}, "verify")
+    assert list(fig.data[0].x) == [1, 2, 5, 9] and list(fig.data[0].y) == [1.0, 1.2, 1.4, 1.7]
+    assert list(fig.data[1].y) == [BENCH_TINY_VERIFY_COST[n] for n in sorted(BENCH_TINY_VERIFY_COST)]
+    assert list(fig.data[-1].y) == [1, 1]  # Theorem 3.8's assumption

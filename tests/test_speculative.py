@@ -315,6 +315,50 @@ def test_loop_bug_breaks_greedy_identity(target, prompt, reference, bug, monkeyp
     assert caught == [1, 2, 3, 4], f"{bug} ({what}) was not caught at every k: only at {caught}"
 
 
+def test_loop_runs_speculative_step_for_a_draft_model(target, prompt, reference, monkeypatch):
+    """A draft model's steps go through `speculative.speculative_step`, read from the module at each
+    call (notebook 09 swaps in the learner's); a function drafter's do not."""
+    calls = []
+
+    def spy(*args):
+        calls.append(args[5])  # k
+        return original(*args)
+
+    original = speculative.speculative_step
+    monkeypatch.setattr(speculative, "speculative_step", spy)
+    assert_same_greedy(target, truncated_draft(target, 2), prompt, 3, reference)
+    assert calls and set(calls) <= {0, 1, 2, 3} and calls[0] == 3
+    calls.clear()
+    assert_same_greedy(target, propose_from_prompt, prompt, 3, reference)
+    assert calls == []
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_speculative_step_one_verify_pass_and_rollback(target, prompt, temperature):
+    """One step: one target forward over [pending, d_1 .. d_k], k draft forwards, then the target
+    cache holds the text but the new pending token and the draft cache min(its own, that)."""
+    from decodelab.lessons.measure import CountingModel
+
+    draft = truncated_draft(target, 2)
+    params = SamplingParams(temperature=temperature, top_k=10, top_p=0.9)
+    generator = torch.Generator().manual_seed(0)
+    ids = list(prompt)
+    target_cache, draft_cache = KVCache(target.config, 1, 64), KVCache(draft.config, 1, 64)
+    with torch.inference_mode():
+        speculative.prefill(target, target_cache, ids[:-1])
+        speculative.prefill(draft, draft_cache, ids[:-1])
+        for k in (3, 1, 4, 2, 0):
+            counted_target, counted_draft = CountingModel(target), CountingModel(draft)
+            draft_before = draft_cache.seq_len  # len(ids) - 1, or - 2 after a step that accepted every draft
+            emitted = speculative.speculative_step(counted_target, counted_draft, target_cache, draft_cache, ids, k,
+                                                   params, generator)
+            length = len(ids) + len(emitted) - 1
+            assert counted_target.tokens_fed() == [k + 1] and len(counted_draft.calls) == k
+            assert target_cache.seq_len == length
+            assert draft_cache.seq_len == (min(len(ids) + k - 1, length) if k else min(draft_before, length))
+            ids += emitted.tolist()
+
+
 def check_verify_logits(target, prompt_ids, drafts, tolerance=1e-4) -> float:
     """The verify pass over [pending, drafts] equals the logits of the full sequence."""
     cache = KVCache(target.config, 1, len(prompt_ids) + len(drafts))

@@ -15,15 +15,19 @@ buggy = load_fixture("buggy_speculative_decoding")
 
 
 def test_reference_passes():
-    checks.check_total_variation(speculative.tvd)
     checks.check_accept_draft_tokens(speculative.accept_draft_tokens)
-    checks.check_rollback_caches(speculative.rollback)
+    checks.check_speculative_step(speculative.speculative_step)
+
+
+def test_written_out_step_passes():
+    """The fixtures' step with no switch flipped (the notebook's solution, written out) passes:
+    each kept step bug differs from a right answer in its one switch."""
+    checks.check_speculative_step(buggy.step_written_out)
 
 
 def test_references_name_the_library_functions():
-    assert checks.REFERENCES == {"tvd": "decodelab.decoding.speculative:tvd",
-                                 "accept_draft_tokens": "decodelab.decoding.speculative:accept_draft_tokens",
-                                 "rollback": "decodelab.decoding.speculative:rollback"}
+    assert checks.REFERENCES == {"accept_draft_tokens": "decodelab.decoding.speculative:accept_draft_tokens",
+                                 "speculative_step": "decodelab.decoding.speculative:speculative_step"}
 
 
 @pytest.mark.parametrize("bug", sorted(buggy.BUGS))
@@ -36,18 +40,82 @@ def test_messages_name_the_case():
         checks.check_accept_draft_tokens(buggy.accept_resample_from_target)
     with pytest.raises(AssertionError, match="bonus token from target_probs\\[3\\]"):
         checks.check_accept_draft_tokens(buggy.accept_no_bonus_token)
-    with pytest.raises(AssertionError, match="disjoint supports: expected 1.0, got 2"):
-        checks.check_total_variation(buggy.tvd_without_half)
-    with pytest.raises(AssertionError, match="expected the caches to hold 7 and 7 positions"):
-        checks.check_rollback_caches(buggy.rollback_draft_forgotten)
+    with pytest.raises(AssertionError, match="exactly ONE more token"):
+        checks.check_accept_draft_tokens(buggy.accept_bonus_after_rejection)
+    with pytest.raises(AssertionError, match="ran 2 forward passes, fed \\[1, 1\\] tokens.*ONE forward"):
+        checks.check_speculative_step(buggy.step_verifies_token_by_token)
+    with pytest.raises(AssertionError, match="target cache holds 17 positions; expected 14"):
+        checks.check_speculative_step(buggy.step_target_cache_not_rolled_back)
+    with pytest.raises(AssertionError, match="draft cache holds 16 positions, more than the 14"):
+        checks.check_speculative_step(buggy.step_draft_cache_not_rolled_back)
+    with pytest.raises(AssertionError, match="top_k=1.*one-hot at the argmax"):
+        checks.check_speculative_step(buggy.step_raw_target_probs)
+    with pytest.raises(AssertionError, match="noise bound.*the one you drew d_i from"):
+        checks.check_speculative_step(buggy.step_raw_draft_probs)
 
 
-@pytest.mark.parametrize("bug", ["rollback_target_forgotten", "rollback_keeps_pending"])
+@pytest.mark.parametrize("bug", ["step_raw_target_probs", "step_raw_softmax"])
+def test_distribution_part_alone_catches_a_raw_p(bug):
+    """With top-k and top-p on, a p from the unfiltered softmax emits tokens the target never
+    samples: the distribution part sees the first one (the top_k=1 part sees it earlier)."""
+    with checks._one_thread(), pytest.raises(AssertionError, match="never samples.*not the raw softmax"):
+        checks._check_sampled_distribution(buggy.BUGS[bug][0])
+
+
+def test_top_k_one_part_catches_a_draft_that_ignores_the_filters():
+    """A draft that samples (and records) its unfiltered softmax keeps the output's law exact (the
+    rule corrects any q), so only the steps' lengths show it: at top_k=1 its guesses miss."""
+    with checks._one_thread(), pytest.raises(AssertionError, match="top_k=1"):
+        checks._check_top_k_one(buggy.step_draft_ignores_filters)
+    with checks._one_thread():
+        checks._check_sampled_distribution(buggy.step_draft_ignores_filters)  # the law alone cannot tell
+
+
+@pytest.mark.parametrize("bug", ["step_target_cache_not_rolled_back", "step_keeps_pending"])
 def test_loop_part_alone_catches_output_bugs(bug):
-    """The greedy-identity half of the check sees the bugs that change the output on its own (a
-    wrong token, or a crash when the kept slots overflow the cache)."""
-    with pytest.raises(AssertionError, match="with your rollback"):
-        checks._check_rollback_in_loop(buggy.BUGS[bug][0])
+    """The library's loop with the step swapped in sees the bugs that change the output on its own."""
+    with pytest.raises(AssertionError, match="in the library's loop"):
+        checks._check_in_loop(buggy.BUGS[bug][0])
+
+
+def test_greedy_part_runs_both_branches():
+    """The greedy part's steps end in rejections and in full acceptances (bonus tokens, a draft
+    cache that lags by one), and end with a k = 0 step."""
+    outcomes = []
+
+    def spy(target, draft, target_cache, draft_cache, ids, k, params, generator=None):
+        emitted = speculative.speculative_step(target, draft, target_cache, draft_cache, ids, k, params, generator)
+        outcomes.append((k, len(emitted) - 1))
+        return emitted
+
+    checks._check_greedy_steps(spy)
+    assert sum(n < k for k, n in outcomes) >= 8 and sum(n == k for k, n in outcomes if k) >= 3, outcomes
+    assert outcomes[-1][0] == 0
+
+
+def test_raw_draft_bias_is_far_above_the_bound():
+    """The exact law of the first token when q is recorded as softmax(logits / T), or as the
+    softmax without temperature, but drawn after top-k and top-p: 3 and 2 times the bound at
+    N_SAMPLED_STEPS (0.46 and 0.29 against 0.136); and both filters cut there (top-k alone would
+    keep 4 tokens, top-p keeps 3)."""
+    from decodelab.decoding.sampling import probs
+    from decodelab.params import SamplingParams
+
+    target, draft, prompt = checks._pair(checks.SAMPLED_PROMPT_SEED)
+    params = SamplingParams(**checks.SAMPLED)
+    with torch.inference_mode():
+        target_logits, draft_logits = target(torch.tensor([prompt]))[0, -1], draft(torch.tensor([prompt]))[0, -1]
+    p, q = probs(target_logits, params).double(), probs(draft_logits, params).double()
+    top_k_only = probs(target_logits, SamplingParams(temperature=params.temperature, top_k=params.top_k))
+    assert int((p > 0).sum()) == 3 and int((top_k_only > 0).sum()) == 4
+    bound = checks.tvd_bound(p, checks.N_SAMPLED_STEPS)
+    for temperature, margin in ((params.temperature, 3), (1.0, 2)):
+        recorded = (draft_logits.double() / temperature).softmax(-1)
+        accepted = q * (p / recorded).clamp(max=1)
+        residual = (p - recorded).clamp(min=0)
+        law = accepted + (1 - accepted.sum()) * residual / residual.sum()
+        bias = float(0.5 * (law - p).abs().sum())
+        assert bias > margin * bound, (temperature, bias, bound)
 
 
 def test_distribution_test_catches_a_bias_its_exact_cases_miss():
@@ -79,3 +147,10 @@ def test_tvd_bound_holds_for_exact_draws_and_is_tight_enough():
         worst = max(worst, float(0.5 * (law - p).abs().sum()))
     assert worst < bound < 0.13 / 1.5, (worst, bound)
     assert math.isclose(checks.tvd_bound(torch.tensor([1.0, 0.0]), 100), math.sqrt(math.log(1e6) / 200))
+
+
+def test_check_restores_the_thread_count():
+    before = torch.get_num_threads()
+    with checks._one_thread():
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before

@@ -1,12 +1,11 @@
-"""Checks for notebook 09, speculative decoding: the acceptance rule, the total variation
-distance, and the rollback that keeps the KV caches in step with the accepted tokens.
+"""Checks for notebook 09, speculative decoding: the acceptance rule, and one whole step with a
+draft model (propose, verify, accept, rollback).
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and returns
 None or raises ``AssertionError`` naming the input, the expected and the actual result.
 
 Oracles:
-* ``check_total_variation``: 1/2 sum |p - q| in float64, written here, plus analytic cases.
 * ``check_accept_draft_tokens``: deterministic cases whose outcome the rule fixes exactly
   (certain acceptance, certain rejection with a one-point residual, the bonus row), then a
   distribution test: every emitted position must follow the target's row. The bound on the
@@ -15,14 +14,31 @@ Oracles:
   when one draw changes, so McDiarmid gives P(TVD > E[TVD] + t) <= exp(-2 N t^2); at
   FAILURE_PROB = 1e-6 that is t = sqrt(ln(1e6) / (2N)). A correct rule fails with probability
   below 1e-6 per position, whatever order it draws its random numbers in.
-* ``check_rollback_caches``: the cache lengths after a rollback, then the whole loop
-  (``decodelab.decoding.speculative.stream_speculative`` with the function swapped in for its
-  ``rollback``) must give target-only greedy output token for token (LLMs-from-scratch's
-  equivalence test).
+* ``check_speculative_step``, on a 4-layer random target and a copy of its first 2 layers as
+  the draft (they agree about two tokens in five, so steps end in rejections and in bonus tokens):
+  1. temperature 0, step after step: each step emits exactly what the library's step emits in
+     lockstep on its own caches (both distributions are one-hot, so the tokens and their number
+     are fixed), makes ONE target forward over the k+1 tokens [pending, d_1 .. d_k] (counted by a
+     hook on the target's embedding, however it is called), and leaves the target cache holding
+     the text but the new pending token and the draft cache no more than that; then k = 0;
+  2. temperature 0.7 with top_k = 1: the filtered p and q are again one-hot at the argmax, so
+     each step must emit what the greedy step emits. The raw softmax (no filters) lets other
+     tokens through: a raw p emits them, a raw q proposes them and loses the accepted drafts;
+  3. temperature 1.2, top_k = 4, top_p = 0.8 (3 tokens kept), k = 2, N = 600 steps from one
+     state: no emitted token (first or second) may lie outside the target's filtered support
+     there, and the first token's frequencies must be within the TVD noise bound above of
+     p = probs(logits, params). A q recorded from softmax(logits / T) while the guess is drawn
+     after top-k and top-p over-accepts drafts (p / q_unfiltered > p / q): TVD 0.46 there (0.29
+     from the softmax without temperature), against a bound of 0.136; an unfiltered p puts 0.69
+     of the first token's mass outside the filtered support;
+  4. the function in the library's loop (`stream_speculative` with it swapped in for
+     `speculative_step`): greedy output equals target-only greedy output token for token.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import math
 
 import torch
@@ -31,15 +47,14 @@ from autograder.checks.calling import call
 from decodelab.model.toy import random_llama
 
 REFERENCES = {
-    "tvd": "decodelab.decoding.speculative:tvd",
     "accept_draft_tokens": "decodelab.decoding.speculative:accept_draft_tokens",
-    "rollback": "decodelab.decoding.speculative:rollback",
+    "speculative_step": "decodelab.decoding.speculative:speculative_step",
 }
 
-__all__ = ["check_total_variation", "check_accept_draft_tokens", "check_rollback_caches", "tvd_bound"]
+__all__ = ["check_accept_draft_tokens", "check_speculative_step", "tvd_bound"]
 
 FAILURE_PROB = 1e-6
-VOCAB = 96  # of the random models of the rollback check
+VOCAB = 96  # of the random models of the step check
 
 
 def tvd_bound(p: torch.Tensor, n: int, failure_prob: float = FAILURE_PROB) -> float:
@@ -58,46 +73,8 @@ def _fmt(t: torch.Tensor) -> str:
     return "[" + ", ".join(_fmt(row) for row in t) + "]"
 
 
-# ------------------------------------------------------------------------------------ tvd
 def _ref_tvd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return 0.5 * (p.double() - q.double()).abs().sum(dim=-1)
-
-
-def check_total_variation(tvd) -> None:
-    cases = [
-        ("identical distributions", torch.tensor([0.2, 0.3, 0.5]), torch.tensor([0.2, 0.3, 0.5]), 0.0),
-        ("disjoint supports", torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.0, 0.5, 0.5]), 1.0),
-        ("p [0.5, 0.3, 0.2], q [0.2, 0.3, 0.5]", torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.3, 0.5]), 0.3),
-        ("p [0.9, 0.1], q [0.6, 0.4]", torch.tensor([0.9, 0.1]), torch.tensor([0.6, 0.4]), 0.3),
-    ]
-    for name, p, q, expected in cases:
-        got = call(f"tvd(p, q) on {name}", tvd, p, q)
-        if not isinstance(got, torch.Tensor) or got.dim() != 0:
-            raise AssertionError(f"tvd on {name} (vectors of shape [{len(p)}]): expected a 0-dim tensor "
-                                 f"{expected}, got {got!r}")
-        if abs(float(got) - expected) > 1e-6:
-            raise AssertionError(f"tvd on {name}: expected {expected}, got {float(got):.6g} "
-                                 f"(p = {_fmt(p)}, q = {_fmt(q)}; the TVD is 1/2 sum_x |p(x) - q(x)|)")
-        swapped = call(f"tvd(q, p) on {name}", tvd, q, p)
-        if abs(float(swapped) - expected) > 1e-6:
-            raise AssertionError(f"tvd is symmetric: tvd(q, p) on {name} should also be {expected}, "
-                                 f"got {float(swapped):.6g}")
-    generator = torch.Generator().manual_seed(11)
-    p = torch.rand(2, 3, 50, generator=generator, dtype=torch.float64).pow(4)
-    q = torch.rand(2, 3, 50, generator=generator, dtype=torch.float64).pow(4)
-    p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
-    got, expected = call("tvd(p, q) on random p, q of shape [2, 3, 50]", tvd, p, q), _ref_tvd(p, q)
-    if not isinstance(got, torch.Tensor) or tuple(got.shape) != (2, 3):
-        raise AssertionError(f"tvd on p, q of shape [2, 3, 50] (one distribution per row): expected a tensor of "
-                             f"shape [2, 3], one distance per row, got "
-                             f"{tuple(got.shape) if isinstance(got, torch.Tensor) else got!r}")
-    bad = (got.double() - expected).abs() > 1e-6
-    if bad.any():
-        i = tuple(int(j) for j in bad.nonzero()[0])
-        raise AssertionError(f"tvd on random p, q of shape [2, 3, 50]: row {i} expected {float(expected[i]):.6g}, "
-                             f"got {float(got[i]):.6g}")
-    if float(got.max()) > 1 or float(got.min()) < 0:
-        raise AssertionError(f"tvd must lie in [0, 1]; got values from {float(got.min()):.4g} to {float(got.max()):.4g}")
 
 
 # ---------------------------------------------------------------------- the acceptance rule
@@ -124,8 +101,9 @@ def _accept_step(accept, drafts, q, p, generator, what):
         raise AssertionError(f"accept_draft_tokens on {what}: emitted {len(out)} tokens {out.tolist()}; a step with "
                              f"k={k} drafts emits between 1 and {k + 1}")
     if out[:-1].tolist() != drafts[:len(out) - 1].tolist():
-        raise AssertionError(f"accept_draft_tokens on {what}: the emitted tokens {out.tolist()} must start with the "
-                             f"accepted prefix of the drafts {drafts.tolist()}")
+        raise AssertionError(f"accept_draft_tokens on {what}: emitted {out.tolist()}; a step emits the accepted "
+                             f"prefix of the drafts {drafts.tolist()}, then exactly ONE more token (the residual's "
+                             f"draw at the first rejection, or the bonus token when all {k} pass)")
     return out
 
 
@@ -201,24 +179,266 @@ def check_accept_draft_tokens(accept_draft_tokens) -> None:
                     f"which row the bonus token comes from)")
 
 
-# ------------------------------------------------------------------------------- rollback
+
+
+# ------------------------------------------------------------------------- one whole step
+STEP_TOKENS = 24  # generated per run of the greedy, top-k-1 and loop parts
+GREEDY_KS = (1, 3, 2, 1, 4, 2)  # k of successive steps, in turn: 16 steps, 12 with a rejection, 4 all accepted
+SAMPLED = dict(temperature=1.2, top_k=4, top_p=0.8)  # the distribution part's filters: both cut (3 tokens kept)
+SAMPLED_PROMPT_SEED = 3  # the distribution part's prompt: alpha 0.54 there
+N_SAMPLED_STEPS = 600
+
+
 def _random_model(seed: int):
-    """A 4-layer random Llama with every matrix, embeddings included, ~ N(0, 4 / fan_in) and plain
-    norms: greedy output does not settle into one repeated token (17 distinct in the check's 24),
-    and a 2-layer truncated draft agrees with it about one token in five (both branches of the
-    rule run)."""
-    return random_llama(seed, weight_scale=2.0, norm_jitter=0.0, embedding_std=None, vocab_size=VOCAB,
+    """A 4-layer random Llama with every matrix, embeddings included, ~ N(0, 2.25 / fan_in) and
+    plain norms: greedy output does not settle into one repeated token, and a copy of its first 2
+    layers agrees with it about two tokens in five (both branches of the rule run)."""
+    return random_llama(seed, weight_scale=1.5, norm_jitter=0.0, embedding_std=None, vocab_size=VOCAB,
                         intermediate_size=128, num_hidden_layers=4, max_position_embeddings=256)
 
 
-def _filled_cache(config, length: int):
+@functools.lru_cache(maxsize=1)
+def _models():
+    """(target, draft): the draft is a copy of the target's first 2 layers (no module shared, so
+    each model's forwards can be counted apart). Built once: the checks only read them."""
+    from decodelab.decoding.speculative import truncated_draft
+
+    target = _random_model(0)
+    return target, copy.deepcopy(truncated_draft(target, 2))
+
+
+def _pair(prompt_seed: int = 0):
+    """(target, draft, a 12-token random prompt)."""
+    target, draft = _models()
+    prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(prompt_seed)).tolist()
+    return target, draft, prompt
+
+
+class _Forwards:
+    """Counts a model's forward passes and the tokens each is fed: a hook on its embedding sees
+    every pass, however the model is called (model(...), .forward, .features)."""
+
+    def __init__(self, model):
+        self.fed: list[int] = []
+        self.handle = model.model.embed_tokens.register_forward_hook(
+            lambda module, inputs, output: self.fed.append(int(inputs[0].shape[-1])))
+
+    def take(self) -> list[int]:
+        fed, self.fed = self.fed, []
+        return fed
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+@contextlib.contextmanager
+def _counting(*models):
+    counters = [_Forwards(m) for m in models]
+    try:
+        yield counters
+    finally:
+        for counter in counters:
+            counter.remove()
+
+
+def _caches(target, draft, ids):
+    """Fresh caches holding ids[:-1] (the pending token ids[-1] in neither), as the loop starts."""
+    from decodelab.decoding import speculative
     from decodelab.model.kv_cache import KVCache
 
-    cache = KVCache(config, 1, 32)
-    for layer in range(config.num_hidden_layers):
-        shape = (1, config.num_key_value_heads, length, config.head_dim)
-        cache.append(layer, torch.randn(shape), torch.randn(shape))
-    return cache
+    target_cache, draft_cache = KVCache(target.config, 1, 128), KVCache(draft.config, 1, 128)
+    speculative.prefill(target, target_cache, ids[:-1])
+    speculative.prefill(draft, draft_cache, ids[:-1])
+    return target_cache, draft_cache
+
+
+def _emitted(out, what: str, k: int) -> list[int]:
+    if not isinstance(out, torch.Tensor) or out.dim() != 1 or out.dtype != torch.int64:
+        raise AssertionError(f"{what}: expected a 1-D int64 tensor of the emitted token ids, got "
+                             f"{out.dtype if isinstance(out, torch.Tensor) else type(out).__name__} "
+                             f"{tuple(out.shape) if isinstance(out, torch.Tensor) else out!r}")
+    if not 1 <= len(out) <= k + 1:
+        raise AssertionError(f"{what}: emitted {len(out)} tokens {out.tolist()}; a step with k={k} drafts emits "
+                             f"between 1 and {k + 1}")
+    return out.tolist()
+
+
+def _check_step_bookkeeping(what: str, k: int, ids: list[int], emitted: list[int], target_fed: list[int],
+                            target_cache, draft_cache, draft_before: int) -> None:
+    """One target forward over k+1 tokens; the target cache holds the text but the new pending
+    token; the draft cache no more than that (and, for k = 0, what it held)."""
+    if len(target_fed) != 1 or target_fed[0] != k + 1:
+        raise AssertionError(f"{what}: the target model ran {len(target_fed)} forward passes, fed "
+                             f"{target_fed} tokens; a step verifies all of [pending, d_1 .. d_{k}] in ONE forward "
+                             f"of the target over {k + 1} tokens (the causal mask gives the {k + 1} distributions "
+                             f"at once: that single pass is where the speed-up comes from)")
+    length = len(ids) + len(emitted) - 1
+    if target_cache.seq_len != length:
+        raise AssertionError(f"{what}: after the step the target cache holds {target_cache.seq_len} positions; "
+                             f"expected {length}, the {len(ids)} tokens before the step plus the {len(emitted)} "
+                             f"emitted, but not the last emitted one (the new pending token, fed by the next "
+                             f"verify). Roll it back with target_cache.truncate({length}): the rejected drafts' "
+                             f"keys and values must not stay in it")
+    if draft_cache.seq_len > length:
+        raise AssertionError(f"{what}: after the step the draft cache holds {draft_cache.seq_len} positions, more "
+                             f"than the {length} the text has (all tokens but the new pending one): the rejected "
+                             f"guesses are still in it. Roll it back with "
+                             f"draft_cache.truncate(min(draft_cache.seq_len, {length}))")
+    if k == 0 and draft_cache.seq_len != min(draft_before, length):
+        raise AssertionError(f"{what}: with k=0 there is nothing to draft, yet the draft cache went from "
+                             f"{draft_before} to {draft_cache.seq_len} positions")
+
+
+def _run_steps(step, target, draft, prompt, params, label: str, generator=None) -> None:
+    """Steps from the prompt, k cycling through GREEDY_KS, then one k = 0 step: each must emit what
+    the library's greedy step emits in lockstep on its own caches, with the bookkeeping above."""
+    from decodelab.decoding import speculative
+    from decodelab.params import SamplingParams
+
+    greedy = SamplingParams(temperature=0)
+    ids, ref_ids = list(prompt), list(prompt)
+    target_cache, draft_cache = _caches(target, draft, ids)
+    ref_caches = _caches(target, draft, ref_ids)
+    ks = [GREEDY_KS[i % len(GREEDY_KS)] for i in range(STEP_TOKENS)]
+    with _counting(target, draft) as (target_count, draft_count), torch.inference_mode():
+        for index, k in enumerate(ks + [0]):
+            if k and len(ids) - len(prompt) >= STEP_TOKENS:
+                continue  # enough tokens: go on to the k = 0 step
+            what = (f"speculative_step, {label}, step {index + 1} (k={k}, {len(ids) - len(prompt)} tokens generated "
+                    f"after a {len(prompt)}-token prompt)")
+            before, draft_before = list(ids), draft_cache.seq_len
+            target_count.take(), draft_count.take()
+            out = call(what, step, target, draft, target_cache, draft_cache, ids, k, params, generator)
+            target_fed = target_count.take()
+            emitted = _emitted(out, what, k)
+            if ids != before:
+                raise AssertionError(f"{what}: the step changed `ids` (the tokens so far) in place, from "
+                                     f"{len(before)} to {len(ids)} tokens; return the emitted tokens instead (the "
+                                     f"loop appends them)")
+            expected = speculative.speculative_step(target, draft, *ref_caches, ref_ids, k, greedy).tolist()
+            if emitted != expected:
+                raise AssertionError(
+                    f"{what}: expected the tokens {expected}, got {emitted}. "
+                    + ("At temperature 0 " if params.greedy else
+                       f"At temperature {params.temperature} with top_k=1 (p and q after the filters, "
+                       f"`probs(logits, params)`) ")
+                    + "both distributions are one-hot at the argmax: the draft's guesses are its greedy tokens, kept "
+                      "while they equal the target's, and then the target's own greedy token comes"
+                    + ("" if params.greedy else
+                       "; a raw softmax (no temperature, top-k or top-p) would let other tokens through"))
+            _check_step_bookkeeping(what, k, ids, emitted, target_fed, target_cache, draft_cache, draft_before)
+            ids += emitted
+            ref_ids += expected
+
+
+def _check_greedy_steps(step) -> None:
+    from decodelab.params import SamplingParams
+
+    target, draft, prompt = _pair()
+    _run_steps(step, target, draft, prompt, SamplingParams(temperature=0), "temperature 0")
+
+
+def _check_top_k_one(step) -> None:
+    from decodelab.params import SamplingParams
+
+    target, draft, prompt = _pair()
+    params = SamplingParams(temperature=0.7, top_k=1, seed=0)
+    _run_steps(step, target, draft, prompt, params, "temperature 0.7, top_k=1",
+               torch.Generator().manual_seed(0))
+
+
+def _restore(cache, model, ids: list[int]) -> None:
+    """The cache back to holding ids[:-1] (refilled if the step left it shorter)."""
+    from decodelab.decoding import speculative
+
+    if cache.seq_len >= len(ids) - 1:
+        cache.truncate(len(ids) - 1)
+    else:
+        cache.truncate(0)
+        speculative.prefill(model, cache, ids[:-1])
+
+
+def _support(target, ids: list[int], params) -> torch.Tensor:
+    """p = probs(target's logits after ids, params), float64 [V]."""
+    from decodelab.decoding.sampling import probs
+
+    return probs(target(torch.tensor([ids]))[0, -1], params).double()
+
+
+def _check_sampled_distribution(step) -> None:
+    """N steps from one state (k = 2) under top-k and top-p: no emitted token outside the target's
+    filtered support; the first token's law within the noise bound of p."""
+    from decodelab.params import SamplingParams
+
+    target, draft, prompt = _pair(SAMPLED_PROMPT_SEED)
+    params = SamplingParams(**SAMPLED, seed=1)
+    generator = torch.Generator().manual_seed(1)
+    k, n = 2, N_SAMPLED_STEPS
+    filters = ", ".join(f"{key}={value}" for key, value in SAMPLED.items())
+    with torch.inference_mode():
+        p = _support(target, prompt, params)  # [V]
+        unfiltered = (target(torch.tensor([prompt]))[0, -1].double() / params.temperature).softmax(-1)
+        target_cache, draft_cache = _caches(target, draft, prompt)
+        counts = torch.zeros(VOCAB, dtype=torch.float64)
+        seconds: dict[int, set[int]] = {}
+        for trial in range(n):
+            what = f"speculative_step at {filters}, k={k} (step {trial + 1} of {n} from the same 12-token prompt)"
+            emitted = _emitted(call(what, step, target, draft, target_cache, draft_cache, list(prompt), k, params,
+                                    generator), what, k)
+            first = emitted[0]
+            if p[first] == 0:
+                raise AssertionError(
+                    f"{what}: emitted token {first} first, which the target never samples at {filters}: its "
+                    f"probability there is 0 (softmax(logits / T) without top-k and top-p gives it "
+                    f"{float(unfiltered[first]):.3f}; the filtered p keeps only tokens {p.nonzero()[:, 0].tolist()}). "
+                    f"p_i and q_i must be the distributions after "
+                    f"temperature, top-k and top-p, `probs(logits, params)`, not the raw softmax")
+            counts[first] += 1
+            if len(emitted) > 1:
+                seconds.setdefault(first, set()).add(emitted[1])
+            _restore(target_cache, target, prompt)
+            _restore(draft_cache, draft, prompt)
+        for first, tokens in sorted(seconds.items()):
+            p_next = _support(target, prompt + [first], params)
+            outside = sorted(t for t in tokens if p_next[t] == 0)
+            if outside:
+                raise AssertionError(
+                    f"speculative_step at {filters}, k={k}, {n} steps from one prompt: after the first token {first} "
+                    f"it emitted {outside}, which the target never samples there (probability 0 after the filters; "
+                    f"it keeps {p_next.nonzero()[:, 0].tolist()}). p_i and q_i must be `probs(logits, params)`, "
+                    f"not the raw softmax")
+    law = counts / n
+    distance, bound = float(_ref_tvd(law, p)), tvd_bound(p, n)
+    if distance > bound:
+        support = p.nonzero()[:, 0].tolist()
+        raise AssertionError(
+            f"speculative_step at {filters}, k={k}: over {n} steps from one prompt the first emitted token has "
+            f"frequencies {_fmt(law[support])} on tokens {support}, but the target's p there (after the filters) is "
+            f"{_fmt(p[support])}: TVD {distance:.3f}, above the noise bound {bound:.3f} for {n} draws. The output "
+            f"does not follow the target. Check that q_i, the distribution you record for draft i, is the one you "
+            f"drew d_i from: `probs(draft_logits, params)`, after the filters, not the raw softmax")
+
+
+def _check_in_loop(step) -> None:
+    """The function in the library's loop: greedy output equals target-only greedy output."""
+    from decodelab.decoding import speculative
+    from decodelab.decoding.generate import stream_token_ids
+    from decodelab.params import SamplingParams
+
+    target, draft, prompt = _pair()
+    params = SamplingParams(temperature=0, max_tokens=STEP_TOKENS, ignore_eos=True)
+    reference = list(stream_token_ids(target, prompt, params))
+    for k in (1, 3):
+        with _swapped(speculative, "speculative_step", step):
+            ours = call(f"speculative greedy decoding (k={k}) with your speculative_step in the library's loop",
+                        lambda: list(speculative.stream_speculative(target, draft, prompt, params, k)))
+        if ours != reference:
+            first = next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
+            raise AssertionError(f"speculative greedy decoding with your speculative_step in the library's loop "
+                                 f"(decodelab.decoding.speculative.stream_speculative, k={k}, a 4-layer random target, "
+                                 f"its first 2 layers as the draft, {STEP_TOKENS} tokens) must equal target-only greedy "
+                                 f"decoding token for token; it differs first at token {first}: expected "
+                                 f"{reference[first:first + 4]}..., got {ours[first:first + 4]}...")
 
 
 @contextlib.contextmanager
@@ -231,53 +451,21 @@ def _swapped(module, name, fn):
         setattr(module, name, saved)
 
 
-def check_rollback_caches(rollback) -> None:
-    _check_rollback_lengths(rollback)
-    _check_rollback_in_loop(rollback)
+@contextlib.contextmanager
+def _one_thread():
+    """Models this small run fastest on one thread (two threads spend longer synchronizing than
+    computing, far longer on a busy machine); the caller's setting comes back afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
-def _check_rollback_lengths(rollback) -> None:
-    config = _random_model(0).config
-    # 1. the lengths: target keeps exactly `length`; the draft keeps min(its own, length).
-    for target_len, draft_len, length in ((10, 9, 7), (10, 6, 8), (5, 5, 5), (9, 9, 4)):
-        target_cache, draft_cache = _filled_cache(config, target_len), _filled_cache(config, draft_len)
-        kept_keys = target_cache.view(0)[0][:, :, :length].clone()
-        call(f"rollback(target cache of {target_len} positions, draft cache of {draft_len}, length={length})",
-             rollback, target_cache, draft_cache, length)
-        got = (target_cache.seq_len, draft_cache.seq_len)
-        expected = (length, min(draft_len, length))
-        if got != expected:
-            raise AssertionError(f"rollback(target cache of {target_len} positions, draft cache of {draft_len}, "
-                                 f"length={length}): expected the caches to hold {expected[0]} and {expected[1]} "
-                                 f"positions (the draft may lag by one and keeps min(its own, length)), got {got[0]} "
-                                 f"and {got[1]}")
-        if not torch.equal(target_cache.view(0)[0], kept_keys):
-            raise AssertionError(f"rollback to length={length} changed the keys of the positions it keeps")
-    target_cache = _filled_cache(config, 6)
-    call("rollback(target cache, None, 3) (a drafter function has no cache)", rollback, target_cache, None, 3)
-    if target_cache.seq_len != 3:
-        raise AssertionError(f"rollback(target cache of 6 positions, None, 3): expected 3 positions kept, got "
-                             f"{target_cache.seq_len}")
-
-
-def _check_rollback_in_loop(rollback) -> None:
-    """With this rollback, greedy speculative output equals target-only greedy output."""
-    from decodelab.decoding import speculative
-    from decodelab.decoding.generate import stream_token_ids
-    from decodelab.params import SamplingParams
-
-    target = _random_model(0)
-    prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    reference = list(stream_token_ids(target, prompt, params))
-    draft = speculative.truncated_draft(target, 2)
-    for k in (1, 3):
-        with _swapped(speculative, "rollback", rollback):
-            ours = call(f"speculative greedy decoding (k={k}) with your rollback",
-                        lambda: list(speculative.stream_speculative(target, draft, prompt, params, k)))
-        if ours != reference:
-            first = next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
-            raise AssertionError(f"speculative greedy decoding with your rollback (k={k}, a 4-layer random target, "
-                                 f"its first 2 layers as the draft, 24 tokens) must equal target-only greedy decoding "
-                                 f"token for token; it differs first at token {first}: expected "
-                                 f"{reference[first:first + 4]}..., got {ours[first:first + 4]}...")
+def check_speculative_step(speculative_step) -> None:
+    with _one_thread():
+        _check_greedy_steps(speculative_step)
+        _check_top_k_one(speculative_step)
+        _check_sampled_distribution(speculative_step)
+        _check_in_loop(speculative_step)

@@ -10,10 +10,11 @@ rollback), and one adapter per kind of drafter, chosen by `make_proposer`:
                                                                  `decodelab.decoding.feature_proposers`)
 
 The adapters run the loop's steps (`prefill`, `propose`, `verify`, `accept_draft_tokens`,
-`rollback`) as attributes of the `speculative` module, looked up at each call: notebook 09 and
-the kept-bug tests swap a step there (`mock.patch.object(speculative, "rollback", ...)`) and the
-loop must run theirs. The feature drafter's adapters, with `eagle` and `draft_tree`, are imported
-only when a feature drafter is used.
+`rollback`, and for a draft model the whole `speculative_step`) as attributes of the
+`speculative` module, looked up at each call: notebook 09 and the kept-bug tests swap a step
+there (`mock.patch.object(speculative, "speculative_step", ...)`) and the loop must run theirs.
+The feature drafter's adapters, with `eagle` and `draft_tree`, are imported only when a feature
+drafter is used.
 
 Shapes: k' proposed tokens, V vocab_size.
 """
@@ -33,6 +34,7 @@ from decodelab.params import SamplingParams
 
 if TYPE_CHECKING:
     from decodelab.decoding.eagle import FeatureDrafter
+    from decodelab.decoding.speculative import SpeculativeStats
 
 # What a caller passes as `drafter` (the table above); `make_proposer` wraps it in a `DraftProposer`.
 Drafter = Union[nn.Module, "FeatureDrafter", Callable[[list, int], list]]
@@ -91,6 +93,11 @@ class DraftProposer(Protocol):
         """Forget the rejected guesses: every cache keeps at most `length` positions (all tokens
         but the new pending one)."""
 
+    def step(self, ids: list[int], k: int, stats: SpeculativeStats) -> torch.Tensor:
+        """One iteration of the loop: propose up to k guesses after ids, verify them in one target
+        pass, accept, observe, roll back to len(ids) + n; count it into stats -> the emitted
+        tokens [n+1]."""
+
 
 class ChainProposer:
     """What drafters of a chain d_1 .. d_k' share: the target's prefill, a plain verify pass, the
@@ -128,10 +135,21 @@ class ChainProposer:
     def rollback(self, length: int) -> None:
         speculative.rollback(self.target_cache, None, length)
 
+    def step(self, ids: list[int], k: int, stats: SpeculativeStats) -> torch.Tensor:
+        draft = self.propose(ids, k)
+        pending = torch.tensor(ids[-1:], device=self.target.device)  # [1]: in no cache yet
+        target_logits = self.verify(pending, draft)  # [k'+1, V]
+        emitted = self.accept(draft, target_logits)  # [n+1]: n accepted guesses, then the target's token
+        self.observe(emitted)
+        self.rollback(len(ids) + len(emitted) - 1)  # every token but the new pending one
+        stats.record_step(draft, len(emitted))
+        return emitted
+
 
 class DraftModelProposer(ChainProposer):
     """A draft model: any `LlamaForCausalLM` with the target's vocabulary, with its own KVCache;
-    k forwards per proposal, each guess drawn from its logits (q_i recorded when sampling)."""
+    k forwards per proposal, each guess drawn from its logits (q_i recorded when sampling). Its
+    `step` is `speculative.speculative_step` (the whole step as one function, notebook 09's)."""
 
     def __init__(self, target, draft_model: nn.Module, params: SamplingParams, generator):
         super().__init__(target, params, generator)
@@ -154,6 +172,13 @@ class DraftModelProposer(ChainProposer):
 
     def rollback(self, length: int) -> None:
         speculative.rollback(self.target_cache, self.draft_cache, length)
+
+    def step(self, ids: list[int], k: int, stats: SpeculativeStats) -> torch.Tensor:
+        """`speculative.speculative_step`: the same stages as `ChainProposer.step`, as one function."""
+        emitted = speculative.speculative_step(self.target, self.draft_model, self.target_cache, self.draft_cache,
+                                               ids, k, self.params, self.generator)
+        stats.record(k, k, k, len(emitted))  # k guesses for k positions, one draft forward each
+        return emitted
 
 
 class FunctionProposer(ChainProposer):

@@ -22,13 +22,15 @@ p_i(d_i), and a rejection draws from p_i with d_i removed. At temperature 0, a f
 drafter can also put its top-w candidates for the next token to the target in one pass
 (`tree_width=w`, `decodelab.decoding.draft_tree`).
 
-This module holds the acceptance rule, the steps above, the loop (`stream_speculative`) and
+This module holds the acceptance rule, the steps above, one whole step for a draft model
+(`speculative_step`: propose, verify, accept, rollback), the loop (`stream_speculative`) and
 the theory (expected tokens per call and speedup). The loop sees every kind of drafter through
 one protocol, `decodelab.decoding.proposers.DraftProposer`, with one adapter per kind, chosen by
-`make_proposer`; the adapters call this module's steps through the module, so a step swapped in
-here (notebook 09, the kept-bug tests) is the one that runs. The feature drafter's adapters
-(`decodelab.decoding.feature_proposers`, with `eagle` and `draft_tree`) are imported only when
-one is used.
+`make_proposer`; the adapters call this module's steps through the module (a draft model's
+adapter calls `speculative_step`, which calls the steps through this module's globals), so a
+step swapped in here (notebook 09, the kept-bug tests) is the one that runs. The feature
+drafter's adapters (`decodelab.decoding.feature_proposers`, with `eagle` and `draft_tree`) are
+imported only when one is used.
 
 Shapes: k drafted tokens, V vocab_size, B independent steps (the batched acceptance rule).
 """
@@ -46,7 +48,7 @@ from decodelab.decoding.generate import check_prompt, make_generator, stop_token
 from decodelab.model.kv_cache import KVCache
 from decodelab.model.llama import LlamaForCausalLM
 from decodelab.params import SamplingParams
-from decodelab.decoding.sampling import draw_draft_token, greedy
+from decodelab.decoding.sampling import draw_draft_token, greedy, probs
 from decodelab.validation import check_int
 
 if TYPE_CHECKING:
@@ -176,6 +178,33 @@ def rollback(target_cache: KVCache, draft_cache: KVCache | None, length: int) ->
         draft_cache.truncate(min(draft_cache.seq_len, length))
 
 
+def speculative_step(target, draft, target_cache: KVCache, draft_cache: KVCache, ids: list[int], k: int,
+                     params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One step of speculative decoding with a draft model -> the emitted tokens, LongTensor [n+1].
+
+    ids: the tokens so far; the last one (the pending token) is in neither cache: target_cache
+    holds len(ids) - 1 positions, draft_cache len(ids) - 1 or len(ids) - 2. k >= 0 drafts.
+    propose: k draft forwards, the first over the 1 or 2 tokens the draft cache lacks, each
+        guess d_i drawn from q_i = `probs(draft logits, params)` (after temperature, top-k, top-p);
+    verify: ONE target forward over [pending, d_1 .. d_k] -> p_1 .. p_{k+1} = `probs(logits, params)`;
+    accept: `accept_draft_tokens` (at temperature 0 its one-hot case, `greedy_accept`);
+    rollback: the target cache keeps len(ids) + n positions, the text but the new pending token;
+        the draft cache min(what it holds, that) (one fewer when all k were accepted: it never
+        saw d_k).
+    The loop (`stream_speculative`) runs it for a draft model, read from this module at each call.
+    """
+    device = target.device
+    draft_tokens, draft_probs = propose(draft, draft_cache, ids, k, params, generator, target.config.vocab_size,
+                                        device)  # [k], [k, V] or None (greedy)
+    target_logits = verify(target, target_cache, torch.tensor(ids[-1:], device=device), draft_tokens)  # [k+1, V]
+    if params.greedy:
+        emitted = greedy_accept(draft_tokens, target_logits)
+    else:
+        emitted = accept_draft_tokens(draft_tokens, draft_probs, probs(target_logits, params), generator)
+    rollback(target_cache, draft_cache, len(ids) + len(emitted) - 1)  # every token but the new pending one
+    return emitted
+
+
 # ----------------------------------------------------------------------------- generation
 @dataclass
 class SpeculativeStats:
@@ -206,12 +235,17 @@ class SpeculativeStats:
     def record_step(self, draft: Draft, num_emitted: int) -> None:
         """Count one step that put `draft` to the target and emitted num_emitted tokens (its
         accepted drafts and one more); `generated` counts the tokens as they are yielded."""
+        self.record(len(draft.tokens), draft.positions, draft.calls, num_emitted)
+
+    def record(self, proposed: int, positions: int, draft_calls: int, num_emitted: int) -> None:
+        """`record_step` in numbers: `proposed` guesses for `positions` positions (equal for a
+        chain), `draft_calls` drafter calls, num_emitted tokens emitted for one target call."""
         num_accepted = num_emitted - 1
-        self.proposed += len(draft.tokens)
+        self.proposed += proposed
         self.accepted += num_accepted
-        self.rejected += num_accepted < draft.positions
+        self.rejected += num_accepted < positions
         self.target_calls += 1
-        self.draft_calls += draft.calls
+        self.draft_calls += draft_calls
 
 
 @torch.inference_mode()
@@ -247,15 +281,10 @@ def stream_speculative(target, drafter: Drafter, prompt_ids: list[int], params: 
     proposer.start(KVCache(target.config, 1, max_len, device=target.device, dtype=target.dtype), prompt_ids, max_len)
     stops = stop_token_set(params, stop_token_ids)
     stats = stats if stats is not None else SpeculativeStats()
-    ids, pending = list(prompt_ids), torch.tensor(prompt_ids[-1:], device=target.device)  # pending [1]
+    ids = list(prompt_ids)
     while len(ids) < max_len:
-        draft = proposer.propose(ids, min(k, max_len - len(ids) - 1))  # never draft past max_tokens
-        target_logits = proposer.verify(pending, draft)  # [k'+1, V]
-        emitted = proposer.accept(draft, target_logits)  # [n+1]: n accepted drafts, then the target's token
-        proposer.observe(emitted)
-        proposer.rollback(len(ids) + len(emitted) - 1)  # every token but the new pending one
-        stats.record_step(draft, len(emitted))
-        pending = emitted[-1:]
+        # propose, verify, accept, observe, rollback: [n+1] tokens, n accepted drafts, then the target's
+        emitted = proposer.step(ids, min(k, max_len - len(ids) - 1), stats)  # never draft past max_tokens
         for token_id in emitted.tolist():
             ids.append(token_id)
             stats.generated += 1

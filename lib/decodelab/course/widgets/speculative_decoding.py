@@ -1,5 +1,7 @@
 """Notebook 09's explorer: acceptance rate alpha, draft cost c and the number of drafts k ->
-tokens per target call and the speed-up they allow, beside what was measured.
+tokens per target call and the speed-up they allow, beside what was measured; and its figures:
+the TVD bars, alpha and speed-up against the temperature, the verify pass's cost against the
+number of tokens it checks.
 
 Same shape as `decodelab.course.widgets.controls`: an ipywidgets box with ``.figure`` (the FigureWidget),
 ``.controls`` (name -> slider) and ``.redraw()``. The formulas come in as functions (the
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR
 from decodelab.course.widgets.controls import SLIDER, finish_explorer
@@ -17,6 +20,16 @@ from decodelab.course.widgets.controls import SLIDER, finish_explorer
 
 # Seed article (tiny char-level pair on CPU, temperature 0.7): k -> (tokens per target call, speedup)
 SEED_POINTS = {1: (1.91, 1.19), 2: (2.58, 1.29), 3: (3.25, 1.28), 4: (4.00, 1.24), 6: (4.80, 0.92), 8: (4.63, 0.77)}
+# The seed's other figures: alpha of its pair on code, and its draft cost c (bench/speculative.py SEED_FIGURES).
+SEED_ALPHA_RANGE, SEED_DRAFT_COST = (0.85, 0.91), 0.22
+
+# The repository's benchmark of the tiny pair on the course's 2-core CPU (`bench/speculative.py --rounds 3`,
+# bench/results/speculative_tiny_cpu.json: 3 prompts x 128 tokens, 2 threads):
+# temperature -> (alpha, speed-up) at k = 2, and the time to verify n tokens in one pass / one decode step.
+BENCH_TINY_BY_TEMPERATURE = {0.0: (0.636, 1.06), 0.7: (0.615, 1.06), 1.0: (0.620, 1.24)}
+BENCH_TINY_VERIFY_COST = {1: 1.0, 2: 1.106, 3: 1.152, 4: 1.254, 5: 1.303, 6: 1.324, 7: 1.391, 8: 1.428, 9: 1.464}
+# SmolLM2-135M on the same CPU (bench/results/speculative_smollm2_draft10_cpu.json, 1 to 5 tokens).
+BENCH_SMOLLM2_VERIFY_COST = {1: 1.0, 2: 1.067, 3: 1.151, 4: 1.582, 5: 1.621}
 
 
 def speculative_explorer(tokens_fn, speedup_fn, measured: dict | None = None, seed_points: dict | None = None,
@@ -67,9 +80,6 @@ def speculative_explorer(tokens_fn, speedup_fn, measured: dict | None = None, se
     return finish_explorer(box, fig, {"alpha": alpha_slider, "draft_cost": cost_slider, "max_k": k_slider}, redraw)
 
 
-__all__ = ["speculative_explorer", "SEED_POINTS"]
-
-
 def tvd_bars_figure(rows: dict[str, dict[str, float]], bounds: dict[str, float], title: str,
                     seed_ranges: dict[str, tuple[float, float]] | None = None) -> go.Figure:
     """Grouped bars: one group per prefix (rows: prefix -> {method: TVD to p}), the noise bound of
@@ -93,4 +103,64 @@ def tvd_bars_figure(rows: dict[str, dict[str, float]], bounds: dict[str, float],
     return fig
 
 
-__all__ = ["speculative_explorer", "tvd_bars_figure", "SEED_POINTS"]
+def temperature_figure(rows: dict[float, tuple[float, float]], k: int,
+                       bench: dict[float, tuple[float, float]] | None = None) -> go.Figure:
+    """Two panels against the temperature: alpha, and the speed-up over target-only decoding.
+    rows: temperature -> (alpha, speed-up) measured in the notebook at k drafts; bench: the same
+    from the repository's benchmark (BENCH_TINY_BY_TEMPERATURE by default); the seed's alpha range
+    and its speed-up at T = 0.7 (SEED_POINTS[k]) drawn beside them."""
+    bench = BENCH_TINY_BY_TEMPERATURE if bench is None else bench
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("acceptance rate α", "speed-up over target-only (×)"))
+    temperatures, bench_t = sorted(rows), sorted(bench)
+    for col, index in ((1, 0), (2, 1)):
+        fig.add_scatter(x=temperatures, y=[rows[t][index] for t in temperatures], mode="lines+markers+text",
+                        name="measured here", legendgroup="here", showlegend=col == 1,
+                        text=[f"{rows[t][index]:.2f}" for t in temperatures], textposition="top center",
+                        marker=dict(color=MEASURED_COLOR, size=10, symbol="diamond"), row=1, col=col)
+        fig.add_scatter(x=bench_t, y=[bench[t][index] for t in bench_t], mode="lines+markers",
+                        name="repository benchmark (3 prompts × 128 tokens)", legendgroup="bench",
+                        showlegend=col == 1, line=dict(color=OTHER_COLOR, dash="dot"),
+                        marker=dict(color=OTHER_COLOR, size=8), row=1, col=col)
+    low, high = SEED_ALPHA_RANGE
+    fig.add_hrect(y0=low, y1=high, fillcolor=SEED_COLOR, opacity=0.12, line_width=0, row=1, col=1,
+                  annotation_text=f"seed's pair on code: α {low:g}-{high:g}", annotation_position="bottom left")
+    if k in SEED_POINTS:
+        fig.add_scatter(x=[0.7], y=[SEED_POINTS[k][1]], mode="markers", name=f"seed article, T = 0.7, k = {k}",
+                        marker=dict(color=SEED_COLOR, size=11, symbol="x"), row=1, col=2)
+    fig.add_hline(y=1, line_dash="dash", line_color=OTHER_COLOR, row=1, col=2)
+    fig.update_xaxes(title="temperature", tickvals=temperatures)
+    fig.update_yaxes(range=[0, 1], row=1, col=1)
+    fig.update_yaxes(rangemode="tozero", row=1, col=2)
+    fig.update_layout(title=f"Tiny pair, k = {k}: α and speed-up against the temperature", height=430,
+                      margin=dict(l=10, r=10, t=80, b=40), legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def verify_cost_figure(measured: dict[int, float], title: str, benches: dict[str, dict[int, float]] | None = None
+                       ) -> go.Figure:
+    """The time of one target pass over n tokens divided by one decode step, against n.
+    measured: n -> that ratio here; benches: label -> the same from the repository's benchmarks
+    (the tiny pair's and SmolLM2's by default); the dashed line at 1 is what Theorem 3.8 assumes."""
+    benches = {"tiny, repository benchmark": BENCH_TINY_VERIFY_COST,
+               "SmolLM2-135M, repository benchmark": BENCH_SMOLLM2_VERIFY_COST} if benches is None else benches
+    fig = go.Figure()
+    ns = sorted(measured)
+    fig.add_scatter(x=ns, y=[measured[n] for n in ns], mode="lines+markers+text", name="measured here",
+                    text=[f"{measured[n]:.2f}" for n in ns], textposition="top left",
+                    marker=dict(color=MEASURED_COLOR, size=10, symbol="diamond"))
+    for (label, points), dash in zip(benches.items(), ("dot", "dashdot", "longdash")):
+        xs = sorted(points)
+        fig.add_scatter(x=xs, y=[points[n] for n in xs], mode="lines+markers", name=label,
+                        line=dict(color=OTHER_COLOR, dash=dash), marker=dict(color=OTHER_COLOR, size=7))
+    top = max(ns + [max(p) for p in benches.values()])
+    fig.add_scatter(x=[1, top], y=[1, 1], mode="lines", name="Theorem 3.8's assumption: as cheap as one step",
+                    line=dict(color=SEED_COLOR, dash="dash"))
+    fig.update_layout(title=title, height=430, margin=dict(l=10, r=10, t=60, b=40), legend=dict(orientation="h", y=-0.25))
+    fig.update_xaxes(title="tokens verified in one target pass (k + 1)", tickvals=ns)
+    fig.update_yaxes(title="time / one decode step", rangemode="tozero")
+    return fig
+
+
+__all__ = ["speculative_explorer", "tvd_bars_figure", "temperature_figure", "verify_cost_figure", "SEED_POINTS",
+           "SEED_ALPHA_RANGE", "SEED_DRAFT_COST", "BENCH_TINY_BY_TEMPERATURE", "BENCH_TINY_VERIFY_COST",
+           "BENCH_SMOLLM2_VERIFY_COST"]
