@@ -283,6 +283,36 @@ def test_quantized_engine_matches_quantized_single_request(quantization):
         check_greedy_agreement(p, out.outputs[0].token_ids, ref, [last_logits_fn(reference)])
 
 
+def test_linear_hook_builds_the_quantized_layers():
+    """EngineHooks(linear=factory): with quantization set, every decoder-layer linear is the factory's
+    (the lm_head and embedding stay float), and Int8Linear's engine writes the tokens of
+    LLM(quantization="int8") (the same levels and scales; the scale applied after the sum)."""
+    from decodelab.model.quantization import Int8Linear, QuantizedLinear
+
+    built = []
+
+    def factory(linear):
+        built.append(linear)
+        return Int8Linear.from_linear(linear)
+
+    llm = LLM("tiny", quantization="int8", num_kv_blocks=64, hooks=EngineHooks(linear=factory))
+    library = LLM("tiny", quantization="int8", num_kv_blocks=64)
+    layers = llm.model.model.layers
+    assert len(built) == 7 * len(layers)
+    assert not any(isinstance(m, (torch.nn.Linear, QuantizedLinear)) for m in layers.modules())
+    assert isinstance(llm.model.lm_head, torch.nn.Linear)
+    assert llm.model.lm_head.weight is llm.model.model.embed_tokens.weight
+    prompts = [llm.tokenizer.encode(t) for t in ("def fibonacci(n):", "import os\n", "class Stack:")]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    for p, ours, theirs in zip(prompts, llm.generate(prompts, params, use_tqdm=False),
+                               library.generate(prompts, params, use_tqdm=False)):
+        check_greedy_agreement(p, ours.outputs[0].token_ids, theirs.outputs[0].token_ids,
+                               [last_logits_fn(library.model)])
+    with pytest.raises(ValueError, match="needs quantization='int8'"):
+        LLM((library.model, library.tokenizer), hooks=EngineHooks(linear=factory))
+    assert EngineHooks().linear is None
+
+
 def test_bad_engine_arguments_are_clear_errors(small_model):
     model, tokenizer = small_model
     with pytest.raises(ValueError, match="quantization"):

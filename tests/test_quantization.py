@@ -160,6 +160,9 @@ def check_unpack_int4(fn):
     assert bad.numel() == 0, (
         f"byte {hex(int(ALL_PAIR_BYTES[bad[0]]))} unpacked to {got[bad[0]].tolist()}, expected "
         f"{ALL_PAIRS[bad[0]].tolist()} (a nibble >= 8 is negative: 0xF is -1)")
+    got = fn(torch.tensor([[0x21, 0x43]], dtype=torch.uint8))
+    assert got.tolist() == [[1, 2, 3, 4]], \
+        f"bytes [[0x21, 0x43]] unpacked to {got.tolist()}, expected [[1, 2, 3, 4]] (low nibble first, byte by byte)"
 
 
 def check_quantize_int4_groupwise(fn):
@@ -344,6 +347,50 @@ def test_quantize_model_skip():
     assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
     assert isinstance(model.model.layers[1].self_attn.q_proj, torch.nn.Linear)
     assert isinstance(model.model.layers[0].self_attn.q_proj, quant.QuantizedLinear)
+
+
+def test_quantize_model_with_a_layer_factory():
+    """quantize_model(linear=factory) builds every quantized layer with the factory, skips as before,
+    and Int8Linear computes what QuantizedLinear(bits=8) computes (scale after the sum: float rounding)."""
+    model = random_model(tie_word_embeddings=True)
+    ids = random_ids(10, model.config.vocab_size)
+    library = quant.quantize_model(copy.deepcopy(model), bits=8)
+    made = []
+
+    def factory(linear):
+        made.append(linear)
+        return quant.Int8Linear.from_linear(linear)
+
+    assert quant.quantize_model(model, bits=8, skip=("lm_head", "down_proj"), linear=factory) is model
+    assert len(made) == 6 * model.config.num_hidden_layers  # 7 linears a layer, down_proj kept
+    assert all(isinstance(layer.mlp.down_proj, torch.nn.Linear) for layer in model.model.layers)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, quant.Int8Linear)
+    quant.replace_linears(model, quant.Int8Linear.from_linear)  # down_proj too, now
+    with torch.no_grad():
+        got, want = model(ids), library(ids)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_int8_linear_scales_the_output_without_a_float_weight():
+    from decodelab.lessons.tiled_attention import measure_module_memory
+
+    g = torch.Generator().manual_seed(4)
+    linear = torch.nn.Linear(192, 640)
+    torch.nn.init.normal_(linear.weight, generator=g)
+    layer = quant.Int8Linear.from_linear(linear)
+    assert layer.weight_q.dtype == torch.int8 and layer.nbytes == 640 * 192 + 4 * 640
+    x = torch.randn(3, 5, 192, generator=g)
+    with torch.no_grad():
+        got, exact = layer(x), linear(x)
+        assert torch.allclose(got, quant.QuantizedLinear.from_linear(linear, 8)(x), rtol=1e-5, atol=1e-4)
+    bound = x.abs() @ (layer.weight_scale.T / 2).expand(192, -1) + 1e-4  # |y - y_float| <= scale_o / 2 * sum|x|
+    assert ((got - exact).abs() <= bound).all()
+    _, seen = measure_module_memory(layer, x[0])
+    assert seen.peak_bytes < 4 * 640 * 192 / 2, seen  # one block of 128 rows in float, not the weight
+    _, seen = measure_module_memory(quant.QuantizedLinear.from_linear(linear, 8), x[0])
+    assert seen.peak_bytes >= 4 * 640 * 192  # the library's simple layer does make the float copy
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
 SMOLLM2_INT8_MIN_AGREEMENT = 0.85  # measured 0.953: 61/64, the 3 misses at top-2 margins < 0.014

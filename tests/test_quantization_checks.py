@@ -1,12 +1,14 @@
 """Notebook 06's hidden checks (autograder/checks/quantization.py): they pass on the library's
 reference implementations and catch every kept bug, those of tests/fixtures/buggy_quantization.py
 and those of tests/fixtures/library/buggy_quantization.py whose check the notebook grades, with a message
-that names the case."""
+that names the case; the notebook's visible tests of the int8 layer and of replace_linears catch each of
+their kept bugs too."""
 from __future__ import annotations
 
 import importlib
 
 import pytest
+import torch
 
 from autograder.checks import quantization as checks
 from oracles import expect_bug_caught, load_fixture
@@ -17,9 +19,9 @@ buggy_library = load_fixture("library/buggy_quantization")  # tests/test_quantiz
 GRADED_CHECKS = {
     "quantize_int8_per_tensor": "check_quantize_int8_per_tensor",
     "quantize_int8_per_channel": "check_quantize_int8_per_channel",
-    "pack_int4": "check_pack_int4",
-    "unpack_int4": "check_unpack_int4",
     "quantize_int4_groupwise": "check_quantize_int4_groupwise",
+    "Int8Linear": "check_int8_linear",
+    "replace_linears": "check_replace_linears",
 }
 ALL_BUGS = {**buggy.BUGS, **{name: bug for name, bug in buggy_library.BUGS.items() if hasattr(checks, bug[1])}}
 
@@ -41,7 +43,7 @@ def test_reference_passes(function):
 
 def test_every_check_has_a_kept_bug():
     assert {check for _, check, _ in ALL_BUGS.values()} == set(checks.__all__)
-    assert len(ALL_BUGS) >= len(buggy.BUGS) + 5  # library/buggy_quantization.py's five count too
+    assert len(ALL_BUGS) >= len(buggy.BUGS) + 3  # library/buggy_quantization.py's int8 and int4 quantizer bugs too
 
 
 @pytest.mark.parametrize("bug", sorted(ALL_BUGS))
@@ -58,20 +60,91 @@ def test_messages_name_the_case():
         checks.check_quantize_int8_per_tensor(buggy_library.int8_per_tensor_scale_128)
     with pytest.raises(AssertionError, match=r"scale has shape \(16,\), expected \(16, 1\)"):
         checks.check_quantize_int8_per_channel(buggy.int8_per_channel_flat_scale)
-    with pytest.raises(AssertionError, match=r"should give bytes \[0x7f, 0x08\]"):
-        checks.check_pack_int4(buggy.pack_int4_no_mask)
-    with pytest.raises(AssertionError, match="0xF is -1"):
-        checks.check_unpack_int4(buggy_library.unpack_int4_unsigned)
-    with pytest.raises(AssertionError, match=r"expected packed uint8 \[6, 128\]"):
+    with pytest.raises(AssertionError, match=r"expected packed uint8 \[1, 240\]"):
         checks.check_quantize_int4_groupwise(buggy.int4_groupwise_unpacked)
+    with pytest.raises(AssertionError, match=r"the levels \(-7, -7\) of columns 2 and 3 packed to 0xf9, expected 0x99"):
+        checks.check_quantize_int4_groupwise(buggy.int4_groupwise_no_mask)
+    with pytest.raises(AssertionError, match="even column goes in the low nibble"):
+        checks.check_quantize_int4_groupwise(buggy.int4_groupwise_odd_column_low)
     with pytest.raises(AssertionError, match="scale should be max.w. / 7|the error must be <= scale / 2"):
         checks.check_quantize_int4_groupwise(buggy.int4_groupwise_one_scale_per_row)
+
+
+INT8_LINEAR_MESSAGES = {
+    "int8_linear_scale_per_input": r"weight_scale has shape \(1, 256\).*expected float32 \(1024, 1\): one scale per output row",
+    "int8_linear_dequantizes_whole": r"took \d\.\d\d MiB at once .* at most half of it",
+    "int8_linear_scale_twice": "multiplied by its row's scale twice",
+    "int8_linear_no_bias": "misses exactly the bias",
+    "int8_linear_truncates": "truncates toward zero",
+    "int8_linear_overflow": "wrapped around",
+    "int8_linear_float32_output": "expected a bfloat16 result",
+    "replace_linears_lm_head_too": "the lm_head was replaced too",
+    "replace_linears_children_only": "make_linear was called 0 times",
+    "replace_linears_first_layer": r"make_linear was called 7 times .* expected once for each of the 14",
+}
+
+
+@pytest.mark.parametrize("bug", sorted(INT8_LINEAR_MESSAGES))
+def test_layer_messages_name_the_bug(bug):
+    fn, check_name, _ = buggy.BUGS[bug]
+    with pytest.raises(AssertionError, match=INT8_LINEAR_MESSAGES[bug]):
+        getattr(checks, check_name)(fn)
+
+
+def test_the_int8_bound_and_the_memory_check_are_tight_enough():
+    """The reference's largest error uses a fair part of the bound (so the bound is not vacuous), and its
+    forward holds well under the half float weight the memory check allows."""
+    from decodelab.lessons.tiled_attention import measure_module_memory
+    from decodelab.model.quantization import Int8Linear
+
+    linear = checks._linear(256, 1024, seed=3)
+    layer = Int8Linear.from_linear(linear)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        err = (layer(x).double() - (x.double() @ linear.weight.double().T + linear.bias.double())).abs()
+    bound = x.double().abs() @ (linear.weight.double().abs().amax(dim=1) / 127 / 2)[None, :].expand(256, -1)
+    assert 0.05 < float((err / bound).max()) <= 1
+    _, seen = measure_module_memory(layer, x[:4])
+    assert seen.peak_bytes <= 4 * 1024 * 256 / 3  # two blocks of 128 of the 1024 rows in float (the next made
+    # before the last is dropped), plus the output
+
+
+def _notebook_visible_tests():
+    from notebooks import graded_cells, read, solution_path, visible_part
+
+    nb = read(solution_path("06_quantization"))
+    setup = next(c.source for c in nb.cells if c.cell_type == "code")
+    return setup, {gid: visible_part(cell.source) for gid, cell in graded_cells(nb).items()}
+
+
+@pytest.mark.parametrize("bug", sorted(bug for bug, (_, check, _) in buggy.BUGS.items()
+                                       if check in ("check_int8_linear", "check_replace_linears")))
+def test_the_notebooks_visible_tests_catch_each_layer_bug(bug):
+    """Not only one bug per exercise (tests/test_notebooks.py): every kept bug of the int8 layer and of
+    replace_linears fails the visible tests a learner runs, with an AssertionError."""
+    import contextlib
+    import io
+
+    fn, check_name, _ = buggy.BUGS[bug]
+    function = "Int8Linear" if check_name == "check_int8_linear" else "replace_linears"
+    setup, visible = _notebook_visible_tests()
+    for candidate, should_fail in ((_reference(function), False), (fn, True)):
+        namespace = {"__name__": "__visible_test__"}
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(setup, "<setup cell>", "exec"), namespace)  # noqa: S102 - our own notebook
+            namespace[function] = candidate
+            try:
+                exec(compile(visible[f"test_{function}"], f"<test_{function}>", "exec"), namespace)  # noqa: S102
+            except AssertionError:
+                assert should_fail, f"the visible tests of {function} fail on the library's reference"
+                continue
+        assert not should_fail, f"the visible tests of {function} pass on {bug}"
 
 
 def test_hidden_runner_reports_the_message():
     """What the learner sees: the check's message through autograder.run.hidden, no traceback."""
     from autograder.run import HiddenTestFailed, hidden
 
-    hidden("quantization.check_pack_int4", _reference("pack_int4"))
-    with pytest.raises(HiddenTestFailed, match="hidden test failed: .*unpack_int4 of the byte"):
-        hidden("quantization.check_unpack_int4", buggy.unpack_int4_high_first)
+    hidden("quantization.check_replace_linears", _reference("replace_linears"))
+    with pytest.raises(HiddenTestFailed, match="hidden test failed: .*the lm_head was replaced too"):
+        hidden("quantization.check_replace_linears", buggy.replace_linears_lm_head_too)

@@ -1,22 +1,37 @@
-"""Checks for notebook 06, `decodelab.model.quantization`: absmax int8 (per tensor, per channel), int4 nibble
-packing, group-wise int4.
+"""Checks for notebook 06, `decodelab.model.quantization`: absmax int8 (per tensor, per channel), group-wise
+int4 packed two levels per byte, the int8 linear layer that dequantizes inside the matmul (`Int8Linear`), and
+the swap of a model's linear layers (`replace_linears`).
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in the notebook's hidden-test cells) and
 either returns None or raises ``AssertionError`` whose message gives the input, the expected
 and the actual result.
 
-Expected values come from plain-torch formulas written here (in float64 where it matters),
-never from `decodelab.model.quantization`. Nibble layouts are checked byte by byte against all 256 pairs of
-4-bit values.
+Expected values of the quantizers come from plain-torch formulas written here (in float64 where it
+matters), never from `decodelab.model.quantization`. The nibble layout is checked byte by byte on all 225
+pairs of levels -7..7 that quantize_int4_groupwise packs. The int8 layer is checked against the float
+layer within its bound (formulas here) and, as the task asks, against the library's `QuantizedLinear`
+(the same levels and scales) and its int8 `quantize_model` / `LLM(quantization="int8")`.
 
 Error bound, derived: round-to-nearest puts x / s within 1/2 of its level q, so |x - q s| <= s / 2
 in exact arithmetic. In float32, x / s and q * s each add a relative rounding error of at most
 eps / 2 (eps = 2^-23), so the checks allow s / 2 + 2 eps max|x|.
+
+The int8 layer's bound, derived the same way: output o is sum_i x_i W_oi in float and
+sum_i x_i q_oi s_o from the levels, so |y_o - y_float_o| = |sum_i x_i (W_oi - q_oi s_o)|
+<= s_o / 2 * sum_i |x_i|, with s_o = max_i |W_oi| / 127 taken from the float weight (not from the
+layer under test). Float32 sums of n products add at most n eps sum_i |x_i W_oi| (the worst case of
+recursive summation), which the check allows on top. Memory is measured with
+`decodelab.lessons.tiled_attention.measure_module_memory` (`measure_tensor_memory`, the layer's own
+buffers counted as already there): the forward may not hold half a float copy of the weight.
 """
 from __future__ import annotations
 
+import copy
+import functools
+
 import torch
+from torch import nn
 
 from autograder.checks.calling import call, expect_raises
 
@@ -24,26 +39,20 @@ from autograder.checks.calling import call, expect_raises
 REFERENCES = {
     "quantize_int8_per_tensor": "decodelab.model.quantization:quantize_int8_per_tensor",
     "quantize_int8_per_channel": "decodelab.model.quantization:quantize_int8_per_channel",
-    "pack_int4": "decodelab.model.quantization:pack_int4",
-    "unpack_int4": "decodelab.model.quantization:unpack_int4",
     "quantize_int4_groupwise": "decodelab.model.quantization:quantize_int4_groupwise",
+    "Int8Linear": "decodelab.model.quantization:Int8Linear",
+    "replace_linears": "decodelab.model.quantization:replace_linears",
 }
 
 __all__ = [
     "check_quantize_int8_per_tensor",
     "check_quantize_int8_per_channel",
-    "check_pack_int4",
-    "check_unpack_int4",
     "check_quantize_int4_groupwise",
+    "check_int8_linear",
+    "check_replace_linears",
 ]
 
 EPS = torch.finfo(torch.float32).eps
-
-# All 256 pairs (even column, odd column) of 4-bit values and their documented byte:
-# the even column in bits 0-3, the odd column in bits 4-7, each as 4-bit two's complement.
-ALL_PAIRS = torch.cartesian_prod(torch.arange(-8, 8), torch.arange(-8, 8)).to(torch.int8)  # [256, 2]
-ALL_PAIR_BYTES = torch.tensor([[(a % 16) | ((b % 16) << 4)] for a, b in ALL_PAIRS.tolist()], dtype=torch.uint8)
-
 
 def _weights(out_features: int, in_features: int, seed: int) -> torch.Tensor:
     """Rows of very different magnitude (1e-3 .. 10), with a few large entries of either sign."""
@@ -52,6 +61,12 @@ def _weights(out_features: int, in_features: int, seed: int) -> torch.Tensor:
     w[-1, 3] = 1.5 * float(w.abs().max())  # the largest |w| is positive: 127 (or 7) must not wrap around
     w[0, 1] = -2.0 * float(w[0].abs().max())  # a row whose extreme is negative
     return w
+
+
+def _ref_bytes_from_levels(levels: torch.Tensor) -> torch.Tensor:
+    """Documented layout, encoded here: column 2j in bits 0-3 of byte j, 2j + 1 in bits 4-7."""
+    nibbles = levels.long() % 16  # 4-bit two's complement: -1 -> 15
+    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).to(torch.uint8)
 
 
 def _ref_levels_from_bytes(packed: torch.Tensor) -> torch.Tensor:
@@ -138,57 +153,35 @@ def check_quantize_int8_per_channel(fn) -> None:
                   torch.zeros(2, 3, 4))
 
 
-# --------------------------------------------------------------------------- int4 packing
-
-
-def check_pack_int4(fn) -> None:
-    example = torch.tensor([[-1, 7, -8, 0]], dtype=torch.int8)
-    got = call("pack_int4([[-1, 7, -8, 0]])", fn, example.clone())
-    assert isinstance(got, torch.Tensor) and got.dtype == torch.uint8, \
-        f"pack_int4 must return uint8 bytes, got {getattr(got, 'dtype', type(got).__name__)}"
-    expected = torch.tensor([[0x7F, 0x08]], dtype=torch.uint8)
-    assert torch.equal(got, expected), (
-        f"pack_int4([[-1, 7, -8, 0]]) should give bytes [0x7f, 0x08] (even column in the low nibble, -1 as 0xF), "
-        f"got {[hex(b) for b in got.flatten().tolist()]}")
-    got = call("pack_int4 of all 256 pairs of 4-bit values, int8 [256, 2]", fn, ALL_PAIRS.clone())
-    assert tuple(got.shape) == (256, 1), f"pack_int4 of int8 [256, 2] should be uint8 [256, 1], got {tuple(got.shape)}"
-    bad = (got != ALL_PAIR_BYTES).flatten().nonzero().flatten()
-    assert bad.numel() == 0, (f"pack_int4 of the pair {ALL_PAIRS[bad[0]].tolist()} gave {hex(int(got[bad[0]]))}, "
-                              f"expected {hex(int(ALL_PAIR_BYTES[bad[0]]))}")
-    g = torch.Generator().manual_seed(4)
-    q = torch.randint(-8, 8, (2, 3, 10), generator=g, dtype=torch.int8)
-    got = call("pack_int4 of int8 [2, 3, 10]", fn, q.clone())
-    assert tuple(got.shape) == (2, 3, 5) and torch.equal(_ref_levels_from_bytes(got), q.long()), \
-        f"pack_int4 of int8 [2, 3, 10] should pack along the last dimension into uint8 [2, 3, 5]; " \
-        f"got {tuple(got.shape)}"
-    expect_raises("pack_int4 on 3 columns (odd)", ValueError, "two columns share a byte", fn,
-                  torch.zeros(2, 3, dtype=torch.int8))
-
-
-def check_unpack_int4(fn) -> None:
-    got = call("unpack_int4 of all 256 bytes, uint8 [256, 1]", fn, ALL_PAIR_BYTES.clone())
-    assert isinstance(got, torch.Tensor) and got.dtype == torch.int8 and tuple(got.shape) == (256, 2), \
-        f"unpack_int4 of uint8 [256, 1] should be int8 [256, 2], got {getattr(got, 'dtype', None)} " \
-        f"{tuple(getattr(got, 'shape', ()))}"
-    bad = (got != ALL_PAIRS).any(dim=1).nonzero().flatten()
-    assert bad.numel() == 0, (
-        f"unpack_int4 of the byte {hex(int(ALL_PAIR_BYTES[bad[0]]))} gave {got[bad[0]].tolist()}, expected "
-        f"{ALL_PAIRS[bad[0]].tolist()} (low nibble first; a nibble >= 8 is negative: 0xF is -1)")
-    packed = torch.tensor([[0x7F, 0x08, 0x80]], dtype=torch.uint8)
-    got = call("unpack_int4(bytes [[0x7f, 0x08, 0x80]])", fn, packed)
-    assert got.tolist() == [[-1, 7, -8, 0, 0, -8]], \
-        f"unpack_int4(bytes [[0x7f, 0x08, 0x80]]) should be [[-1, 7, -8, 0, 0, -8]], got {got.tolist()}"
-    g = torch.Generator().manual_seed(5)
-    packed = torch.randint(0, 256, (3, 2, 7), generator=g).to(torch.uint8)
-    got = call("unpack_int4 of uint8 [3, 2, 7]", fn, packed)
-    assert tuple(got.shape) == (3, 2, 14) and torch.equal(got.long(), _ref_levels_from_bytes(packed)), \
-        f"unpack_int4 of uint8 [3, 2, 7] should unpack the last dimension into int8 [3, 2, 14], got {tuple(got.shape)}"
-
-
 # --------------------------------------------------------------------------- int4 groups
 
 
+# Every pair of levels -7..7 (225 pairs), 15 to a group of 32 values behind a pair (7, -7) that fixes the
+# group's scale at 0.7 / 7: w = levels / 10, one row of 15 groups. Its packed bytes are known exactly.
+_PAIRS = torch.cartesian_prod(torch.arange(-7, 8), torch.arange(-7, 8)).reshape(15, 15, 2)  # [group, pair, 2]
+PACKING_LEVELS = torch.cat([torch.tensor([7, -7]).expand(15, 1, 2), _PAIRS], dim=1).reshape(1, 480).to(torch.int8)
+
+
+def _check_packing(fn) -> None:
+    """The bytes of w = PACKING_LEVELS / 10, group_size 32: the layout, pair by pair."""
+    what = "quantize_int4_groupwise(w [1, 480] = every pair of levels -7..7 / 10, group_size=32)"
+    packed, _ = _pair(call(what, fn, PACKING_LEVELS.float() / 10, 32), what)
+    assert isinstance(packed, torch.Tensor) and packed.dtype == torch.uint8 and tuple(packed.shape) == (1, 240), (
+        f"{what}: expected packed uint8 [1, 240] (two levels per byte), got "
+        f"{getattr(packed, 'dtype', type(packed).__name__)} {tuple(getattr(packed, 'shape', ()))}")
+    expected = _ref_bytes_from_levels(PACKING_LEVELS)
+    bad = (packed != expected).flatten().nonzero().flatten()
+    if bad.numel():
+        j = int(bad[0])
+        a, b = PACKING_LEVELS[0, 2 * j].item(), PACKING_LEVELS[0, 2 * j + 1].item()
+        raise AssertionError(
+            f"{what}: the levels ({a}, {b}) of columns {2 * j} and {2 * j + 1} packed to {hex(int(packed[0, j]))}, "
+            f"expected {hex(int(expected[0, j]))}: the even column goes in the low nibble (bits 0-3), the odd one in "
+            f"the high nibble, each as its 4-bit two's complement (mask with & 0xF: -1 -> 0xF, -7 -> 0x9)")
+
+
 def check_quantize_int4_groupwise(fn) -> None:
+    _check_packing(fn)
     w = _weights(6, 256, seed=2)
     for group_size in (32, 64, 128):
         for sign in (1, -1):
@@ -209,3 +202,292 @@ def check_quantize_int4_groupwise(fn) -> None:
         f"all-zero w [2, 64], group_size=32: expected levels 0 and every scale 1.0, got scale {scale.tolist()}"
     expect_raises("quantize_int4_groupwise(w [4, 96], group_size=64)", ValueError, "64 does not divide 96", fn,
                   torch.zeros(4, 96), 64)
+
+
+# --------------------------------------------------------------------------- the int8 linear layer
+
+MiB = 2**20
+# The greedy runs on `tiny` through the engine: prompts whose greedy path keeps a top-2 logit margin of
+# more than 0.01 at every step (float32 rounding between correct layers is ~1e-5 there).
+ENGINE_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef "]
+ENGINE_TOKENS = 8
+
+
+def _linear(in_features: int, out_features: int, seed: int, bias: bool = True) -> nn.Linear:
+    """An nn.Linear with rows of very different magnitude (`_weights`) and a bias of order 1."""
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(_weights(out_features, in_features, seed))
+        if bias:
+            linear.bias.copy_(torch.randn(out_features, generator=torch.Generator().manual_seed(seed + 1)))
+    return linear.requires_grad_(False)
+
+
+def _own_tensors(layer) -> list[torch.Tensor]:
+    return [t for t in (*layer.parameters(), *layer.buffers(), *vars(layer).values()) if isinstance(t, torch.Tensor)]
+
+
+def _check_init(cls, name: str) -> None:
+    """cls(weight_q, weight_scale, bias) keeps the three tensors as buffers (so that model.to(device) moves
+    them) and the shape as out_features, in_features."""
+    g = torch.Generator().manual_seed(12)
+    q = torch.randint(-127, 128, (8, 16), generator=g, dtype=torch.int8)
+    scale, bias = torch.rand(8, 1, generator=g) + 0.01, torch.randn(8, generator=g)
+    for b in (bias, None):
+        what = f"{name}(weight_q int8 [8, 16], weight_scale [8, 1], bias {'[8]' if b is not None else 'None'})"
+        layer = call(what, cls, q, scale, b)
+        buffers = dict(layer.named_buffers()) if isinstance(layer, nn.Module) else {}
+        missing = [n for n, t in (("weight_q", q), ("weight_scale", scale), ("bias", b))
+                   if t is not None and not (n in buffers and torch.equal(buffers[n], t))]
+        assert not missing, (f"{what}: {missing} should be the layer's buffers, holding the tensors given "
+                             f"(self.register_buffer(name, tensor)); its buffers are {sorted(buffers)}")
+        assert getattr(layer, "bias", "missing") is None or b is not None, f"{what}: expected bias None"
+        assert (getattr(layer, "out_features", None), getattr(layer, "in_features", None)) == (8, 16), (
+            f"{what}: expected out_features 8 and in_features 16 (weight_q's shape), got "
+            f"{getattr(layer, 'out_features', None)} and {getattr(layer, 'in_features', None)}")
+
+
+def _check_stored(cls, linear: nn.Linear, name: str):
+    """from_linear: int8 levels [out, in] and float32 scales [out, 1] on the absmax grid of each output row,
+    the bias as it was, and nothing else of the float weight kept. Returns the layer."""
+    out_features, in_features = linear.weight.shape
+    layer = call(f"{name}.from_linear(nn.Linear({in_features}, {out_features}))", lambda: cls.from_linear(linear))
+    for attr in ("weight_q", "weight_scale", "bias"):
+        assert hasattr(layer, attr), f"{name}.from_linear(...) returned a layer without .{attr}: store it in __init__"
+    q, scale = layer.weight_q, layer.weight_scale
+    assert isinstance(q, torch.Tensor) and q.dtype == torch.int8 and tuple(q.shape) == (out_features, in_features), (
+        f"{name}.weight_q: expected int8 levels [{out_features}, {in_features}] (one per weight), got "
+        f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+    assert isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and tuple(scale.shape) == (out_features, 1), (
+        f"{name}.weight_scale has shape {tuple(getattr(scale, 'shape', ()))} and dtype "
+        f"{getattr(scale, 'dtype', None)}, expected float32 {(out_features, 1)}: one scale per output row, "
+        f"max|W[o]| / 127 (a scale per input column cannot be applied to the output after the sum)")
+    w = linear.weight.detach()
+    _check_absmax(f"{name}.from_linear on W [{out_features}, {in_features}]", w, q, scale,
+                  w.double().abs().amax(dim=1, keepdim=True) / 127, 127)
+    if linear.bias is None:
+        assert layer.bias is None, f"{name}.from_linear(a linear without bias): expected bias None, got {layer.bias}"
+    else:
+        assert isinstance(layer.bias, torch.Tensor) and torch.equal(layer.bias.float(), linear.bias.float()), \
+            f"{name}.bias: expected the linear's bias, unchanged, got {layer.bias if layer.bias is None else 'other values'}"
+        assert layer.bias.data_ptr() != linear.bias.data_ptr(), \
+            f"{name}.bias shares memory with the float layer's bias: store a copy (.detach().clone())"
+    held = sum(t.nbytes for t in {t.data_ptr(): t for t in _own_tensors(layer)}.values())
+    want = out_features * in_features + 4 * out_features + (0 if linear.bias is None else linear.bias.nbytes)
+    assert held <= want, (
+        f"{name}.from_linear(nn.Linear({in_features}, {out_features})): the layer holds {held:,} bytes of tensors, "
+        f"expected {want:,}: int8 levels, {out_features * in_features:,} bytes (a quarter of float32's "
+        f"{4 * out_features * in_features:,}, half of float16's), plus 4 bytes of scale per row and the bias. "
+        f"Keep no float copy of the weight (nor the nn.Linear itself)")
+    assert getattr(layer, "nbytes", None) == out_features * in_features + 4 * out_features, (
+        f"{name}.nbytes: expected {out_features * in_features + 4 * out_features:,} (levels + scales), "
+        f"got {getattr(layer, 'nbytes', None)!r}")
+    return layer
+
+
+def _check_forward(layer, linear: nn.Linear, name: str) -> None:
+    """Against the float layer within the int8 bound, and against the library's QuantizedLinear."""
+    from decodelab.model.quantization import QuantizedLinear
+
+    out_features, in_features = linear.weight.shape
+    x = torch.randn(2, 3, in_features, generator=torch.Generator().manual_seed(7))
+    what = f"{name}(x [2, 3, {in_features}]), float32"
+    with torch.no_grad():
+        got = call(what, layer, x.clone())
+        want = QuantizedLinear.from_linear(linear, 8)(x)
+    assert isinstance(got, torch.Tensor) and tuple(got.shape) == (2, 3, out_features) and got.dtype == torch.float32, (
+        f"{what}: expected float32 [2, 3, {out_features}], got {getattr(got, 'dtype', type(got).__name__)} "
+        f"{tuple(getattr(got, 'shape', ()))}")
+    w, b = linear.weight.double(), (0 if linear.bias is None else linear.bias.double())
+    exact = x.double() @ w.T + b  # the float layer, in float64
+    scale = w.abs().amax(dim=1) / 127  # [out]: from the float weight, not from the layer under test
+    bound = x.double().abs() @ (scale / 2)[None, :].expand(in_features, -1).contiguous() \
+        + in_features * EPS * (x.double().abs() @ w.abs().T)  # [2, 3, out]
+    err = (got.double() - exact).abs()
+    if (err > bound).any():
+        i = tuple(int(j) for j in (err > bound).nonzero()[0])
+        o = i[-1]
+        if linear.bias is not None and torch.allclose(got + linear.bias, want, rtol=1e-4, atol=1e-4):
+            hint = " The output misses exactly the bias: add it after the scaled sum."
+        elif torch.allclose(got.double(), (want.double() - b) * scale + b, rtol=1e-3, atol=1e-6):
+            hint = " Each output was multiplied by its row's scale twice: once dequantizing the levels, once after."
+        else:
+            hint = " y[o] = (x @ weight_q[o]) * weight_scale[o] + bias[o]."
+        raise AssertionError(
+            f"{what}: output {o} at {i[:-1]} is {got[i].item():.6g}, the float layer gives {exact[i].item():.6g}; "
+            f"int8 weights move it by at most scale[o] / 2 * sum_i |x_i| = {bound[i].item():.4g}, it moved "
+            f"{err[i].item():.4g}.{hint}")
+    tol = 1e-5 * want.abs().max()
+    assert (got - want).abs().max() <= tol, (
+        f"{what}: differs from the library's QuantizedLinear (the same levels and scales, dequantized) by "
+        f"{(got - want).abs().max().item():.3g}, more than float32 rounding ({tol.item():.3g})")
+
+
+def _check_memory(layer, name: str) -> None:
+    from decodelab.lessons.tiled_attention import measure_module_memory
+
+    out_features, in_features = layer.weight_q.shape
+    x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(8))
+    what = f"{name}(x [4, {in_features}]) with weights [{out_features}, {in_features}]"
+    got, seen = call(what, measure_module_memory, layer, x)
+    weight_bytes = 4 * out_features * in_features
+    if seen.peak_bytes > weight_bytes // 2:
+        raise AssertionError(
+            f"{what}: the tensors the forward created took {seen.peak_bytes / MiB:.2f} MiB at once (largest "
+            f"{list(seen.largest_shape)}); a float32 copy of the weight is {weight_bytes / MiB:.2f} MiB and the "
+            f"forward may hold at most half of it. Convert the levels to x's dtype one block of "
+            f"{getattr(layer, 'block_rows', 128)} output rows at a time (weight_q[start:end].to(x.dtype)) and scale "
+            f"the output, instead of dequantizing (or converting) the whole weight_q")
+
+
+def _check_bfloat16(layer, linear: nn.Linear, name: str) -> None:
+    from decodelab.model.quantization import QuantizedLinear
+
+    in_features = linear.in_features
+    x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(9)).bfloat16()
+    what = f"{name}(x [5, {in_features}] in bfloat16)"
+    with torch.no_grad():
+        got = call(what, layer, x)
+        reference = QuantizedLinear.from_linear(linear, 8)
+        want = reference(x.float()).double()
+        magnitude = x.double().abs() @ reference.dequantized_weight().double().abs().T  # [5, out]
+        if linear.bias is not None:
+            magnitude = magnitude + linear.bias.double().abs()
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16, (
+        f"{what}: expected a bfloat16 result (x's dtype: the engine may run the model in bfloat16), got "
+        f"{getattr(got, 'dtype', type(got).__name__)}")
+    bound = 2**-7 * (magnitude + want.abs())  # a few bfloat16 roundings (2^-9 each) of the sum, scale and bias
+    err = (got.double() - want).abs()
+    if (err > bound).any():
+        i = tuple(int(j) for j in (err > bound).nonzero()[0])
+        raise AssertionError(f"{what}: output {i} is {got[i].item():.6g}, expected {want[i].item():.6g} within "
+                             f"bfloat16 rounding ({bound[i].item():.3g})")
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_float():
+    from decodelab.model.registry import load
+
+    return load("tiny", device="cpu", dtype="float32")
+
+
+def _check_models(cls, name: str) -> None:
+    """A random toy model and `tiny` through the engine: the learner's layers give the tokens of the
+    library's int8 quantization (quantize_model, LLM(quantization="int8"))."""
+    from decodelab.decoding.generate import stream_token_ids
+    from decodelab.engine.llm import LLM, EngineHooks
+    from decodelab.model.quantization import quantize_model
+    from decodelab.model.toy import random_llama
+    from decodelab.params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=ENGINE_TOKENS, ignore_eos=True)
+    toy = random_llama(21, weight_scale=2.0)
+    library, learner = quantize_model(copy.deepcopy(toy), bits=8), copy.deepcopy(toy)
+    what = f"quantize_model(toy model, bits=8, linear={name}.from_linear)"
+    call(what, lambda: quantize_model(learner, bits=8, linear=cls.from_linear))
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+    with torch.no_grad():
+        want, got = library(ids), call(f"the toy model with {name} layers, on 8 tokens", learner, ids)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (
+        f"{what}: its logits differ from the library's int8 model by {(got - want).abs().max().item():.3g} "
+        f"(logits up to {want.abs().max().item():.3g})")
+    want_tokens = list(stream_token_ids(library, [1, 2, 3], params))
+    got_tokens = call(f"greedy decoding with {name} layers", lambda: list(stream_token_ids(learner, [1, 2, 3], params)))
+    assert got_tokens == want_tokens, \
+        f"{what}: greedy tokens from [1, 2, 3] are {got_tokens}, the library's int8 model gives {want_tokens}"
+
+    float_model, tokenizer = _tiny_float()
+    prompts = [tokenizer.encode(p) for p in ENGINE_PROMPTS]
+    outputs = {}
+    for label, hooks in (("library", None), (name, EngineHooks(linear=lambda linear: cls.from_linear(linear)))):
+        engine_what = f"LLM(model=tiny, quantization='int8', hooks=EngineHooks(linear={name}.from_linear))"
+        llm = call(engine_what if hooks else "LLM(model=tiny, quantization='int8')", LLM,
+                   model=(copy.deepcopy(float_model), tokenizer), quantization="int8", hooks=hooks,
+                   kv_cache_memory=4 * MiB)
+        results = call(f"{engine_what}.generate", llm.generate, prompts, params, use_tqdm=False) \
+            if hooks else llm.generate(prompts, params, use_tqdm=False)
+        outputs[label] = [r.outputs[0].token_ids for r in results]
+    assert outputs[name] == outputs["library"], (
+        f"the engine on tiny with your {name} layers wrote the greedy tokens {outputs[name]}, "
+        f"LLM(quantization='int8') writes {outputs['library']} (prompts {ENGINE_PROMPTS})")
+
+
+def check_int8_linear(cls) -> None:
+    """Int8Linear: what __init__ keeps (buffers) and from_linear stores (int8 levels, a scale per output row, the bias; a quarter of
+    float32's bytes), the forward within the int8 bound of the float layer and equal to the library's
+    QuantizedLinear, without a float copy of the weight, in x's dtype; and whole models with it."""
+    name = getattr(cls, "__name__", "Int8Linear")
+    _check_init(cls, name)
+    for bias in (True, False):
+        linear = _linear(256, 1024, seed=11 + bias, bias=bias)
+        layer = _check_stored(cls, linear, name)
+        _check_forward(layer, linear, name)
+        _check_bfloat16(layer, linear, name)
+    _check_memory(layer, name)
+    _check_models(cls, name)
+
+
+# --------------------------------------------------------------------------- replace_linears
+
+
+class _Marked(nn.Module):
+    """What the check's factory returns: remembers the linear it replaced and computes as it."""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.original = linear
+
+    def forward(self, x):
+        return self.original(x)
+
+
+def check_replace_linears(fn) -> None:
+    """Every nn.Linear inside model.model.layers goes through make_linear once and its result takes
+    the linear's place; the embedding and lm_head (tied or not) stay; the model is returned."""
+    from decodelab.model.quantization import Int8Linear, quantize_model
+    from decodelab.model.toy import random_llama
+
+    for tied in (True, False):
+        model = random_llama(5, tie_word_embeddings=tied)
+        case = f"replace_linears(toy model with {model.config.num_hidden_layers} layers, " \
+               f"{'tied' if tied else 'untied'} lm_head, make_linear)"
+        before = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        inside = {name: m for name, m in before.items() if name.startswith("model.layers.")}
+        embedding, lm_head = model.model.embed_tokens, model.lm_head
+        ids = torch.tensor([[1, 5, 9, 2]])
+        with torch.no_grad():
+            want = model(ids)
+        seen = []
+
+        def make_linear(linear):
+            seen.append(linear)
+            return _Marked(linear)
+
+        result = call(case, fn, model, make_linear)
+        assert result is model, f"{case}: should return the model it changed in place, got {type(result).__name__}"
+        assert model.lm_head is lm_head and isinstance(lm_head, nn.Linear) and not any(m is lm_head for m in seen), (
+            f"{case}: the lm_head was replaced too; only the linears inside model.model.layers are quantized "
+            f"(the lm_head{' shares its matrix with the embedding and' if tied else ''} sets every logit, so it stays "
+            f"float, as quant.quantize_model keeps it)")
+        assert model.model.embed_tokens is embedding, f"{case}: the embedding was replaced; it must stay"
+        if tied:
+            assert model.lm_head.weight is model.model.embed_tokens.weight, f"{case}: the lm_head is no longer tied"
+        assert len(seen) == len({id(m) for m in seen}) == len(inside), (
+            f"{case}: make_linear was called {len(seen)} times on {len({id(m) for m in seen})} different layers; "
+            f"expected once for each of the {len(inside)} linears inside the layers")
+        for name, linear in inside.items():
+            now = model.get_submodule(name)
+            assert isinstance(now, _Marked) and now.original is linear, (
+                f"{case}: at {name} expected make_linear(the linear that was there), got "
+                f"{type(now).__name__}{' of another linear' if isinstance(now, _Marked) else ''}; "
+                f"setattr the result on the linear's parent module, under the same attribute name")
+        with torch.no_grad():
+            got = call(f"the model after {case}", model, ids)
+        assert torch.equal(got, want), f"{case}: with factories that compute as the linears do, the logits changed"
+    model = random_llama(6, tie_word_embeddings=True)
+    library = quantize_model(copy.deepcopy(model), bits=8, linear=Int8Linear.from_linear)
+    call("replace_linears(toy model, Int8Linear.from_linear)", fn, model, Int8Linear.from_linear)
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    with torch.no_grad():
+        assert torch.equal(model(ids), library(ids)), \
+            "replace_linears(toy model, Int8Linear.from_linear): its logits differ from quant.quantize_model's"

@@ -51,6 +51,7 @@ class EngineArgs:
     prepack_weights: None packs the linear layers where it helps (CPU, bfloat16), True always,
         False never (`decodelab.model.packed_linear`).
     hooks: an `EngineHooks` swapping a learner's function in for one stage; None: the library's.
+        Its `linear` factory builds the quantized layers, so it needs `quantization` set.
     """
 
     model: Any = "smollm2"
@@ -73,6 +74,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+        if getattr(self.hooks, "linear", None) is not None and self.quantization is None:
+            raise ValueError("EngineHooks(linear=...) builds the quantized linear layers, so it needs "
+                             "quantization='int8' (or 'int4') as well")
         # Only a speculating engine uses k, so only then is a bad one an error (as before EngineArgs).
         if self.speculative_model is not None and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")

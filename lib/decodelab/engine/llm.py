@@ -21,6 +21,8 @@ Hooks — swap a learner's function in for one stage (each notebook's closing ce
     allocator(num_blocks, block_size, enable_prefix_caching) -> a BlockAllocator-like object
     scheduler(allocator, max_num_seqs, max_num_batched_tokens) -> a Scheduler-like object
     step(engine) -> list[StreamEvent]                     one iteration of the loop (`engine_step`)
+    linear(nn.Linear) -> a quantized layer                 each decoder-layer linear, with quantization set
+        llm = LLM(model="smollm2", quantization="int8", hooks=EngineHooks(linear=Int8Linear.from_linear))
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class EngineHooks:
     allocator: Callable = BlockAllocator
     scheduler: Callable = Scheduler
     step: Callable | None = None  # None: engine_step
+    linear: Callable | None = None  # None: the library's QuantizedLinear (used only with quantization)
 
 
 def kv_blocks_for_memory(config, memory_bytes: int, block_size: int, dtype=torch.float32) -> int:
@@ -172,7 +175,8 @@ class LLM:
         model, tokenizer = load(args.model, device=args.device, dtype=args.dtype) if args.loads_model else args.model
         if args.quantization is not None:
             from decodelab.model.quantization import quantize_model
-            quantize_model(model, bits=8 if args.quantization == "int8" else 4)
+            linear = getattr(args.hooks, "linear", None)  # None: the library's QuantizedLinear
+            quantize_model(model, bits=8 if args.quantization == "int8" else 4, linear=linear)
         # prepack_weights: None packs where it helps (CPU, bfloat16); True insists; False never
         if args.prepack_weights or (args.prepack_weights is None and can_prepack(model.device, model.dtype)):
             if args.loads_model:  # nobody else holds this model: pack it in place

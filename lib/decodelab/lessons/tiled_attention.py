@@ -193,5 +193,13 @@ def measure_tensor_memory(fn, *args, **kwargs) -> tuple[object, TensorMemory]:
     return result, record
 
 
+def measure_module_memory(module: torch.nn.Module, *args) -> tuple[object, TensorMemory]:
+    """`measure_tensor_memory` of module(*args), with the module's own tensors (parameters,
+    buffers, tensor attributes) counted as there before the call, like its inputs: a slice of a
+    stored weight is a view of it, not new memory; a converted or dequantized copy is."""
+    own = [t for t in (*module.parameters(), *module.buffers(), *vars(module).values()) if isinstance(t, torch.Tensor)]
+    return measure_tensor_memory(lambda *inputs: module(*inputs[:len(args)]), *args, *own)
+
+
 __all__ = ["online_softmax_update", "tiled_attention", "attention_memory_bytes", "measure_tensor_memory",
-           "TensorMemory"]
+           "measure_module_memory", "TensorMemory"]

@@ -15,7 +15,14 @@ as q * s. Rounding to the nearest level bounds the error of every value by s / 2
 A block that is all zero gets scale 1.0 (not 0), so q = 0 and no division by zero.
 `QuantizedLinear` dequantizes its whole weight on every call and then runs F.linear: simple
 and exact, but on a CPU slower than float32 (the bytes saved are spent again as a float
-copy). Real engines fuse dequantization into the matmul kernel instead.
+copy). Real engines fuse dequantization into the matmul kernel instead. `Int8Linear` (notebook
+06's exercise) goes that way for int8: it applies each output row's scale to the output, after
+the sum, and converts the levels to float a block of rows at a time, so that no float copy of
+the whole weight is ever held.
+
+`quantize_model` swaps the decoder layers' nn.Linear for quantized layers through
+`replace_linears(model, make_linear)`; `make_linear` may be any factory (the engine's
+`EngineHooks(linear=...)` passes one in), the library's default builds `QuantizedLinear`s.
 """
 from __future__ import annotations
 
@@ -202,6 +209,82 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}{group}"
 
 
+class Int8Linear(nn.Module):
+    """An int8 nn.Linear that dequantizes inside the matmul: the weight never exists in float.
+
+    weight_q int8 [out, in] and weight_scale float32 [out, 1] (one scale per output row, as
+    `quantize_int8_per_channel` returns them) and the bias (float [out] or None): buffers.
+    forward(x [..., in]) -> [..., out] in x's dtype:
+
+        y[..., o] = (sum_i x[..., i] * weight_q[o, i]) * weight_scale[o] + bias[o]
+
+    Legal because row o's scale is the same for every input i: sum_i x_i (q_oi s_o) =
+    s_o sum_i x_i q_oi, so the scale multiplies the output (one multiply per output instead of
+    one per weight). The levels are converted to x's dtype `block_rows` output rows at a time,
+    so the largest float weight the forward holds is [block_rows, in], not [out, in] (a GPU
+    kernel does the same per tile, in registers). The rounding error of the weights moves
+    output o by at most weight_scale[o] / 2 * sum_i |x_i|.
+    """
+
+    block_rows = 128  # output rows whose levels are in float at one time
+
+    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight_q.shape
+        self.register_buffer("weight_q", weight_q)
+        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        """Quantize an nn.Linear's weight per output row (`quantize_int8_per_channel`); the
+        bias, if any, stays float (a copy)."""
+        q, scale = quantize_int8_per_channel(linear.weight.detach())
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, scale, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [N, in]
+        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)  # [N, out]
+        scale = self.weight_scale.to(x.dtype).T  # [1, out]
+        for start in range(0, self.out_features, self.block_rows):
+            block = slice(start, start + self.block_rows)
+            levels = self.weight_q[block].to(x.dtype)  # [b, in]: the only float weights held
+            out[:, block] = (rows @ levels.T) * scale[:, block]  # [N, b], scaled per output row
+        if self.bias is not None:
+            out += self.bias.to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight [out, in] this layer stands for (for measurements, never in forward)."""
+        return dequantize_int8(self.weight_q, self.weight_scale)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the int8 weight plus its scales (the bias is not counted)."""
+        return self.weight_q.nbytes + self.weight_scale.nbytes
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8, scale on the output"
+
+
+def replace_linears(model, make_linear):
+    """Replace every nn.Linear inside the decoder layers (model.model.layers) by
+    make_linear(that linear), in place; returns the model.
+
+    Only the layers: the embedding and the lm_head (in SmolLM2 and `tiny` one tied matrix) stay
+    as they are, as `quantize_model` keeps them. Every linear is passed to make_linear once, and
+    its result goes where the linear was (`layers[0].self_attn.q_proj` stays at that name).
+    """
+    for layer in model.model.layers:
+        for name, module in list(layer.named_modules()):  # a list: the loop changes the modules
+            if isinstance(module, nn.Linear):
+                parent_name, _, attr = name.rpartition(".")
+                parent = layer.get_submodule(parent_name) if parent_name else layer
+                setattr(parent, attr, make_linear(module))
+    return model
+
+
 def _skipped(name: str, skip) -> bool:
     return any(name == s or name.endswith("." + s) for s in skip)
 
@@ -216,12 +299,16 @@ def fallback_group_size(in_features: int, group_size: int) -> int:
     raise ValueError(f"in_features {in_features} is divisible by none of the group sizes {GROUP_SIZES}")
 
 
-def quantize_model(model, bits: int = 8, group_size: int = 64, skip=("lm_head",)):
+def quantize_model(model, bits: int = 8, group_size: int = 64, skip=("lm_head",), linear=None):
     """Replace every nn.Linear inside the decoder layers by a QuantizedLinear, in place.
 
     skip: names that stay float; an entry matches a layer's attribute name ("down_proj")
     or the end of its dotted name ("mlp.down_proj"). For bits=4, a layer whose in_features
     `group_size` does not divide uses `fallback_group_size` (SmolLM2's 576 inputs with 128).
+    linear: None, or a factory linear(nn.Linear) -> layer that builds each quantized layer
+    instead of `QuantizedLinear.from_linear` (the engine's `EngineHooks(linear=...)`, e.g. a
+    learner's `Int8Linear.from_linear`); bits and group_size then only pick the default.
+    The swap itself is `replace_linears`.
 
     The embedding and the lm_head stay float: in SmolLM2 and `tiny` they are one tied
     matrix (a fifth of SmolLM2's parameters) used both as a lookup table and as the last
@@ -233,15 +320,15 @@ def quantize_model(model, bits: int = 8, group_size: int = 64, skip=("lm_head",)
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
     if bits == 4:
         check_group_size(None, group_size)
-    for i, layer in enumerate(model.model.layers):
-        for name, module in list(layer.named_modules()):
-            if not isinstance(module, nn.Linear) or _skipped(f"model.layers.{i}.{name}", skip):
-                continue
-            size = fallback_group_size(module.in_features, group_size) if bits == 4 else None
-            parent_name, _, attr = name.rpartition(".")
-            parent = layer.get_submodule(parent_name) if parent_name else layer
-            setattr(parent, attr, QuantizedLinear.from_linear(module, bits, size))
-    return model
+
+    def library_layer(module: nn.Linear) -> QuantizedLinear:
+        size = fallback_group_size(module.in_features, group_size) if bits == 4 else None
+        return QuantizedLinear.from_linear(module, bits, size)
+
+    make = linear or library_layer
+    kept = {id(module) for i, layer in enumerate(model.model.layers) for name, module in layer.named_modules()
+            if _skipped(f"model.layers.{i}.{name}", skip)}
+    return replace_linears(model, lambda module: module if id(module) in kept else make(module))
 
 
 # --------------------------------------------------------------------------- KV cache
@@ -314,6 +401,6 @@ class QuantizedKVCache(KVCache):
 __all__ = [
     "quantize_int8_per_tensor", "quantize_int8_per_channel", "dequantize_int8",
     "pack_int4", "unpack_int4", "quantize_int4_groupwise", "dequantize_int4",
-    "QuantizedLinear", "quantize_model", "QuantizedKVCache",
+    "QuantizedLinear", "Int8Linear", "replace_linears", "quantize_model", "QuantizedKVCache",
     "GROUP_SIZES", "KV_DTYPES",
 ]

@@ -4,7 +4,9 @@ KV-cache dtypes, and multiply with a few outlier columns kept in float (LLM.int8
 
 The functions to use are passed in as a dict (the learner's own, or the library's reference
 while an exercise is unfinished); `using` puts them inside `decodelab.model.quantization` for the length of a
-`with` block, so `quantize_model`, `QuantizedLinear` and `dequantize_int4` run the learner's code.
+`with` block, so `quantize_model` (through `replace_linears`), `QuantizedLinear` and `dequantize_int4` run
+the learner's code. A quantized layer is anything with `dequantized_weight()` and `nbytes`
+(`QuantizedLinear`, `Int8Linear`, the learner's own `Int8Linear`).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from decodelab.lessons.perplexity import perplexity
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR
 from decodelab.course.widgets.controls import SLIDER, finish_explorer
 
-QUANT_FUNCTIONS = ("quantize_int8_per_channel", "quantize_int4_groupwise", "pack_int4", "unpack_int4")
+QUANT_FUNCTIONS = ("quantize_int8_per_channel", "quantize_int4_groupwise", "pack_int4", "unpack_int4",
+                   "replace_linears")
 
 
 @contextlib.contextmanager
@@ -42,21 +45,20 @@ def using(fns: dict | None):
             setattr(quant, name, fn)
 
 
+def _is_quantized(module: nn.Module) -> bool:
+    return hasattr(module, "dequantized_weight") and hasattr(module, "weight_q")
+
+
 def _linears(model) -> dict[str, nn.Module]:
-    return {name: m for name, m in model.model.layers.named_modules()
-            if isinstance(m, (nn.Linear, quant.QuantizedLinear))}
+    return {name: m for name, m in model.model.layers.named_modules() if isinstance(m, nn.Linear) or _is_quantized(m)}
 
 
 @contextlib.contextmanager
-def quantized(model, bits: int | None, group_size: int = 64, fns: dict | None = None):
-    """The model with its decoder-layer linears quantized (bits 8 or 4; None: unchanged) by
-    `quant.quantize_model` running fns, for the block; the float layers come back afterwards
-    (cheaper than a deep copy of the model)."""
+def restoring(model):
+    """For the block, anything may replace the decoder layers' linears (`quantize_model`, an engine
+    built with quantization on this model); afterwards the layers there before come back."""
     originals = _linears(model)
     try:
-        if bits is not None:
-            with using(fns):
-                quant.quantize_model(model, bits=bits, group_size=group_size)
         yield model
     finally:
         for name, module in originals.items():
@@ -64,10 +66,51 @@ def quantized(model, bits: int | None, group_size: int = 64, fns: dict | None = 
             setattr(model.model.layers.get_submodule(parent), attr, module)
 
 
+@contextlib.contextmanager
+def quantized(model, bits: int | None, group_size: int = 64, fns: dict | None = None):
+    """The model with its decoder-layer linears quantized (bits 8 or 4; None: unchanged) by
+    `quant.quantize_model` running fns, for the block; the float layers come back afterwards
+    (cheaper than a deep copy of the model). fns["Int8Linear"], if given, is the int8 layer class."""
+    linear_class = (fns or {}).get("Int8Linear") if bits == 8 else None
+    with restoring(model):
+        if bits is not None:
+            with using(fns):
+                quant.quantize_model(model, bits=bits, group_size=group_size,
+                                     linear=linear_class.from_linear if linear_class is not None else None)
+        yield model
+
+
+def probe_model():
+    """A random two-layer Llama (`decodelab.model.toy`), for probing a learner's function on."""
+    from decodelab.model.toy import random_llama
+
+    with torch.random.fork_rng(devices=[]):  # random_llama seeds torch; the notebook's random state stays
+        return random_llama(0)
+
+
+def int8_linear_or_reference(learner_class):
+    """The learner's Int8Linear class if one built from a small nn.Linear computes that layer's
+    output within the int8 bound in a forward, else `quant.Int8Linear`, with
+    `course.use_or_reference`'s notice on stdout."""
+    from decodelab import course
+
+    def probe():
+        with torch.random.fork_rng(devices=[]), torch.no_grad():  # the notebook's random state stays as it was
+            torch.manual_seed(0)
+            linear = nn.Linear(16, 8)
+            x = torch.randn(3, 16)
+            y, exact = learner_class.from_linear(linear)(x), linear(x)
+        bound = x.abs().sum(-1, keepdim=True) * (linear.weight.abs().amax(dim=1) / 127 / 2) + 1e-5
+        if y.shape != exact.shape or not bool(((y - exact).abs() <= bound).all()):
+            raise AssertionError("its output is not within the int8 bound of nn.Linear(16, 8)'s")
+
+    chosen = course.use_or_reference(probe, quant.Int8Linear, name=getattr(learner_class, "__name__", "Int8Linear"))
+    return learner_class if chosen is probe else quant.Int8Linear
+
+
 def linear_bytes(model) -> int:
     """Bytes of the decoder-layer linears' weights (quantized: levels + scales)."""
-    return sum(m.nbytes if isinstance(m, quant.QuantizedLinear) else m.weight.nbytes
-               for m in _linears(model).values())
+    return sum(m.nbytes if _is_quantized(m) else m.weight.nbytes for m in _linears(model).values())
 
 
 def relative_weight_error(model, float_weights: dict[str, torch.Tensor]) -> float:
@@ -75,7 +118,7 @@ def relative_weight_error(model, float_weights: dict[str, torch.Tensor]) -> floa
     err = total = 0.0
     for name, m in _linears(model).items():
         w = float_weights[name].float()
-        back = m.dequantized_weight() if isinstance(m, quant.QuantizedLinear) else m.weight
+        back = m.dequantized_weight() if _is_quantized(m) else m.weight
         err += float((w - back.float()).pow(2).sum(dtype=torch.float64))  # float64 sums of float32 squares
         total += float(w.pow(2).sum(dtype=torch.float64))
     return (err / total) ** 0.5
@@ -246,6 +289,6 @@ def int8_matmul(x: torch.Tensor, w: torch.Tensor, quantize_rows, keep_columns=()
     return (product + x[:, keep].double() @ w[:, keep].double().T).float()
 
 
-__all__ = ["using", "quantized", "linear_bytes", "relative_weight_error", "same_prefix", "greedy_tokens",
+__all__ = ["using", "restoring", "quantized", "probe_model", "int8_linear_or_reference", "linear_bytes", "relative_weight_error", "same_prefix", "greedy_tokens",
            "measure_variant", "variant_name", "asymmetric_int4_error", "quantization_explorer",
            "kv_cache_comparison", "linear_input", "int8_matmul"]
