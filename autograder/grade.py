@@ -30,7 +30,10 @@ cell that is the same code as another submission's or the library's reference on
 literals and formatting are set aside: autograder/similarity.py, run in this process once
 every row is graded) and "version:" (a notebook released for another decodelab version than
 the one grading it, or recording none: the release writes `decodelab.__version__` into its
-metadata). The summary printed at the end lists them.
+metadata). The summary printed at the end lists them. "hints:" says how many rungs of each
+exercise's hint ladder the student saw ("hints: ex_top_k_filter 2, ex_top_p_filter 1"), from the
+`.decodelab_hints.json` the hint buttons write beside the notebook, when it was submitted; it
+never changes a score.
 
 Late submissions (autograder/late.py): when the assignment has a due date in the gradebook
 (nbgrader's `duedate`, from `nbgrader db assignment add` or `--due`), each submission's
@@ -113,6 +116,15 @@ def version_note(nb, version: str) -> str | None:
     if recorded is None:  # no "; " in a note: the notes column joins them with it
         return f"version: the notebook records no decodelab version (graded with {version})"
     return f"version: the notebook was released for decodelab {recorded} (graded with {version})"
+
+
+def hints_note(folder: Path, assignment: str) -> str | None:
+    """"hints: ex_top_k_filter 2, ex_top_p_filter 1" from the hint counter the notebook's hint
+    buttons write beside it (decodelab/course/hints.py, `.decodelab_hints.json`), when it was
+    submitted; None when it was not or no hint was used. Information only: never scored."""
+    from decodelab.course import hints
+
+    return hints.note(hints.read_counts(folder), assignment)
 
 
 def _short(text: str, n: int = 120) -> str:
@@ -278,6 +290,9 @@ def _grade_one(result: Result, path: Path, settings: Settings) -> None:
         result.notes.append(f"{path.name} is not a valid notebook: {_short(exc, 150)}")
         return
     note = version_note(nb, settings.version) if settings.version else None
+    if note:
+        result.notes.append(note)
+    note = hints_note(path.parent, settings.assignment)
     if note:
         result.notes.append(note)
     release = nbformat.read(settings.release, as_version=4)

@@ -32,7 +32,7 @@ def statuses(run: subprocess.CompletedProcess) -> dict[tuple[str, str], str]:
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout)["exercises"]
     for row in rows:
-        assert set(row) == {"notebook", "exercise", "part", "status"}
+        assert set(row) == {"notebook", "exercise", "part", "status", "hints_used"}
     return {(r["notebook"], r["exercise"]): r["status"] for r in rows}
 
 

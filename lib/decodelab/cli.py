@@ -5,7 +5,8 @@
         [--repetition-penalty R] [--device D] [--dtype fp32|bf16|fp16] [--no-chat] [--json]
     python -m decodelab prepare        # convert SmolLM2 into the cache once
     python -m decodelab progress --course DIR [--notebooks 02_sampling,03] [--timeout S] [--json]
-        # your notebooks' exercises: passing, failing (and why), not started
+        # your notebooks' exercises: passing, failing (and why), not started, hints used
+    python -m decodelab hints [--notebook 02_sampling] [--json]   # every exercise's hint ladder
 
 Text streams to stdout; with --json exactly one JSON object is printed there instead.
 Progress and errors go to stderr; a bad command line exits with 2.
@@ -47,8 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
     prog.add_argument("--timeout", type=float, default=60.0, metavar="S",
                       help="seconds per notebook (default 60); an exercise still running then fails")
     prog.add_argument("--json", action="store_true",
-                      help='print one JSON object: {"exercises": [{notebook, exercise, part, status}]}')
+                      help='print one JSON object: {"exercises": [{notebook, exercise, part, status, hints_used}]}')
+    hints = commands.add_parser(
+        "hints", help="print every exercise's hints, from a nudge to a sketch",
+        description="The hints behind the notebooks' hint buttons, for every exercise, gentlest first.")
+    hints.add_argument("--notebook", default=None, metavar="NAME", help="only this notebook: 02_sampling or 02")
+    hints.add_argument("--json", action="store_true",
+                       help='print one JSON object: {"NN_topic": {"ex_<name>": ["hint 1", ...]}}')
     return parser
+
+
+def run_hints(args) -> int:
+    from decodelab.course import hints
+
+    found = hints.select(hints.load_hints(), args.notebook)
+    print(json.dumps(found, ensure_ascii=False) if args.json else hints.format_text(found))
+    return 0
 
 
 def run_generate(args) -> int:
@@ -100,6 +115,8 @@ def main(argv=None) -> int:
             return 0
         if args.command == "progress":
             return run_progress(args)
+        if args.command == "hints":
+            return run_hints(args)
         return run_generate(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

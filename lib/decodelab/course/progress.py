@@ -39,6 +39,10 @@ the command. After a crash the remaining exercises run in a fresh subprocess.
 It runs the learner's own code, as the notebook does: it is meant for the learner's own folder,
 and refuses to run as root over a folder that root does not own (`check_owner`).
 
+Each row also says how many rungs of the exercise's hint ladder the learner has seen
+(``hints_used``: the counter file ``.decodelab_hints.json`` beside the notebook, written by the
+hint buttons of course/hints.py; 0 when there is none). It is information, never a status.
+
 `PARTS` names the stage of the engine each exercise builds; tests/test_progress.py checks that
 it names every exercise in solutions/.
 """
@@ -59,6 +63,8 @@ import traceback
 import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from decodelab.course import hints
 
 # (notebook, exercise) -> the stage of the engine that exercise builds.
 PARTS: dict[tuple[str, str], str] = {
@@ -82,13 +88,13 @@ PARTS: dict[tuple[str, str], str] = {
     ("04_prefill_decode", "latencies_from_timestamps"): "latency: TTFT and inter-token",
     ("04_prefill_decode", "arithmetic_intensity"): "roofline: arithmetic intensity",
     ("04_prefill_decode", "reuse_prefix"): "prefix reuse",
-    ("05_gqa", "broadcast_gqa_attention"): "GQA: attention by broadcasting",
+    ("05_gqa", "broadcast_gqa_attention"): "GQA: attention without copying K/V",
     ("05_gqa", "pool_kv_heads"): "GQA: pooling K/V heads",
     ("06_quantization", "quantize_int8_per_tensor"): "quantization: int8 per tensor",
     ("06_quantization", "quantize_int8_per_channel"): "quantization: int8 per channel",
-    ("06_quantization", "pack_int4"): "quantization: int4 packing",
-    ("06_quantization", "unpack_int4"): "quantization: int4 unpacking",
-    ("06_quantization", "quantize_int4_groupwise"): "quantization: int4 group-wise",
+    ("06_quantization", "quantize_int4_groupwise"): "quantization: int4 group-wise, packed",
+    ("06_quantization", "Int8Linear"): "int8 linear layer",
+    ("06_quantization", "replace_linears"): "quantized model: swapping the linear layers",
     ("07_paged_kv", "gather_kv"): "paged KV: gather through a block table",
     ("07_paged_kv", "kv_waste"): "paged KV: counting the waste",
     ("07_paged_kv", "BlockAllocator"): "block allocator",
@@ -123,6 +129,7 @@ class Row:
     exercise: str
     part: str
     status: str
+    hints_used: int = 0  # rungs of the exercise's hint ladder shown (course/hints.py's counter file)
 
 
 @dataclass
@@ -393,10 +400,11 @@ def run_notebook(plan: Plan, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, st
 
 def check_notebook(path: Path, timeout: float = DEFAULT_TIMEOUT_S) -> list[Row]:
     plan = plan_notebook(path)
+    used = hints.read_counts(path.parent).get(plan.notebook, {})
     if plan.error:
         names = [name for (notebook, name) in PARTS if notebook == plan.notebook] or ["-"]
-        return [Row(plan.notebook, name, PARTS.get((plan.notebook, name), ""), f"failing: {plan.error}")
-                for name in names]
+        return [Row(plan.notebook, name, PARTS.get((plan.notebook, name), ""), f"failing: {plan.error}",
+                    used.get(f"ex_{name}", 0)) for name in names]
     statuses = run_notebook(plan, timeout)
     rows = []
     for name in _exercise_names(plan):
@@ -406,7 +414,7 @@ def check_notebook(path: Path, timeout: float = DEFAULT_TIMEOUT_S) -> list[Row]:
             status = NOT_STARTED
         else:
             status = statuses.get(name, "failing: not checked")
-        rows.append(Row(plan.notebook, name, PARTS.get((plan.notebook, name), ""), status))
+        rows.append(Row(plan.notebook, name, PARTS.get((plan.notebook, name), ""), status, used.get(f"ex_{name}", 0)))
     return rows
 
 
@@ -425,10 +433,10 @@ def check_course(course_dir, names=None, timeout: float = DEFAULT_TIMEOUT_S, pro
 
 
 def format_table(rows: list[Row]) -> str:
-    header = ("notebook", "exercise", "engine part", "status")
-    table = [header, *[(r.notebook, r.exercise, r.part or "-", r.status) for r in rows]]
-    widths = [max(len(line[i]) for line in table) for i in range(3)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line[:3], widths)) + "  " + line[3] for line in table]
+    header = ("notebook", "exercise", "engine part", "hints", "status")
+    table = [header, *[(r.notebook, r.exercise, r.part or "-", str(r.hints_used), r.status) for r in rows]]
+    widths = [max(len(line[i]) for line in table) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line[:4], widths)) + "  " + line[4] for line in table]
     passing = sum(r.status == PASSING for r in rows)
     not_started = sum(r.status == NOT_STARTED for r in rows)
     lines.append(f"\n{passing} of {len(rows)} exercises passing their visible tests, "
