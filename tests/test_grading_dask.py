@@ -72,6 +72,11 @@ def test_local_cluster_grades_like_the_pool(tmp_path):
     assert list(by_dask) == list(by_pool)  # the same row order
 
 
+def _executing(dask_worker) -> list[str]:
+    """The keys a worker is running now (not those only queued on it)."""
+    return [str(ts.key) for ts in dask_worker.state.executing]
+
+
 def _start(cmd: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -89,8 +94,10 @@ def _stop(process: subprocess.Popen) -> None:
 def test_scheduler_file_and_a_lost_worker(tmp_path):
     """Two workers through --scheduler-file; the one grading `slow` is killed mid-run: no row is
     lost, `slow` is graded again elsewhere and its row says so."""
+    import cloudpickle
     from distributed import Client
 
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # _executing runs on the workers
     subs = small_class(tmp_path, slow=True)
     file = tmp_path / "scheduler.json"
     dask = [shutil.which("dask", path=str(Path(sys.executable).parent)) or "dask"]
@@ -115,9 +122,9 @@ def test_scheduler_file_and_a_lost_worker(tmp_path):
         with Client(json.loads(file.read_text())["address"], timeout="30s") as client:
             deadline = time.monotonic() + 240
             while killed is None and time.monotonic() < deadline and grader.poll() is None:
-                for worker, keys in client.processing().items():
-                    if any(str(k).startswith("grade-slow-") for k in keys):
-                        time.sleep(6)  # its kernel is running the sleep by now
+                for worker, keys in client.run(_executing).items():
+                    if any(k.startswith("grade-slow-") for k in keys):
+                        time.sleep(4)  # its kernel is starting or running the sleep by now
                         pid = client.run(os.getpid, workers=[worker])[worker]
                         os.kill(pid, signal.SIGKILL)
                         killed = worker
