@@ -220,8 +220,9 @@ def grade_task(tag: str, student: str, notebook: bytes, release: bytes, gradeboo
                     except sandbox.SandboxUnavailable as exc:
                         _preflight["reason"] = str(exc)
             if _preflight["reason"]:
-                return grade.Result(student, "grader_error", [f"grader: the worker on {where} refused the task: "
-                                                              f"{grade._short(_preflight['reason'], 300)}"], tries=tries)
+                why = grade._short(_preflight["reason"], 300)
+                return grade.Result(student, "grader_error", [f"grader: the worker on {where} refused the task: {why}"],
+                                    tries=tries)
         result = grade.grade_one(student, str(path), local, slot=slot.number)
     finally:
         shutil.rmtree(work, ignore_errors=True)

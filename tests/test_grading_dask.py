@@ -18,13 +18,13 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from notebooks import ROOT, read, release_path
+from notebooks import ROOT
 from test_grading import AS_ROOT, NAME, SOL_BOUND, WRONG_COUNT, _grade, _rows, _trimmed
 
 pytest.importorskip("distributed")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:Object of type .* not in session")
 
-SLOW_SECONDS = 25
+SLOW_SECONDS = 15
 SANDBOX = [] if AS_ROOT else ["--no-sandbox"]
 
 
@@ -45,7 +45,6 @@ def small_class(root: Path, slow: bool = False) -> Path:
 
     put("correct", _trimmed())
     put("wrong", _trimmed(count=WRONG_COUNT))
-    put("stub", read(release_path(NAME)))
     put("malformed", text="{")
     if slow:
         put("slow", _trimmed(bound=f"import time\ntime.sleep({SLOW_SECONDS})\n" + SOL_BOUND))
@@ -66,8 +65,7 @@ def test_local_cluster_grades_like_the_pool(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     by_pool, by_dask = _rows(pool), _rows(dask)
     assert _triples(by_dask) == _triples(by_pool)
-    assert _triples(by_dask) == {"correct": ("ok", 4, 4), "wrong": ("ok", 2, 4), "stub": ("ok", 0, 4),
-                                 "malformed": ("unreadable", 0, 4)}
+    assert _triples(by_dask) == {"correct": ("ok", 4, 4), "wrong": ("ok", 2, 4), "malformed": ("unreadable", 0, 4)}
     assert not any("grader:" in r["notes"] for r in by_dask.values()), by_dask
     assert list(by_dask) == list(by_pool)  # the same row order
 
@@ -134,8 +132,8 @@ def test_scheduler_file_and_a_lost_worker(tmp_path):
         assert killed, f"the slow submission was never seen running\n{stderr[-3000:]}"
         assert grader.returncode == 0, stderr[-3000:]
         rows = _rows(out)
-        assert _triples(rows) == {"correct": ("ok", 4, 4), "wrong": ("ok", 2, 4), "stub": ("ok", 0, 4),
-                                  "malformed": ("unreadable", 0, 4), "slow": ("ok", 4, 4)}
+        assert _triples(rows) == {"correct": ("ok", 4, 4), "wrong": ("ok", 2, 4), "malformed": ("unreadable", 0, 4),
+                                  "slow": ("ok", 4, 4)}
         assert "grader: the worker was lost, graded again" in rows["slow"]["notes"].split("; "), rows["slow"]
         assert not any("grader:" in r["notes"] for s, r in rows.items() if s != "slow")
         assert "with a grader: note" in stdout
