@@ -133,7 +133,7 @@ def test_scheduler_file_and_a_lost_worker(tmp_path):
         assert grader.returncode == 0, stderr[-3000:]
         rows = _rows(out)
         assert _triples(rows) == {"correct": ("ok", 4, 4), "wrong": ("ok", 2, 4), "malformed": ("unreadable", 0, 4),
-                                  "slow": ("ok", 4, 4)}
+                                  "slow": ("ok", 4, 4)}, {s: r["notes"] for s, r in rows.items()}
         assert "grader: the worker was lost, graded again" in rows["slow"]["notes"].split("; "), rows["slow"]
         assert not any("grader:" in r["notes"] for s, r in rows.items() if s != "slow")
         assert "with a grader: note" in stdout
