@@ -2,6 +2,7 @@
 
     python -m autograder grade --assignment 02_sampling --submissions DIR --out grades.csv \\
         [--feedback FEEDBACK_DIR] [--workers N] [--no-sandbox] [--due "2026-03-01 17:00 Europe/Berlin"] \\
+        [--scheduler ADDRESS | --scheduler-file FILE | --scheduler local] [--tls-ca-file F --tls-cert F --tls-key F] \\
         [--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay --PointsPerDay.points=1 ...]
 
 DIR is in nbgrader's layout, DIR/<student>/<assignment>/<assignment>.ipynb; the roster is the
@@ -17,6 +18,9 @@ reply says ok is not zeroed by stray stderr. Before each test cell the grader dr
 imported test helpers (autograder.*, decodelab.course.checking) so that an answer cell cannot patch them.
 
 status (the first that applies wins) | score
+  grader_error  the grader, not the student: a Dask worker refused the   0 (nothing graded)
+              task (another version, no model cache, no sandbox) or was
+              lost on every try
   unreadable  not a valid notebook (bad JSON, empty file)             0
   missing     no <assignment>.ipynb in the student's folder            0
   crashed     the kernel died (os._exit, killed for memory/processes)  marks earned before the crash
@@ -33,7 +37,14 @@ the one grading it, or recording none: the release writes `decodelab.__version__
 metadata). The summary printed at the end lists them. "hints:" says how many rungs of each
 exercise's hint ladder the student saw ("hints: ex_top_k_filter 2, ex_top_p_filter 1"), from the
 `.decodelab_hints.json` the hint buttons write beside the notebook, when it was submitted; it
-never changes a score.
+never changes a score. "grader:" notes are about the grading itself (a Dask worker lost and
+the submission graded again, or why a worker refused it).
+
+Where kernels run: a local process pool of --workers processes, each holding one host-wide
+sandbox slot (autograder/slots.py: a kernel uid no other grader on the host uses), or, with
+--scheduler/--scheduler-file, one Dask task per submission on the cluster's workers
+(autograder/cluster.py: same grading, same rows; the parent alone writes the gradebook, the CSV
+and the feedback).
 
 Late submissions (autograder/late.py): when the assignment has a due date in the gradebook
 (nbgrader's `duedate`, from `nbgrader db assignment add` or `--due`), each submission's
@@ -59,7 +70,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STATUSES = ("unreadable", "missing", "crashed", "timeout", "tampered", "ok")
+STATUSES = ("grader_error", "unreadable", "missing", "crashed", "timeout", "tampered", "ok")
 COLUMNS = ("student", "assignment", "score", "max_score", "status", "notes", "submitted_at", "late_penalty")
 HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 NO_SANDBOX_NOTE = "graded WITHOUT the sandbox (--no-sandbox): the kernel ran as the grader"
@@ -87,6 +98,7 @@ class Result:
     status: str = "ok"
     notes: list = field(default_factory=list)
     notebook: str | None = None    # the graded notebook (nbformat JSON text), None if it never ran
+    tries: int = 1                 # on a Dask cluster: the try that graded it (a lost worker: > 1)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -223,7 +235,8 @@ def settle_test_cells(nb, ex) -> list[str]:
 
 # --------------------------------------------------------------------------- one submission (a worker)
 
-_SLOT = 0
+_SLOT = 0   # the host-wide sandbox slot this pool process holds (autograder/slots.py)
+_SLOT_HELD = None
 
 
 def _quiet() -> None:
@@ -232,23 +245,27 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", module="sqlalchemy")
 
 
-def _init_worker(slots) -> None:
-    global _SLOT
+def _init_worker() -> None:
+    global _SLOT, _SLOT_HELD
+    from autograder import slots
+
     _quiet()
     if sys.platform.startswith("linux"):  # the grader killed: its workers (and so their kernels) go too
         import ctypes
         import signal
 
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    _SLOT = slots.get()
+    _SLOT_HELD = slots.acquire()  # held until this process exits (the kernel frees the lock then)
+    _SLOT = _SLOT_HELD.number
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def grade_one(student: str, path: str, settings: Settings) -> Result:
-    """Read, check, sanitize (nbgrader), execute (sandboxed), settle: never raises."""
+def grade_one(student: str, path: str, settings: Settings, slot: int | None = None) -> Result:
+    """Read, check, sanitize (nbgrader), execute (sandboxed in `slot`, default this pool process's):
+    never raises."""
     result = Result(student)
     try:
-        _grade_one(result, Path(path), settings)
+        _grade_one(result, Path(path), settings, _SLOT if slot is None else slot)
     except Exception as exc:  # noqa: BLE001 - one submission never stops the class
         result.status = worst([result.status, "crashed"])
         result.notes.append(f"grader error: {type(exc).__name__}: {_short(exc, 200)}")
@@ -275,7 +292,7 @@ def _read(path: Path):
     return nb, raw
 
 
-def _grade_one(result: Result, path: Path, settings: Settings) -> None:
+def _grade_one(result: Result, path: Path, settings: Settings, slot: int = 0) -> None:
     import nbformat
     from nbgrader.preprocessors import (CheckCellMetadata, ClearOutput, DeduplicateIds, LimitOutput, OverwriteCells,
                                         OverwriteKernelspec)
@@ -307,7 +324,7 @@ def _grade_one(result: Result, path: Path, settings: Settings) -> None:
         nb, resources = pp.preprocess(nb, resources)
 
     limits = sandbox.Limits(**settings.limits)
-    box = sandbox.Sandbox(Path(settings.work), result.student.replace(os.sep, "_"), _SLOT, limits,
+    box = sandbox.Sandbox(Path(settings.work), result.student.replace(os.sep, "_"), slot, limits,
                           [Path(p) for p in settings.hide], enabled=settings.sandbox)
     box.prepare(settings.notebook, raw)
     ex = SandboxedExecute(extra_arguments=["--HistoryManager.hist_file=:memory:"], allow_errors=True,
@@ -561,11 +578,12 @@ def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path
                 sandbox_on: bool = True, source: Path = ROOT / "solutions", gradebook: Path | None = None,
                 cell_timeout: float = 300, notebook_timeout: float = 1800, memory_bytes: int = 4 * 2**30,
                 max_processes: int = 128, output_limit: int = 1_000_000, progress: bool = True,
-                due: str | None = None, late_settings=None) -> list[dict]:
+                due: str | None = None, late_settings=None, cluster=None) -> list[dict]:
     """Grade every student folder in submissions; returns the rows written for this run.
 
     `due`: a due date to write into the gradebook first ("none" removes it; None keeps what it
-    has); `late_settings`: a traitlets Config over nbgrader_config.py for the late policy."""
+    has); `late_settings`: a traitlets Config over nbgrader_config.py for the late policy;
+    `cluster`: an autograder.cluster.Cluster to grade on Dask workers instead of a local pool."""
     from autograder import sandbox
     from autograder.release import library_version
 
@@ -583,7 +601,7 @@ def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path
     os.chmod(work, 0o711)  # kernels traverse to their own folder; nothing else here is theirs
     hide = [submissions, work / "course", gradebook, out] + ([feedback.resolve()] if feedback else [])
     try:
-        if sandbox_on:
+        if sandbox_on and cluster is None:  # on a cluster, each worker checks its own machine
             sandbox.preflight(work, limits, hide)
         db_url, release = prepare_course(assignment, source, work / "c", gradebook)
         if set_due_date(db_url, assignment, due, policy) is None:
@@ -592,13 +610,13 @@ def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path
                             work=str(work), cell_timeout=cell_timeout, notebook_timeout=notebook_timeout,
                             output_limit=output_limit, sandbox=sandbox_on, limits=asdict(limits),
                             hide=[str(p) for p in hide + [work / "c"]], version=library_version())
-        return _run(settings, submissions, out, feedback, workers, progress, policy)
+        return _run(settings, submissions, out, feedback, workers, progress, policy, cluster, gradebook)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None, workers: int,
-         progress: bool, policy=None) -> list[dict]:
+         progress: bool, policy=None, cluster=None, gradebook: Path | None = None) -> list[dict]:
     import multiprocessing
 
     from tqdm import tqdm
@@ -616,10 +634,6 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
             results.append(Result(student, "missing", [f"no {settings.assignment}/{settings.notebook}; found: {what}"]))
         else:
             jobs[student] = path
-    ctx = multiprocessing.get_context("spawn")
-    slots = ctx.Queue()
-    for slot in range(max(1, workers)):
-        slots.put(slot)
     bar = tqdm(total=len(students), desc=f"grading {settings.assignment}", unit="student", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
 
@@ -640,9 +654,14 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
 
     for result in results:
         finish(result)
-    if jobs:
-        with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=_init_worker,
-                                 initargs=(slots,)) as pool:
+    if jobs and cluster is not None:
+        from autograder.cluster import grade_on_cluster
+
+        for result in grade_on_cluster(cluster, settings, jobs, gradebook or Path(settings.db_url[len("sqlite:///"):])):
+            finish(result)
+    elif jobs:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=_init_worker) as pool:
             futures = {pool.submit(grade_one, s, str(p), settings): s for s, p in jobs.items()}
             for future in as_completed(futures):
                 try:
@@ -673,6 +692,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-processes", type=int, default=128, help="processes/threads per kernel (default 128)")
     parser.add_argument("--output-limit", type=int, default=1_000_000, help="bytes of output kept per cell")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--scheduler", help="grade on a Dask cluster: the scheduler's address (tls:// off the "
+                       "loopback), or 'local' for a LocalCluster of --workers processes on 127.0.0.1")
+    where.add_argument("--scheduler-file", type=Path, help="grade on a Dask cluster: the scheduler's file "
+                       "(dask scheduler --scheduler-file FILE)")
+    parser.add_argument("--tls-ca-file", help="TLS: the CA that signed the scheduler's and workers' certificates")
+    parser.add_argument("--tls-cert", help="TLS: this client's certificate")
+    parser.add_argument("--tls-key", help="TLS: this client's private key")
     parser.add_argument("--due", help='the due date, written into the gradebook as nbgrader\'s duedate and kept '
                         'for later runs: "YYYY-MM-DD HH:MM[:SS] [ZONE]" (no zone: Exchange.timezone, default UTC); '
                         '"none" removes it. Default: the gradebook\'s')
@@ -689,8 +716,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory <= 0 or args.cell_timeout <= 0 or args.notebook_timeout <= 0:
         parser.error("--memory, --cell-timeout and --notebook-timeout must be > 0")
     from autograder import sandbox
+    from autograder.cluster import ClusterError
 
-    if not args.no_sandbox:
+    cluster = None
+    if args.scheduler or args.scheduler_file:
+        from autograder.cluster import Cluster, check
+
+        cluster = Cluster(scheduler=args.scheduler, scheduler_file=str(args.scheduler_file or "") or None,
+                          tls_ca_file=args.tls_ca_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                          local_workers=args.workers)
+        try:
+            check(cluster)
+        except ClusterError as exc:
+            print(f"autograder grade: {exc}", file=sys.stderr)
+            return 2
+    elif args.tls_ca_file or args.tls_cert or args.tls_key:
+        parser.error("--tls-* options go with --scheduler or --scheduler-file")
+    if not args.no_sandbox and (cluster is None or cluster.scheduler == "local"):
         reason = sandbox.unavailable_reason()
         if reason:
             print(f"autograder grade: refusing to run learners' code: {reason}", file=sys.stderr)
@@ -702,10 +744,13 @@ def main(argv: list[str] | None = None) -> int:
                            cell_timeout=args.cell_timeout, notebook_timeout=args.notebook_timeout,
                            memory_bytes=int(args.memory * 2**30), max_processes=args.max_processes,
                            output_limit=args.output_limit, progress=not args.quiet, due=args.due,
-                           late_settings=late_settings)
+                           late_settings=late_settings, cluster=cluster)
     except sandbox.SandboxUnavailable as exc:
         print(f"autograder grade: refusing to run learners' code: {exc}", file=sys.stderr)
         return 3
+    except ClusterError as exc:
+        print(f"autograder grade: {exc}", file=sys.stderr)
+        return 2
     from autograder.release import library_version
 
     print("\n".join(summary(rows, args.assignment, time.perf_counter() - started, args.out, library_version())))
@@ -756,6 +801,10 @@ def summary(rows: list[dict], assignment: str, seconds: float, out: Path, versio
     if similar:
         lines.append(f"  {len(similar)} submission(s) with answers like another's or the library's "
                      f"(a similarity: note; scores unchanged): {', '.join(similar)}")
+    again = [r["student"] for r in rows if any(n.startswith("grader:") for n in r["notes"].split("; "))]
+    if again:
+        lines.append(f"  {len(again)} submission(s) with a grader: note (a lost Dask worker, or a worker that "
+                     f"refused): {', '.join(again)}")
     other = [row["student"] for row in rows if any(n.startswith("version:") for n in row["notes"].split("; "))]
     if other:
         lines.append(f"  {len(other)} submission(s) not released for decodelab {version}, the version grading them "

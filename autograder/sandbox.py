@@ -9,7 +9,7 @@ directory: the kernel's network namespace has only a loopback interface that is 
 
 What the launcher does, in order, before it execs the kernel:
 1. joins a fresh pids, memory and cpu cgroup (v1 or v2) when one can be made (at most one core),
-   else falls back to RLIMIT_NPROC (per uid: each worker has its own uid) and RLIMIT_DATA;
+   else falls back to RLIMIT_NPROC (per uid: each slot has its own uid) and RLIMIT_DATA;
 2. sets RLIMIT_CPU (CPU seconds for the notebook), RLIMIT_FSIZE (largest file it may write),
    RLIMIT_CORE 0;
 3. new mount, network and IPC namespaces; fresh tmpfs on /tmp, /var/tmp and /dev/shm; the
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x08000000, 0x10000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
-UID_BASE = 61000  # worker w runs its kernels as uid/gid UID_BASE + w
+UID_BASE = 61000  # a kernel in slot N (autograder/slots.py, host-wide) runs as uid/gid UID_BASE + N
 CGROUP_PARENT = "decodelab-grade"
 
 
@@ -236,6 +236,25 @@ def _alive_in(path: Path) -> list[int]:
         return []
 
 
+def kill_uid(uid: int) -> None:
+    """End every process of this kernel uid. The uid belongs to one slot, held by one grader
+    process on the host (autograder/slots.py): a child that setuid to it and kill(-1) ends every
+    process of that uid (the pids cgroup may be missing; forks can escape a process group)."""
+    if os.geteuid() != 0:
+        return
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            for _ in range(3):
+                os.kill(-1, signal.SIGKILL)
+        except OSError:
+            pass
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
 def kill_all(uid: int, cgroup: str) -> None:
     """Kill everything the kernel left behind: its cgroups' processes and the uid's processes."""
     for path in cgroup_paths(cgroup).values():
@@ -249,20 +268,7 @@ def kill_all(uid: int, cgroup: str) -> None:
                 except OSError:
                     pass
             time.sleep(0.02)
-    # The uid belongs to this worker alone: a child that setuid to it and kill(-1) ends every
-    # process of that uid (the pids cgroup may be missing; forks can escape a process group).
-    if os.geteuid() == 0:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.setgid(uid)
-                os.setuid(uid)
-                for _ in range(3):
-                    os.kill(-1, signal.SIGKILL)
-            except OSError:
-                pass
-            os._exit(0)
-        os.waitpid(pid, 0)
+    kill_uid(uid)
     for path in cgroup_paths(cgroup).values():
         for _ in range(50):
             try:
@@ -367,7 +373,7 @@ def launch(spec: Spec, argv: list[str]) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 5))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
-    if "pids" not in joined:  # per uid: each worker has a uid of its own
+    if "pids" not in joined:  # per uid: each slot (autograder/slots.py) has a uid of its own
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
     if "memory" not in joined:
         resource.setrlimit(resource.RLIMIT_DATA, (limits.memory_bytes, limits.memory_bytes))
@@ -452,6 +458,8 @@ class Sandbox:
         self.hide = [str(p) for p in hide]
 
     def prepare(self, notebook_name: str, notebook_bytes: bytes) -> None:
+        if self.enabled:  # what a killed grader that held this slot before may have left running
+            kill_uid(self.uid)
         if self.folder.exists():
             shutil.rmtree(self.folder)
         self.folder.mkdir(parents=True)
@@ -529,19 +537,27 @@ def configure_kernel_manager(km, box: Sandbox) -> None:
     km.connection_file = str(box.ipc_dir / "kernel.json")
 
 
-def preflight(work: Path, limits: Limits, hide: list[Path]) -> None:
+def preflight(work: Path, limits: Limits, hide: list[Path], slot: int | None = None) -> None:
     """Start one sandboxed Python that checks its own confinement; raise SandboxUnavailable if
-    the machine cannot do it."""
+    the machine cannot do it. `slot`: one this process holds; None takes one for the check."""
     import subprocess
 
+    from autograder import slots
     from decodelab.paths import cache_dir
+
+    if slot is None and unavailable_reason() is None:
+        held = slots.acquire()
+        try:
+            return preflight(work, limits, hide, held.number)
+        finally:
+            held.release()
 
     reason = unavailable_reason()
     if reason:
         raise SandboxUnavailable(reason)
     share_model_cache()
     remove_stale_cgroups()
-    box = Sandbox(work, "preflight", 0, limits, hide)
+    box = Sandbox(work, "preflight", slot or 0, limits, hide)
     box.prepare("probe.ipynb", b"{}")
     probe = ("import os, socket, sys\n"
              "assert os.getuid() != 0, 'still root'\n"

@@ -8,6 +8,13 @@ Each of the N students submits notebook 00's solution: `full` is the whole solut
 ungraded demo cells submits (imports, the two exercises and their tests). Both sides start a
 fresh kernel per student, include nbgrader's generate_assignment, and must agree on every score.
 Goal on 2 cores: >= 1.8x (2x is the ideal). Writes bench/results/grading.json.
+
+    .venv/bin/python bench/grading.py --scheduler local [--submissions 30] [--workers 2]
+
+instead times `grade --scheduler local` (a LocalCluster of --workers processes, one thread each,
+`grader=1` each: autograder/cluster.py) against `grade --workers N` (the process pool) on the same
+submissions in one run, both sandboxed; they must agree on every score. Goal: Dask within 10% of
+the pool (ratio <= 1.10). Writes bench/results/grading_dask.json (only record it from a quiet machine).
 """
 from __future__ import annotations
 
@@ -68,7 +75,8 @@ def nbgrader_serial(students: list[str], nb, root: Path) -> tuple[float, dict[st
     return elapsed, scores
 
 
-def ours(students: list[str], nb, root: Path, workers: int, sandbox: bool) -> tuple[float, dict[str, float], dict]:
+def ours(students: list[str], nb, root: Path, workers: int, sandbox: bool,
+         extra: tuple[str, ...] = ()) -> tuple[float, dict[str, float], dict]:
     import nbformat
 
     subs = root / "submissions"
@@ -79,7 +87,7 @@ def ours(students: list[str], nb, root: Path, workers: int, sandbox: bool) -> tu
     out = root / "grades.csv"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "lib")]), OMP_WAIT_POLICY="PASSIVE")
     cmd = [sys.executable, "-m", "autograder", "grade", "--assignment", NAME, "--submissions", str(subs),
-           "--out", str(out), "--workers", str(workers), "--quiet"] + ([] if sandbox else ["--no-sandbox"])
+           "--out", str(out), "--workers", str(workers), "--quiet", *extra] + ([] if sandbox else ["--no-sandbox"])
     started = time.perf_counter()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     elapsed = time.perf_counter() - started
@@ -99,8 +107,12 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--kind", choices=("trimmed", "full"), default="trimmed")
     parser.add_argument("--no-sandbox", action="store_true", help="time ours without the sandbox (not as root)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "grading.json")
+    parser.add_argument("--scheduler", choices=("local",), help="time a 2-worker LocalCluster against the pool")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.scheduler:
+        return against_pool(args)
+    args.out = args.out or ROOT / "bench" / "results" / "grading.json"
     warnings.filterwarnings("ignore")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     sandbox = not args.no_sandbox
@@ -125,6 +137,38 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    return 0
+
+
+def against_pool(args) -> int:
+    """`grade --scheduler local` against `grade --workers N`, same submissions, same run."""
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    sandbox = not args.no_sandbox
+    if sandbox and (not sys.platform.startswith("linux") or os.geteuid() != 0):
+        raise SystemExit("the sandbox needs root: run as root, or pass --no-sandbox")
+    students = [f"student{i:03d}" for i in range(args.submissions)]
+    nb = submission(args.kind)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="decodelab-bench-grading-") as tmp:
+        pool_s, pool_scores, pool_statuses = ours(students, nb, Path(tmp) / "pool", args.workers, sandbox)
+        print(f"autograder grade --workers {args.workers}:           {pool_s:7.1f} s, statuses {pool_statuses}")
+        dask_s, dask_scores, dask_statuses = ours(students, nb, Path(tmp) / "dask", args.workers, sandbox,
+                                                  ("--scheduler", "local"))
+        print(f"autograder grade --scheduler local ({args.workers} workers): {dask_s:7.1f} s, statuses {dask_statuses}")
+    assert pool_scores == dask_scores, f"the pool and Dask disagree: {pool_scores} vs {dask_scores}"
+    ratio = dask_s / pool_s
+    print(f"Dask / pool: {ratio:.2f} (goal <= 1.10) on {os.cpu_count()} cores, load {load_before[0]:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after; every score agrees")
+    record = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "submissions": len(students),
+              "kind": args.kind, "workers": args.workers, "sandbox": sandbox, "cores": os.cpu_count(),
+              "load_average_before": load_before, "load_average_at_end": os.getloadavg(),
+              "machine": platform.platform(), "pool_s": round(pool_s, 1), "dask_local_s": round(dask_s, 1),
+              "ratio": round(ratio, 3)}
+    out = args.out or ROOT / "bench" / "results" / "grading_dask.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     return 0
 
 
