@@ -113,13 +113,7 @@ def main() -> int:
     if args.scheduler:
         return against_pool(args)
     args.out = args.out or ROOT / "bench" / "results" / "grading.json"
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    sandbox = not args.no_sandbox
-    if sandbox and (not sys.platform.startswith("linux") or os.geteuid() != 0):
-        raise SystemExit("the sandbox needs root: run as root, or pass --no-sandbox")
-    students = [f"student{i:03d}" for i in range(args.submissions)]
-    nb = submission(args.kind)
+    sandbox, students, nb = _prepare(args)
     with tempfile.TemporaryDirectory(prefix="decodelab-bench-grading-") as tmp:
         serial_s, serial_scores = nbgrader_serial(students, nb, Path(tmp) / "nbgrader")
         print(f"nbgrader autograde, serial:        {serial_s:7.1f} s  ({serial_s / len(students):.1f} s per submission)")
@@ -140,15 +134,20 @@ def main() -> int:
     return 0
 
 
-def against_pool(args) -> int:
-    """`grade --scheduler local` against `grade --workers N`, same submissions, same run."""
+def _prepare(args) -> tuple[bool, list[str], dict]:
+    """Quiet warnings, check the sandbox can run, and make the class: (sandbox, students, notebook)."""
     warnings.filterwarnings("ignore")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     sandbox = not args.no_sandbox
     if sandbox and (not sys.platform.startswith("linux") or os.geteuid() != 0):
         raise SystemExit("the sandbox needs root: run as root, or pass --no-sandbox")
     students = [f"student{i:03d}" for i in range(args.submissions)]
-    nb = submission(args.kind)
+    return sandbox, students, submission(args.kind)
+
+
+def against_pool(args) -> int:
+    """`grade --scheduler local` against `grade --workers N`, same submissions, same run."""
+    sandbox, students, nb = _prepare(args)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="decodelab-bench-grading-") as tmp:
         pool_s, pool_scores, pool_statuses = ours(students, nb, Path(tmp) / "pool", args.workers, sandbox)
