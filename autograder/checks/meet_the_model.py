@@ -125,7 +125,7 @@ def check_count_parameters(fn) -> None:
                          f"differs from hidden_size {config.hidden_size}")
         _expect_count(f"count_parameters on {_describe_config(config)}",
                       call(f"count_parameters({_describe_config(config)})", fn, config), expected,
-                      f" (LlamaForCausalLM(config).num_parameters())" + (f"; note: {'; '.join(hints)}" if hints else ""))
+                      " (LlamaForCausalLM(config).num_parameters())" + (f"; note: {'; '.join(hints)}" if hints else ""))
 
 
 def check_decode_tokens_per_second_bound(fn) -> None:

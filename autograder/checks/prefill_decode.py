@@ -91,7 +91,7 @@ def check_prefill(fn) -> None:
     cache = KVCache(model.config, 1, 32)
     counter = _Counter(model)
     try:
-        got = call(f"prefill(model, a 12-token list, an empty cache)", fn, model, prompt, cache)
+        got = call("prefill(model, a 12-token list, an empty cache)", fn, model, prompt, cache)
     finally:
         counter.remove()
     if counter.calls == 0:

@@ -97,11 +97,9 @@ def run_progress(args) -> int:
     if not (args.timeout > 0 and math.isfinite(args.timeout)):
         raise ValueError(f"--timeout must be a number of seconds > 0, got {args.timeout:g}")
     names = args.notebooks.split(",") if args.notebooks else None
-    tell = None
-    if sys.stderr.isatty():
-        def tell(notebook):
-            print(f"checking {notebook} ...", file=sys.stderr, flush=True)
-    rows = progress.check_course(args.course, names, timeout=args.timeout, progress=tell)
+    def tell(notebook):
+        print(f"checking {notebook} ...", file=sys.stderr, flush=True)
+    rows = progress.check_course(args.course, names, timeout=args.timeout, progress=tell if sys.stderr.isatty() else None)
     print(progress.to_json(rows) if args.json else progress.format_table(rows))
     return 0
 

@@ -260,10 +260,12 @@ class LLM:
             request.error = f"prompt {index}: {exc}"
             return request
         now = time.perf_counter()
+        stop_ids = frozenset(stop_token_set(params, self.tokenizer.stop_token_ids()))  # once, not per token
         for j in range(params.n):
             seed = None if params.seed is None else params.seed + j
             seq = Sequence(self._next_seq_id, index, j, list(ids), params, arrival_time=now,
-                           generator=make_generator(seed, self.device), decoder=StreamDecoder(self.tokenizer))
+                           generator=make_generator(seed, self.device), decoder=StreamDecoder(self.tokenizer),
+                           stop_token_ids=stop_ids)
             self._next_seq_id += 1
             request.seqs.append(seq)
         first = request.seqs[0]
@@ -365,10 +367,9 @@ class LLM:
         seq.first_token_time = seq.first_token_time or now
         seq.output_token_ids.append(token_id)
         params = seq.params
-        stop_ids = stop_token_set(params, self.tokenizer.stop_token_ids())
         before = len(seq.text)
         seq.text += seq.decoder.push(token_id)
-        reason = "stop" if token_id in stop_ids else None
+        reason = "stop" if token_id in seq.stop_token_ids else None
         cut = first_stop_string(seq.text, params.stop)
         if cut is not None:
             seq.text, reason = seq.text[:cut], "stop"

@@ -31,6 +31,7 @@ class Sequence:
     generator: torch.Generator | None = None
     text: str = ""
     decoder: object = None  # a StreamDecoder, set by the engine
+    stop_token_ids: frozenset = frozenset()  # ids that end it (`stop_token_set`), set by the engine once
     num_preemptions: int = 0
     siblings: list = field(default_factory=list)  # n > 1: forked from this one after its prefill
     first_token_time: float | None = None

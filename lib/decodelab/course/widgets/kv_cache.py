@@ -13,7 +13,6 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 import torch
 
-from decodelab.config import ModelConfig
 from decodelab.lessons.kv_size import PRESETS, config_fields, format_bytes, parameter_count
 from decodelab.lessons.measure import synchronize
 from decodelab.model.toy import tiny_model
