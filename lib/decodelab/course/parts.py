@@ -143,7 +143,7 @@ def reference_bill(why: str, speculative: bool = False) -> list[Entry]:
 
 
 def format_bill(bill: list[Entry]) -> str:
-    header = ("stage", "notebook", "", "why")
+    header = ("stage", "notebook", "source", "why")
     table = [header, *[(e.stage.name, e.stage.notebook, e.source, e.why) for e in bill]]
     widths = [max(len(line[i]) for line in table) for i in range(3)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(line[:3], widths)) + "  " + line[3] for line in table]
@@ -214,6 +214,24 @@ def assemble(course_dir, rows: list[progress.Row], quantization: str | None = No
     return Assembly(bill, hooks, quantization, namespaces)
 
 
+def your_engine(course_dir, this_notebook: str = CAPSTONE, timeout: float = progress.DEFAULT_TIMEOUT_S) -> Assembly:
+    """The capstone's engine: the stages of the notebooks in course_dir (the capstone's ".."),
+    checked by progress, yours where they pass. Under nbgrader (NBGRADER_EXECUTION), with no
+    notebook beside `this_notebook`, or in a folder progress refuses, every stage is the library's."""
+    folder = Path(course_dir).expanduser()
+    present = [n for n in STAGE_NOTEBOOKS if (folder / n / f"{n}.ipynb").is_file()]
+    siblings = [n for n in present if n != this_notebook]
+    if os.environ.get("NBGRADER_EXECUTION"):
+        return Assembly(reference_bill("graded: the grader runs this notebook alone"), EngineHooks())
+    if not siblings:
+        return Assembly(reference_bill(f"no course notebooks beside this one in {folder.resolve()}"), EngineHooks())
+    try:
+        rows = progress.check_course(folder, present, timeout=timeout)
+        return assemble(folder, rows)
+    except progress.ProgressError as exc:
+        return Assembly(reference_bill(str(exc)), EngineHooks())
+
+
 # --------------------------------------------------------------------------- serving
 
 
@@ -235,4 +253,4 @@ def serve(engine: Assembly, prompt: str, max_new_tokens: int = 32, model: str = 
 
 
 __all__ = ["STAGES", "STAGE_NOTEBOOKS", "Stage", "Entry", "Assembly", "bill_of_materials", "reference_bill",
-           "format_bill", "load_notebook", "assemble", "serve"]
+           "format_bill", "load_notebook", "assemble", "your_engine", "serve"]
