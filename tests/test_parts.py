@@ -100,8 +100,12 @@ LOAD_AND_SERVE = """
 import json, sys
 from decodelab.course import parts, progress
 folder, rows = sys.argv[1], [progress.Row(**r) for r in json.loads(sys.argv[2])]
-engine = parts.assemble(folder, rows)
+quantization = sys.argv[4] if len(sys.argv) > 4 else None
+engine = parts.assemble(folder, rows, quantization=quantization)
 served = parts.serve(engine, sys.argv[3])
+if quantization:  # the library's own int8 engine, for comparison
+    library = parts.Assembly(parts.reference_bill("the library"), parts.EngineHooks(), quantization)
+    served["library_output_ids"] = parts.serve(library, sys.argv[3])["output_ids"]
 served["hook_modules"] = {e.stage.name: getattr(getattr(engine.hooks, e.stage.hook), "__module__", None)
                           for e in engine.bill if e.in_engine}
 print(json.dumps(served))
@@ -132,3 +136,16 @@ def test_a_released_notebook_reads_reference_and_the_tokens_stay(filled_course):
             assert module.startswith("_decodelab_yours_"), (name, module)
         else:
             assert module is None or module.startswith("decodelab."), (name, module)
+
+
+@pytest.mark.slow
+def test_int8_serves_your_int8_linear_with_the_library_int8_tokens(filled_course):
+    """--quantization int8: the int8 stage is yours (06's Int8Linear builds every decoder-layer
+    linear), the forward pass the library's model, and the tokens those of LLM(quantization="int8").
+    01's rows are left out, so this holds whichever test ran first."""
+    folder, run, _ = filled_course
+    rows = [r for r in run["exercises"] if r["notebook"] != "01_forward_pass"]
+    served = run_module("-c", LOAD_AND_SERVE, folder, json.dumps(rows), PROMPT, "int8")
+    assert served["output_ids"] == served["library_output_ids"]
+    assert served["parts"]["int8 linear layer"] == "yours" and served["parts"]["forward pass"] == "reference"
+    assert served["hook_modules"]["int8 linear layer"] == "_decodelab_yours_06_quantization"
