@@ -71,6 +71,24 @@ def test_a_stage_is_yours_only_when_all_its_exercises_pass():
     assert "rope: not started" in table and "4 of 9 stages are yours" in table
 
 
+def test_quantization_without_serve_is_a_usage_error():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "lib"), str(ROOT)]))
+    run = subprocess.run([sys.executable, "-m", "decodelab", "progress", "--course", str(COURSE), "--quantization",
+                          "int8"], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and "--quantization goes with --serve" in run.stderr and run.stdout == ""
+
+
+def test_without_siblings_or_under_nbgrader_every_stage_is_the_librarys(tmp_path, monkeypatch):
+    shutil.copytree(SOLUTIONS / parts.CAPSTONE, tmp_path / parts.CAPSTONE)  # the capstone alone
+    alone = parts.your_engine(tmp_path)
+    assert {e.source for e in alone.bill} == {"reference"} and "no course notebooks beside" in alone.bill[0].why
+    assert alone.hooks.forward is None and alone.hooks.step is None
+    shutil.copytree(SOLUTIONS / "07_paged_kv", tmp_path / "07_paged_kv")
+    monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")
+    graded = parts.your_engine(tmp_path)
+    assert {e.source for e in graded.bill} == {"reference"} and graded.bill[0].why.startswith("graded")
+
+
 # --------------------------------------------------------------------------- serving
 
 
