@@ -126,12 +126,13 @@ def bill_of_materials(rows: list[progress.Row], quantization: str | None = None,
         elif not entry.in_engine:
             entry.why = "yours passes, but this engine has no draft model to speculate with"
         elif stage.hook == "linear" and quantization is None:
-            entry.why = "yours passes, but this engine serves float32 weights (int8 only with --quantization int8)"
+            entry.why = "yours passes, but this engine serves float32 weights (yours builds an int8 one: quantization='int8')"
         elif stage.hook == "forward" and quantization is not None:
             entry.why = ("yours passes, but it reads float weights by name: int8 layers run inside the "
                          "library's model")
         else:
-            entry.source, entry.why = YOURS, f"{', '.join(stage.exercises)} pass{'es' if len(stage.exercises) == 1 else ''}"
+            passes = "your exercise passes" if len(stage.exercises) == 1 else "your exercises pass"
+            entry.source, entry.why = YOURS, f"{passes}: {', '.join(stage.exercises)}"
         bill.append(entry)
     return bill
 
