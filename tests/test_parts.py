@@ -59,7 +59,7 @@ def test_a_stage_is_yours_only_when_all_its_exercises_pass():
     assert bill["repetition penalty"].source == "yours"
     assert bill["block allocator"].source == "reference" and "no 07_paged_kv notebook" in bill["block allocator"].why
     assert bill["int8 linear layer"].source == "reference" and "float32" in bill["int8 linear layer"].why
-    assert not bill["speculative acceptance"].in_engine
+    assert not bill["speculative acceptance"].in_engine and bill["speculative acceptance"].passing
     assert {n for n, e in bill.items() if e.source == "yours"} == {"attention", "repetition penalty", "scheduler",
                                                                      "engine step"}
     int8 = {e.stage.name: e for e in parts.bill_of_materials(all_passing(), quantization="int8")}

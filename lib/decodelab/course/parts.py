@@ -89,6 +89,7 @@ class Entry:
     source: str  # YOURS or REFERENCE
     why: str
     in_engine: bool = True  # False: this engine has no use for the stage (no draft model)
+    passing: bool = False  # every exercise behind the stage passes
 
 
 @dataclass
@@ -119,6 +120,7 @@ def bill_of_materials(rows: list[progress.Row], quantization: str | None = None,
         entry = Entry(stage, REFERENCE, "", in_engine=speculative or stage.hook != "accept_draft_tokens")
         problems = [f"{name}: {status.get((stage.notebook, name), 'not found in the notebook')}"
                     for name in stage.exercises if status.get((stage.notebook, name)) != progress.PASSING]
+        entry.passing = stage.notebook in checked and not problems and bool(stage.exercises)
         if stage.notebook not in checked:
             entry.why = f"no {stage.notebook} notebook checked in the folder"
         elif problems or not stage.exercises:
@@ -200,18 +202,22 @@ def assemble(course_dir, rows: list[progress.Row], quantization: str | None = No
     bill = bill_of_materials(rows, quantization, speculative)
     statuses = {(row.notebook, row.exercise): row.status for row in rows}
     namespaces, hooks = {}, EngineHooks()
-    for notebook in dict.fromkeys(e.stage.notebook for e in bill if e.source == YOURS):
-        needed = {name for e in bill if e.source == YOURS and e.stage.notebook == notebook for name in e.stage.exercises}
+    loaded = [e for e in bill if e.source == YOURS or (e.passing and not e.in_engine)]
+    for notebook in dict.fromkeys(e.stage.notebook for e in loaded):
+        needed = {name for e in loaded if e.stage.notebook == notebook for name in e.stage.exercises}
         path = Path(course_dir).expanduser() / notebook / f"{notebook}.ipynb"
         mine = {name: status for (nb, name), status in statuses.items() if nb == notebook}
         namespaces[notebook] = load_notebook(path, needed, mine)
     for entry in bill:
-        if entry.source != YOURS:
+        # a passing stage this engine leaves idle (no draft model) is loaded too: an engine built
+        # from the same hooks with a draft model runs it
+        if not (entry.source == YOURS or (entry.passing and not entry.in_engine)):
             continue
         try:
             setattr(hooks, entry.stage.hook, entry.stage.build(namespaces[entry.stage.notebook]))
         except Exception as exc:  # noqa: BLE001 - e.g. a name the cells no longer define
-            entry.source, entry.why = REFERENCE, f"could not load it: {type(exc).__name__}: {exc}"
+            entry.source, entry.passing = REFERENCE, False
+            entry.why = f"could not load it: {type(exc).__name__}: {exc}"
     return Assembly(bill, hooks, quantization, namespaces)
 
 
