@@ -353,6 +353,8 @@ def run_notebook(plan: Plan, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, st
             _kill_group(proc)
             proc.wait()
             tail.text()  # drained
+            if not tail.thread.is_alive():  # else a ResourceWarning in the caller (the capstone's kernel shows it)
+                proc.stdout.close()
             running, phase = None, None
             for line in results_path.read_text().splitlines():
                 try:
