@@ -37,6 +37,7 @@ def attention_of_new_tokens_only(cache, layer_index, q, k, v):
     return fp.group_query_attention(q, k, v, q_offset=0)
 
 
+@pytest.mark.slow
 def test_lesson_forward_and_attention_serve_smollm2_with_the_library_tokens(smollm2):
     """float32 SmolLM2, three chat prompts in one batch (prefill mixed with decode, a shared
     template prefix in the cache): every combination of the two hooks writes the greedy tokens of
