@@ -353,3 +353,13 @@ def test_nbgrader_finds_the_config_from_any_folder(tmp_path):
     log = result.stdout + result.stderr
     assert f"Loaded config file: {ROOT / 'nbgrader_config.py'}" in log, log[-3000:]
     assert "Success! Your notebook passes all the tests." in log, log[-3000:]
+
+
+def test_readme_course_table_lists_every_notebook():
+    """The README's course table (the way in) has a row per notebook, with a time estimate."""
+    rows = {line.split("`")[1]: line for line in (ROOT / "README.md").read_text().splitlines()
+            if line.startswith("| `") and line.split("`")[1][:2].isdigit()}
+    names = sorted(p.name for p in SOLUTIONS.iterdir() if (p / f"{p.name}.ipynb").exists())
+    assert sorted(rows) == names, f"README course table rows {sorted(rows)} vs notebooks {names}"
+    for name, line in rows.items():
+        assert re.search(r"\|\s*\d+(\.\d+)? h\s*\|", line), f"README: {name}'s row has no time estimate: {line}"
