@@ -19,7 +19,7 @@ from decodelab.engine import llm as engine_llm
 from decodelab.engine.block_allocator import BlockAllocator
 from decodelab.model.kv_cache import KVCache
 from decodelab.model.registry import load
-from decodelab.model.toy import tiny_model
+from decodelab.model.toy import tiny_model, toy_config
 from decodelab.params import SamplingParams
 
 
@@ -40,6 +40,7 @@ def test_every_part_is_on_the_map_once_and_the_svg_parses():
     assert parts_of(svg) == set(PARTS)
     assert not find_by_class(svg, "highlight")
     assert pictures.engine_map()._repr_svg_() == svg
+    assert repr(pictures.engine_map()).startswith("Picture('The engine, in serving order'")
 
 
 @pytest.mark.parametrize("notebook", sorted({nb for nb, _ in PARTS}))
@@ -108,6 +109,20 @@ def test_kv_cache_flow_marks_the_rows_just_appended():
     assert not find_by_class(pictures.kv_cache_flow(cache, previous_length=4).svg, "new")
     with pytest.raises(ValueError, match="previous_length"):
         pictures.kv_cache_flow(cache, previous_length=5)
+
+
+def test_kv_cache_flow_of_a_long_deep_cache_draws_a_window():
+    config = toy_config(num_hidden_layers=6)
+    cache = KVCache(config, 1, 128)
+    for layer in range(6):
+        cache.append(layer, torch.zeros(1, 2, 100, config.head_dim), torch.zeros(1, 2, 100, config.head_dim))
+    svg = pictures.kv_cache_flow(cache).svg
+    drawn = {int(e.get("data-layer")) for e in find_by_class(svg, "slot")}
+    assert drawn == {0, 1, 2, 5}  # the first three layers and the last
+    positions = [int(e.get("data-position")) for e in find_by_class(svg, "slot") if e.get("data-layer") == "0"]
+    assert len(positions) == 60 and positions[-1] == 103  # the last 60 up to 4 past the held rows
+    assert [int(e.get("data-position")) for e in find_by_class(svg, "new") if e.get("data-layer") == "5"] == [99]
+    assert "positions before 44 not drawn" in svg
 
 
 # ------------------------------------------------------------------------------ block tables

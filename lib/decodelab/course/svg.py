@@ -20,12 +20,15 @@ FONT = "font-family='DejaVu Sans, Helvetica, Arial, sans-serif'"
 CHAR_WIDTH = 0.6  # average glyph width of the sans font, in units of the font size
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Picture:
     """A finished drawing: `svg` is the SVG text; Jupyter and the browser show it."""
 
     svg: str
     title: str
+
+    def __repr__(self) -> str:  # the text/plain beside the drawing: short, not the whole SVG
+        return f"Picture({self.title!r}, {len(self.svg):,} characters of SVG)"
 
     def _repr_svg_(self) -> str:
         return self.svg
