@@ -140,6 +140,10 @@ def test_block_table_picture_follows_the_pool():
     after = pictures.block_table_picture(allocator, tables).svg
     assert after != svg and not find_by_class(after, "shared")
     assert len(find_by_class(after, "free")) + len(find_by_class(after, "cached")) == allocator.num_free
+    big = BlockAllocator(200, 4)
+    big_tables = {"A": big.allocate(list(range(30)))[0]}
+    drawn = [int(e.get("data-block")) for e in find_by_class(pictures.block_table_picture(big, big_tables).svg, "block")]
+    assert drawn == list(range(60))  # a big pool: the blocks from 0, past the highest one held
     with pytest.raises(ValueError, match="outside the pool"):
         pictures.block_table_picture(allocator, {"B": tables["B"] + [12]})
     with pytest.raises(ValueError, match="do not match"):

@@ -113,7 +113,8 @@ def block_table_picture(allocator, block_tables: dict[str, list[int]]) -> Pictur
         pool = pool_snapshot(allocator, block_tables, "block_table_picture")
     except AssertionError as error:
         raise ValueError(f"the tables do not match the allocator: {error}") from None
-    start, stop = _window(allocator.num_blocks, allocator.num_blocks)
+    highest = max((block for table in block_tables.values() for block in table), default=-1)
+    start, stop = _window(highest + 1, allocator.num_blocks)  # up to the highest block a table holds
     cell = max(16.0, min(40.0, 880 / (stop - start)))
     title = (f"Block tables into a pool of {allocator.num_blocks} blocks of {allocator.block_size} tokens: "
              f"{allocator.num_free} free")
@@ -136,7 +137,10 @@ def block_table_picture(allocator, block_tables: dict[str, list[int]]) -> Pictur
     canvas.text(10, pool_y + cell + 22, "white: free · grey: free, still named in the prefix cache (a later prompt "
                 "with that prefix finds it) · light blue: one table · dark blue: shared (x count)", size=10,
                 color="#475569")
-    return canvas.picture(pool_y + cell + 34)
+    if (start, stop) != (0, allocator.num_blocks):
+        canvas.text(10, pool_y + cell + 38, f"blocks {start} to {stop - 1} of the pool's {allocator.num_blocks} "
+                    "drawn", size=10, color="#475569")
+    return canvas.picture(pool_y + cell + 50)
 
 
 def _draw_table(canvas: Canvas, name, table, y, pool_y, centres, color) -> None:
