@@ -40,6 +40,10 @@ exercise's hint ladder the student saw ("hints: ex_top_k_filter 2, ex_top_p_filt
 never changes a score. "grader:" notes are about the grading itself (a Dask worker lost and
 the submission graded again, or why a worker refused it).
 
+Feedback (--feedback DIR) is nbgrader's layout, DIR/<student>/<assignment>/<notebook>.html with the
+submission's timestamp.txt and submission_secret.txt beside it: `nbgrader release_feedback` releases it
+as it is (README, "Through nbgrader's exchange").
+
 Where kernels run: a local process pool of --workers processes, each holding one host-wide
 sandbox slot (autograder/slots.py: a kernel uid no other grader on the host uses), or, with
 --scheduler/--scheduler-file, one Dask task per submission on the cluster's workers
