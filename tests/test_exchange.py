@@ -9,7 +9,7 @@ nbgrader_config.py on JUPYTER_CONFIG_PATH, as a JupyterHub would set them for ev
 1. the instructor builds a course folder the way `make release` does (autograder.release into
    its course/) and runs `nbgrader release_assignment` (the repository's nbgrader_config.py);
 2. each student runs `nbgrader fetch_assignment` and `nbgrader submit` as their own user
-   (tests/as_user.py): `solver` answers both exercises and used three hint rungs (the
+   (tests/as_user.py): `solver` answers every answer cell and used three hint rungs (the
    `.decodelab_hints.json` the hint buttons write), `idle` submits the release untouched, `late`
    submits the release before the due date and the answers after it;
 3. the instructor runs `nbgrader collect`, then our grader on `<course>/submitted` as collected,
@@ -47,6 +47,14 @@ FIRST_UID = 60100            # students' uids: below the sandbox's 61000 + slot 
 LAST_UID = 60999
 HINTS = {"ex_count_parameters": 2, "ex_decode_tokens_per_second_bound": 1}
 COMMAND_TIMEOUT = 240
+
+
+def _max_points() -> float:
+    return sum(float(c.metadata.nbgrader.get("points", 0)) for c in read(solution_path(NAME)).cells
+               if c.get("metadata", {}).get("nbgrader", {}).get("grade"))
+
+
+MAX = _max_points()
 
 
 def in_ci() -> bool:
@@ -176,11 +184,11 @@ class Course:
         return self.home(role) / NAME / f"{NAME}.ipynb"
 
     def answer(self, role: str) -> None:
-        """The student writes both exercises (the solution's code, without nbgrader's markers)."""
+        """The student answers every answer cell (the solution's code, without nbgrader's markers)."""
         path = self.fetched(role)
         nb = nbformat.read(str(path), as_version=4)
         solved = {grade_id(c): c.source for c in read(solution_path(NAME)).cells
-                  if (grade_id(c) or "").startswith("ex_")}
+                  if c.get("metadata", {}).get("nbgrader", {}).get("solution")}
         for cell in nb.cells:
             if grade_id(cell) in solved:
                 cell.source = "\n".join(line for line in solved[grade_id(cell)].splitlines()
@@ -309,8 +317,8 @@ def test_collect_keeps_the_exchange_files_and_the_hint_counter(flow):
 @pytest.mark.slow
 def test_scores_in_the_csv(flow):
     solver, idle, late = (_row(flow, role) for role in ROLES)
-    assert (solver["status"], solver["score"], solver["max_score"]) == ("ok", "4", "4"), solver
-    assert (idle["status"], idle["score"], idle["max_score"]) == ("ok", "0", "4"), idle
+    assert (solver["status"], solver["score"], solver["max_score"]) == ("ok", f"{MAX:g}", f"{MAX:g}"), solver
+    assert (idle["status"], idle["score"], idle["max_score"]) == ("ok", "0", f"{MAX:g}"), idle
     assert "test_count_parameters failed: NotImplementedError" in idle["notes"], idle
     assert "test_decode_tokens_per_second_bound failed: NotImplementedError" in idle["notes"], idle
     assert "hints: ex_count_parameters 2, ex_decode_tokens_per_second_bound 1" in solver["notes"], solver
@@ -325,7 +333,7 @@ def test_the_late_student_is_graded_on_the_latest_submission(flow):
     submitted = c.course / "submitted" / c.students["late"] / NAME
     assert (submitted / "timestamp.txt").read_text() == (second / "timestamp.txt").read_text()
     row = _row(flow, "late")
-    assert (row["status"], row["score"], row["late_penalty"]) == ("ok", "3", "1"), row
+    assert (row["status"], row["score"], row["late_penalty"]) == ("ok", f"{MAX - 1:g}", "1"), row
     on_time = _row(flow, "solver")
     assert on_time["late_penalty"] == "0" and on_time["submitted_at"] < flow["due"].isoformat() < row["submitted_at"]
 
@@ -348,7 +356,7 @@ def test_feedback_in_nbgrader_layout(flow):
 @pytest.mark.slow
 def test_each_student_fetches_their_own_feedback(flow):
     c = flow["course"]
-    for role, score in (("solver", "4.0"), ("idle", "0.0"), ("late", "3.0")):  # net of the late penalty
+    for role, score in (("solver", MAX), ("idle", 0.0), ("late", MAX - 1)):  # net of the late penalty
         feedback = c.home(role) / NAME / "feedback"
         stamps = [p.name for p in feedback.iterdir()]
         newest = c.submissions_in_cache(role)[-1]
@@ -356,7 +364,7 @@ def test_each_student_fetches_their_own_feedback(flow):
         page = (feedback / stamps[0] / f"{NAME}.html")
         assert page.stat().st_uid == pwd.getpwnam(c.students[role]).pw_uid
         text = page.read_text()
-        assert f"{NAME} (Score: {score} / 4.0)" in text, (role, text[:2000])
+        assert f"{NAME} (Score: {round(score, 2)} / {round(MAX, 2)})" in text, (role, text[:2000])
         assert "### BEGIN HIDDEN TESTS" not in text and "autograder.run" not in text
     late_page = next((c.home("late") / NAME / "feedback").rglob("*.html")).read_text()
     assert "Late submission penalty (Score: -1.0)" in late_page and "late: submitted" in late_page
