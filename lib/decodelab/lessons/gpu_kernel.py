@@ -176,6 +176,10 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs); under the interpreter, an exception raised inside the kernel
     comes out as itself (the interpreter wraps it in an InterpreterError)."""
     require_triton()
+    if interpreter_active() and type(tl.cdiv).__name__ == "JITFunction":
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so its own functions (tl.cdiv) "
+                           "are compiled ones the interpreter cannot call: restart the kernel and import "
+                           "decodelab.lessons.gpu_kernel (or run the set-up cell) before anything imports triton")
     try:
         kernel[grid](*args, **kwargs)
     except Exception as exc:
