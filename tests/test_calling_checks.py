@@ -54,7 +54,7 @@ def _learner_code(check: str, function: str, body: str):
     exercise a class whose __init__ has it. Returns (the object, the name a stub message must give)."""
     kernel_parameters = _kernel_parameters(check, function)
     if kernel_parameters is not None:
-        source = f"import triton\n@triton.jit\ndef {function}({kernel_parameters}):\n    {body}\n"
+        source = f"import triton\nimport triton.language as tl\n@triton.jit\ndef {function}({kernel_parameters}):\n    {body}\n"
         where = function
     elif _is_class(check, function):
         source = f"class {function}:\n    def __init__(self, *args, **kwargs):\n        {body}\n"

@@ -330,6 +330,26 @@ def kv_bytes_read(context_lens, num_kv_heads: int, head_dim: int, bytes_per_valu
     return 2 * float(sum(int(n) for n in context_lens)) * num_kv_heads * head_dim * bytes_per_value
 
 
+def time_against_gather(attentions: dict, context_lengths: list[int], batch_size: int = 32, device="cuda",
+                        dtype=torch.bfloat16, num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
+                        block_size: int = 16, repeats: int = 20) -> dict[str, list[dict]]:
+    """Median time of each attention (name -> fn(**batch), e.g. `paged_attention` and
+    `batched_sdpa_by_gather`) on a decode batch of batch_size sequences of each context length;
+    returns name -> [{"context": n, "ms": ..., "bytes_per_s": KV bytes read / time}] in order.
+    SmolLM2's heads by default; every function sees the same batch."""
+    from decodelab.lessons.measure import median, time_call
+
+    results: dict[str, list[dict]] = {name: [] for name in attentions}
+    for n in context_lengths:
+        batch = random_paged_batch([n] * batch_size, num_heads, num_kv_heads, head_dim, block_size, device=device,
+                                   dtype=dtype)
+        kv_bytes = kv_bytes_read(batch["context_lens"].tolist(), num_kv_heads, head_dim, batch["q"].element_size())
+        for name, fn in attentions.items():
+            seconds = median(time_call(lambda: fn(**batch), device=device, repeats=repeats, warmup=3))
+            results[name].append({"context": n, "ms": seconds * 1e3, "bytes_per_s": kv_bytes / seconds})
+    return results
+
+
 def interpreter_active() -> bool:
     """True when the kernels of this module were defined under Triton's interpreter."""
     return triton is not None and type(paged_attention_kernel).__name__ == "InterpretedFunction"
@@ -337,4 +357,4 @@ def interpreter_active() -> bool:
 
 __all__ = ["use_interpreter_without_gpu", "MODE", "require_triton", "gather_kv_kernel", "paged_attention_kernel",
            "launch", "check_paged_inputs", "gather_kv_blocks", "paged_attention", "sdpa_by_gather",
-           "batched_sdpa_by_gather", "random_paged_batch", "kv_bytes_read", "interpreter_active"]
+           "batched_sdpa_by_gather", "random_paged_batch", "kv_bytes_read", "time_against_gather", "interpreter_active"]
