@@ -221,6 +221,7 @@ def gather_kv_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_le
     [B, H_kv, max_blocks * block_size, D]: row i of out[b, h] is token i's vector for i below
     context_lens[b], zero after. kernel: a kernel with `gather_kv_kernel`'s signature (None: it).
     """
+    require_triton()
     check_paged_inputs(cache, block_tables, context_lens)
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     batch, max_blocks = block_tables.shape
@@ -243,6 +244,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     """
     check_paged_inputs(key_cache, block_tables, context_lens, value_cache)
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    require_triton()
     if q.dim() != 3 or q.shape[0] != block_tables.shape[0] or q.shape[2] != head_dim:
         raise ValueError(f"q must be [B, H, D] = [{block_tables.shape[0]}, H, {head_dim}], got {list(q.shape)}")
     if q.shape[1] % num_kv_heads:
@@ -305,9 +307,9 @@ def random_paged_batch(context_lens: list[int], num_heads: int = 9, num_kv_heads
     """A decode batch over a shuffled KV pool: the keyword arguments of `paged_attention`.
 
     Every slot of the pool holds random numbers (stale data included, as in a real pool), each
-    sequence's blocks are distinct physical blocks in a random order (never the identity), and
-    block_tables is padded with block ids of other sequences (a kernel must stop at the context
-    length). spare_blocks: blocks nobody owns. Returns q [B, H, D], key_cache and value_cache
+    sequence's blocks are distinct physical blocks in a random order, and block_tables is padded
+    with the ids of other blocks of the pool, other sequences' or free ones (a kernel must stop at
+    the context length). spare_blocks: blocks nobody owns. Returns q [B, H, D], key_cache and value_cache
     [num_blocks, block_size, H_kv, D], block_tables [B, max_blocks] int32, context_lens [B] int32.
     """
     gen = torch.Generator().manual_seed(seed)
