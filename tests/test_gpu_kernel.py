@@ -114,6 +114,37 @@ def test_an_exception_inside_a_kernel_comes_out_as_itself():
         gk.launch(unfinished, (1,), torch.zeros(4), BLOCK=4)
 
 
+@needs_triton
+def test_a_plain_function_is_told_it_needs_triton_jit():
+    def gather_kv_kernel(cache_ptr):
+        pass
+
+    with pytest.raises(TypeError, match=r"gather_kv_kernel is not a Triton kernel: put @triton.jit"):
+        gk.launch(gather_kv_kernel, (1,), torch.zeros(4))
+
+
+@needs_triton
+def test_a_compiled_stub_reads_as_not_written_yet():
+    """On a GPU, Triton cannot compile a body that raises; the learner reads what the interpreter says.
+    (Compiling needs a GPU: a kernel stand-in raises what Triton's code generator raises there.)"""
+    import ast
+
+    from triton.compiler.errors import UnsupportedLanguageConstruct
+
+    class CompiledStub:
+        __name__ = "paged_attention_kernel"
+        src = 'def paged_attention_kernel(q_ptr):\n    raise NotImplementedError("write this function")\n'
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                node = ast.parse(self.src).body[0].body[0]
+                raise UnsupportedLanguageConstruct(self.src, node, "unsupported AST node type: Raise")
+            return run
+
+    with pytest.raises(NotImplementedError, match=r"paged_attention_kernel is not written yet"):
+        gk.launch(CompiledStub(), (1,), torch.zeros(4))
+
+
 def test_the_module_imports_without_triton():
     block = ("import importlib.abc, sys\n"
              "class NoTriton(importlib.abc.MetaPathFinder):\n"

@@ -173,9 +173,14 @@ def paged_attention_kernel(q_ptr, key_cache_ptr, value_cache_ptr, block_tables_p
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """kernel[grid](*args, **kwargs); under the interpreter, an exception raised inside the kernel
-    comes out as itself (the interpreter wraps it in an InterpreterError)."""
+    """kernel[grid](*args, **kwargs), with the errors a learner can act on: a function without
+    @triton.jit is named; under the interpreter an exception raised inside the kernel comes out as
+    itself (Triton wraps it in an InterpreterError); compiled, a kernel whose body still raises
+    NotImplementedError (an unwritten stub, which Triton cannot compile) raises NotImplementedError."""
     require_triton()
+    if not hasattr(kernel, "__getitem__"):
+        raise TypeError(f"{getattr(kernel, '__name__', kernel)} is not a Triton kernel: put @triton.jit on the line "
+                        f"above its def")
     if interpreter_active() and type(tl.cdiv).__name__ == "JITFunction":
         raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so its own functions (tl.cdiv) "
                            "are compiled ones the interpreter cannot call: restart the kernel and import "
@@ -186,6 +191,11 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         cause = exc.__cause__
         if type(exc).__name__ == "InterpreterError" and isinstance(cause, Exception):
             raise cause from None
+        from triton.compiler.errors import CompilationError
+
+        if isinstance(exc, CompilationError) and "raise NotImplementedError" in getattr(kernel, "src", ""):
+            raise NotImplementedError(f"{kernel.__name__} is not written yet: its body still raises "
+                                      f"NotImplementedError") from None
         raise
 
 
