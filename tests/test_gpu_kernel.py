@@ -195,3 +195,35 @@ def test_compiled_kernels_on_cuda_for_every_grouping(heads, kv_heads):
         assert torch.equal(gathered[b, :, :n], gather_kv(flat, batch["block_tables"][b].tolist(), n, 16))
         assert not gathered[b, :, n:].any()
     assert math.isfinite(gathered.sum().item())
+
+
+# --------------------------------------------------------------------------- the notebook's figures
+
+
+def test_pool_figure_labels_each_token_in_its_slot():
+    from decodelab.course.widgets.gpu_kernel import pool_figure
+
+    batch = gk.random_paged_batch([21, 9], block_size=8, seed=2)
+    table = batch["block_tables"][1].tolist()
+    labels = pool_figure(batch["block_tables"], batch["context_lens"], batch["key_cache"].shape[0], 8).data[0].text
+    assert labels[table[1]][0] == "s1:8" and labels[table[1]][1] == ""  # token 8 of 9, then the stale tail
+
+
+def test_program_explorer_runs_the_given_attention_until_every_block_is_in():
+    from decodelab.course.widgets.gpu_kernel import program_explorer
+
+    calls = []
+
+    def attention(**batch):  # the oracle stands in for a kernel: the explorer must use what it is given
+        calls.append(batch["context_lens"].tolist())
+        return gk.sdpa_by_gather(**batch)
+
+    batch = gk.random_paged_batch([21, 9, 30], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    box = program_explorer(attention, batch)
+    assert calls == [[21, 9, 30], [8]] and "1 of 3 blocks read" in box.figure.layout.title.text
+    box.controls["sequence"].value = 2
+    box.controls["step"].value = 4
+    assert calls[-1] == [30] and "4 of 4 blocks read" in box.figure.layout.title.text
+    assert max(box.figure.data[1].y) < 1e-6 and "every block is in" in box.figure.layout.title.text
+    box.controls["step"].value = 2
+    assert calls[-1] == [16] and min(box.figure.data[1].y) > 1e-3

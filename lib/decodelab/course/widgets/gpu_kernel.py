@@ -32,8 +32,8 @@ def pool_figure(block_tables: torch.Tensor, context_lens: torch.Tensor, num_bloc
     fig = go.Figure(go.Heatmap(z=(owner + 1).tolist(), text=label, texttemplate="%{text}", colorscale=scale,
                                zmin=-0.5, zmax=len(colors) - 0.5, showscale=False, xgap=2, ygap=2,
                                hovertemplate="block %{y}, slot %{x}: %{text}<extra></extra>"))
-    fig.update_layout(title="The KV pool: each block's slots, coloured by the sequence whose token they hold "
-                            "(s1:17 = sequence 1, token 17; grey = stale)",
+    fig.update_layout(title="The KV pool: each slot coloured by the sequence whose token it holds<br>"
+                            "(s1:17 = sequence 1, token 17; grey: stale, no sequence's token)",
                       height=60 + 34 * num_blocks, margin=dict(l=10, r=10, t=60, b=40),
                       xaxis=dict(title="slot in the block", dtick=1), yaxis=dict(title="physical block", dtick=1,
                                                                                  autorange="reversed"))
@@ -72,16 +72,17 @@ def program_explorer(attention, batch: dict):
     for k, color in enumerate(colors):
         scale += [[k / len(colors), color], [(k + 1) / len(colors), color]]
     base = make_subplots(rows=1, cols=2, column_widths=[0.5, 0.5], horizontal_spacing=0.12,
-                         subplot_titles=("the pool: blocks the program has read (blue)",
-                                         "per query head: |output so far − final output|"))
+                         subplot_titles=("the pool: read (blue), still to read (orange),<br>"
+                                         "other sequences' (pale), stale (grey)",
+                                         "per query head: |output so far − final|<br>(max over D)"))
     base.add_heatmap(z=[[0]], text=[[""]], texttemplate="%{text}", colorscale=scale, zmin=-0.5,
                      zmax=len(colors) - 0.5, showscale=False, xgap=2, ygap=2, row=1, col=1)
     base.add_bar(x=[0], y=[0], marker_color=SEED_COLOR, name="max over D", row=1, col=2)
     base.update_yaxes(autorange="reversed", title="physical block", dtick=1, row=1, col=1)
     base.update_xaxes(title="slot", dtick=1, row=1, col=1)
     base.update_xaxes(title="query head (grouped by KV head)", dtick=1, row=1, col=2)
-    base.update_yaxes(type="log", title="error (log scale)", row=1, col=2)
-    base.update_layout(height=120 + 30 * num_blocks, margin=dict(l=10, r=10, t=110, b=40), showlegend=False)
+    base.update_yaxes(type="log", title="error (log scale)", range=[-8, 1], row=1, col=2)
+    base.update_layout(height=160 + 30 * num_blocks, margin=dict(l=10, r=10, t=130, b=40), showlegend=False)
 
     def draw(target):
         b = sequence.value
@@ -104,10 +105,10 @@ def program_explorer(attention, batch: dict):
             target.layout.shapes = [dict(type="rect", xref="x", yref="y", x0=-0.5, x1=block_size - 0.5,
                                          y0=current - 0.5, y1=current + 0.5, line=dict(color="black", width=3))]
             target.layout.title.text = (
-                f"sequence {b} ({n} tokens): its {num_kv_heads} programs after {done} of {total} blocks; logical block "
-                f"{done - 1} is physical block {current}<br>tokens read: {min(done * block_size, n)} of {n}; "
-                f"largest error of the output so far: " + (f"{error.max().item():.1e}" if error.max() > 1e-6 else
-                                                           "none (to float rounding): every block is in"))
+                f"sequence {b} ({n} tokens), its {num_kv_heads} programs: {done} of {total} blocks read<br>"
+                f"logical block {done - 1} is physical block {current}; tokens read: {min(done * block_size, n)} of {n}"
+                f"<br>largest error so far: " + (f"{error.max().item():.1e}" if error.max() > 1e-6 else
+                                                 "none (to float rounding): every block is in"))
 
     fig = go.FigureWidget(base)  # never displayed into an ipywidgets.Output (see controls.py)
 
