@@ -82,7 +82,7 @@ def program_explorer(attention, batch: dict):
     base.update_xaxes(title="slot", dtick=1, row=1, col=1)
     base.update_xaxes(title="query head (grouped by KV head)", dtick=1, row=1, col=2)
     base.update_yaxes(type="log", title="error (log scale)", range=[-8, 1], row=1, col=2)
-    base.update_layout(height=160 + 30 * num_blocks, margin=dict(l=10, r=10, t=130, b=40), showlegend=False)
+    base.update_layout(height=200 + 30 * num_blocks, margin=dict(l=10, r=10, t=175, b=40), showlegend=False)
 
     def draw(target):
         b = sequence.value
