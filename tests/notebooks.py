@@ -36,7 +36,7 @@ COURSE = ROOT / "course"
 
 READY = ["00_meet_the_model", "01_forward_pass", "02_sampling", "03_kv_cache", "04_prefill_decode", "05_gqa",
          "06_quantization", "07_paged_kv", "08_continuous_batching", "09_speculative_decoding", "10_capstone_engine",
-         "11_tiled_attention"]
+         "11_tiled_attention", "12_gpu_kernel"]
 # A notebook whose cell displays into an ipywidgets.Output can stall nbclient for the whole cell
 # timeout (11's tile explorer did, 300 s): see tests/test_course_helpers.py
 # test_no_widget_displays_into_an_output_widget.
