@@ -49,6 +49,8 @@ def test_messages_name_the_case():
         checks.check_latencies_from_timestamps(buggy.latencies_from_start)
     with pytest.raises(AssertionError, match="should raise ValueError"):
         checks.check_latencies_from_timestamps(buggy.latencies_unchecked)
+    with pytest.raises(AssertionError, match=r"\['tpot_s'\].*expected 0.166667 s, got 0.25 s"):
+        checks.check_latencies_from_timestamps(buggy.latencies_tpot_includes_ttft)
     with pytest.raises(AssertionError, match="Llama-3.1-8B.*kv_len=4096"):
         checks.check_arithmetic_intensity(buggy.intensity_without_kv)
     with pytest.raises(AssertionError, match="fed 75 tokens.*35"):
@@ -83,8 +85,8 @@ def test_exercises_have_the_references_signature_and_docstring():
 
 def test_latencies_from_timestamps():
     out = pf.latencies_from_timestamps(10.0, [10.5, 10.75, 11.0])
-    assert out == {"ttft_s": 0.5, "itl_s": [0.25, 0.25]}
-    assert pf.latencies_from_timestamps(1.0, [1.0]) == {"ttft_s": 0.0, "itl_s": []}
+    assert out == {"ttft_s": 0.5, "itl_s": [0.25, 0.25], "tpot_s": 0.25, "e2e_s": 1.0}
+    assert pf.latencies_from_timestamps(1.0, [1.0]) == {"ttft_s": 0.0, "itl_s": [], "tpot_s": None, "e2e_s": 0.0}
     for times in ([], [0.5], [2.0, 1.5]):
         with pytest.raises(ValueError):
             pf.latencies_from_timestamps(1.0, times)

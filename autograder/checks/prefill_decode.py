@@ -176,8 +176,10 @@ def _expect_number(got, want: float, what: str) -> None:
 def _expect_latencies(fn, start: float, times: list[float], name: str) -> None:
     desc = f"latencies_from_timestamps({start!r}, {name})"
     got = call(desc, fn, start, list(times))
-    if not isinstance(got, dict) or not {"ttft_s", "itl_s"} <= set(got):
-        raise AssertionError(f"{desc}: expected a dict with keys 'ttft_s' and 'itl_s', got {got!r}")
+    keys = {"ttft_s", "itl_s", "tpot_s", "e2e_s"}
+    if not isinstance(got, dict) or not keys <= set(got):
+        raise AssertionError(f"{desc}: expected a dict with the keys 'ttft_s', 'itl_s', 'tpot_s' and 'e2e_s', "
+                             f"got {got!r}")
     _expect_number(got["ttft_s"], times[0] - start, f"{desc}['ttft_s'] (first token - start)")
     want = [b - a for a, b in zip(times, times[1:])]
     itl = got["itl_s"]
@@ -187,6 +189,15 @@ def _expect_latencies(fn, start: float, times: list[float], name: str) -> None:
                              f"tokens of {len(times)}), got {itl!r}")
     for i, (g, w) in enumerate(zip(itl, want)):
         _expect_number(g, w, f"{desc}['itl_s'][{i}] (token {i + 1} - token {i})")
+    if len(times) == 1:
+        if got["tpot_s"] is not None:
+            raise AssertionError(f"{desc}['tpot_s']: a one-token reply has no time per output token after the first; "
+                                 f"expected None, got {got['tpot_s']!r}")
+    else:
+        _expect_number(got["tpot_s"], (times[-1] - times[0]) / (len(times) - 1),
+                       f"{desc}['tpot_s'] (last token - first token, over the {len(times) - 1} tokens after the "
+                       f"first: the prefill's wait is TTFT's, not TPOT's)")
+    _expect_number(got["e2e_s"], times[-1] - start, f"{desc}['e2e_s'] (last token - start)")
 
 
 def _expect_value_error(fn, start, times, what: str, why: str) -> None:

@@ -103,11 +103,13 @@ def arithmetic_intensity(config, num_tokens: int, kv_len: int = 0, bytes_per_par
 
 
 def latencies_from_timestamps(start_s: float, token_times_s: list[float]) -> dict:
-    """Time to first token and inter-token latencies from the clock readings of one request.
+    """The latencies of one request from its clock readings, as serving benchmarks report them.
 
     start_s: when the request was sent; token_times_s: when each generated token arrived, in
     order, on the same clock (seconds). Returns {"ttft_s": first token time - start_s,
-    "itl_s": the len(token_times_s) - 1 gaps between consecutive tokens, a list}.
+    "itl_s": the len(token_times_s) - 1 gaps between consecutive tokens, a list,
+    "tpot_s": the time per output token after the first, their mean (None for one token),
+    "e2e_s": last token time - start_s}.
     Raises ValueError if there is no token or a reading goes back in time (a token before
     the start, or before the token ahead of it).
     """
@@ -118,8 +120,9 @@ def latencies_from_timestamps(start_s: float, token_times_s: list[float]) -> dic
         if later < earlier:
             what = "the start" if i == 0 else f"token {i - 1}"
             raise ValueError(f"token {i} arrived at {later} s, before {what} at {earlier} s: the times must not decrease")
-    return {"ttft_s": times[0] - float(start_s),
-            "itl_s": [later - earlier for earlier, later in zip(times, times[1:])]}
+    itl = [later - earlier for earlier, later in zip(times, times[1:])]
+    return {"ttft_s": times[0] - float(start_s), "itl_s": itl,
+            "tpot_s": (times[-1] - times[0]) / len(itl) if itl else None, "e2e_s": times[-1] - float(start_s)}
 
 
 @torch.inference_mode()
