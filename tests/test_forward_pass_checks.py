@@ -118,3 +118,12 @@ def test_widgets_run_on_the_references():
     box = widgets.rope_explorer(fp.rope, max_distance=64)
     box.controls["shift"].value = 1000
     assert "shifting both positions by 1000 moves it by at most" in box.figure.layout.title.text
+
+
+def test_predictions_are_graded_against_the_library():
+    checks.check_q_layer_params(3_540_096)  # the sum of the shapes layer 0 of the real checkpoint prints
+    checks.check_q_rope_slowest_period(2 * math.pi * 100000 ** (62 / 64))
+    for check, wrong in ((checks.check_q_layer_params, 3_540_096 + 2 * 576 * 384),  # k and v counted with 9 heads
+                         (checks.check_q_rope_slowest_period, 100000 ** (62 / 64))):  # one radian, not 2 pi
+        with pytest.raises(AssertionError, match="you predicted"):
+            check(wrong)

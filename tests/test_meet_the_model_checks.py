@@ -49,3 +49,12 @@ def test_real_checkpoint_count_matches_the_loaded_model(smollm2):
     model, _ = smollm2
     config, total = checks._smollm2_checkpoint()
     assert total == model.num_parameters() == parameter_count(config) == 134_515_008
+
+
+def test_predictions_are_graded_within_five_percent():
+    checks.check_q_embedding_share_percent(21.0)  # 28,311,552 of 134,515,008
+    checks.check_q_llama8b_tokens_per_s(3.35e12 / (8e9 * 2))  # a round 8 billion is close enough
+    for check, wrong in ((checks.check_q_embedding_share_percent, 10.5),  # the table counted as half its size
+                         (checks.check_q_llama8b_tokens_per_s, 3.35e12 / 8.03e9)):  # one byte per weight, not two
+        with pytest.raises(AssertionError, match="you predicted"):
+            check(wrong)

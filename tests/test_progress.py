@@ -90,8 +90,8 @@ def test_set_up_is_the_code_before_the_first_numbered_section_or_exercise():
     # under "## 1. Temperature", is a demonstration and is not set-up.
     assert [i for i, _ in plan.setup] == [1, 3]
     assert "course.setup_notebook()" in plan.setup[0][1]
-    assert [name for name, _, _ in plan.cells] == ["apply_temperature", "top_k_filter", "top_p_filter",
-                                                   "apply_repetition_penalty", "sample"]
+    assert [name for name, _, _ in plan.cells] == ["top_k_filter", "top_p_filter", "apply_repetition_penalty",
+                                                   "process_logits", "sample"]
     assert all(cells[i].metadata.nbgrader.grade_id == f"ex_{name}" for name, i, _ in plan.cells)
     for name, visible in plan.tests.items():
         assert "hidden(" not in visible and progress.HIDDEN_BEGIN not in visible and f"{name}(" in visible

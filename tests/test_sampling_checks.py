@@ -8,6 +8,7 @@ import torch
 
 from autograder.checks import sampling as checks
 from decodelab.decoding import sampling
+from decodelab.lessons.sampling import process_logits
 from oracles import load_fixture
 
 buggy = load_fixture("buggy_sampling")
@@ -17,6 +18,7 @@ REFERENCE = {
     "check_top_k_filter": sampling.top_k_filter,
     "check_top_p_filter": sampling.top_p_filter,
     "check_repetition_penalty": sampling.apply_repetition_penalty,
+    "check_process_logits": process_logits,
     "check_sample": sampling.sample,
     "check_probs": sampling.probs,
 }

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call
 from decodelab.config import ModelConfig
 from decodelab.course.checking import describe
@@ -39,7 +40,8 @@ REFERENCES = {
     "forward": "decodelab.lessons.forward_pass:forward",
 }
 
-__all__ = ["check_rms_norm", "check_rope", "check_attention", "check_mlp", "check_forward"]
+__all__ = ["check_rms_norm", "check_rope", "check_attention", "check_mlp", "check_forward", "check_q_layer_params",
+           "check_q_rope_slowest_period"]
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -320,3 +322,26 @@ def check_forward(fn) -> None:
                           why="the cached pass must give the logits of one pass over the whole sequence: RoPE "
                               "turns the new tokens by `positions`, not by 0..T-1")
             held += num_new
+
+
+def check_q_layer_params(value) -> None:
+    """Parameters of one SmolLM2-135M decoder layer, counted on the library's DecoderLayer built from its config."""
+    from decodelab.lessons.kv_size import config_fields
+    from decodelab.model.llama import DecoderLayer
+
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        layer = DecoderLayer(ModelConfig.from_dict(config_fields("SmolLM2-135M")), 0)
+    expected = sum(p.numel() for p in layer.parameters())
+    expect_answer(value, expected, "q_layer_params: one SmolLM2 decoder layer, q and o 576 x 576, k and v 192 x 576, "
+                  "gate, up and down 1,536 x 576, two norms of 576", rel_tol=0.02)
+
+
+def check_q_rope_slowest_period(value) -> None:
+    """Tokens for the slowest RoPE pair of SmolLM2 (theta 100,000, D = 64) to turn 2 pi."""
+    import math
+
+    from decodelab.model.rope import plain_inverse_frequencies
+
+    expected = 2 * math.pi / plain_inverse_frequencies(64, 100000.0).min().item()
+    expect_answer(value, expected, "q_rope_slowest_period: 2 pi / 100,000^(-62/64) tokens for SmolLM2's slowest "
+                  "RoPE pair", rel_tol=0.05)

@@ -19,6 +19,7 @@ import math
 import numbers
 import random
 
+from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
 
 
@@ -28,7 +29,8 @@ REFERENCES = {
     "decode_tokens_per_second_bound": "decodelab.lessons.measure:decode_tokens_per_second_bound",
 }
 
-__all__ = ["check_count_parameters", "check_decode_tokens_per_second_bound"]
+__all__ = ["check_count_parameters", "check_decode_tokens_per_second_bound", "check_q_embedding_share_percent",
+           "check_q_llama8b_tokens_per_s"]
 
 # The config.json fields of two published checkpoints and the totals transformers reports for them.
 PUBLISHED = {
@@ -159,3 +161,22 @@ def check_decode_tokens_per_second_bound(fn) -> None:
                       ((7e9, -2, 1e12), "bytes_per_param"), ((7e9, 2, 0), "bandwidth_bytes_per_s"),
                       ((7e9, 2, -1e12), "bandwidth_bytes_per_s")):
         expect_raises(f"decode_tokens_per_second_bound{args}", ValueError, f"{bad} must be > 0", fn, *args)
+
+
+def check_q_embedding_share_percent(value) -> None:
+    """Percent of SmolLM2-135M's parameters in its (tied) token embedding table."""
+    from decodelab.lessons import kv_size
+
+    fields = kv_size.config_fields("SmolLM2-135M")
+    expected = 100 * fields["vocab_size"] * fields["hidden_size"] / kv_size.parameter_count(fields)
+    expect_answer(value, expected, "q_embedding_share_percent: SmolLM2-135M's embedding table (49,152 x 576, "
+                  "stored once) as a percentage of its 134,515,008 parameters", rel_tol=0.05)
+
+
+def check_q_llama8b_tokens_per_s(value) -> None:
+    """The batch-1 decode bound of Llama-3.1-8B in bf16 on 3.35 TB/s, in tokens per second."""
+    from decodelab.lessons import kv_size, measure
+
+    expected = measure.decode_tokens_per_second_bound(kv_size.parameter_count("Llama-3.1-8B"), 2, 3.35e12)
+    expect_answer(value, expected, "q_llama8b_tokens_per_s: 3.35e12 bytes/s over (8,030,261,248 parameters x 2 "
+                  "bytes) for Llama-3.1-8B in bf16 on an H100", rel_tol=0.05)

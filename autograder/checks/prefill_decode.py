@@ -9,6 +9,9 @@ Oracles, never snapshots:
 * logits: the same weights in float64, run over the whole sequence without any cache (the
   plain causal forward pass that prefill and prefix reuse must reproduce);
 * "one forward pass" and "the prefix is computed once": counted with forward hooks on the model;
+* generation: the greedy tokens of the float64 model without a cache, recomputed step by step; the
+  clock readings: a clock that returns how many forward passes have run, so each reading shows
+  where in the loop it was taken;
 * latencies: differences of clock readings, by hand;
 * arithmetic intensity: 2 FLOPs per parameter per token over the bytes of every weight plus
   K/V (2 x layers x KV heads x head_dim x positions x bytes), with the parameters counted by
@@ -23,18 +26,20 @@ import random
 
 import torch
 
+from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
 from decodelab.model.toy import random_llama
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
-    "prefill": "decodelab.lessons.prefill_decode:prefill",
+    "timed_generate": "decodelab.lessons.prefill_decode:timed_generate",
     "latencies_from_timestamps": "decodelab.lessons.prefill_decode:latencies_from_timestamps",
     "arithmetic_intensity": "decodelab.lessons.prefill_decode:arithmetic_intensity",
     "reuse_prefix": "decodelab.lessons.prefill_decode:reuse_prefix",
 }
 
-__all__ = ["check_prefill", "check_latencies_from_timestamps", "check_arithmetic_intensity", "check_reuse_prefix"]
+__all__ = ["check_timed_generate", "check_latencies_from_timestamps", "check_arithmetic_intensity",
+           "check_reuse_prefix", "check_q_kv_share_percent", "check_q_prefill_tokens_to_ridge"]
 
 VOCAB = 97
 LLAMA_31_8B_PARAMETERS = 8_030_261_248  # what transformers reports for meta-llama/Llama-3.1-8B
@@ -81,50 +86,79 @@ def _expect_logits(got, want: torch.Tensor, what: str, atol: float = 1e-4) -> No
 # --------------------------------------------------------------------------- prefill
 
 
-def check_prefill(fn) -> None:
+def _greedy_oracle(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens of the float64 model, each from a pass over the whole sequence without a cache."""
+    exact, ids = copy.deepcopy(model).double(), list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(exact(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _timed_run(fn, model, prompt: list[int], max_new: int, stop=(), desc: str = ""):
+    """Run fn with a fresh cache and a clock that reads the number of forward passes so far;
+    return (its result, the tokens each forward pass was fed, the cache)."""
     from decodelab.model.kv_cache import KVCache
 
-    model = random_llama(31, **MODEL)
-    gen = torch.Generator().manual_seed(31)
-    prompt = torch.randint(0, VOCAB, (12,), generator=gen).tolist()
-
-    cache = KVCache(model.config, 1, 32)
-    counter = _Counter(model)
+    fed: list[int] = []
+    handle = model.register_forward_pre_hook(
+        lambda _m, args, kwargs: fed.append(int((args[0] if args else kwargs["input_ids"]).shape[-1])), with_kwargs=True)
+    cache = KVCache(model.config, 1, len(prompt) + max_new + 1)
     try:
-        got = call("prefill(model, a 12-token list, an empty cache)", fn, model, prompt, cache)
+        got = call(desc, fn, model, prompt, max_new, cache, stop, lambda: float(len(fed)))
     finally:
-        counter.remove()
-    if counter.calls == 0:
-        raise AssertionError("prefill of a 12-token prompt never called the model: call it as "
-                             "model(ids, kv_cache=cache) (calling model.forward directly skips its hooks)")
-    if counter.calls != 1:
-        raise AssertionError(f"prefill of a 12-token prompt ran the model {counter.calls} times; a prefill is one "
-                             f"forward pass over all 12 tokens")
-    _expect_logits(got, _oracle_last_logits(model, [prompt]), "prefill(model, a 12-token list, an empty cache)")
-    if cache.seq_len != 12:
-        raise AssertionError(f"after prefill of 12 tokens the cache holds {cache.seq_len} positions, expected 12: "
-                             f"pass the cache to the model (model(ids, kv_cache=cache))")
-    with torch.inference_mode():  # the cache it leaves must serve the next decode step
-        after = model(torch.tensor([[5]]), kv_cache=cache)[:, -1]
-    _expect_logits(after, _oracle_last_logits(model, [prompt + [5]]),
-                   "the decode step right after prefill (token 5 fed with the cache prefill filled)")
+        handle.remove()
+    if not isinstance(got, dict) or not {"token_ids", "start_s", "token_times_s"} <= set(got):
+        raise AssertionError(f"{desc} returned {type(got).__name__} {str(got)[:80]}; expected a dict with the keys "
+                             f"'token_ids', 'start_s' and 'token_times_s'")
+    return got, fed, cache
 
-    batch = torch.randint(0, VOCAB, (2, 9), generator=gen)
-    got = call("prefill(model, a [2, 9] tensor of two prompts, an empty cache for 2)", fn, model, batch,
-               KVCache(model.config, 2, 16))
-    _expect_logits(got, _oracle_last_logits(model, batch.tolist()),
-                   "prefill(model, a [2, 9] tensor of two prompts, a cache for 2)")
 
-    flat = torch.tensor(prompt[:7])
-    got = call("prefill(model, a [7] tensor, an empty cache)", fn, model, flat, KVCache(model.config, 1, 16))
-    _expect_logits(got, _oracle_last_logits(model, [prompt[:7]]), "prefill(model, a [7] tensor, an empty cache)")
+def check_timed_generate(fn) -> None:
+    """fn(model, prompt_ids, max_new_tokens, cache, stop_token_ids, clock) -> {token_ids, start_s, token_times_s}."""
+    model = random_llama(32, **MODEL)
+    prompt = torch.randint(0, VOCAB, (11,), generator=torch.Generator().manual_seed(32)).tolist()
+    want = _greedy_oracle(model, prompt, 6)
+    desc = "timed_generate(model, an 11-token prompt, max_new_tokens=6, an empty cache, no stop token, clock)"
+    got, fed, cache = _timed_run(fn, model, prompt, 6, (), desc)
+    if [int(t) for t in got["token_ids"]] != want:
+        raise AssertionError(f"{desc}: token_ids {list(got['token_ids'])}, expected the greedy tokens {want} (the "
+                             f"argmax at every step, from the float64 model run without a cache)")
+    if fed != [11, 1, 1, 1, 1, 1]:
+        why = ("the prompt went in one token at a time: a prefill is one pass over all 11" if fed[:11] == [1] * 11
+               else "the decode steps must feed only the newest token, with the cache" if len(fed) > 1 and fed[1] > 1
+               else "the last token needs no pass: nothing comes after it" if len(fed) > 6
+               else "one prefill pass, then one pass per token after the first")
+        raise AssertionError(f"{desc}: the model was fed {fed} tokens per pass, expected [11, 1, 1, 1, 1, 1] ({why})")
+    if cache.seq_len != 16:
+        raise AssertionError(f"{desc}: the cache holds {cache.seq_len} positions afterwards, expected 16 (the prompt "
+                             f"and the 5 tokens fed back): pass the cache to every forward pass")
+    if float(got["start_s"]) != 0.0:
+        raise AssertionError(f"{desc}: start_s was read after {got['start_s']:g} forward passes (the clock given "
+                             f"counts them); read the clock once before the prefill")
+    stamps = [float(t) for t in got["token_times_s"]]
+    if stamps != [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]:
+        raise AssertionError(f"{desc}: token_times_s {stamps} with a clock that returns the number of forward passes "
+                             f"so far; expected [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]: one reading right after each token "
+                             f"(the first after the prefill), using the clock you are given")
 
-    # a cache that already holds a prefix: prefill continues after it (chunked prefill, prefix reuse)
-    chunked = KVCache(model.config, 1, 32)
-    call("prefill of the first 5 tokens", fn, model, prompt[:5], chunked)
-    got = call("prefill of the other 7 tokens into the same cache", fn, model, prompt[5:], chunked)
-    _expect_logits(got, _oracle_last_logits(model, [prompt]),
-                   "prefill of 7 tokens into a cache that already holds the 5 before them (positions 5..11)")
+    stop = want[3] if want[3] not in want[:3] else want[0]
+    cut = want[:want.index(stop) + 1]
+    desc = f"timed_generate(model, the same prompt, max_new_tokens=6, a fresh cache, stop_token_ids=({stop},), clock)"
+    got, fed, _ = _timed_run(fn, model, prompt, 6, (stop,), desc)
+    if [int(t) for t in got["token_ids"]] != cut or len(got["token_times_s"]) != len(cut):
+        raise AssertionError(f"{desc}: token_ids {list(got['token_ids'])} with {len(got['token_times_s'])} readings; "
+                             f"expected {cut}: stop right after the stop token, which is kept")
+    desc = "timed_generate(model, the same prompt, max_new_tokens=1, a fresh cache, no stop token, clock)"
+    got, fed, _ = _timed_run(fn, model, prompt, 1, (), desc)
+    if [int(t) for t in got["token_ids"]] != want[:1] or fed != [11]:
+        raise AssertionError(f"{desc}: token_ids {list(got['token_ids'])} after passes fed {fed}; expected "
+                             f"{want[:1]} from the prefill alone ([11])")
+    from decodelab.model.kv_cache import KVCache
+
+    for bad in (0, -1):
+        expect_raises(f"timed_generate(model, prompt, max_new_tokens={bad}, cache)", ValueError, "max_new_tokens must "
+                      "be an integer >= 1", fn, model, prompt, bad, KVCache(model.config, 1, 16))
 
 
 # --------------------------------------------------------------------------- latency
@@ -142,8 +176,10 @@ def _expect_number(got, want: float, what: str) -> None:
 def _expect_latencies(fn, start: float, times: list[float], name: str) -> None:
     desc = f"latencies_from_timestamps({start!r}, {name})"
     got = call(desc, fn, start, list(times))
-    if not isinstance(got, dict) or not {"ttft_s", "itl_s"} <= set(got):
-        raise AssertionError(f"{desc}: expected a dict with keys 'ttft_s' and 'itl_s', got {got!r}")
+    keys = {"ttft_s", "itl_s", "tpot_s", "e2e_s"}
+    if not isinstance(got, dict) or not keys <= set(got):
+        raise AssertionError(f"{desc}: expected a dict with the keys 'ttft_s', 'itl_s', 'tpot_s' and 'e2e_s', "
+                             f"got {got!r}")
     _expect_number(got["ttft_s"], times[0] - start, f"{desc}['ttft_s'] (first token - start)")
     want = [b - a for a, b in zip(times, times[1:])]
     itl = got["itl_s"]
@@ -153,6 +189,15 @@ def _expect_latencies(fn, start: float, times: list[float], name: str) -> None:
                              f"tokens of {len(times)}), got {itl!r}")
     for i, (g, w) in enumerate(zip(itl, want)):
         _expect_number(g, w, f"{desc}['itl_s'][{i}] (token {i + 1} - token {i})")
+    if len(times) == 1:
+        if got["tpot_s"] is not None:
+            raise AssertionError(f"{desc}['tpot_s']: a one-token reply has no time per output token after the first; "
+                                 f"expected None, got {got['tpot_s']!r}")
+    else:
+        _expect_number(got["tpot_s"], (times[-1] - times[0]) / (len(times) - 1),
+                       f"{desc}['tpot_s'] (last token - first token, over the {len(times) - 1} tokens after the "
+                       f"first: the prefill's wait is TTFT's, not TPOT's)")
+    _expect_number(got["e2e_s"], times[-1] - start, f"{desc}['e2e_s'] (last token - start)")
 
 
 def _expect_value_error(fn, start, times, what: str, why: str) -> None:
@@ -265,3 +310,28 @@ def check_reuse_prefix(fn) -> None:
                              f"a list of 1 logits tensor, got {type(one).__name__}"
                              + (f" of length {len(one)}" if isinstance(one, (list, tuple)) else ""))
     _expect_logits(one[0], want[1], "reuse_prefix(model, prefix, a flat list of 5 ids)")
+
+
+# --------------------------------------------------------------------------- predictions
+
+H100_FLOPS, H100_BANDWIDTH = 990e12, 3.35e12  # the seed's H100 figures, stated in the questions
+
+
+def check_q_kv_share_percent(value) -> None:
+    """Percent of the bytes one Llama-3.1-8B decode step moves (fp16, 32,768 cached tokens) that are K/V."""
+    from decodelab.lessons.kv_size import kv_bytes, parameter_count
+
+    kv = kv_bytes("Llama-3.1-8B", 32768 + 1, dtype="fp16")
+    expected = 100 * kv / (2 * parameter_count("Llama-3.1-8B") + kv)
+    expect_answer(value, expected, "q_kv_share_percent: K/V of 32,769 positions (128 KiB each) over that plus "
+                  "8,030,261,248 weights x 2 bytes, one Llama-3.1-8B decode step in fp16", rel_tol=0.05)
+
+
+def check_q_prefill_tokens_to_ridge(value) -> None:
+    """The shortest Llama-3.1-8B fp16 prefill whose arithmetic intensity reaches the H100's ridge."""
+    from decodelab.lessons.prefill_decode import arithmetic_intensity
+
+    ridge = H100_FLOPS / H100_BANDWIDTH
+    expected = next(t for t in range(1, 10_000) if arithmetic_intensity("Llama-3.1-8B", t, 0, "fp16") >= ridge)
+    expect_answer(value, expected, "q_prefill_tokens_to_ridge: prompt tokens for a Llama-3.1-8B prefill in fp16 to "
+                  "reach 990e12 / 3.35e12 = 296 FLOPs per byte", rel_tol=0.05)

@@ -31,14 +31,15 @@ from statistics import NormalDist
 
 import torch
 
+from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
-    "apply_temperature": "decodelab.decoding.sampling:apply_temperature",
     "top_k_filter": "decodelab.decoding.sampling:top_k_filter",
     "top_p_filter": "decodelab.decoding.sampling:top_p_filter",
     "apply_repetition_penalty": "decodelab.decoding.sampling:apply_repetition_penalty",
+    "process_logits": "decodelab.lessons.sampling:process_logits",
     "sample": "decodelab.decoding.sampling:sample",
 }
 
@@ -47,8 +48,11 @@ __all__ = [
     "check_top_k_filter",
     "check_top_p_filter",
     "check_repetition_penalty",
+    "check_process_logits",
     "check_sample",
     "check_probs",
+    "check_q_top_p_uniform_kept",
+    "check_q_frequency_std_error",
 ]
 
 NEG_INF = float("-inf")
@@ -501,6 +505,76 @@ _FREQUENCY_CASES = [
 ]
 
 
+# --------------------------------------------------------------------------- the batch pipeline
+
+
+def _ref_process_row(row: torch.Tensor, params, history) -> torch.Tensor:
+    """One row through the processors in vLLM's order, in float64."""
+    x = row.double()
+    if history is not None and len(history) and params.repetition_penalty != 1:
+        x = _ref_repetition(x, torch.as_tensor(history).long(), params.repetition_penalty)
+    if params.temperature == 0:
+        return x
+    x = _ref_temperature(x, params.temperature)
+    if params.top_k >= 1:
+        x = _ref_top_k(x, params.top_k)
+    if params.top_p < 1:
+        x = _ref_top_p(x, params.top_p)
+    return x
+
+
+def _describe_params(p) -> str:
+    parts = [f"temperature={p.temperature:g}"]
+    parts += [f"top_k={p.top_k}"] if p.top_k >= 1 else []
+    parts += [f"top_p={p.top_p:g}"] if p.top_p < 1 else []
+    parts += [f"repetition_penalty={p.repetition_penalty:g}"] if p.repetition_penalty != 1 else []
+    return "SamplingParams(" + ", ".join(parts) + ")"
+
+
+def _expect_processed(fn, x: torch.Tensor, params: list, histories, what: str, note: str = "") -> None:
+    before = x.clone()
+    desc = f"process_logits({what})"
+    got = call(desc, fn, x, params, histories)
+    _check_unchanged(desc, before, x)
+    _check_tensor(desc, got, x)
+    for r, p in enumerate(params):
+        history = None if histories is None else histories[r]
+        row_desc = f"{desc}, row {r} with {_describe_params(p)}" + (f" and history {list(history)}" if history else "")
+        _compare(row_desc, x[r], _ref_process_row(x[r], p, history), got[r],
+                 source="repetition penalty, temperature, top-k, top-p, in that order", note=note)
+
+
+def check_process_logits(fn) -> None:
+    """fn(logits [B, V], params: B SamplingParams, histories: None or B id lists) -> [B, V]: each row's own
+    repetition penalty, temperature, top-k and top-p, in that order; greedy rows get the penalty only."""
+    from decodelab.params import SamplingParams as P
+
+    # the order: the penalty before top-k (token 0 loses its place), temperature before top-p
+    x = torch.tensor([[3.0, 2.9, 1.0, -1.0, 0.5], [2.0, 1.0, 0.5, -1.0, -3.0]])
+    _expect_processed(fn, x, [P(temperature=1.0, top_k=1, repetition_penalty=2.0), P(temperature=0.5, top_p=0.8)],
+                      [[0], []], "two rows of 5 logits",
+                      note="the penalty comes first, so top-k=1 sees token 0 at 1.5 and keeps token 1; top-p "
+                           "measures mass after the temperature (at T=0.5 one token holds 0.84 of it)")
+    # greedy rows: the penalty, and no division by 0
+    x = torch.tensor([[1.0, 4.0, -2.0, 3.0], [1.0, 4.0, -2.0, 3.0], [1.0, 4.0, -2.0, 3.0]])
+    _expect_processed(fn, x, [P(temperature=0, repetition_penalty=2.0), P(temperature=0, top_k=1), P(temperature=4.0)],
+                      [[1, 2], [], [1]], "three rows: two greedy, one at temperature 4",
+                      note="a greedy row (temperature 0) gets the repetition penalty only: never divide by 0; "
+                           "each row uses its own params")
+    # a batch of random rows, every combination, each row its own settings
+    params = [P(temperature=0.7, top_k=5), P(temperature=1.3, top_p=0.8), P(temperature=1.0, top_k=10, top_p=0.5),
+              P(temperature=0.9, top_k=3, repetition_penalty=1.3), P(temperature=2.0), P(temperature=0, repetition_penalty=1.5),
+              P(temperature=0.6, top_p=0.95, repetition_penalty=1.2)]
+    x = _random_logits((len(params), 64), seed=700)
+    g = torch.Generator().manual_seed(701)
+    histories = [torch.randint(0, 64, (9,), generator=g).tolist() for _ in params]
+    _expect_processed(fn, x, params, histories, f"random logits [{len(params)}, 64], one setting per row")
+    _expect_processed(fn, x[:3], params[:3], None, "random logits [3, 64], no histories (None)")
+    for args, what in (((x, params[:2], None), "logits with 7 rows and 2 params"),
+                       ((x[:2], params[:2], histories[:1]), "2 rows and 1 history")):
+        expect_raises(f"process_logits({what})", ValueError, "each row needs its own params (and history)", fn, *args)
+
+
 def _params(temperature: float, top_k: int = 0, top_p: float = 1.0):
     from decodelab.params import SamplingParams
 
@@ -650,3 +724,22 @@ def check_probs(fn) -> None:
                    " (temperature, then top-k, then top-p, then softmax; filtered tokens get exactly 0)")
                 + f"\n  input:    {_fmt(rows(x))}\n  expected: {_fmt([round(v, 6) for v in rows(expected).tolist()])}"
                 + f"\n  got:      {_fmt([round(v, 6) for v in rows(g).tolist()])}")
+
+
+# --------------------------------------------------------------------------- predictions
+
+
+def check_q_top_p_uniform_kept(value) -> None:
+    """Tokens top-p 0.9 keeps from 1,000 equally likely ones (the library's top_p_filter counts them)."""
+    from decodelab.decoding.sampling import top_p_filter
+
+    expected = int(torch.isfinite(top_p_filter(torch.zeros(1000), 0.9)).sum())
+    expect_answer(value, expected, "q_top_p_uniform_kept: top-p 0.9 over 1,000 tokens of probability 0.001 each "
+                  "keeps the smallest set with mass >= 0.9", rel_tol=0.02)
+
+
+def check_q_frequency_std_error(value) -> None:
+    """Standard deviation of a drawn frequency: p = 0.1, n = 10,000 draws, sqrt(p (1 - p) / n)."""
+    p, n = 0.1, 10_000
+    expect_answer(value, math.sqrt(p * (1 - p) / n), "q_frequency_std_error: the standard deviation of the frequency "
+                  "of a token of probability 0.1 over 10,000 draws, sqrt(0.1 x 0.9 / 10,000)", rel_tol=0.05)

@@ -20,11 +20,9 @@ import time
 
 import torch
 
-from decodelab.decoding.generate import stream_token_ids
 from decodelab.model.kv_cache import KVCache
 from decodelab.lessons.kv_size import bytes_per_value, config_fields, kv_bytes, parameter_count
 from decodelab.lessons.measure import synchronize
-from decodelab.params import SamplingParams
 from decodelab.validation import check_int
 
 
@@ -105,11 +103,13 @@ def arithmetic_intensity(config, num_tokens: int, kv_len: int = 0, bytes_per_par
 
 
 def latencies_from_timestamps(start_s: float, token_times_s: list[float]) -> dict:
-    """Time to first token and inter-token latencies from the clock readings of one request.
+    """The latencies of one request from its clock readings, as serving benchmarks report them.
 
     start_s: when the request was sent; token_times_s: when each generated token arrived, in
     order, on the same clock (seconds). Returns {"ttft_s": first token time - start_s,
-    "itl_s": the len(token_times_s) - 1 gaps between consecutive tokens, a list}.
+    "itl_s": the len(token_times_s) - 1 gaps between consecutive tokens, a list,
+    "tpot_s": the time per output token after the first, their mean (None for one token),
+    "e2e_s": last token time - start_s}.
     Raises ValueError if there is no token or a reading goes back in time (a token before
     the start, or before the token ahead of it).
     """
@@ -120,29 +120,51 @@ def latencies_from_timestamps(start_s: float, token_times_s: list[float]) -> dic
         if later < earlier:
             what = "the start" if i == 0 else f"token {i - 1}"
             raise ValueError(f"token {i} arrived at {later} s, before {what} at {earlier} s: the times must not decrease")
-    return {"ttft_s": times[0] - float(start_s),
-            "itl_s": [later - earlier for earlier, later in zip(times, times[1:])]}
+    itl = [later - earlier for earlier, later in zip(times, times[1:])]
+    return {"ttft_s": times[0] - float(start_s), "itl_s": itl,
+            "tpot_s": (times[-1] - times[0]) / len(itl) if itl else None, "e2e_s": times[-1] - float(start_s)}
 
 
 @torch.inference_mode()
+def timed_generate(model, prompt_ids, max_new_tokens: int, cache: KVCache, stop_token_ids=(),
+                   clock=time.perf_counter) -> dict:
+    """Greedy generation of one request in its two phases, reading the clock as a user sees tokens arrive.
+
+    The prefill (one pass over the prompt, `prefill`) gives the first token; each decode step feeds
+    the last token alone, [1, 1], with the cache, and takes the argmax of its logits [1, V]. Stops
+    after max_new_tokens tokens or once a token in stop_token_ids was produced (it is kept); the last
+    token is never fed back. `clock()` is read once before the prefill and once after each token,
+    each time after `synchronize(model.device)`, so that an asynchronous GPU is timed honestly.
+    Returns {"token_ids": the new ids, "start_s": the first reading, "token_times_s": one reading
+    per token}. Raises ValueError if max_new_tokens is not an integer >= 1.
+    """
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
+    synchronize(model.device)
+    start_s = clock()
+    logits = prefill(model, prompt_ids, cache)  # [1, V]
+    token_ids, token_times_s = [], []
+    while True:
+        token = logits.argmax(dim=-1)  # [1]
+        token_ids.append(int(token))
+        synchronize(model.device)
+        token_times_s.append(clock())
+        if token_ids[-1] in stop_token_ids or len(token_ids) == max_new_tokens:
+            break
+        logits = model(token[:, None], kv_cache=cache)[:, -1]  # [1, V]: one new token, after all the cached ones
+    return {"token_ids": token_ids, "start_s": start_s, "token_times_s": token_times_s}
+
+
 def token_timestamps(model, prompt_ids, n: int) -> tuple[float, list[float], list[int]]:
-    """Greedy-generate n tokens and read the clock as a user would see them arrive.
+    """Greedy-generate n tokens (no stop token) with `timed_generate` on a fresh cache.
 
     Returns (start_s, token_times_s, token_ids): time.perf_counter() when the request starts,
-    then right after each token is produced (n readings). The device is synchronized at
-    every token so asynchronous GPUs are timed honestly.
+    then right after each token is produced (n readings).
     """
     check_int("n", n, minimum=1)
     prompt = [int(t) for t in prompt_ids]
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    stamps, token_ids = [], []
-    synchronize(model.device)
-    start = time.perf_counter()
-    for token_id in stream_token_ids(model, prompt, params):
-        synchronize(model.device)
-        stamps.append(time.perf_counter())
-        token_ids.append(token_id)
-    return start, stamps, token_ids
+    cache = KVCache(model.config, 1, len(prompt) + n, device=model.device, dtype=model.dtype)
+    run = timed_generate(model, prompt, n, cache)
+    return run["start_s"], run["token_times_s"], run["token_ids"]
 
 
 def measure_latency(model, prompt_ids, n: int) -> dict:
@@ -176,4 +198,4 @@ def decode_greedy(model, cache: KVCache, logits: torch.Tensor, max_tokens: int, 
 
 
 __all__ = ["prefill", "feed_one_by_one", "clone_cache", "reuse_prefix", "arithmetic_intensity",
-           "latencies_from_timestamps", "token_timestamps", "measure_latency", "decode_greedy"]
+           "latencies_from_timestamps", "timed_generate", "token_timestamps", "measure_latency", "decode_greedy"]
