@@ -53,7 +53,7 @@ def _report(problems: list) -> str:
 # (issue 20); each leaves this set when it has both.
 LEARNING_SUPPORT_PENDING = {"05_gqa",
                             "06_quantization", "07_paged_kv", "08_continuous_batching", "09_speculative_decoding",
-                            "10_capstone_engine", "11_tiled_attention", "12_gpu_kernel"}
+                            "11_tiled_attention"}
 READING_ENTRY = re.compile(r"^\s*(?:[-*]|\d+\.)\s+(.+)$")
 YEAR = re.compile(r"\b(?:19|20)\d\d\b")
 
@@ -66,7 +66,13 @@ def further_reading(nb) -> list[str] | None:
         heading = next((i for i, line in enumerate(lines) if line.startswith("#") and "further reading" in line.lower()),
                        None)
         if heading is not None:
-            return [m.group(1) for line in lines[heading + 1:] if (m := READING_ENTRY.match(line))]
+            entries: list[str] = []
+            for line in lines[heading + 1:]:
+                if m := READING_ENTRY.match(line):
+                    entries.append(m.group(1))
+                elif entries and line.startswith((" ", "\t")) and line.strip():  # an entry's next line
+                    entries[-1] += " " + line.strip()
+            return entries
     return None
 
 

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
 from decodelab.config import ModelConfig
 
@@ -176,3 +177,25 @@ def check_decode_roofline_fraction(decode_roofline_fraction) -> None:
     for case, args in [("batch_size = 0", (10.0, 0, 1e9, 1e11)), ("weight_bytes = 0", (10.0, 1, 0, 1e11)),
                        ("bandwidth = 0", (10.0, 1, 1e9, 0)), ("tokens_per_s < 0", (-1.0, 1, 1e9, 1e11))]:
         expect_raises(f"decode_roofline_fraction with {case}", ValueError, "", decode_roofline_fraction, *args)
+
+
+# --------------------------------------------------------------------------- predictions (q_ cells)
+
+
+def check_q_llama_blocks_in_40_gib(value) -> None:
+    """Whole KV blocks of 16 tokens, Llama-3.1-8B in fp16, in 40 GiB."""
+    from decodelab.lessons.kv_size import kv_bytes
+
+    expected = 40 * 2**30 // kv_bytes("Llama-3.1-8B", 16, 1, "fp16")  # one block: 16 tokens of every layer
+    expect_answer(value, expected, "q_llama_blocks_in_40_gib: blocks of 16 tokens for Llama-3.1-8B in fp16 "
+                  "(2 x 32 layers x 16 x 8 KV heads x 128 x 2 bytes = 2 MiB each) in 40 GiB", rel_tol=0.01)
+
+
+def check_q_memory_roof_tokens_per_s(value) -> None:
+    """The memory roof b * B / W for 64 sequences, 3,350 GB/s and 270 MB of weights."""
+    from decodelab.lessons.measure import decode_roofline_fraction
+
+    expected = 1.0 / decode_roofline_fraction(1.0, 64, 270e6, 3350e9)  # the speed whose fraction is 1
+    expect_answer(value, expected, "q_memory_roof_tokens_per_s: tokens/s at the memory roof, batch 64, "
+                  "3,350 GB/s, 270 MB of weights (b x B / W)", rel_tol=0.05)
+

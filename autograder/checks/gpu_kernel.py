@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, failure
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
@@ -243,3 +244,26 @@ def check_paged_attention(fn) -> None:
     if isinstance(got, torch.Tensor) and got.dtype != torch.float16:
         raise AssertionError(f"{desc}: expected float16 out (q's dtype), got {got.dtype}")
     _compare_attention(desc, got, batch, "", tol=5e-3)
+
+
+# --------------------------------------------------------------------------- predictions (q_ cells)
+
+
+def check_q_programs_batch32(value) -> None:
+    """Programs the paged attention grid (B, H_kv) launches: 32 sequences, SmolLM2's 3 KV heads."""
+    from decodelab.lessons.gpu_kernel import random_paged_batch
+
+    batch = random_paged_batch([1] * 32)  # SmolLM2's heads: 9 query heads over 3 KV heads
+    expected = batch["q"].shape[0] * batch["key_cache"].shape[2]
+    expect_answer(value, expected, "q_programs_batch32: programs on the grid (sequences, KV heads) for 32 "
+                  "sequences with 3 KV heads", rel_tol=0.0, abs_tol=0.5)
+
+
+def check_q_min_read_mib(value) -> None:
+    """MiB of K and V one decode attention call must read: 32 x 2,048 tokens, 3 KV heads of 64, bf16."""
+    from decodelab.lessons.gpu_kernel import kv_bytes_read
+
+    expected = kv_bytes_read([2048] * 32, 3, 64, 2) / 2**20
+    expect_answer(value, expected, "q_min_read_mib: the least MiB of keys and values read for 32 sequences of "
+                  "2,048 tokens, 3 KV heads of 64, bf16 (2 x tokens x H_kv x D x 2 bytes)", rel_tol=0.05)
+
