@@ -1,0 +1,140 @@
+"""Chunked prefill (`LLM(chunked_prefill=True)`, `decodelab.engine.scheduler.schedule_chunked`):
+the same tokens as whole-prompt prefill (and, greedy, as one request at a time), every step within
+the token budget with every running sequence decoding, and a first token only once the prompt is
+complete."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from decodelab.decoding.generate import encode_prompt, stream_token_ids
+from decodelab.engine.args import EngineArgs
+from decodelab.engine.llm import LLM, EngineHooks
+from decodelab.engine.scheduler import Scheduler
+from decodelab.model.registry import load
+from decodelab.params import SamplingParams
+from oracles import check_greedy_agreement, last_logits_fn
+
+CHAT_PROMPTS = ["What is gravity?", "Name three colours.", "Write a haiku about the sea.",
+                "Explain photosynthesis to a child in two sentences."]
+
+
+class StepLog(Scheduler):
+    """Checks the pool after every step and records (tokens fed per sequence, decodes that had to
+    wait): a decode waits when a running sequence with one token to feed is not in the step."""
+
+    def schedule(self):
+        ready = [s for s in self.running if s.num_new_tokens == 1]
+        preempted = self.num_preemptions
+        seqs, is_prefill = super().schedule()
+        self.allocator.check_invariants([s.block_table for s in self.running])
+        waited = [s for s in ready if s not in seqs] if self.num_preemptions == preempted else []
+        self.steps = getattr(self, "steps", []) + [([s.num_tokens_this_step for s in seqs], len(waited))]
+        return seqs, is_prefill
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load("tiny", device="cpu")
+
+
+def _random_prompts(vocab_size: int, count: int, lengths=(5, 90), seed: int = 0, shared: int = 0):
+    rng = random.Random(seed)
+    system = [rng.randrange(vocab_size) for _ in range(shared)]
+    return [system + [rng.randrange(vocab_size) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+
+
+def test_chunked_greedy_equals_single_request_smollm2(smollm2):
+    """Chat prompts of ~40 tokens in slices of at most 16 tokens per step (decodes included), twice:
+    the second pass finds the shared system prompt in the prefix cache."""
+    model, tokenizer = smollm2
+    prompts = [encode_prompt(tokenizer, p, chat=True) for p in CHAT_PROMPTS]
+    assert min(len(p) for p in prompts) > 16
+    params = SamplingParams(temperature=0, max_tokens=12)
+    llm = LLM((model, tokenizer), kv_block_size=8, num_kv_blocks=96, max_num_seqs=4, max_num_batched_tokens=16,
+              chunked_prefill=True, hooks=EngineHooks(scheduler=StepLog))
+    for _ in range(2):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, out in zip(prompts, outputs):
+            alone = list(stream_token_ids(model, prompt, params, tokenizer.stop_token_ids()))
+            check_greedy_agreement(prompt, out.outputs[0].token_ids, alone, [last_logits_fn(model)])
+    steps = llm.scheduler.steps
+    assert all(sum(fed) <= 16 for fed, _ in steps), "a step went over the token budget"
+    assert all(waited == 0 for _, waited in steps), "a running sequence did not decode"
+    assert any(1 in fed and max(fed) > 1 for fed, _ in steps), "no step mixed decodes with a prompt slice"
+    assert llm.allocator.hits > 0 and llm.allocator.num_free == llm.allocator.num_blocks
+
+
+@pytest.mark.parametrize("budget, num_blocks, max_num_seqs, prefix_caching", [
+    (16, 200, 8, True), (8, 200, 8, False), (16, 40, 8, True), (32, 30, 4, True), (5, 30, 5, False)])
+def test_chunked_matches_whole_prompt_prefill_tiny(tiny, budget, num_blocks, max_num_seqs, prefix_caching):
+    """The tiny model, prompts of 5 to 90 tokens (most longer than a slice), half of them sharing a
+    20-token prefix, greedy and seeded sampling with n = 2: chunked prefill gives exactly the tokens
+    of whole-prompt prefill, also when a small pool forces preemptions."""
+    model, tokenizer = tiny
+    prompts = _random_prompts(tokenizer.vocab_size, 8, seed=budget) + \
+        _random_prompts(tokenizer.vocab_size, 4, (5, 40), seed=budget + 1, shared=20)
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 8 + \
+        [SamplingParams(temperature=1.0, max_tokens=12, n=2, seed=i, ignore_eos=True) for i in range(4)]
+    whole = LLM((model, tokenizer), num_kv_blocks=200, kv_block_size=4, enable_prefix_caching=prefix_caching)
+    expected = whole.generate(prompts, params, use_tqdm=False)
+    llm = LLM((model, tokenizer), num_kv_blocks=num_blocks, kv_block_size=4, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=budget, chunked_prefill=True, enable_prefix_caching=prefix_caching,
+              hooks=EngineHooks(scheduler=StepLog))
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(expected, got):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert all(sum(fed) <= budget for fed, _ in llm.scheduler.steps)
+    assert all(waited == 0 for _, waited in llm.scheduler.steps), "a running sequence did not decode"
+    if num_blocks < 50:
+        assert llm.scheduler.num_preemptions > 0, "the pool was meant to be too small"
+    assert llm.allocator.num_free == llm.allocator.num_blocks
+    llm.allocator.check_invariants([])
+
+
+def test_newcomer_samples_only_when_its_prompt_is_complete(tiny):
+    """Two requests decode; a 100-token prompt arrives. With a budget of 32 it is fed in slices
+    of 30, 30, 30 and 10 tokens (the two decodes take 2 of the 32 each step) and its first token
+    comes in the fourth step, while the two running requests get a token in every step."""
+    model, tokenizer = tiny
+    llm = LLM((model, tokenizer), num_kv_blocks=128, kv_block_size=8, max_num_seqs=4, max_num_batched_tokens=32,
+              chunked_prefill=True, hooks=EngineHooks(scheduler=StepLog))
+    for index, prompt in enumerate([[5, 6, 7], [8, 9]]):
+        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), index=index)
+    for _ in range(3):
+        llm.step()  # the two short prompts are prefilled together, then they decode
+    long_prompt = _random_prompts(tokenizer.vocab_size, 1, (100, 100), seed=5)[0]
+    newcomer = llm.add_request(long_prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), index=2)
+    first_steps = []
+    for step in range(4):
+        events = llm.step()
+        first_steps.append(sorted(e.request_index for e in events))
+    assert first_steps == [[0, 1], [0, 1], [0, 1], [0, 1, 2]]
+    assert [fed for fed, _ in llm.scheduler.steps[-4:]] == [[1, 1, 30], [1, 1, 30], [1, 1, 30], [1, 1, 10]]
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    alone = LLM((model, tokenizer), num_kv_blocks=128, kv_block_size=8)
+    expected = alone.generate([long_prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                              use_tqdm=False)
+    assert newcomer.seqs[0].output_token_ids == expected[0].outputs[0].token_ids
+
+
+def test_bad_chunked_prefill_settings_are_clear_errors(tiny):
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs \\(8\\), got 4"):
+        EngineArgs(chunked_prefill=True, max_num_seqs=8, max_num_batched_tokens=4)
+    with pytest.raises(ValueError, match="does not run with a speculative_model"):
+        EngineArgs(chunked_prefill=True, speculative_model="tiny-draft")
+    with pytest.raises(ValueError, match="needs mix_decode_with_prefill=True"):
+        EngineArgs(chunked_prefill=True, mix_decode_with_prefill=False)
+    with pytest.raises(ValueError, match="chunked_prefill must be True or False, got 'yes'"):
+        EngineArgs(chunked_prefill="yes")
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be an integer >= 1, got 0"):
+        EngineArgs(max_num_batched_tokens=0)
+
+    class Plain:  # a scheduler-like object that cannot chunk
+        def __init__(self, allocator, max_num_seqs, max_num_batched_tokens):
+            self.allocator = allocator
+
+    with pytest.raises(ValueError, match="needs a scheduler with schedule_chunked; Plain has none"):
+        LLM(tiny, chunked_prefill=True, num_kv_blocks=16, hooks=EngineHooks(scheduler=Plain))
