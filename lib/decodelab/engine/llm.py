@@ -216,11 +216,11 @@ class LLM:
             self.speculator = BatchSpeculator(self, args.speculative_model, args.num_speculative_tokens)
         if hasattr(self.scheduler, "mix_decode_with_prefill"):  # speculative decode steps stay apart
             self.scheduler.mix_decode_with_prefill = args.mix_decode_with_prefill and self.speculator is None
-        if args.chunked_prefill:  # EngineArgs refused it with a speculative_model
-            if not hasattr(self.scheduler, "schedule_chunked"):
-                raise ValueError(f"chunked_prefill=True needs a scheduler with schedule_chunked; "
-                                 f"{type(self.scheduler).__name__} has none")
-            self.scheduler.chunked_prefill = True
+        if args.chunked_prefill and not hasattr(self.scheduler, "schedule_chunked"):
+            raise ValueError(f"chunked_prefill=True needs a scheduler with schedule_chunked; "
+                             f"{type(self.scheduler).__name__} has none")
+        if hasattr(self.scheduler, "chunked_prefill"):  # EngineArgs refused it with a speculative_model
+            self.scheduler.chunked_prefill = args.chunked_prefill
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
