@@ -67,6 +67,9 @@ def newcomer_run(llm, running_prompts, newcomer_prompt, label: str, decode_token
     steps it takes."""
     if llm.scheduler.has_unfinished():
         raise ValueError("newcomer_run needs an idle engine: another generate() or stream() is in flight")
+    if llm.scheduler.max_num_seqs <= len(running_prompts):
+        raise ValueError(f"{len(running_prompts)} running prompts fill max_num_seqs={llm.scheduler.max_num_seqs}: "
+                         "the newcomer needs a sequence slot of its own")
     params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
     for index, prompt in enumerate(running_prompts):
         llm.add_request(prompt, params, index=index)
