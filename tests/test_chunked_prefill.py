@@ -138,3 +138,49 @@ def test_bad_chunked_prefill_settings_are_clear_errors(tiny):
 
     with pytest.raises(ValueError, match="needs a scheduler with schedule_chunked; Plain has none"):
         LLM(tiny, chunked_prefill=True, num_kv_blocks=16, hooks=EngineHooks(scheduler=Plain))
+
+
+def test_stall_measurement_on_the_tiny_model(tiny):
+    """compare_stalls: whole-prompt prefill gives the newcomer its first token in the step it is
+    admitted, chunked prefill (budget 64, 4 decodes) in ceil(300 / 60) = 5 steps; the running
+    requests' gaps are measured after the arrival only; bad set-ups are clear errors."""
+    from decodelab.lessons.chunked_prefill import compare_stalls, newcomer_run, percentile
+
+    model, tokenizer = tiny
+    running = _random_prompts(tokenizer.vocab_size, 4, (8, 8), seed=2)
+    newcomer = _random_prompts(tokenizer.vocab_size, 1, (300, 300), seed=3)[0]
+
+    def engine(**settings):
+        return LLM((model, tokenizer), max_num_seqs=8, num_kv_blocks=64, kv_block_size=16,
+                   enable_prefix_caching=False, **settings)
+
+    results = compare_stalls({"whole": engine(), "chunked": engine(chunked_prefill=True, max_num_batched_tokens=64)},
+                             running, newcomer, decode_tokens=16, arrive_after=3, rounds=1)
+    whole, chunked = results["whole"], results["chunked"]
+    assert (whole.steps_to_first_token, chunked.steps_to_first_token) == (1, 5)
+    for result in results.values():
+        assert all(len(times) == 16 for times in result.token_times)  # every token of every running request
+        assert len(result.gaps) == sum(sum(t > 0 for t in times[1:]) for times in result.token_times)
+        assert 0 < result.itl_p50 <= result.itl_p99 == max(result.gaps) and result.ttft > 0
+    assert percentile([4, 1, 3, 2], 50) == 2 and percentile([4, 1, 3, 2], 100) == 4
+    with pytest.raises(ValueError, match="enable_prefix_caching=False"):
+        compare_stalls({"cached": LLM((model, tokenizer), num_kv_blocks=64)}, running, newcomer)
+    with pytest.raises(ValueError, match="the newcomer needs a sequence slot"):
+        newcomer_run(LLM((model, tokenizer), max_num_seqs=4, num_kv_blocks=64), running, newcomer, "full")
+    with pytest.raises(ValueError, match="raise decode_tokens"):
+        newcomer_run(engine(chunked_prefill=True, max_num_batched_tokens=16), running, newcomer, "short", decode_tokens=6)
+
+
+def test_simulated_chunked_prefill_keeps_the_budget_and_finishes():
+    """The simulator runs the chunked step as the engine does: every step within the budget,
+    every request's tokens produced, the long prompts' first tokens after several steps."""
+    from decodelab.lessons import continuous_batching as batching_sim
+
+    workload = batching_sim.mixed_workload(12, 5.0, prompt_lens=(4, 60), output_lens=(2, 20), seed=4)
+    whole = batching_sim.simulate(workload, "continuous", max_num_seqs=4, num_blocks=40, block_size=4)
+    chunked = batching_sim.simulate(workload, "continuous", max_num_seqs=4, num_blocks=40, block_size=4,
+                                    max_num_batched_tokens=16, chunked_prefill=True)
+    assert all(step.num_tokens <= 16 for step in chunked.steps)
+    assert max(step.num_tokens for step in whole.steps) > 16
+    assert chunked.output_tokens == whole.output_tokens == sum(r.output_len for r in workload)
+    assert len(chunked.latency) == 12 and len(chunked.steps) > len(whole.steps)
