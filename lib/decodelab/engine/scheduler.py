@@ -142,8 +142,9 @@ def schedule_chunked(scheduler: Scheduler) -> list[Sequence]:
     budget -= len(batch)
     for seq in [s for s in scheduler.running if s.num_new_tokens > 1]:
         held = end = seq.num_computed_tokens
+        tokens = seq.token_ids  # built once: the property joins prompt and output on every call
         while end < held + min(seq.num_new_tokens, budget) and allocator.can_append(seq.block_table, end):
-            allocator.append_slot(seq.block_table, seq.token_ids[:end + 1])
+            allocator.append_slot(seq.block_table, tokens[:end + 1])
             end += 1
         if end > held:
             seq.num_scheduled_tokens = end - held
