@@ -131,8 +131,10 @@ def schedule_chunked(scheduler: Scheduler) -> list[Sequence]:
        (seq.block_table, seq.num_computed_tokens = allocator.allocate(prefix)); it becomes
        Status.RUNNING, joins the end of `running` and feeds the prefix's uncomputed tokens.
     Every sequence in the returned list (decodes, then slices, then newcomers) has
-    num_scheduled_tokens >= 1, and their sum is within the budget. Only allocated slots are ever
-    named in the prefix cache, so a slice that is not computed yet is never found by another prompt.
+    num_scheduled_tokens >= 1, and their sum is within the budget (unless the decodes alone pass
+    it: the n > 1 samples of a prompt may outnumber max_num_seqs; then no slice runs). Only
+    allocated slots are ever named in the prefix cache, so a slice that is not computed yet is
+    never found by another prompt.
     """
     allocator, budget = scheduler.allocator, scheduler.max_num_batched_tokens
     preemptions = scheduler.num_preemptions
@@ -201,7 +203,8 @@ class Scheduler:
         readmitted at once)."""
         if self.chunked_prefill:
             seqs = self.schedule_chunked()
-            return seqs, any(seq.num_new_tokens > 1 for seq in seqs)
+            # a prompt's slice (its last one may be a single token) or a recompute: not a decode
+            return seqs, any(seq.num_new_tokens > 1 or not seq.output_token_ids for seq in seqs)
         if not self.mix_decode_with_prefill:
             admitted = self.admit()
             if admitted:
