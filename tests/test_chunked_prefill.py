@@ -68,6 +68,22 @@ def test_chunked_greedy_equals_single_request_smollm2(smollm2):
     assert llm.allocator.hits > 0 and llm.allocator.num_free == llm.allocator.num_blocks
 
 
+def test_chunked_under_a_tight_pool_matches_whole_prompt_smollm2(smollm2):
+    """SmolLM2, four chat prompts in slices of 16 tokens, a pool of 18 blocks of 8 where the four
+    need about 32: preemptions, and still the greedy tokens of a roomy whole-prompt engine."""
+    model, tokenizer = smollm2
+    conversations = [[{"role": "user", "content": q}] for q in CHAT_PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tight = LLM((model, tokenizer), kv_block_size=8, num_kv_blocks=18, max_num_seqs=4, max_num_batched_tokens=16,
+                chunked_prefill=True, hooks=EngineHooks(scheduler=StepLog))
+    replies = tight.chat(conversations, params)
+    roomy = LLM((model, tokenizer), kv_block_size=8, num_kv_blocks=128).chat(conversations, params)
+    assert tight.scheduler.num_preemptions > 0, "the pool was meant to be too small"
+    assert [r.outputs[0].token_ids for r in replies] == [r.outputs[0].token_ids for r in roomy]
+    assert all(sum(fed) <= 16 for fed, _ in tight.scheduler.steps)
+    assert tight.allocator.num_free == tight.allocator.num_blocks
+
+
 @pytest.mark.parametrize("budget, num_blocks, max_num_seqs, prefix_caching", [
     (16, 200, 8, True), (8, 200, 8, False), (16, 40, 8, True), (32, 30, 4, True), (5, 30, 5, False)])
 def test_chunked_matches_whole_prompt_prefill_tiny(tiny, budget, num_blocks, max_num_seqs, prefix_caching):
