@@ -235,3 +235,21 @@ def test_random_workloads_chunked_match_whole_prompt(tiny, lengths, num_blocks, 
     assert all(sum(fed) <= max_num_seqs + extra_budget or set(fed) == {1} for fed, _ in getattr(llm.scheduler, "steps", []))
     assert llm.allocator.num_free == llm.allocator.num_blocks, "blocks leaked"
     llm.allocator.check_invariants([])
+
+
+def test_kept_engine_bugs_change_the_tokens(tiny):
+    """The engine's kept bugs (tests/fixtures/library/buggy_chunked_prefill.py) give other tokens
+    than whole-prompt prefill on prompts longer than a slice."""
+    from oracles import load_fixture
+
+    bugs = load_fixture("library/buggy_chunked_prefill").BUGS
+    model, tokenizer = tiny
+    prompts = _random_prompts(tokenizer.vocab_size, 4, (20, 60), seed=9)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in
+                LLM((model, tokenizer), num_kv_blocks=128, kv_block_size=4).generate(prompts, params, use_tqdm=False)]
+    for name, (hook, bug, what) in bugs.items():
+        llm = LLM((model, tokenizer), num_kv_blocks=128, kv_block_size=4, max_num_seqs=8, max_num_batched_tokens=16,
+                  chunked_prefill=True, hooks=EngineHooks(**{hook: bug}))
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got != expected, f"{name} ({what}) was not caught"
