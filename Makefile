@@ -40,12 +40,14 @@ test: setup
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# On a CUDA machine (with its own torch): the tests marked `cuda` and two short benchmarks
-# (the tiny model; random weights of SmolLM2's shape against `transformers` on the same weights).
+# On a CUDA machine (with its own torch): the tests marked `cuda` and three short benchmarks
+# (the tiny model; random weights of SmolLM2's shape against `transformers` on the same weights;
+# notebook 12's Triton paged attention against gather + SDPA).
 gpu-check:
-	PYTHONPATH=lib python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_device.py tests/test_kv_cache.py
+	PYTHONPATH=lib python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_device.py tests/test_kv_cache.py tests/test_gpu_kernel.py
 	PYTHONPATH=lib python3 bench/decode_speed.py --model tiny --device cuda --tokens 64 --no-transformers
 	PYTHONPATH=lib python3 bench/gpu_engine.py --device cuda --dtype bfloat16
+	PYTHONPATH=lib python3 bench/gpu_kernel.py --dtype bfloat16
 
 bench: setup
 	$(BIN)/python bench/decode_speed.py

@@ -41,10 +41,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
+from decodelab.course.hints import COUNTER_FILE
+
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 RESOURCE = "grader"
 MAX_TRIES = 3
+HINT_COUNTS_MAX_BYTES = 64 * 1024
 LOST_NOTE = "grader: the worker was lost, graded again"
 SMOLLM2_DIR = "smollm2-135m-instruct"  # decodelab.model.registry.SMOLLM2_DIR_NAME (a test checks)
 RISK = ("whoever can reach a Dask scheduler can run any code, as root, on its workers (grading workers "
@@ -179,9 +182,21 @@ def _count_try(tag: str) -> int:
         return 1
 
 
+def hint_counts_beside(notebook: Path) -> bytes | None:
+    """The bytes of the hint counter submitted beside a notebook (at most 64 KiB), or None."""
+    counter = notebook.parent / COUNTER_FILE
+    try:
+        if counter.is_file() and counter.stat().st_size <= HINT_COUNTS_MAX_BYTES:
+            return counter.read_bytes()
+    except OSError:
+        pass
+    return None
+
+
 def grade_task(tag: str, student: str, notebook: bytes, release: bytes, gradebook: bytes, settings,
-               expected: dict[str, str]):
-    """One submission on a worker: its own folder and slot, then `grade.grade_one`; a Result."""
+               expected: dict[str, str], hint_counts: bytes | None = None):
+    """One submission on a worker: its own folder and slot, then `grade.grade_one`; a Result.
+    `hint_counts`: the submitted `.decodelab_hints.json` beside the notebook, if any (its note)."""
     from autograder import grade, sandbox, slots
 
     grade._quiet()
@@ -208,6 +223,8 @@ def grade_task(tag: str, student: str, notebook: bytes, release: bytes, gradeboo
         path = course / "submission" / settings.notebook
         path.parent.mkdir(mode=0o700)
         path.write_bytes(notebook)
+        if hint_counts is not None:
+            (path.parent / COUNTER_FILE).write_bytes(hint_counts)
         local = replace(settings, release=str(course / "release.ipynb"), work=str(work),
                         db_url=f"sqlite:///{course / 'gradebook.db'}", hide=list(settings.hide) + [str(course)])
         if local.sandbox:
@@ -286,7 +303,7 @@ def grade_on_cluster(cluster: Cluster, settings, jobs: dict[str, Path], gradeboo
 
         def submit(student: str):
             return client.submit(grade_task, f"{run}-{student}", student, jobs[student].read_bytes(), release, book,
-                                 settings, expected, key=f"grade-{student}-{run}-{uuid.uuid4().hex[:6]}",
+                                 settings, expected, hint_counts_beside(jobs[student]), key=f"grade-{student}-{run}-{uuid.uuid4().hex[:6]}",
                                  resources={RESOURCE: 1}, pure=False)
 
         owner, futures = {}, []

@@ -40,6 +40,10 @@ exercise's hint ladder the student saw ("hints: ex_top_k_filter 2, ex_top_p_filt
 never changes a score. "grader:" notes are about the grading itself (a Dask worker lost and
 the submission graded again, or why a worker refused it).
 
+Feedback (--feedback DIR) is nbgrader's layout, DIR/<student>/<assignment>/<notebook>.html with the
+submission's timestamp.txt and submission_secret.txt beside it: `nbgrader release_feedback` releases it
+as it is (README, "Through nbgrader's exchange").
+
 Where kernels run: a local process pool of --workers processes, each holding one host-wide
 sandbox slot (autograder/slots.py: a kernel uid no other grader on the host uses), or, with
 --scheduler/--scheduler-file, one Dask task per submission on the cluster's workers
@@ -74,6 +78,9 @@ STATUSES = ("grader_error", "unreadable", "missing", "crashed", "timeout", "tamp
 COLUMNS = ("student", "assignment", "score", "max_score", "status", "notes", "submitted_at", "late_penalty")
 HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 NO_SANDBOX_NOTE = "graded WITHOUT the sandbox (--no-sandbox): the kernel ran as the grader"
+# What nbgrader's exchange writes into each submission (submit) and `release_feedback` reads beside
+# each feedback HTML: the submission time and the secret that names the released file.
+EXCHANGE_FILES = ("timestamp.txt", "submission_secret.txt")
 
 
 @dataclass
@@ -422,8 +429,28 @@ def save_grades(result: Result, settings: Settings) -> tuple[float, float]:
         return float(sub.score), float(sub.max_score)
 
 
-def write_feedback(result: Result, settings: Settings, folder: Path, score: float, max_score: float) -> Path:
-    """HTML for the student, nbgrader's feedback template, no hidden test code anywhere."""
+def copy_exchange_files(submitted: Path | None, feedback: Path) -> list[str]:
+    """Copy the submission's EXCHANGE_FILES (written by `nbgrader submit`, kept by `collect`) into
+    its feedback folder, where `nbgrader release_feedback` reads them; a copy left by an earlier
+    grading that the submission no longer has is removed. Only small regular files are copied
+    (the submission folder is the student's: a link there is not followed). Returns the names."""
+    copied = []
+    for name in EXCHANGE_FILES:
+        source, target = (submitted / name if submitted else None), feedback / name
+        target.unlink(missing_ok=True)
+        if source is None or source.is_symlink() or not source.is_file() or source.stat().st_size > 4096:
+            continue
+        target.write_bytes(source.read_bytes())
+        copied.append(name)
+    return copied
+
+
+def write_feedback(result: Result, settings: Settings, folder: Path, score: float, max_score: float,
+                   submitted: Path | None = None) -> Path:
+    """HTML for the student, nbgrader's feedback template, no hidden test code anywhere, in
+    nbgrader's feedback layout folder/<student>/<assignment>/<notebook>.html; beside it the
+    exchange's files from the submission folder `submitted` (copy_exchange_files), so that
+    `nbgrader release_feedback` releases the folder as it is."""
     import html
 
     import nbformat
@@ -433,6 +460,7 @@ def write_feedback(result: Result, settings: Settings, folder: Path, score: floa
 
     target = folder / result.student / settings.assignment / f"{Path(settings.notebook).stem}.html"
     target.parent.mkdir(parents=True, exist_ok=True)
+    copy_exchange_files(submitted, target.parent)
     notes = [n for n in result.notes if not n.startswith("integrity:")]
     if result.notebook is None:
         body = (f"<html><body><h1>{html.escape(settings.assignment)}: {html.escape(result.status)}</h1>"
@@ -643,7 +671,8 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
         score, max_score = save_grades(result, settings)
         score, late = late_columns(result, settings, policy, submissions, score)
         if feedback is not None:
-            write_feedback(result, settings, feedback.resolve(), score, max_score)
+            write_feedback(result, settings, feedback.resolve(), score, max_score,
+                           submitted=submissions / result.student / settings.assignment)
         row = {"student": result.student, "assignment": settings.assignment, "score": _fmt(score),
                "max_score": _fmt(max_score), "status": result.status, "notes": "; ".join(result.notes), **late}
         rows[(result.student, settings.assignment)] = row
@@ -681,7 +710,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--assignment", required=True, help="the assignment (a folder of the source directory)")
     parser.add_argument("--submissions", required=True, type=Path, help="DIR/<student>/<assignment>/<assignment>.ipynb")
     parser.add_argument("--out", required=True, type=Path, help="the CSV to write (rows of this assignment replaced)")
-    parser.add_argument("--feedback", type=Path, help="write HTML feedback to FEEDBACK/<student>/<assignment>/")
+    parser.add_argument("--feedback", type=Path, help="write HTML feedback to FEEDBACK/<student>/<assignment>/, "
+                        "with the submission's timestamp.txt and submission_secret.txt (nbgrader's feedback "
+                        "layout: `nbgrader release_feedback` releases it)")
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="kernels at once")
     parser.add_argument("--no-sandbox", action="store_true", help="grade without isolation (said in every row)")
     parser.add_argument("--source", type=Path, default=ROOT / "solutions", help="nbgrader source notebooks")

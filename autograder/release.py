@@ -6,7 +6,9 @@
 
 nbgrader runs in a throw-away course folder (its own gradebook), with the repository's
 nbgrader_config.py: solution regions become the `raise NotImplementedError(...)` stub, hidden
-tests and outputs are removed, test cells are locked and checksummed. Each released notebook
+tests and outputs are removed, test cells are locked and checksummed. A prediction's answer cell
+(``q_<name>``, see decodelab.course.predictions) gets ``q_<name> = None`` instead of the stub, so
+that the release runs past it and only the prediction's graded cell fails. Each released notebook
 then records the version of `decodelab` it was made for, in its metadata:
 ``{"decodelab": {"version": "0.2.0"}}`` (`decodelab.__version__`); the class grader notes a
 submission whose recorded version differs from the one grading it.
@@ -47,6 +49,29 @@ def recorded_version(nb) -> str | None:
     entry = metadata.get(VERSION_KEY) if isinstance(metadata, dict) else None
     version = entry.get("version") if isinstance(entry, dict) else None
     return str(version) if version else None
+
+
+def open_predictions(path: Path) -> None:
+    """In a released notebook, turn each prediction cell's stub (`raise NotImplementedError`) into
+    `q_<name> = None  # ...`, and record the cell's new checksum as nbgrader computes it."""
+    import nbformat
+    from nbgrader.utils import compute_checksum
+
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    stub = load_config().ClearSolutions.code_stub["python"]
+    changed = False
+    for cell in nb.get("cells", []):
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        name = meta.get("grade_id") or ""
+        source = "".join(cell["source"]) if isinstance(cell.get("source"), list) else cell.get("source", "")
+        if cell.get("cell_type") == "code" and meta.get("solution") and name.startswith("q_") and stub in source:
+            source = source.replace(stub, f"{name} = None  # your prediction: replace None with a number")
+            cell["source"] = source.splitlines(keepends=True)
+            if "checksum" in meta:
+                meta["checksum"] = compute_checksum(nbformat.from_dict({**cell, "source": source}))
+            changed = True
+    if changed:
+        path.write_text(json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def load_config():
@@ -97,6 +122,7 @@ def generate(names: list[str] | None = None, out: Path = COURSE, solutions: Path
             if target.exists():
                 shutil.rmtree(target)
             shutil.copytree(Path(tmp) / "course" / name, target, ignore=_IGNORE)
+            open_predictions(target / f"{name}.ipynb")
             record_version(target / f"{name}.ipynb")
             written.append(target / f"{name}.ipynb")
     return written

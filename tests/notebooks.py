@@ -11,6 +11,12 @@ Cell conventions (nbgrader `grade_id`s), checked by tests/test_notebooks.py:
 * ``test_<function>``: the graded test cell of that exercise: visible tests, then a
   ``### BEGIN HIDDEN TESTS`` block that only calls ``autograder.run.hidden(check, <function>)``.
   In the release exactly these cells fail, and nothing else.
+* ``q_<name>`` and ``test_q_<name>``: a prediction the learner makes before an experiment
+  (`decodelab.course.predictions`): an answer cell that assigns the number ``q_<name>`` (the
+  release holds ``q_<name> = None``) and its graded cell, whose visible part only checks that a
+  number was written and whose hidden block calls ``hidden("<topic>.check_q_<name>", q_<name>)``,
+  which grades it against the answer with a stated tolerance. In the release these cells fail
+  too, with NotImplementedError. Each notebook has at least two, and a "Further reading" section.
 * any other graded cell (e.g. ``check_<something>``) must pass in the release as well.
 """
 from __future__ import annotations
@@ -30,7 +36,7 @@ COURSE = ROOT / "course"
 
 READY = ["00_meet_the_model", "01_forward_pass", "02_sampling", "03_kv_cache", "04_prefill_decode", "05_gqa",
          "06_quantization", "07_paged_kv", "08_continuous_batching", "09_speculative_decoding", "10_capstone_engine",
-         "11_tiled_attention"]
+         "11_tiled_attention", "12_gpu_kernel"]
 # A notebook whose cell displays into an ipywidgets.Output can stall nbclient for the whole cell
 # timeout (11's tile explorer did, 300 s): see tests/test_course_helpers.py
 # test_no_widget_displays_into_an_output_widget.
@@ -83,7 +89,13 @@ def graded_cells(nb) -> dict[str, dict]:
 
 
 def exercise_test_ids(nb) -> set[str]:
-    return {g for g in graded_cells(nb) if g.startswith("test_")}
+    """The graded cells of the exercises: test_<function> (not the predictions' test_q_<name>)."""
+    return {g for g in graded_cells(nb) if g.startswith("test_") and not g.startswith("test_q_")}
+
+
+def prediction_test_ids(nb) -> set[str]:
+    """The graded cells of the predictions: test_q_<name>."""
+    return {g for g in graded_cells(nb) if g.startswith("test_q_")}
 
 
 def hidden_calls(cell_source: str) -> list[tuple[str, str]]:

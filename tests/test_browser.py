@@ -4,7 +4,9 @@ For each notebook in tests/notebooks.py READY: start JupyterLab as `make lab` do
 repository root, the root on JUPYTER_CONFIG_PATH) on a free localhost port with a token, open
 the solution notebook (a copy), run all cells, and check that no cell failed, that every
 plotly figure and the widgets rendered, and that moving a slider redraws the widget's plot.
-For the first notebook, the nbgrader Validate button must report success. Screenshots go to
+Clicking the first hint button shows the exercise's first rung and counts it in
+.decodelab_hints.json beside the notebook. For the first notebook, the nbgrader Validate button
+must report success. Screenshots go to
 test-artifacts/browser/ (gitignored).
 
 Chromium comes from the system (`apt-get install chromium`; .ci/run installs it in CI), never
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from notebooks import READY, ROOT, SOLUTIONS, kernel_env
+from notebooks import READY, ROOT, SOLUTIONS, kernel_env, read
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +97,7 @@ def chromium():
 
 @pytest.fixture(scope="module")
 def lab(chromium, tmp_path_factory):
-    """(base url, token) of a JupyterLab serving copies of the READY solution notebooks."""
+    """(base url, token, root folder) of a JupyterLab serving copies of the READY solution notebooks."""
     root = tmp_path_factory.mktemp("lab-root")
     for name in READY:
         shutil.copytree(SOLUTIONS / name, root / name, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
@@ -128,7 +130,7 @@ def lab(chromium, tmp_path_factory):
             if server.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"JupyterLab did not start; see {ARTIFACTS / 'jupyterlab.log'}")
             time.sleep(0.5)
-        yield base, token
+        yield base, token, root
     finally:
         server.terminate()
         try:
@@ -165,9 +167,33 @@ def _widget_output(page, panel):
         has=page.locator(".js-plotly-plot")).first
 
 
+def _click_first_hint(page, panel, name: str, folder: Path) -> None:
+    """The first hint button of the notebook reveals rung 1 of its exercise, and the click is counted."""
+    import re
+
+    from decodelab.course.hints import COUNTER_FILE, hints_for
+
+    source = "\n".join(cell.source for cell in read(SOLUTIONS / name / f"{name}.ipynb").cells)
+    exercise = re.search(rf'hint_button\("{name}", "(ex_\w+)"\)', source).group(1)
+    first_rung = re.sub(r"\s+", " ", hints_for(name, exercise)[0].replace("`", "")).strip()
+    button = panel.locator(f'button[title="hints for {exercise}, one at a time"]').first  # a locator re-resolves: not by its label
+    button.scroll_into_view_if_needed()
+    box = button.locator("xpath=ancestor::div[contains(@class, 'widget-vbox')][1]")
+    button.click()
+    deadline = time.monotonic() + 60
+    while first_rung[:60] not in re.sub(r"\s+", " ", box.inner_text()) and time.monotonic() < deadline:
+        page.wait_for_timeout(250)
+    box.screenshot(path=str(ARTIFACTS / f"{name}-4c-hint.png"))
+    shown = re.sub(r"\s+", " ", box.inner_text())
+    assert first_rung[:60] in shown, f"{name}: the hint button of {exercise} did not show rung 1; the box says {shown!r}"
+    assert "Show hint 2 of" in shown or "No more hints" in shown, f"{name}: the button did not move on: {shown!r}"
+    counts = json.loads((folder / COUNTER_FILE).read_text())
+    assert counts.get(name, {}).get(exercise) == 1, f"{name}: the click was not counted: {counts}"
+
+
 @pytest.mark.parametrize("name", READY)
 def test_notebook_runs_and_widgets_respond(name, lab, browser):
-    base, token = lab
+    base, token, root = lab
     started = time.perf_counter()
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(120_000)  # a busy 2-core machine renders slowly
@@ -222,6 +248,8 @@ def test_notebook_runs_and_widgets_respond(name, lab, browser):
                 page.wait_for_timeout(500)
             widget.screenshot(path=str(ARTIFACTS / f"{name}-4b-widget-reply.png"))
             assert reply.inner_text().strip() not in ("", placeholder), f"{name}: no reply appeared"
+
+        _click_first_hint(page, panel, name, root / name)
 
         if name in VALIDATE_IN_BROWSER:
             panel.locator(".validate-button jp-button, .validate-button button").first.click()

@@ -38,11 +38,25 @@ def _is_class(check: str, function: str) -> bool:
     return inspect.isclass(getattr(importlib.import_module(reference_module), attr))
 
 
+def _kernel_parameters(check: str, function: str) -> str | None:
+    """The parameter list of a Triton kernel exercise's reference (None for any other exercise)."""
+    module = importlib.import_module(f"autograder.checks.{check.partition('.')[0]}")
+    reference_module, _, attr = module.REFERENCES[function].partition(":")
+    reference = getattr(importlib.import_module(reference_module), attr)
+    if type(reference).__name__ not in ("JITFunction", "InterpretedFunction"):
+        return None
+    return ", ".join(inspect.signature(reference.fn).parameters)
+
+
 def _learner_code(check: str, function: str, body: str):
     """The exercise as a notebook cell defines it (compiled outside any installed package), with
-    this body: a function, or for a class exercise a class whose __init__ has it. Returns
-    (the object, the name a stub message must give)."""
-    if _is_class(check, function):
+    this body: a function, a Triton kernel (@triton.jit, the reference's parameters), or for a class
+    exercise a class whose __init__ has it. Returns (the object, the name a stub message must give)."""
+    kernel_parameters = _kernel_parameters(check, function)
+    if kernel_parameters is not None:
+        source = f"import triton\nimport triton.language as tl\n@triton.jit\ndef {function}({kernel_parameters}):\n    {body}\n"
+        where = function
+    elif _is_class(check, function):
         source = f"class {function}:\n    def __init__(self, *args, **kwargs):\n        {body}\n"
         where = f"{function}.__init__"
     else:

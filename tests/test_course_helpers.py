@@ -209,3 +209,68 @@ def test_speculative_figures_draw_measured_beside_benchmark_and_seed():
     assert list(fig.data[0].x) == [1, 2, 5, 9] and list(fig.data[0].y) == [1.0, 1.2, 1.4, 1.7]
     assert list(fig.data[1].y) == [BENCH_TINY_VERIFY_COST[n] for n in sorted(BENCH_TINY_VERIFY_COST)]
     assert list(fig.data[-1].y) == [1, 1]  # Theorem 3.8's assumption
+
+
+# --------------------------------------------------------------------------- predictions (q_ cells)
+
+
+def test_expect_prediction_wants_a_finite_number(capsys):
+    from decodelab.course.predictions import expect_prediction
+
+    with pytest.raises(NotImplementedError, match="q_x is still None"):
+        expect_prediction(None, "q_x")
+    for bad in ("512", True, float("nan"), [1]):
+        with pytest.raises(AssertionError, match="q_x must be a finite number"):
+            expect_prediction(bad, "q_x", unit="MiB")
+    expect_prediction(512, "q_x", unit="MiB")
+    assert "q_x = 512 MiB" in capsys.readouterr().out
+
+
+def test_show_beside_states_the_ratio():
+    from decodelab.course.predictions import show_beside
+
+    assert "measured / predicted = 2: more than you said" in show_beside("rows", 100, 200)
+    assert "close" in show_beside("rows", 100, 105)
+    assert "no prediction" in show_beside("rows", None, 3.0)
+    assert "is not a number" in show_beside("rows", "lots", 3.0)
+
+
+def test_expect_answer_states_the_tolerance():
+    from autograder.checks.answers import expect_answer
+
+    expect_answer(73.0, 72.0, "q", rel_tol=0.05)
+    with pytest.raises(AssertionError, match=r"you predicted 80; the answer is 72 \(graded within 5%\)"):
+        expect_answer(80, 72.0, "q", rel_tol=0.05)
+    with pytest.raises(AssertionError, match="no prediction"):
+        expect_answer(None, 72.0, "q")
+    with pytest.raises(AssertionError, match="got bool"):
+        expect_answer(True, 1.0, "q")
+    with pytest.raises(AssertionError, match="within 0.5"):
+        expect_answer(2.0, 1.0, "q", rel_tol=0.0, abs_tol=0.5)
+
+
+def test_release_opens_prediction_cells(tmp_path):
+    """The release turns a q_ cell's stub into `q_name = None` and keeps nbgrader's checksum true."""
+    import json
+
+    from nbgrader.utils import compute_checksum
+    import nbformat
+
+    from autograder.release import load_config, open_predictions
+
+    stub = load_config().ClearSolutions.code_stub["python"]
+    nb = nbformat.v4.new_notebook()
+    q = nbformat.v4.new_code_cell(f"# predict\n{stub}")
+    q.metadata["nbgrader"] = {"grade": False, "grade_id": "q_rows", "locked": False, "schema_version": 3,
+                              "solution": True, "task": False, "checksum": "stale"}
+    ex = nbformat.v4.new_code_cell(f"def f():\n    {stub}")
+    ex.metadata["nbgrader"] = {"grade": False, "grade_id": "ex_f", "solution": True, "schema_version": 3}
+    nb.cells = [q, ex]
+    path = tmp_path / "n.ipynb"
+    nbformat.write(nb, str(path))
+    open_predictions(path)
+    cells = nbformat.read(str(path), as_version=4).cells
+    assert cells[0].source == "# predict\nq_rows = None  # your prediction: replace None with a number"
+    assert cells[0].metadata.nbgrader["checksum"] == compute_checksum(cells[0])
+    assert stub in cells[1].source  # an exercise keeps its stub
+    assert json.loads(path.read_text())["cells"][0]["source"][0] == "# predict\n"

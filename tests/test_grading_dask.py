@@ -44,6 +44,7 @@ def small_class(root: Path, slow: bool = False) -> Path:
             (folder / f"{NAME}.ipynb").write_text(text or "")
 
     put("correct", _trimmed())
+    (subs / "correct" / NAME / ".decodelab_hints.json").write_text(json.dumps({NAME: {"ex_count_parameters": 2}}))
     put("wrong", _trimmed(count=WRONG_COUNT))
     put("malformed", text="{")
     if slow:
@@ -68,6 +69,8 @@ def test_local_cluster_grades_like_the_pool(tmp_path):
     assert _triples(by_dask) == {"correct": ("ok", 4, 4), "wrong": ("ok", 2, 4), "malformed": ("unreadable", 0, 4)}
     assert not any("grader:" in r["notes"] for r in by_dask.values()), by_dask
     assert list(by_dask) == list(by_pool)  # the same row order
+    for rows in (by_pool, by_dask):  # the hint counter beside the notebook reaches the worker
+        assert "hints: ex_count_parameters 2" in rows["correct"]["notes"], rows["correct"]
 
 
 def _executing(dask_worker) -> list[str]:

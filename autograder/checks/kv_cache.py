@@ -23,10 +23,12 @@ import math
 
 import torch
 
+from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
 from decodelab.course.checking import describe, expect_int
 from decodelab.config import ModelConfig
 from decodelab.model.kv_cache import KVCache as _ReferenceCache
+from decodelab.lessons import kv_size
 from decodelab.lessons.measure import CountingModel
 from decodelab.model.toy import tiny_model
 
@@ -307,3 +309,20 @@ def check_kv_cache_bytes(fn) -> None:
                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
     what = "kv_bytes(ModelConfig(5 layers, 6 heads, 2 KV heads, hidden 48), seq_len=7, batch=2, 'bf16')"
     expect_int(call(what, fn, config, 7, 2, "bf16"), 2 * 2 * 7 * 5 * 2 * 8 * 2, what)
+
+
+# --------------------------------------------------------------------------- predictions (q_ cells)
+
+
+def check_q_rows_without_cache(value) -> None:
+    """K/V rows one layer computes to generate 30 tokens after a 20-token prompt, without a cache."""
+    expected = sum(20 + step for step in range(30))  # step i feeds the prompt and the i tokens made so far
+    expect_answer(value, expected, "q_rows_without_cache: K/V rows per layer for 30 new tokens after a 20-token "
+                  "prompt, no cache (20 + 21 + ... + 49)", rel_tol=0.01)
+
+
+def check_q_qwen3_kv_gib(value) -> None:
+    """GiB of K/V for Qwen3-8B, 16 sequences of 32,768 tokens, bf16."""
+    expected = kv_size.kv_bytes("Qwen3-8B", 32768, 16, "bf16") / 2**30
+    expect_answer(value, expected, "q_qwen3_kv_gib: Qwen3-8B's KV cache in GiB for 16 sequences of 32,768 tokens "
+                  "in bf16 (2 x 36 layers x 8 KV heads x 128 x 2 bytes per token)", rel_tol=0.05)

@@ -6,6 +6,8 @@
     python -m decodelab prepare        # convert SmolLM2 into the cache once
     python -m decodelab progress --course DIR [--notebooks 02_sampling,03] [--timeout S] [--json]
         # your notebooks' exercises: passing, failing (and why), not started, hints used
+    python -m decodelab progress --course DIR --serve "PROMPT" [--quantization int8] [--json]
+        # ... and SmolLM2 served by an engine made of your passing parts (decodelab.course.parts)
     python -m decodelab hints [--notebook 02_sampling] [--json]   # every exercise's hint ladder
 
 Text streams to stdout; with --json exactly one JSON object is printed there instead.
@@ -48,7 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     prog.add_argument("--timeout", type=float, default=60.0, metavar="S",
                       help="seconds per notebook (default 60); an exercise still running then fails")
     prog.add_argument("--json", action="store_true",
-                      help='print one JSON object: {"exercises": [{notebook, exercise, part, status, hints_used}]}')
+                      help='print one JSON object: {"exercises": [{notebook, exercise, part, status, hints_used}]} '
+                           '(with --serve also "serve": {prompt_ids, output_ids, text, parts, why})')
+    prog.add_argument("--serve", default=None, metavar="PROMPT",
+                      help="then answer PROMPT with SmolLM2 (greedy, float32, chat template, up to 32 new tokens) "
+                           "on an engine whose every stage is your passing part, the library's otherwise")
+    prog.add_argument("--quantization", default=None, choices=["int8"],
+                      help="with --serve: int8 weights, built by your Int8Linear when it passes")
     hints = commands.add_parser(
         "hints", help="print every exercise's hints, from a nudge to a sketch",
         description="The hints behind the notebooks' hint buttons, for every exercise, gentlest first.")
@@ -99,8 +107,21 @@ def run_progress(args) -> int:
     names = args.notebooks.split(",") if args.notebooks else None
     def tell(notebook):
         print(f"checking {notebook} ...", file=sys.stderr, flush=True)
+    if args.quantization and args.serve is None:
+        raise ValueError("--quantization goes with --serve")
     rows = progress.check_course(args.course, names, timeout=args.timeout, progress=tell if sys.stderr.isatty() else None)
-    print(progress.to_json(rows) if args.json else progress.format_table(rows))
+    if args.serve is None:
+        print(progress.to_json(rows) if args.json else progress.format_table(rows))
+        return 0
+    from decodelab.course import parts
+
+    engine = parts.assemble(args.course, rows, quantization=args.quantization)
+    served = parts.serve(engine, args.serve)
+    if args.json:
+        print(json.dumps({**json.loads(progress.to_json(rows)), "serve": served}))
+    else:
+        print(progress.format_table(rows) + "\n\n" + parts.format_bill(engine.bill) + "\n")
+        print(f"> {args.serve}\n{served['text']}")
     return 0
 
 

@@ -110,6 +110,9 @@ PARTS: dict[tuple[str, str], str] = {
     ("11_tiled_attention", "attention_memory_bytes"): "tiled attention: score memory",
     ("11_tiled_attention", "online_softmax_update"): "tiled attention: online softmax",
     ("11_tiled_attention", "tiled_attention"): "tiled attention: the tiled loop",
+    ("12_gpu_kernel", "gather_kv_kernel"): "GPU kernel: reading KV blocks through the block table",
+    ("12_gpu_kernel", "paged_attention_kernel"): "GPU kernel: paged attention with an online softmax",
+    ("12_gpu_kernel", "paged_attention"): "GPU kernel: launching paged attention",
 }
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -353,6 +356,8 @@ def run_notebook(plan: Plan, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, st
             _kill_group(proc)
             proc.wait()
             tail.text()  # drained
+            if not tail.thread.is_alive():  # else a ResourceWarning in the caller (the capstone's kernel shows it)
+                proc.stdout.close()
             running, phase = None, None
             for line in results_path.read_text().splitlines():
                 try:

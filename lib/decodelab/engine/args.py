@@ -90,6 +90,13 @@ class EngineArgs:
             raise ValueError(f"chunked_prefill must be True or False, got {self.chunked_prefill!r}")
         if self.chunked_prefill:
             self._check_chunked_prefill()
+        if getattr(self.hooks, "forward", None) is not None:
+            if self.quantization is not None:
+                raise ValueError(f"EngineHooks(forward=...) reads the float weights by name, and quantization="
+                                 f"{self.quantization!r} replaces them: use one or the other")
+            if self.prepack_weights:
+                raise ValueError("EngineHooks(forward=...) reads the weights by name, and prepack_weights=True "
+                                 "repacks them: leave prepack_weights at None or False")
         # Only a speculating engine uses k, so only then is a bad one an error (as before EngineArgs).
         if self.speculative_model is not None and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")

@@ -20,12 +20,19 @@ prefill; a sequence samples its first token in the step that completes its promp
 Hooks — swap a learner's function in for one stage (each notebook's closing cell does):
     llm = LLM(model="smollm2", hooks=EngineHooks(sample=my_sample))
     sample(logits [V], params, generator) -> int           the sampling rule
+    repetition_penalty(logits [V], token_ids [L], penalty) -> logits [V]   before `sample`, when penalty != 1
     accept_draft_tokens(draft_tokens, draft_probs, target_probs, generator) -> LongTensor
     allocator(num_blocks, block_size, enable_prefix_caching) -> a BlockAllocator-like object
     scheduler(allocator, max_num_seqs, max_num_batched_tokens) -> a Scheduler-like object
     step(engine) -> list[StreamEvent]                     one iteration of the loop (`engine_step`)
     linear(nn.Linear) -> a quantized layer                 each decoder-layer linear, with quantization set
         llm = LLM(model="smollm2", quantization="int8", hooks=EngineHooks(linear=Int8Linear.from_linear))
+    forward(weights, config, input_ids [1, N], attend, positions [N]) -> logits [1, N, V]
+        the model as a function of its state dict (notebook 01's `forward`), run on every packed batch
+        in place of the model's modules; `attend` is the paged batch's (or the attention hook's)
+    attention(cache, layer_index, q, k, v) -> out          attention over a cache with `append`
+        (notebook 01's `attention`), run for each sequence over its paged blocks
+        (`decodelab.engine.paged_attention.PagedSequenceCache`), inside the library's model or `forward`
 """
 from __future__ import annotations
 
@@ -62,6 +69,9 @@ class EngineHooks:
     scheduler: Callable = Scheduler
     step: Callable | None = None  # None: engine_step
     linear: Callable | None = None  # None: the library's QuantizedLinear (used only with quantization)
+    repetition_penalty: Callable = apply_repetition_penalty
+    forward: Callable | None = None  # None: the model's own modules
+    attention: Callable | None = None  # None: PagedBatch's attention
 
 
 def kv_blocks_for_memory(config, memory_bytes: int, block_size: int, dtype=torch.float32) -> int:
@@ -166,6 +176,8 @@ class LLM:
         self.model, self.tokenizer = self._load_model(self.args)
         self.config, self.device = self.model.config, self.model.device
         self.hooks = self.args.hooks or EngineHooks()
+        # the forward hook reads the weights by their names (the tensors themselves, not copies)
+        self.weights = dict(self.model.state_dict()) if self.hooks.forward is not None else None
         self._build_kv_cache(self.args)
         self._start_speculator(self.args)
         self._next_seq_id = 0
@@ -184,8 +196,10 @@ class LLM:
             from decodelab.model.quantization import quantize_model
             linear = getattr(args.hooks, "linear", None)  # None: the library's QuantizedLinear
             quantize_model(model, bits=8 if args.quantization == "int8" else 4, linear=linear)
-        # prepack_weights: None packs where it helps (CPU, bfloat16); True insists; False never
-        if args.prepack_weights or (args.prepack_weights is None and can_prepack(model.device, model.dtype)):
+        # prepack_weights: None packs where it helps (CPU, bfloat16) and no forward hook reads the
+        # weights by name; True insists; False never
+        as_named = getattr(args.hooks, "forward", None) is None
+        if args.prepack_weights or (args.prepack_weights is None and as_named and can_prepack(model.device, model.dtype)):
             if args.loads_model:  # nobody else holds this model: pack it in place
                 prepack_linear_layers(model)
             else:  # the caller's model stays as it was
@@ -362,9 +376,16 @@ class LLM:
             positions += range(start, end)
             slots += [slot_of(table, p, block_size) for p in range(start, end)]
         device = self.device
-        batch = PagedBatch(store, slices, torch.tensor(slots, device=device), model.config.sliding_window)
-        logits = model(torch.tensor([ids], device=device), positions=torch.tensor(positions, device=device),
-                       kv_cache=batch, logits_indices=torch.tensor(wanted, device=device))[0]
+        hooked = model is self.model  # the hooks are the target's; a draft model runs as it is
+        batch = PagedBatch(store, slices, torch.tensor(slots, device=device), model.config.sliding_window,
+                           attention_fn=self.hooks.attention if hooked else None)
+        input_ids, positions = torch.tensor([ids], device=device), torch.tensor(positions, device=device)
+        wanted = torch.tensor(wanted, device=device)
+        if hooked and self.hooks.forward is not None:
+            logits = self.hooks.forward(self.weights, model.config, input_ids, batch.attend, positions)[0, wanted]
+            logits = logits.float()  # [M, V]
+        else:
+            logits = model(input_ids, positions=positions, kv_cache=batch, logits_indices=wanted)[0]
         if not all_logits:
             return list(logits)
         sizes = [len(tokens) for tokens, _, _ in items]
@@ -382,7 +403,7 @@ class LLM:
         params = seq.params
         if params.repetition_penalty != 1:
             history = torch.tensor(seq.token_ids, device=logits.device)
-            logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
+            logits = self.hooks.repetition_penalty(logits, history, params.repetition_penalty)
         return int(self.hooks.sample(logits, params, seq.generator))
 
     def append_token(self, seq: Sequence, token_id: int) -> StreamEvent:

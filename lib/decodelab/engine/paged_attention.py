@@ -11,6 +11,12 @@ in groups of similar context length (`group_by_length`), each group as one batch
 its longest member: in a long-tailed workload, one padded batch of 32 made the attention read
 about three times the keys that exist, and the grouping raised throughput by ~20%
 (`bench/serving.py`).
+
+An attention function written for a contiguous cache, ``attention(cache, layer_index, q, k, v)``
+that stores K/V with ``cache.append(layer_index, k, v)`` (notebook 01's, the engine's
+`EngineHooks.attention`), runs here too: `PagedBatch(attention_fn=...)` calls it once per
+sequence with a `PagedSequenceCache`, whose ``append`` writes into that sequence's slots and
+returns its whole context gathered from its blocks.
 """
 from __future__ import annotations
 
@@ -131,9 +137,13 @@ class PagedBatch:
     DECODE_GROUP_COST = 1024
 
     def __init__(self, store: PagedKVStore, slices: list[SequenceSlice], slot_mapping: torch.Tensor,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, attention_fn=None):
         self.store, self.slices, self.slot_mapping = store, slices, slot_mapping
         self.sliding_window = sliding_window
+        if attention_fn is not None and sliding_window is not None:
+            raise ValueError(f"an attention hook attends over every held token; this model has a sliding window "
+                             f"of {sliding_window}")
+        self.attention_fn = attention_fn  # None: the library's attention below
         self.decode_slices = [s for s in slices if s.q_len == 1]
         self.prefill_slices = [s for s in slices if s.q_len > 1]
         self.decode_only = not self.prefill_slices
@@ -164,6 +174,8 @@ class PagedBatch:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [1, H, N, D], k/v [1, H_kv, N, D] for the N packed new tokens -> [1, H, N, D]."""
+        if self.attention_fn is not None:
+            return self._attend_through_hook(layer, q, k, v)
         flat_k, flat_v = self.store.flat(layer)
         flat_k[self.slot_mapping] = k[0].transpose(0, 1)  # [N, H_kv, D] into their slots
         flat_v[self.slot_mapping] = v[0].transpose(0, 1)
@@ -198,3 +210,35 @@ class PagedBatch:
         q_b = q[0].transpose(0, 1).reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q_b, k_ctx, v_ctx, attn_mask=group.mask)
         return out.reshape(batch, num_heads, head_dim).transpose(0, 1)[None]  # [1, H, b, D]
+
+    def _attend_through_hook(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention hook, one sequence at a time: q [1, H, N, D], k/v [1, H_kv, N, D] -> [1, H, N, D]."""
+        out = torch.empty_like(q)
+        for s in self.slices:
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            cache = PagedSequenceCache(self, s)
+            out[:, :, rows] = self.attention_fn(cache, layer, q[:, :, rows], k[:, :, rows], v[:, :, rows])
+        return out
+
+
+class PagedSequenceCache:
+    """One sequence of a `PagedBatch`, seen as a cache with `KVCache.append`'s interface, for an
+    attention hook written against a contiguous cache."""
+
+    def __init__(self, batch: PagedBatch, seq: SequenceSlice):
+        self.batch, self.seq = batch, seq
+        self.seq_len = seq.context_len - seq.q_len  # tokens held before this step's
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the sequence's new k, v [1, H_kv, q_len, D] in its slots; return everything it holds
+        in this layer, [1, H_kv, context_len, D] each, in token order."""
+        s, store = self.seq, self.batch.store
+        if k.shape[0] != 1 or k.shape[2] != s.q_len:
+            raise ValueError(f"append got k of shape {list(k.shape)}; this sequence has {s.q_len} new tokens "
+                             f"(expected [1, H_kv, {s.q_len}, D])")
+        flat_k, flat_v = store.flat(layer)
+        slots = self.batch.slot_mapping[s.q_start:s.q_start + s.q_len]
+        flat_k[slots] = k[0].transpose(0, 1)  # [q_len, H_kv, D] into their slots
+        flat_v[slots] = v[0].transpose(0, 1)
+        return (gather_kv(flat_k, s.block_table, s.context_len, store.block_size)[None],
+                gather_kv(flat_v, s.block_table, s.context_len, store.block_size)[None])

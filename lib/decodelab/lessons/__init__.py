@@ -1,3 +1,3 @@
 """Exercise references that the engine never uses (forward_pass, gqa, prefill_decode, kv_size,
-tiled_attention, continuous_batching) and the measurements the notebooks make (measure,
+tiled_attention, gpu_kernel, continuous_batching) and the measurements the notebooks make (measure,
 perplexity). Imports engine, decoding and model; nothing below imports it."""

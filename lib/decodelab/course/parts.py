@@ -1,0 +1,263 @@
+"""Your engine: the stages of `LLM` taken from your own notebooks, and the bill of materials that
+says which ones are yours.
+
+    python -m decodelab progress --course ~/course --serve "What is gravity?" [--json] [--quantization int8]
+
+    rows = progress.check_course("~/course", STAGE_NOTEBOOKS)   # visible tests, one subprocess per notebook
+    engine = assemble("~/course", rows)                         # the bill, your code loaded, the hooks
+    print(format_bill(engine.bill))
+    served = serve(engine, "What is gravity?")                  # SmolLM2 in float32 on those hooks
+
+**Stages.** Each `Stage` is one `EngineHooks` field, built from the exercises of one notebook whose
+code runs in it (the forward pass is 01's `forward`, which calls your `rms_norm`, `rope` and `mlp`).
+A stage is ``yours`` when every one of those exercises passes its visible tests (progress's
+statuses); otherwise the library's reference runs it, and the bill says why: the notebook is not in
+the folder, an exercise is not started or failing (with progress's message), or this engine does
+not use the stage (no draft model; float32 weights for the int8 layer; int8 weights for your
+forward pass, which reads float weights by name).
+
+**Loading.** For each notebook with a stage of yours, its first code cell (the imports) and its
+exercise cells up to the last one a stage needs run in a fresh module of this process, in the
+notebook's folder, with their output captured. The set-up cells that load models do not run, and
+neither does a cell whose exercise timed out or killed progress's kernel. This runs your code, as
+the notebook does: as `progress` does, it refuses a folder that is not the caller's when run as root.
+
+This module is the course's side of `EngineHooks`: the engine never imports it.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from decodelab.course import progress
+from decodelab.engine.llm import EngineHooks
+from decodelab.engine.scheduler import Scheduler
+
+YOURS, REFERENCE = "yours", "reference"
+CAPSTONE = "10_capstone_engine"
+SCHEDULER_NOTEBOOK = "08_continuous_batching"
+
+
+def _scheduler_methods() -> tuple[str, ...]:
+    """08's exercises that are Scheduler methods (bound the way 08's closing cells bind them)."""
+    return tuple(name for (notebook, name) in progress.PARTS
+                 if notebook == SCHEDULER_NOTEBOOK and callable(getattr(Scheduler, name, None)))
+
+
+def _your_scheduler(namespace: dict) -> type:
+    methods = {name: namespace[name] for name in _scheduler_methods()}
+    return type("YourScheduler", (Scheduler,), {**methods, "__module__": namespace["__name__"]})
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str  # the stage, as the bill and `serve`'s "parts" name it
+    hook: str  # the EngineHooks field it fills
+    notebook: str
+    exercises: tuple[str, ...]  # every exercise whose code runs in the stage
+    build: Callable[[dict], Callable]  # the learner's namespace -> the hook's value
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("forward pass", "forward", "01_forward_pass", ("rms_norm", "rope", "mlp", "forward"),
+          lambda ns: ns["forward"]),
+    Stage("attention", "attention", "01_forward_pass", ("attention",), lambda ns: ns["attention"]),
+    Stage("sampling", "sample", "02_sampling", ("apply_temperature", "top_k_filter", "top_p_filter", "sample"),
+          lambda ns: ns["sample"]),
+    Stage("repetition penalty", "repetition_penalty", "02_sampling", ("apply_repetition_penalty",),
+          lambda ns: ns["apply_repetition_penalty"]),
+    Stage("int8 linear layer", "linear", "06_quantization", ("Int8Linear",), lambda ns: ns["Int8Linear"].from_linear),
+    Stage("block allocator", "allocator", "07_paged_kv", ("BlockAllocator",), lambda ns: ns["BlockAllocator"]),
+    Stage("scheduler", "scheduler", SCHEDULER_NOTEBOOK, _scheduler_methods(), _your_scheduler),
+    Stage("speculative acceptance", "accept_draft_tokens", "09_speculative_decoding", ("accept_draft_tokens",),
+          lambda ns: ns["accept_draft_tokens"]),
+    Stage("engine step", "step", CAPSTONE, ("engine_step",), lambda ns: ns["engine_step"]),
+)
+STAGE_NOTEBOOKS: tuple[str, ...] = tuple(sorted({stage.notebook for stage in STAGES}))
+
+
+@dataclass
+class Entry:
+    """One line of the bill of materials."""
+    stage: Stage
+    source: str  # YOURS or REFERENCE
+    why: str
+    in_engine: bool = True  # False: this engine has no use for the stage (no draft model)
+    passing: bool = False  # every exercise behind the stage passes
+
+
+@dataclass
+class Assembly:
+    bill: list[Entry]
+    hooks: EngineHooks
+    quantization: str | None = None
+    namespaces: dict[str, dict] = field(default_factory=dict)  # notebook -> the module its cells ran in
+
+    @property
+    def parts(self) -> dict[str, str]:
+        """stage name -> "yours" | "reference", for the stages this engine runs."""
+        return {e.stage.name: e.source for e in self.bill if e.in_engine}
+
+
+# --------------------------------------------------------------------------- the bill
+
+
+def bill_of_materials(rows: list[progress.Row], quantization: str | None = None,
+                      speculative: bool = False) -> list[Entry]:
+    """One Entry per stage, from progress's rows (a notebook without rows is not in the folder)."""
+    if quantization not in (None, "int8"):
+        raise ValueError(f"the learner's engine serves float32 or int8 weights, got quantization={quantization!r}")
+    status = {(row.notebook, row.exercise): row.status for row in rows}
+    checked = {row.notebook for row in rows}
+    bill = []
+    for stage in STAGES:
+        entry = Entry(stage, REFERENCE, "", in_engine=speculative or stage.hook != "accept_draft_tokens")
+        problems = [f"{name}: {status.get((stage.notebook, name), 'not found in the notebook')}"
+                    for name in stage.exercises if status.get((stage.notebook, name)) != progress.PASSING]
+        entry.passing = stage.notebook in checked and not problems and bool(stage.exercises)
+        if stage.notebook not in checked:
+            entry.why = f"no {stage.notebook} notebook checked in the folder"
+        elif problems or not stage.exercises:
+            entry.why = "; ".join(problems) or f"{stage.notebook} has no exercise for it"
+        elif not entry.in_engine:
+            entry.why = "yours passes, but this engine has no draft model to speculate with"
+        elif stage.hook == "linear" and quantization is None:
+            entry.why = "yours passes, but this engine serves float32 weights (yours builds an int8 one: quantization='int8')"
+        elif stage.hook == "forward" and quantization is not None:
+            entry.why = ("yours passes, but it reads float weights by name: int8 layers run inside the "
+                         "library's model")
+        else:
+            passes = "your exercise passes" if len(stage.exercises) == 1 else "your exercises pass"
+            entry.source, entry.why = YOURS, f"{passes}: {', '.join(stage.exercises)}"
+        bill.append(entry)
+    return bill
+
+
+def reference_bill(why: str, speculative: bool = False) -> list[Entry]:
+    """Every stage the library's, for one reason (grading, no sibling notebooks)."""
+    return [Entry(stage, REFERENCE, why, in_engine=speculative or stage.hook != "accept_draft_tokens")
+            for stage in STAGES]
+
+
+def format_bill(bill: list[Entry]) -> str:
+    header = ("stage", "notebook", "source", "why")
+    table = [header, *[(e.stage.name, e.stage.notebook, e.source, e.why) for e in bill]]
+    widths = [max(len(line[i]) for line in table) for i in range(3)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line[:3], widths)) + "  " + line[3] for line in table]
+    yours = sum(e.source == YOURS for e in bill)
+    lines.append(f"\n{yours} of {len(bill)} stages are yours; the library runs the rest.")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- loading your code
+
+
+@contextlib.contextmanager
+def _in_folder(folder: Path):
+    before, path_before = os.getcwd(), list(sys.path)
+    os.chdir(folder)
+    sys.path.insert(0, str(folder))  # as in a kernel: the notebook's folder is importable
+    try:
+        yield
+    finally:
+        os.chdir(before)
+        sys.path[:] = path_before
+
+
+def load_notebook(path: Path, needed: set[str], statuses: dict[str, str]) -> dict:
+    """Run the notebook's import cell and its exercise cells up to the last one in `needed` in a
+    fresh module (the loading rule in the module's docstring); returns the module's namespace."""
+    plan = progress.plan_notebook(path)
+    if plan.error:
+        raise ValueError(f"{path}: {plan.error}")
+    module = types.ModuleType(f"_decodelab_yours_{plan.notebook}")
+    sys.modules[module.__name__] = module  # classes and dataclasses defined in the cells look it up
+    cells = [(f"<{plan.notebook} cell {index}>", source) for index, source in plan.setup[:1]]
+    last = max(i for i, (name, _, _) in enumerate(plan.cells) if name in needed)
+    for name, index, source in plan.cells[:last + 1]:
+        crashed = statuses.get(name, "").startswith(("failing: timed out", "failing: the kernel died"))
+        if not crashed:
+            cells.append((f"<exercise {name}, cell {index}>", source))
+    output = io.StringIO()
+    with _in_folder(path.parent), contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        for filename, source in cells:
+            try:
+                exec(compile(source, filename, "exec", dont_inherit=True), module.__dict__)
+            except Exception:  # noqa: BLE001 - that exercise is not passing; no stage of yours needs it
+                pass
+    return module.__dict__
+
+
+def assemble(course_dir, rows: list[progress.Row], quantization: str | None = None,
+             speculative: bool = False) -> Assembly:
+    """The bill of materials for `rows` (progress's, for the notebooks below course_dir), and the
+    EngineHooks with every stage of yours loaded from its notebook."""
+    progress.check_owner(course_dir)
+    bill = bill_of_materials(rows, quantization, speculative)
+    statuses = {(row.notebook, row.exercise): row.status for row in rows}
+    namespaces, hooks = {}, EngineHooks()
+    loaded = [e for e in bill if e.source == YOURS or (e.passing and not e.in_engine)]
+    for notebook in dict.fromkeys(e.stage.notebook for e in loaded):
+        needed = {name for e in loaded if e.stage.notebook == notebook for name in e.stage.exercises}
+        path = Path(course_dir).expanduser() / notebook / f"{notebook}.ipynb"
+        mine = {name: status for (nb, name), status in statuses.items() if nb == notebook}
+        namespaces[notebook] = load_notebook(path, needed, mine)
+    for entry in bill:
+        # a passing stage this engine leaves idle (no draft model) is loaded too: an engine built
+        # from the same hooks with a draft model runs it
+        if not (entry.source == YOURS or (entry.passing and not entry.in_engine)):
+            continue
+        try:
+            setattr(hooks, entry.stage.hook, entry.stage.build(namespaces[entry.stage.notebook]))
+        except Exception as exc:  # noqa: BLE001 - e.g. a name the cells no longer define
+            entry.source, entry.passing = REFERENCE, False
+            entry.why = f"could not load it: {type(exc).__name__}: {exc}"
+    return Assembly(bill, hooks, quantization, namespaces)
+
+
+def your_engine(course_dir, this_notebook: str = CAPSTONE, timeout: float = progress.DEFAULT_TIMEOUT_S) -> Assembly:
+    """The capstone's engine: the stages of the notebooks in course_dir (the capstone's ".."),
+    checked by progress, yours where they pass. Under nbgrader (NBGRADER_EXECUTION), with no
+    notebook beside `this_notebook`, or in a folder progress refuses, every stage is the library's."""
+    folder = Path(course_dir).expanduser()
+    present = [n for n in STAGE_NOTEBOOKS if (folder / n / f"{n}.ipynb").is_file()]
+    siblings = [n for n in present if n != this_notebook]
+    if os.environ.get("NBGRADER_EXECUTION"):
+        return Assembly(reference_bill("graded: the grader runs this notebook alone"), EngineHooks())
+    if not siblings:
+        return Assembly(reference_bill(f"no course notebooks beside this one in {folder.resolve()}"), EngineHooks())
+    try:
+        rows = progress.check_course(folder, present, timeout=timeout)
+        return assemble(folder, rows)
+    except progress.ProgressError as exc:
+        return Assembly(reference_bill(str(exc)), EngineHooks())
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def serve(engine: Assembly, prompt: str, max_new_tokens: int = 32, model: str = "smollm2", device=None) -> dict:
+    """Greedy, float32, the chat template as `python -m decodelab generate` applies it, on an LLM
+    built with the assembly's hooks -> {"prompt_ids", "output_ids", "text", "parts", "why"}."""
+    from decodelab.decoding.generate import encode_prompt
+    from decodelab.engine.llm import LLM
+    from decodelab.params import SamplingParams
+
+    llm = LLM(model=model, device=device, dtype="float32", quantization=engine.quantization, hooks=engine.hooks,
+              max_num_seqs=1)
+    prompt_ids = encode_prompt(llm.tokenizer, prompt, chat=True)
+    out = llm.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=max_new_tokens), use_tqdm=False)[0]
+    if out.error:
+        raise ValueError(out.error)
+    return {"prompt_ids": prompt_ids, "output_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text,
+            "parts": engine.parts, "why": {e.stage.name: e.why for e in engine.bill if e.in_engine}}
+
+
+__all__ = ["STAGES", "STAGE_NOTEBOOKS", "Stage", "Entry", "Assembly", "bill_of_materials", "reference_bill",
+           "format_bill", "load_notebook", "assemble", "your_engine", "serve"]
