@@ -253,3 +253,20 @@ def test_kept_engine_bugs_change_the_tokens(tiny):
                   chunked_prefill=True, hooks=EngineHooks(**{hook: bug}))
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got != expected, f"{name} ({what}) was not caught"
+
+
+def test_chunked_prefill_with_the_forward_and_attention_hooks(tiny):
+    """Notebook 01's forward pass and attention (EngineHooks forward / attention) run the slices
+    too: a slice attends over the sequence's computed context plus itself, as a prefill does."""
+    from decodelab.lessons import forward_pass as fp
+
+    model, tokenizer = tiny
+    prompts = _random_prompts(tokenizer.vocab_size, 5, (10, 60), seed=11)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in
+                LLM((model, tokenizer), num_kv_blocks=128, kv_block_size=4).generate(prompts, params, use_tqdm=False)]
+    for hooks in (EngineHooks(forward=fp.forward), EngineHooks(attention=fp.attention),
+                  EngineHooks(forward=fp.forward, attention=fp.attention)):
+        llm = LLM((model, tokenizer), num_kv_blocks=40, kv_block_size=4, max_num_seqs=4, max_num_batched_tokens=12,
+                  chunked_prefill=True, hooks=hooks)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
