@@ -21,6 +21,7 @@ def test_reference_passes():
     checks.check_decode_batch(scheduler.decode_batch)
     checks.check_preempt(scheduler.preempt)
     checks.check_finish(scheduler.finish)
+    checks.check_schedule_chunked(scheduler.schedule_chunked)
 
 
 def test_scheduler_methods_are_the_graded_functions():
@@ -44,6 +45,10 @@ def test_messages_name_the_case():
         checks.check_finish(buggy.finish_leaks_blocks)
     with pytest.raises(AssertionError, match="OutOfBlocksError"):
         checks.check_decode_batch(buggy.decode_never_preempts)
+    with pytest.raises(AssertionError, match="budget 10.*tokens each feeds.*expected \\{0: 1, 1: 1, 2: 8\\}"):
+        checks.check_schedule_chunked(buggy.chunked_ignores_budget)
+    with pytest.raises(AssertionError, match="not decoded.*expected \\[0, 2\\], got \\[0, 1, 2\\]"):
+        checks.check_decode_batch(buggy.decode_decodes_unfinished_prompts)
 
 
 # --------------------------------------------------------------------------- the simulator

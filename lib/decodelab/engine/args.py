@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from decodelab.validation import check_int
+
 if TYPE_CHECKING:  # llm.py imports this module: name the hooks' type without importing it back
     from decodelab.engine.llm import EngineHooks
 
@@ -48,6 +50,10 @@ class EngineArgs:
     max_model_len: the longest sequence (prompt + output); None: the model's context.
     mix_decode_with_prefill: running sequences decode in the passes that prefill new ones
         (off while speculating: its decode steps stay apart).
+    chunked_prefill: prefill long prompts in slices: each step feeds at most
+        max_num_batched_tokens tokens, every running sequence's decode first, then slices of
+        prompts (Sarathi-Serve; vLLM's enable_chunked_prefill). Needs mix_decode_with_prefill,
+        no speculative_model, and max_num_batched_tokens >= max_num_seqs (room for every decode).
     prepack_weights: None packs the linear layers where it helps (CPU, bfloat16), True always,
         False never (`decodelab.model.packed_linear`).
     hooks: an `EngineHooks` swapping a learner's function in for one stage; None: the library's.
@@ -68,6 +74,7 @@ class EngineArgs:
     num_speculative_tokens: int = 4
     max_model_len: int | None = None
     mix_decode_with_prefill: bool = True
+    chunked_prefill: bool = False
     prepack_weights: bool | None = None
     hooks: EngineHooks | None = None
 
@@ -77,6 +84,12 @@ class EngineArgs:
         if getattr(self.hooks, "linear", None) is not None and self.quantization is None:
             raise ValueError("EngineHooks(linear=...) builds the quantized linear layers, so it needs "
                              "quantization='int8' (or 'int4') as well")
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if not isinstance(self.chunked_prefill, bool):
+            raise ValueError(f"chunked_prefill must be True or False, got {self.chunked_prefill!r}")
+        if self.chunked_prefill:
+            self._check_chunked_prefill()
         if getattr(self.hooks, "forward", None) is not None:
             if self.quantization is not None:
                 raise ValueError(f"EngineHooks(forward=...) reads the float weights by name, and quantization="
@@ -87,6 +100,18 @@ class EngineArgs:
         # Only a speculating engine uses k, so only then is a bad one an error (as before EngineArgs).
         if self.speculative_model is not None and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+
+    def _check_chunked_prefill(self) -> None:
+        if self.speculative_model is not None:
+            raise ValueError("chunked_prefill=True does not run with a speculative_model: speculative decode "
+                             "steps stay apart from prefills; set one of them only")
+        if not self.mix_decode_with_prefill:
+            raise ValueError("chunked_prefill=True mixes decodes and prompt slices in every step, so it needs "
+                             "mix_decode_with_prefill=True")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"with chunked_prefill=True every step decodes each running sequence within the "
+                             f"token budget, so max_num_batched_tokens must be >= max_num_seqs "
+                             f"({self.max_num_seqs}), got {self.max_num_batched_tokens}")
 
     @property
     def loads_model(self) -> bool:

@@ -12,7 +12,10 @@ object, and `llm.args` says how an engine was built.
 Inside: a `BlockAllocator` (paged KV with prefix caching), a `Scheduler` (continuous
 batching with preemption), a `PagedKVStore`, and one packed forward pass per step. By default
 (`mix_decode_with_prefill=True`) the running sequences decode in the same pass that prefills
-newly admitted ones, as vLLM's scheduler does, instead of pausing for it.
+newly admitted ones, as vLLM's scheduler does, instead of pausing for it. With
+`chunked_prefill=True` a long prompt is prefilled in slices of at most `max_num_batched_tokens`
+tokens per step (decodes included), so it no longer stalls the running sequences for a whole
+prefill; a sequence samples its first token in the step that completes its prompt.
 
 Hooks — swap a learner's function in for one stage (each notebook's closing cell does):
     llm = LLM(model="smollm2", hooks=EngineHooks(sample=my_sample))
@@ -101,7 +104,9 @@ def engine_step(engine: "LLM") -> list[StreamEvent]:
     2. Decode steps with a draft model go to `engine.speculator.step(seqs)` (draft, verify,
        accept), which returns the events itself.
     3. Otherwise run one packed forward pass, `engine.forward(seqs)` -> logits [len(seqs), V].
-    4. For each sequence and its logits row: after a prefill, start its n > 1 siblings
+    4. For each sequence and its logits row: skip a sequence that still has uncomputed tokens
+       (`seq.num_new_tokens > 0` after the pass: a chunked prefill fed only a slice of its
+       prompt, and it samples once the prompt is complete); after a prefill, start its n > 1 siblings
        (`engine.start_siblings(seq, row)`, which returns their first events); then choose a
        token (`engine.choose_token`) and append it (`engine.append_token`, which retires the
        sequence when it stops).
@@ -115,6 +120,8 @@ def engine_step(engine: "LLM") -> list[StreamEvent]:
     logits = engine.forward(seqs)
     events = []
     for seq, row in zip(seqs, logits):
+        if seq.num_new_tokens:  # a slice of its prompt: no token until the prompt is complete
+            continue
         if is_prefill:
             events += engine.start_siblings(seq, row)
         events.append(engine.append_token(seq, engine.choose_token(seq, row)))
@@ -154,8 +161,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, num_kv_blocks: int | None = None,
                  kv_cache_memory: int = DEFAULT_KV_CACHE_BYTES, enable_prefix_caching: bool = True,
                  speculative_model=None, num_speculative_tokens: int = 4, max_model_len: int | None = None,
-                 mix_decode_with_prefill: bool = True, prepack_weights: bool | None = None,
-                 hooks: EngineHooks | None = None):
+                 mix_decode_with_prefill: bool = True, chunked_prefill: bool = False,
+                 prepack_weights: bool | None = None, hooks: EngineHooks | None = None):
         """Load the model, build the paged KV cache, its allocator and the scheduler, and with a
         speculative_model the speculator. Every argument is an `EngineArgs` field (documented
         there); `self.args` holds them, and `LLM.from_args(args)` builds the same engine."""
@@ -165,7 +172,7 @@ class LLM:
                                kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
                                speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
                                max_model_len=max_model_len, mix_decode_with_prefill=mix_decode_with_prefill,
-                               prepack_weights=prepack_weights, hooks=hooks)
+                               chunked_prefill=chunked_prefill, prepack_weights=prepack_weights, hooks=hooks)
         self.model, self.tokenizer = self._load_model(self.args)
         self.config, self.device = self.model.config, self.model.device
         self.hooks = self.args.hooks or EngineHooks()
@@ -223,6 +230,11 @@ class LLM:
             self.speculator = BatchSpeculator(self, args.speculative_model, args.num_speculative_tokens)
         if hasattr(self.scheduler, "mix_decode_with_prefill"):  # speculative decode steps stay apart
             self.scheduler.mix_decode_with_prefill = args.mix_decode_with_prefill and self.speculator is None
+        if args.chunked_prefill and not hasattr(self.scheduler, "schedule_chunked"):
+            raise ValueError(f"chunked_prefill=True needs a scheduler with schedule_chunked; "
+                             f"{type(self.scheduler).__name__} has none")
+        if hasattr(self.scheduler, "chunked_prefill"):  # EngineArgs refused it with a speculative_model
+            self.scheduler.chunked_prefill = args.chunked_prefill
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -251,6 +263,13 @@ class LLM:
         self._add_requests(prompts, params)
         for events in self._run_until_done():
             yield from events
+
+    def add_request(self, prompt, params: SamplingParams | None = None, index: int = 0) -> Request:
+        """Queue one prompt (text or token ids) while the engine runs, as a request arriving
+        mid-stream: the next `step()` may schedule it. `index` is the request_index of its
+        StreamEvents. -> its Request (sequences whose output_token_ids grow as steps run;
+        .error set if the prompt was refused)."""
+        return self._add_request(index, prompt, params or SamplingParams())
 
     # ------------------------------------------------------------------ requests
     def _add_requests(self, prompts, params) -> list[Request]:
@@ -325,13 +344,18 @@ class LLM:
         return [self.append_token(seq, self.choose_token(seq, row)) for seq, row in zip(seqs, logits)]
 
     def forward(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed every scheduled sequence's uncomputed tokens in one pass -> last-token logits [B, V]."""
-        items = [(seq.token_ids[seq.num_computed_tokens:], seq.num_computed_tokens, seq.block_table) for seq in seqs]
+        """Feed every scheduled sequence's tokens for this step in one pass (all its uncomputed
+        ones, or the slice a chunking scheduler chose: `seq.num_tokens_this_step`) -> the logits
+        of each one's last fed token [B, V]."""
+        items = []
+        for seq in seqs:
+            start = seq.num_computed_tokens
+            items.append((seq.token_ids[start:start + seq.num_tokens_this_step], start, seq.block_table))
         logits = self.packed_forward(self.model, self.store, items)
         if self.speculator is not None:  # the draft model keeps its own cache of the same tokens
             self.speculator.prefill(seqs, items)
-        for seq in seqs:
-            seq.num_computed_tokens = len(seq)
+        for seq, (tokens, start, _) in zip(seqs, items):
+            seq.num_computed_tokens, seq.num_scheduled_tokens = start + len(tokens), 0
         return torch.stack(logits)
 
     @torch.inference_mode()

@@ -11,9 +11,15 @@ next step instead of idling until the whole batch is done (static batching). The
 also mixes the two (`Scheduler.mix_decode_with_prefill`): running sequences keep decoding in
 the steps that prefill newcomers.
 
-The four step pieces (`admit`, `decode_batch`, `preempt`, `finish`) are plain functions of
-the scheduler, bound as its methods: notebook 08 has the learner write each one, and a
-subclass with the learner's versions plugs into `EngineHooks(scheduler=...)`.
+Chunked prefill (`Scheduler.chunked_prefill`, Sarathi-Serve's idea, vLLM's
+`enable_chunked_prefill`): a long prompt no longer makes one step long for everyone. Each step
+holds at most `max_num_batched_tokens` tokens: every running sequence decodes first, and what
+is left of the budget goes to prompts, a slice at a time, over several steps
+(`schedule_chunked`). A sequence samples its first token only in the step that completes its prompt.
+
+The step pieces (`admit`, `decode_batch`, `preempt`, `finish`, `schedule_chunked`) are plain
+functions of the scheduler, bound as its methods: notebook 08 has the learner write most of
+them, and a subclass with the learner's versions plugs into `EngineHooks(scheduler=...)`.
 """
 from __future__ import annotations
 
@@ -55,7 +61,9 @@ def admit(scheduler: Scheduler) -> list[Sequence]:
 def decode_batch(scheduler: Scheduler) -> list[Sequence]:
     """Give every running sequence a KV slot for its newest token -> the sequences to decode.
 
-    In `running` order. The newest token (sampled last step) has no slot yet, so a sequence
+    In `running` order. A sequence whose prompt is still being prefilled in slices (chunked
+    prefill: more than one token not yet computed, seq.num_new_tokens > 1) does not decode and
+    is skipped. The newest token (sampled last step) has no slot yet, so a sequence
     holds len(seq) - 1 tokens: it can grow if allocator.can_append(seq.block_table,
     len(seq) - 1), and then allocator.append_slot(seq.block_table, seq.token_ids) makes the
     room. While it cannot, preempt the most recently admitted running sequence
@@ -64,8 +72,8 @@ def decode_batch(scheduler: Scheduler) -> list[Sequence]:
     """
     batch = []
     for seq in list(scheduler.running):
-        if seq.status is not Status.RUNNING:
-            continue  # preempted earlier in this loop
+        if seq.status is not Status.RUNNING or seq.num_new_tokens > 1:
+            continue  # preempted earlier in this loop, or a prompt still being prefilled in slices
         # The newest token (sampled last step) has no slot yet: it holds len - 1.
         while not scheduler.allocator.can_append(seq.block_table, len(seq) - 1):
             victim = scheduler.running[-1]
@@ -105,6 +113,61 @@ def finish(scheduler: Scheduler, seq: Sequence, reason: str) -> None:
     scheduler.allocator.free_sequence(seq.block_table)
 
 
+def schedule_chunked(scheduler: Scheduler) -> list[Sequence]:
+    """One chunked-prefill step -> the sequences to run, each with seq.num_scheduled_tokens set.
+
+    The step feeds at most scheduler.max_num_batched_tokens tokens (the budget), in this order:
+    1. decodes first: scheduler.decode_batch() (one token each; it preempts the newest running
+       sequences when the pool runs dry);
+    2. prompts already running but not complete (seq.num_new_tokens > 1), in `running` order:
+       each takes up to min(seq.num_new_tokens, budget left) tokens, one KV slot per token: a
+       sequence holding n tokens gets the next slot if allocator.can_append(seq.block_table, n),
+       from allocator.append_slot(seq.block_table, seq.token_ids[:n + 1]); it stops at the
+       first token without room (a sequence that got none does not run);
+    3. if decode_batch preempted nobody this step (a victim would come straight back), waiting
+       sequences, front first, while one is waiting, a sequence slot is free and budget is left:
+       its first min(len(seq), budget left) tokens must fit (allocator.can_allocate on that
+       prefix, else stop: first come, first served); they get their blocks
+       (seq.block_table, seq.num_computed_tokens = allocator.allocate(prefix)); it becomes
+       Status.RUNNING, joins the end of `running` and feeds the prefix's uncomputed tokens.
+    Every sequence in the returned list (decodes, then slices, then newcomers) has
+    num_scheduled_tokens >= 1, and their sum is within the budget (unless the decodes alone pass
+    it: the n > 1 samples of a prompt may outnumber max_num_seqs; then no slice runs). Only
+    allocated slots are ever named in the prefix cache, so a slice that is not computed yet is
+    never found by another prompt.
+    """
+    allocator, budget = scheduler.allocator, scheduler.max_num_batched_tokens
+    preemptions = scheduler.num_preemptions
+    batch = scheduler.decode_batch()
+    for seq in batch:
+        seq.num_scheduled_tokens = 1
+    budget -= len(batch)
+    for seq in [s for s in scheduler.running if s.num_new_tokens > 1]:
+        held = end = seq.num_computed_tokens
+        tokens = seq.token_ids  # built once: the property joins prompt and output on every call
+        while end < held + min(seq.num_new_tokens, budget) and allocator.can_append(seq.block_table, end):
+            allocator.append_slot(seq.block_table, tokens[:end + 1])
+            end += 1
+        if end > held:
+            seq.num_scheduled_tokens = end - held
+            budget -= end - held
+            batch.append(seq)
+    while (scheduler.num_preemptions == preemptions and scheduler.waiting and budget > 0
+           and len(scheduler.running) < scheduler.max_num_seqs):
+        seq = scheduler.waiting[0]
+        prefix = seq.token_ids[:budget]
+        if not allocator.can_allocate(prefix):
+            break
+        scheduler.waiting.popleft()
+        seq.block_table, seq.num_computed_tokens = allocator.allocate(prefix)
+        seq.status = Status.RUNNING
+        scheduler.running.append(seq)
+        seq.num_scheduled_tokens = len(prefix) - seq.num_computed_tokens
+        budget -= seq.num_scheduled_tokens
+        batch.append(seq)
+    return batch
+
+
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096):
         self.allocator = allocator
@@ -123,16 +186,25 @@ class Scheduler:
     # Mixed steps (the engine turns this on): the running sequences decode in the same packed
     # pass that prefills newly admitted ones, instead of waiting a step for them.
     mix_decode_with_prefill = False
+    # Chunked prefill (the engine sets it from EngineArgs.chunked_prefill): schedule_chunked runs
+    # every step, so a long prompt is prefilled in slices of the token budget, between decodes.
+    chunked_prefill = False
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """(sequences to run this step, whether any of them is prefilled this step).
 
+        With `chunked_prefill`, the step is `schedule_chunked` (decodes, then slices of prompts
+        within the token budget; each sequence's num_scheduled_tokens says how many it feeds).
         Waiting requests that fit are admitted and prefilled; in a step that admits nobody,
         every running sequence decodes one token. With `mix_decode_with_prefill`, the running
         sequences decode first and the admitted ones join the same step (after them in the
         list), so an admission no longer stalls every running sequence for a whole step; in a
         step whose decoding had to preempt, nobody is admitted (the preempted would be
         readmitted at once)."""
+        if self.chunked_prefill:
+            seqs = self.schedule_chunked()
+            # a prompt's slice (its last one may be a single token) or a recompute: not a decode
+            return seqs, any(seq.num_new_tokens > 1 or not seq.output_token_ids for seq in seqs)
         if not self.mix_decode_with_prefill:
             admitted = self.admit()
             if admitted:
@@ -148,3 +220,4 @@ class Scheduler:
     decode_batch = decode_batch
     preempt = preempt
     finish = finish
+    schedule_chunked = schedule_chunked

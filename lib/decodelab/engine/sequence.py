@@ -26,6 +26,7 @@ class Sequence:
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_scheduled_tokens: int = 0  # chunked prefill: tokens the next pass feeds (0: all uncomputed ones)
     draft_computed_tokens: int = 0  # the same for the draft model's cache (speculative decoding)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
@@ -49,6 +50,13 @@ class Sequence:
     def num_new_tokens(self) -> int:
         """Tokens the next forward pass must feed (all uncomputed ones)."""
         return len(self) - self.num_computed_tokens
+
+    @property
+    def num_tokens_this_step(self) -> int:
+        """Tokens the next forward pass feeds: the slice a chunking scheduler chose
+        (num_scheduled_tokens), else all uncomputed ones. The sequence samples its next token
+        only after a pass that leaves none uncomputed."""
+        return self.num_scheduled_tokens or self.num_new_tokens
 
     @property
     def is_finished(self) -> bool:

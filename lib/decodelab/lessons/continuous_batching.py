@@ -72,6 +72,21 @@ def toy_scheduler(prompt_lens, num_blocks: int = 8, block_size: int = 4, max_num
     return scheduler
 
 
+def advance(seqs, token_id: int = 0) -> list[Sequence]:
+    """What the engine's forward pass and sampling do to the scheduled sequences, without a model:
+    each computes the tokens it feeds this step (seq.num_tokens_this_step), and each whose tokens
+    are now all computed appends token_id. -> the sequences that got a token (a slice of a prompt
+    gets none)."""
+    sampled = []
+    for seq in seqs:
+        seq.num_computed_tokens += seq.num_tokens_this_step
+        seq.num_scheduled_tokens = 0
+        if not seq.num_new_tokens:
+            seq.output_token_ids.append(token_id)
+            sampled.append(seq)
+    return sampled
+
+
 # --------------------------------------------------------------------------- workloads and costs
 
 
@@ -187,10 +202,12 @@ class BatchingResult:
 
 def simulate(workload: list[Request], policy: str = "continuous", scheduler_cls=Scheduler, max_num_seqs: int = 8,
              max_num_batched_tokens: int = 4096, num_blocks: int | None = None, block_size: int = 16,
-             cost: StepCost | None = None) -> BatchingResult:
+             cost: StepCost | None = None, chunked_prefill: bool | None = None) -> BatchingResult:
     """Serve the workload with scheduler_cls(allocator, max_num_seqs, max_num_batched_tokens),
-    no model: each step appends a placeholder token per scheduled sequence and costs cost.step(...).
-    num_blocks=None: a pool big enough that nothing is ever preempted."""
+    no model: each step appends a placeholder token per scheduled sequence whose tokens are all
+    computed (a slice of a prompt under chunked_prefill appends none) and costs cost.step(...).
+    num_blocks=None: a pool big enough that nothing is ever preempted. chunked_prefill=None: as
+    scheduler_cls has it."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     cost = cost or StepCost()
@@ -202,6 +219,8 @@ def simulate(workload: list[Request], policy: str = "continuous", scheduler_cls=
         raise ValueError(f"a request of {longest} tokens does not fit in {num_blocks} blocks of {block_size}")
     scheduler = scheduler_cls(BlockAllocator(num_blocks, block_size, enable_prefix_caching=False),
                               max_num_seqs, max_num_batched_tokens)
+    if chunked_prefill is not None:
+        scheduler.chunked_prefill = chunked_prefill
     seqs = [make_sequence(i, r.prompt_len, r.output_len) for i, r in enumerate(workload)]
     first_token, done = [None] * len(workload), [None] * len(workload)
     held: deque[Sequence] = deque()  # static: arrived, waiting for the current batch to end
@@ -225,15 +244,13 @@ def simulate(workload: list[Request], policy: str = "continuous", scheduler_cls=
         if not batch:
             raise RuntimeError(f"the scheduler ran nothing with {len(scheduler.waiting)} waiting and "
                                f"{len(scheduler.running)} running: is the pool ({num_blocks} blocks) too small?")
-        num_tokens = sum(s.num_new_tokens for s in batch)
+        num_tokens = sum(s.num_tokens_this_step for s in batch)
         seconds = cost.step(len(batch), num_tokens, is_prefill)
         steps.append(StepRecord(now, seconds, is_prefill, len(batch), num_tokens, len(scheduler.running),
                                 len(scheduler.waiting) + len(held), scheduler.allocator.num_free,
                                 scheduler.num_preemptions))
         now += seconds
-        for seq in batch:
-            seq.num_computed_tokens = len(seq)
-            seq.output_token_ids.append(0)
+        for seq in advance(batch):
             first_token[seq.seq_id] = first_token[seq.seq_id] or now
             if len(seq.output_token_ids) >= workload[seq.seq_id].output_len:
                 scheduler.finish(seq, "length")
@@ -258,7 +275,7 @@ def recording(scheduler_cls=Scheduler):
 
         def schedule(self):
             seqs, is_prefill = super().schedule()
-            self.log.append((time.perf_counter(), len(seqs), is_prefill, sum(s.num_new_tokens for s in seqs),
+            self.log.append((time.perf_counter(), len(seqs), is_prefill, sum(s.num_tokens_this_step for s in seqs),
                              len(self.running), len(self.waiting), self.allocator.num_free, self.num_preemptions))
             return seqs, is_prefill
 
@@ -316,5 +333,6 @@ def measure_step_cost(llm, batch_sizes, num_tokens: int = 8, prompt_len: int = 8
     return decode, StepCost.fit(list(decode), list(decode.values()), prefill_tokens, prefill_seconds)
 
 
-__all__ = ["Request", "StepCost", "StepRecord", "BatchingResult", "make_sequence", "seq_ids", "toy_scheduler", "mixed_workload",
+__all__ = ["Request", "StepCost", "StepRecord", "BatchingResult", "make_sequence", "seq_ids", "toy_scheduler", "advance",
+           "mixed_workload",
            "simulate", "recording", "serve", "measure_step_cost", "POLICIES"]

@@ -1,5 +1,6 @@
 """Figures and the explorer of notebook 08 (continuous batching): slot occupancy over time, the
-batch-size trade-off, a scheduler trace, and an arrival-rate slider over static vs continuous.
+batch-size trade-off, a scheduler trace, an arrival-rate slider over static vs continuous, and
+the stall a long prompt causes with and without chunked prefill.
 
 Every figure takes results computed by the caller (`decodelab.lessons.continuous_batching` with the learner's
 scheduler); the explorer runs `batching_sim.simulate` itself with the scheduler class it is given.
@@ -11,6 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from decodelab.course.widgets.controls import SLIDER, finish_explorer
+from decodelab.lessons.chunked_prefill import StallResult
 from decodelab.lessons.continuous_batching import POLICIES, BatchingResult, StepCost, mixed_workload, simulate
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR
 
@@ -48,6 +50,30 @@ def occupancy_figure(results: dict[str, BatchingResult], title: str, max_num_seq
                       legend=dict(orientation="h", y=-0.22))
     fig.update_xaxes(title="time (s)")
     fig.update_yaxes(title=f"sequences running (of {top} slots)", range=[0, top + 0.5])
+    return fig
+
+
+def stall_figure(results: dict[str, StallResult], title: str) -> go.Figure:
+    """Left: every inter-token gap of the running requests against when its token came (ms after
+    the newcomer arrived), one colour per engine, the newcomer's first token a dashed line. Right:
+    p50 and p99 of those gaps and the newcomer's TTFT, side by side per engine."""
+    colors = [SEED_COLOR, MEASURED_COLOR, OTHER_COLOR]
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], horizontal_spacing=0.1,
+                        subplot_titles=["running requests: gap before each token", "p50 / p99 gap and TTFT"])
+    metrics = ["ITL p50", "ITL p99", "newcomer TTFT"]
+    for (label, result), color in zip(results.items(), colors):
+        points = [(1000 * b, 1000 * (b - a)) for times in result.token_times for a, b in zip(times, times[1:]) if b > 0]
+        fig.add_scatter(x=[x for x, _ in points], y=[y for _, y in points], mode="markers", name=label,
+                        legendgroup=label, marker=dict(color=color, size=6, opacity=0.7), row=1, col=1)
+        fig.add_vline(x=1000 * result.ttft, line=dict(color=color, dash="dash", width=1), row=1, col=1)
+        values = [1000 * result.itl_p50, 1000 * result.itl_p99, 1000 * result.ttft]
+        fig.add_bar(x=metrics, y=values, name=label, legendgroup=label, showlegend=False, marker_color=color,
+                    text=[f"{v:.0f}" for v in values], textposition="outside", row=1, col=2)
+    fig.update_layout(title=title, height=460, barmode="group", margin=dict(l=10, r=10, t=90, b=40),
+                      legend=dict(orientation="h", y=-0.18))
+    fig.update_xaxes(title="ms after the newcomer arrived (dashed: its first token)", row=1, col=1)
+    fig.update_yaxes(title="ms since the previous token", row=1, col=1)
+    fig.update_yaxes(title="ms", row=1, col=2)
     return fig
 
 
