@@ -25,8 +25,11 @@ import math
 
 import torch
 
+from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
+from decodelab.lessons import kv_size
 from decodelab.lessons.tiled_attention import measure_tensor_memory
+from decodelab.model.attention import repeat_kv
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
@@ -34,7 +37,7 @@ REFERENCES = {
     "pool_kv_heads": "decodelab.lessons.gqa:pool_kv_heads",
 }
 
-__all__ = ["check_broadcast_gqa_attention", "check_pool_kv_heads"]
+__all__ = ["check_broadcast_gqa_attention", "check_pool_kv_heads", "check_q_mha_kv_mib", "check_q_repeat_kv_mib"]
 
 MiB = 2**20
 
@@ -253,3 +256,21 @@ def check_pool_kv_heads(fn) -> None:
     err = (got.double() - _ref_pool(weight, 2, head_dim)).abs().max().item()
     if err > 2e-2:
         raise AssertionError(f"{desc}: differs from the float64 mean by {err:.3g} (more than bfloat16 rounding)")
+
+
+# --------------------------------------------------------------------------- predictions (q_ cells)
+
+
+def check_q_mha_kv_mib(value) -> None:
+    """MiB of K and V for one 4,096-token sequence of Llama-3.1-8B in fp16, were it MHA (32 KV heads)."""
+    mha = dict(kv_size.PRESETS["Llama-3.1-8B"], num_key_value_heads=32)
+    expected = kv_size.kv_bytes(mha, 4096, 1, "fp16") / MiB
+    expect_answer(value, expected, "q_mha_kv_mib: Llama-3.1-8B with 32 KV heads instead of 8, one sequence of 4,096 "
+                  "tokens in fp16, in MiB (2 x 32 layers x 32 KV heads x 128 x 2 bytes per token)", rel_tol=0.05)
+
+
+def check_q_repeat_kv_mib(value) -> None:
+    """MiB of the tensor repeat_kv(K, 4) creates from one layer's K [1, 2, 4096, 128] in float32."""
+    expected = repeat_kv(torch.zeros(1, 2, 4096, 128), 4).nbytes / MiB
+    expect_answer(value, expected, "q_repeat_kv_mib: the new tensor of repeat_kv(K [1, 2 KV heads, 4,096, 128] "
+                  "float32, 4), in MiB (8 heads x 4,096 x 128 x 4 bytes)", rel_tol=0.05)
