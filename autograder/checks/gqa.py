@@ -37,7 +37,7 @@ REFERENCES = {
     "pool_kv_heads": "decodelab.lessons.gqa:pool_kv_heads",
 }
 
-__all__ = ["check_broadcast_gqa_attention", "check_pool_kv_heads", "check_q_mha_kv_mib", "check_q_repeat_kv_mib"]
+__all__ = ["check_broadcast_gqa_attention", "check_pool_kv_heads"]
 
 MiB = 2**20
 
