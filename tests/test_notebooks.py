@@ -52,7 +52,7 @@ def _report(problems: list) -> str:
 # Notebooks whose predictions (q_ cells) and further-reading section are still being written
 # (issue 20); each leaves this set when it has both.
 LEARNING_SUPPORT_PENDING = {"00_meet_the_model", "01_forward_pass", "02_sampling", "04_prefill_decode",
-                            "08_continuous_batching", "10_capstone_engine", "11_tiled_attention", "12_gpu_kernel"}
+                            "08_continuous_batching", "10_capstone_engine", "12_gpu_kernel"}
 READING_ENTRY = re.compile(r"^\s*(?:[-*]|\d+\.)\s+(.+)$")
 YEAR = re.compile(r"\b(?:19|20)\d\d\b")
 

@@ -21,6 +21,7 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
@@ -230,3 +231,26 @@ def check_attention_memory_bytes(fn) -> None:
         if isinstance(got, bool) or not isinstance(got, (int, float)) or got != want:
             why = f"B * H * T * {'S' if tile is None else 'min(tile, S)'} * bytes = {b} * {h} * {t} * {width} * {size}"
             raise AssertionError(f"{desc}: expected {want:,} ({why}), got {got!r}")
+
+
+# --------------------------------------------------------------------------- predictions (q_ cells)
+
+
+def check_q_llama_scores_gib(value) -> None:
+    """GiB of one layer's plain score matrix: Llama-3.1-8B (32 query heads), a 16,384-token prompt, fp16."""
+    from decodelab.lessons import kv_size, tiled_attention
+
+    heads = kv_size.config_fields("Llama-3.1-8B")["num_attention_heads"]
+    expected = tiled_attention.attention_memory_bytes(16384, 16384, num_heads=heads, bytes_per_value=2) / 2**30
+    expect_answer(value, expected, "q_llama_scores_gib: one layer's plain scores for Llama-3.1-8B, 16,384 tokens, "
+                  "fp16, in GiB (32 heads x 16,384 x 16,384 x 2 bytes)", rel_tol=0.05)
+
+
+def check_q_smollm2_scores_mib(value) -> None:
+    """MiB of one layer's plain score matrix: SmolLM2 (9 query heads), a 1,024-token prompt, float32."""
+    from decodelab.lessons import kv_size, tiled_attention
+
+    heads = kv_size.config_fields("SmolLM2-135M")["num_attention_heads"]
+    expected = tiled_attention.attention_memory_bytes(1024, 1024, num_heads=heads, bytes_per_value=4) / 2**20
+    expect_answer(value, expected, "q_smollm2_scores_mib: one layer's plain scores for SmolLM2, 1,024 tokens, "
+                  "float32, in MiB (9 heads x 1,024 x 1,024 x 4 bytes)", rel_tol=0.05)
