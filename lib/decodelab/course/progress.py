@@ -89,6 +89,7 @@ PARTS: dict[tuple[str, str], str] = {
     ("04_prefill_decode", "arithmetic_intensity"): "roofline: arithmetic intensity",
     ("04_prefill_decode", "reuse_prefix"): "prefix reuse",
     ("05_gqa", "broadcast_gqa_attention"): "GQA: attention without copying K/V",
+    ("05_gqa", "gqa_decode_step"): "GQA: one decode step over the cache, bytes read",
     ("05_gqa", "pool_kv_heads"): "GQA: pooling K/V heads",
     ("06_quantization", "quantize_int8_per_tensor"): "quantization: int8 per tensor",
     ("06_quantization", "quantize_int8_per_channel"): "quantization: int8 per channel",
