@@ -16,6 +16,7 @@ buggy = load_fixture("buggy_gqa")
 def test_reference_passes():
     checks.check_broadcast_gqa_attention(gqa.broadcast_gqa_attention)
     checks.check_pool_kv_heads(gqa.pool_kv_heads)
+    checks.check_gqa_decode_step(gqa.gqa_decode_step)
 
 
 def test_loop_oracles_agree_with_transformers():
@@ -103,3 +104,13 @@ def test_pool_model_uses_the_given_pool():
     reference = gqa.pool_model_kv_heads(model, 1)
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(pooled(ids), reference(ids))
+
+
+def test_decode_step_messages_name_the_case():
+    with pytest.raises(AssertionError, match=r"bytes_read expected 3,072 \(2 for K and V x B 2 x H_kv 2 x 6 "
+                                             r"positions x D 16 x 4 bytes\), got 12288"):
+        checks.check_gqa_decode_step(buggy.decode_bytes_of_query_heads)
+    with pytest.raises(AssertionError, match=r"written at position 3 \(only there\) at positions \[3, 4\]"):
+        checks.check_gqa_decode_step(buggy.decode_writes_one_late)
+    with pytest.raises(AssertionError, match=r"half of one K repeated to all 8 query heads"):
+        checks.check_gqa_decode_step(buggy.decode_with_repeat_kv)

@@ -449,3 +449,18 @@ def test_measure_latency():
     assert out["token_ids"] == greedy
     with pytest.raises(ValueError, match="n must"):
         pf.measure_latency(model, prompt, 0)
+
+
+def test_gqa_decode_step_writes_the_row_and_matches_sdpa():
+    """The decode step over a preallocated cache equals SDPA over the rows held plus the new one, writes only
+    its own row, and counts the bytes of K and V of the H_kv heads."""
+    torch.manual_seed(12)
+    q, k_new, v_new = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
+    k_cache, v_cache = torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
+    before = k_cache.clone()
+    out, bytes_read = gqa.gqa_decode_step(q, k_new, v_new, k_cache, v_cache, 6)
+    assert torch.equal(k_cache[:, :, 6:7], k_new) and torch.equal(k_cache[:, :, 7:], before[:, :, 7:])
+    torch.testing.assert_close(out, causal_attention(q, k_cache[:, :, :7], v_cache[:, :, :7], 6))
+    assert bytes_read == 2 * 2 * 2 * 7 * 16 * 4
+    with pytest.raises(ValueError, match="no room"):
+        gqa.gqa_decode_step(q, k_new, v_new, k_cache, v_cache, 10)

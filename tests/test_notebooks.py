@@ -51,9 +51,7 @@ def _report(problems: list) -> str:
 
 # Notebooks whose predictions (q_ cells) and further-reading section are still being written
 # (issue 20); each leaves this set when it has both.
-LEARNING_SUPPORT_PENDING = {"05_gqa",
-                            "06_quantization", "07_paged_kv", "08_continuous_batching", "09_speculative_decoding",
-                            "11_tiled_attention"}
+LEARNING_SUPPORT_PENDING = {"08_continuous_batching"}
 READING_ENTRY = re.compile(r"^\s*(?:[-*]|\d+\.)\s+(.+)$")
 YEAR = re.compile(r"\b(?:19|20)\d\d\b")
 

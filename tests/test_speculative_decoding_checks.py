@@ -9,6 +9,7 @@ import torch
 
 from autograder.checks import speculative_decoding as checks
 from decodelab.decoding import speculative
+from decodelab.decoding.lookup import propose_from_prompt
 from oracles import expect_bug_caught, load_fixture
 
 buggy = load_fixture("buggy_speculative_decoding")
@@ -17,6 +18,7 @@ buggy = load_fixture("buggy_speculative_decoding")
 def test_reference_passes():
     checks.check_accept_draft_tokens(speculative.accept_draft_tokens)
     checks.check_speculative_step(speculative.speculative_step)
+    checks.check_propose_from_prompt(propose_from_prompt)
 
 
 def test_written_out_step_passes():
@@ -27,7 +29,8 @@ def test_written_out_step_passes():
 
 def test_references_name_the_library_functions():
     assert checks.REFERENCES == {"accept_draft_tokens": "decodelab.decoding.speculative:accept_draft_tokens",
-                                 "speculative_step": "decodelab.decoding.speculative:speculative_step"}
+                                 "speculative_step": "decodelab.decoding.speculative:speculative_step",
+                                 "propose_from_prompt": "decodelab.decoding.lookup:propose_from_prompt"}
 
 
 @pytest.mark.parametrize("bug", sorted(buggy.BUGS))
@@ -52,6 +55,10 @@ def test_messages_name_the_case():
         checks.check_speculative_step(buggy.step_raw_target_probs)
     with pytest.raises(AssertionError, match="noise bound.*the one you drew d_i from"):
         checks.check_speculative_step(buggy.step_raw_draft_probs)
+    with pytest.raises(AssertionError, match=r"expected \[8\] \(the 3-gram \[3, 1, 2\] occurred at 0.*got \[9\]"):
+        checks.check_propose_from_prompt(buggy.lookup_shortest_ngram_first)
+    with pytest.raises(AssertionError, match=r"the latest occurrence \(followed by 6\) wins\), got \[5\]"):
+        checks.check_propose_from_prompt(buggy.lookup_earliest_occurrence)
 
 
 @pytest.mark.parametrize("bug", ["step_raw_target_probs", "step_raw_softmax"])

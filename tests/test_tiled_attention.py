@@ -222,3 +222,21 @@ def test_tiled_cache_generates_the_same_tokens():
         got = generate_with_cache(model, prompt, 12, cache_class=tiled_cache_class(spy, 4))
     assert got == want
     assert calls and set(calls) == {4}
+
+
+def test_combined_splits_equal_softmax_over_all_keys():
+    """Split the keys in three (one split masked for some queries), run online_softmax_update per split, and
+    combine_partial_attention: the softmax over all keys, even with scores near 1,000."""
+    from decodelab.lessons.tiled_attention import combine_partial_attention
+
+    torch.manual_seed(8)
+    scores, values = torch.randn(2, 3, 12, dtype=torch.float64), torch.randn(2, 12, 5, dtype=torch.float64)
+    scores[..., 4:8] += 1000.0  # the middle split holds the largest scores
+    scores[0, 1, 8:] = -math.inf  # query 1 of row 0 sees nothing of the last split
+    states = [online_softmax_update(torch.full((2, 3), -math.inf, dtype=torch.float64),
+                                    torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 3, 5, dtype=torch.float64),
+                                    scores[..., a:b], values[:, a:b]) for a, b in ((0, 4), (4, 8), (8, 12))]
+    got = combine_partial_attention(*(torch.stack(part) for part in zip(*states)))
+    torch.testing.assert_close(got, torch.softmax(scores, -1) @ values)
+    with pytest.raises(ValueError, match="must be"):
+        combine_partial_attention(torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2, 3, 5))

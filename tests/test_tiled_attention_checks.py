@@ -17,6 +17,7 @@ def test_reference_passes():
     checks.check_online_softmax_update(tiled.online_softmax_update)
     checks.check_tiled_attention(tiled.tiled_attention)
     checks.check_attention_memory_bytes(tiled.attention_memory_bytes)
+    checks.check_combine_partial_attention(tiled.combine_partial_attention)
 
 
 def test_loop_oracle_agrees_with_sdpa():
@@ -47,3 +48,10 @@ def test_messages_name_the_case():
         checks.check_tiled_attention(buggy.plain_attention)
     with pytest.raises(AssertionError, match=r"expected 1,440,000 .*min\(tile, S\)"):
         checks.check_attention_memory_bytes(buggy.memory_tile_not_capped)
+
+
+def test_combine_messages_name_the_case():
+    with pytest.raises(AssertionError, match=r"the second split weighs e\^2 times the first.*rescale each split"):
+        checks.check_combine_partial_attention(buggy.combine_without_rescaling)
+    with pytest.raises(AssertionError, match=r"near 1,000 .*expected .*got nan"):
+        checks.check_combine_partial_attention(buggy.combine_to_first_max)

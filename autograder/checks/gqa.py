@@ -25,16 +25,20 @@ import math
 
 import torch
 
+from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
+from decodelab.lessons import kv_size
 from decodelab.lessons.tiled_attention import measure_tensor_memory
+from decodelab.model.attention import repeat_kv
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
     "broadcast_gqa_attention": "decodelab.lessons.gqa:broadcast_gqa_attention",
     "pool_kv_heads": "decodelab.lessons.gqa:pool_kv_heads",
+    "gqa_decode_step": "decodelab.lessons.gqa:gqa_decode_step",
 }
 
-__all__ = ["check_broadcast_gqa_attention", "check_pool_kv_heads"]
+__all__ = ["check_broadcast_gqa_attention", "check_pool_kv_heads", "check_gqa_decode_step"]
 
 MiB = 2**20
 
@@ -253,3 +257,79 @@ def check_pool_kv_heads(fn) -> None:
     err = (got.double() - _ref_pool(weight, 2, head_dim)).abs().max().item()
     if err > 2e-2:
         raise AssertionError(f"{desc}: differs from the float64 mean by {err:.3g} (more than bfloat16 rounding)")
+
+
+# --------------------------------------------------------------------------- gqa_decode_step
+
+
+def check_gqa_decode_step(fn) -> None:
+    """One decode step over a preallocated cache: the new row written at `length` (and nowhere else),
+    the output against the float64 loop over positions 0 .. length, bytes_read = 2 B H_kv (length + 1)
+    D x element size, no copy of K/V to the H query heads, ValueError for a full cache or bad heads."""
+    g = torch.Generator().manual_seed(21)
+    for b, h, h_kv, length, s_max, d, dtype in [(1, 4, 4, 3, 8, 8, torch.float32), (2, 8, 2, 5, 9, 16, torch.float32),
+                                                  (1, 6, 1, 0, 4, 8, torch.float32), (1, 8, 2, 6, 7, 4, torch.float64)]:
+        q = torch.randn(b, h, 1, d, generator=g, dtype=dtype)
+        k_new, v_new = (torch.randn(b, h_kv, 1, d, generator=g, dtype=dtype) for _ in range(2))
+        k_cache, v_cache = (torch.randn(b, h_kv, s_max, d, generator=g, dtype=dtype) for _ in range(2))
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        desc = (f"gqa_decode_step(q [{b}, {h}, 1, {d}], k_new, v_new [{b}, {h_kv}, 1, {d}], caches [{b}, {h_kv}, "
+                f"{s_max}, {d}] {str(dtype).removeprefix('torch.')}, length={length})")
+        got = call(desc, fn, q, k_new, v_new, k_cache, v_cache, length)
+        if not isinstance(got, tuple) or len(got) != 2:
+            raise AssertionError(f"{desc}: expected a pair (out, bytes_read), got {type(got).__name__}")
+        out, bytes_read = got
+        for name, cache, before, new in (("k_cache", k_cache, k_before, k_new), ("v_cache", v_cache, v_before, v_new)):
+            want = before.clone()
+            want[:, :, length] = new[:, :, 0]
+            if not torch.equal(cache, want):
+                rows = sorted({int(i) for i in (cache != want).any(dim=-1).nonzero()[:, 2]})
+                raise AssertionError(f"{desc}: {name} differs from the cache with the new row written at position "
+                                     f"{length} (only there) at positions {rows}")
+        _expect_tensor(desc, out, (b, h, 1, d), dtype)
+        expected = _ref_attention(q, k_cache[:, :, :length + 1], v_cache[:, :, :length + 1], length)
+        err = (out.double() - expected).abs().max().item()
+        if not err <= 1e-5:
+            raise AssertionError(f"{desc}: output differs from attention over positions 0..{length} (the {length} "
+                                 f"cached tokens and the new one, query head h reading KV head h // {h // h_kv}) "
+                                 f"by {err:.3g}")
+        want_bytes = 2 * b * h_kv * (length + 1) * d * k_cache.element_size()
+        if isinstance(bytes_read, bool) or not isinstance(bytes_read, int) or bytes_read != want_bytes:
+            raise AssertionError(f"{desc}: bytes_read expected {want_bytes:,} (2 for K and V x B {b} x H_kv {h_kv} x "
+                                 f"{length + 1} positions x D {d} x {k_cache.element_size()} bytes), got "
+                                 f"{bytes_read!r}")
+    q, k_new, v_new = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
+    k_cache, v_cache = torch.randn(1, 2, 2048, 64), torch.randn(1, 2, 2048, 64)
+    desc = "gqa_decode_step(q [1, 8, 1, 64], caches [1, 2, 2048, 64] float32, length=2047)"
+    _, seen = call(desc, measure_tensor_memory, fn, q, k_new, v_new, k_cache, v_cache, 2047)
+    repeated = 8 * 2048 * 64 * 4
+    if seen.peak_bytes > repeated // 2:
+        raise AssertionError(f"{desc}: the tensors it created took {seen.peak_bytes / MiB:.2f} MiB at once (largest "
+                             f"{list(seen.largest_shape)}); expected at most {repeated / 2 / MiB:.2f} MiB, half of one "
+                             f"K repeated to all 8 query heads: read each KV head in place for its group (fold the g "
+                             f"heads into the rows), never repeat_kv")
+    for q, cache, length, why in [(torch.randn(1, 4, 1, 4), torch.zeros(1, 2, 3, 4), 3, "the cache of 3 is full"),
+                                  (torch.randn(1, 8, 1, 4), torch.zeros(1, 3, 5, 4), 1,
+                                   "3 KV heads cannot split 8 query heads"),
+                                  (torch.randn(1, 4, 2, 4), torch.zeros(1, 2, 5, 4), 1, "a decode step has T = 1")]:
+        h_kv = cache.shape[1]
+        expect_raises(f"gqa_decode_step(q {list(q.shape)}, caches {list(cache.shape)}, length={length})", ValueError,
+                      why, fn, q, torch.zeros(1, h_kv, 1, 4), torch.zeros(1, h_kv, 1, 4), cache, cache.clone(), length)
+
+
+# --------------------------------------------------------------------------- predictions (q_ cells)
+
+
+def check_q_mha_kv_mib(value) -> None:
+    """MiB of K and V for one 4,096-token sequence of Llama-3.1-8B in fp16, were it MHA (32 KV heads)."""
+    mha = dict(kv_size.PRESETS["Llama-3.1-8B"], num_key_value_heads=32)
+    expected = kv_size.kv_bytes(mha, 4096, 1, "fp16") / MiB
+    expect_answer(value, expected, "q_mha_kv_mib: Llama-3.1-8B with 32 KV heads instead of 8, one sequence of 4,096 "
+                  "tokens in fp16, in MiB (2 x 32 layers x 32 KV heads x 128 x 2 bytes per token)", rel_tol=0.05)
+
+
+def check_q_repeat_kv_mib(value) -> None:
+    """MiB of the tensor repeat_kv(K, 4) creates from one layer's K [1, 2, 4096, 128] in float32."""
+    expected = repeat_kv(torch.zeros(1, 2, 4096, 128), 4).nbytes / MiB
+    expect_answer(value, expected, "q_repeat_kv_mib: the new tensor of repeat_kv(K [1, 2 KV heads, 4,096, 128] "
+                  "float32, 4), in MiB (8 heads x 4,096 x 128 x 4 bytes)", rel_tol=0.05)

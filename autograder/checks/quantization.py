@@ -24,6 +24,9 @@ layer under test). Float32 sums of n products add at most n eps sum_i |x_i W_oi|
 recursive summation), which the check allows on top. Memory is measured with
 `decodelab.lessons.tiled_attention.measure_module_memory` (`measure_tensor_memory`, the layer's own
 buffers counted as already there): the forward may not hold half a float copy of the weight.
+
+The answers of the notebook's predictions (``check_q_*``) are the library's quantizers applied to the
+question's numbers: there the library is the measuring instrument, not the thing under test.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import functools
 import torch
 from torch import nn
 
+from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
@@ -491,3 +495,24 @@ def check_replace_linears(fn) -> None:
     with torch.no_grad():
         assert torch.equal(model(ids), library(ids)), \
             "replace_linears(toy model, Int8Linear.from_linear): its logits differ from quant.quantize_model's"
+
+
+# --------------------------------------------------------------------------- predictions (q_ cells)
+
+
+def check_q_int8_max_error(value) -> None:
+    """The largest rounding error of absmax int8 with one scale, for a tensor whose max|w| is 0.508."""
+    from decodelab.model import quantization as _quant
+
+    _, scale = _quant.quantize_int8_per_tensor(torch.tensor([0.508, -0.2]))
+    expect_answer(value, scale.item() / 2, "q_int8_max_error: the largest |w - q * scale| for max|w| = 0.508 "
+                  "(half a step, scale = 0.508 / 127)", rel_tol=0.05)
+
+
+def check_q_int4_group_bytes(value) -> None:
+    """Bytes of one int4 group of 64 weights: packed levels plus its float32 scale."""
+    from decodelab.model import quantization as _quant
+
+    packed, scale = _quant.quantize_int4_groupwise(torch.ones(1, 64), 64)
+    expect_answer(value, packed.nbytes + scale.nbytes, "q_int4_group_bytes: one group of 64 int4 weights, two "
+                  "levels a byte, plus one float32 scale", rel_tol=0.0, abs_tol=0.5)

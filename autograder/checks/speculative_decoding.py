@@ -43,15 +43,17 @@ import math
 
 import torch
 
+from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call
 from decodelab.model.toy import random_llama
 
 REFERENCES = {
     "accept_draft_tokens": "decodelab.decoding.speculative:accept_draft_tokens",
     "speculative_step": "decodelab.decoding.speculative:speculative_step",
+    "propose_from_prompt": "decodelab.decoding.lookup:propose_from_prompt",
 }
 
-__all__ = ["check_accept_draft_tokens", "check_speculative_step", "tvd_bound"]
+__all__ = ["check_accept_draft_tokens", "check_speculative_step", "check_propose_from_prompt", "tvd_bound"]
 
 FAILURE_PROB = 1e-6
 VOCAB = 96  # of the random models of the step check
@@ -469,3 +471,77 @@ def check_speculative_step(speculative_step) -> None:
         _check_top_k_one(speculative_step)
         _check_sampled_distribution(speculative_step)
         _check_in_loop(speculative_step)
+
+
+# --------------------------------------------------------------------------- propose_from_prompt
+
+
+def _ref_lookup(ids: list[int], k: int, max_ngram: int) -> list[int]:
+    """The rule, written from its definition: the longest n <= max_ngram whose last-n suffix occurs
+    earlier with at least one token after it; of those occurrences the latest; the <= k tokens after it."""
+    for n in range(max_ngram, 0, -1):
+        starts = [s for s in range(len(ids) - n) if s + n < len(ids) and ids[s:s + n] == ids[len(ids) - n:]]
+        if n < len(ids) and starts:
+            return ids[max(starts) + n:max(starts) + n + k]
+    return []
+
+
+LOOKUP_CASES = [  # (token ids, k, max_ngram, why)
+    ([1, 2, 3, 4, 1, 2], 2, 3, "the 2-gram [1, 2] occurred at position 0, followed by [3, 4]"),
+    ([3, 1, 2, 8, 5, 1, 2, 9, 3, 1, 2], 1, 3, "the 3-gram [3, 1, 2] occurred at 0 (followed by 8); the longer "
+     "n-gram wins over the later 2-gram [1, 2] (followed by 9)"),
+    ([1, 2, 5, 1, 2, 6, 1, 2], 1, 2, "[1, 2] occurred at 0 and at 3: the latest occurrence (followed by 6) wins"),
+    ([4, 5, 6, 7, 4, 5], 5, 3, "[4, 5] at 0 is followed by only 4 tokens before the end: [6, 7, 4, 5]"),
+    ([4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 4, 5], 3, 2, "k = 3 tokens after the latest [4, 5] (at 4): [6, 7, 8], not more"),
+    ([1, 1, 1, 1], 3, 3, "[1, 1, 1] occurs at 0, overlapping the suffix, and one token follows it: [1]"),
+    ([7, 8, 9], 2, 3, "no token occurs twice: nothing to propose"),
+    ([5, 6, 5], 0, 3, "k = 0: no guesses"),
+    ([9], 2, 3, "a single token has no earlier context"),
+    ([], 2, 3, "an empty text"),
+    ([2, 7, 1, 2, 7, 3, 2, 7], 4, 1, "max_ngram = 1: only the last token [7] is looked up (latest at 4, followed by "
+     "[3, 2, 7])"),
+]
+
+
+def check_propose_from_prompt(fn) -> None:
+    """Named cases (longest n-gram first, latest occurrence, at most k, the suffix itself never
+    matched), then 300 random texts over small vocabularies against the oracle above."""
+    for ids, k, max_ngram, why in LOOKUP_CASES:
+        what = f"propose_from_prompt({ids}, k={k}, max_ngram={max_ngram})"
+        got = call(what, fn, list(ids), k, max_ngram)
+        expected = _ref_lookup(ids, k, max_ngram)
+        if not isinstance(got, (list, tuple)) or [int(t) for t in got] != expected:
+            raise AssertionError(f"{what}: expected {expected} ({why}), got {got!r}")
+    rng = torch.Generator().manual_seed(9)
+    for case in range(300):
+        vocab, length = int(torch.randint(2, 6, (1,), generator=rng)), int(torch.randint(2, 40, (1,), generator=rng))
+        ids = torch.randint(0, vocab, (length,), generator=rng).tolist()
+        k, max_ngram = int(torch.randint(1, 6, (1,), generator=rng)), int(torch.randint(1, 5, (1,), generator=rng))
+        what = f"propose_from_prompt({ids}, k={k}, max_ngram={max_ngram})"
+        got = call(what, fn, list(ids), k, max_ngram)
+        expected = _ref_lookup(ids, k, max_ngram)
+        if not isinstance(got, (list, tuple)) or [int(t) for t in got] != expected:
+            raise AssertionError(f"{what} (random case {case}): expected {expected}, got {got!r}: look up the longest "
+                                 f"suffix of at most max_ngram tokens first, take its latest earlier occurrence, and "
+                                 f"return at most k tokens after it")
+
+
+# --------------------------------------------------------------------------- predictions (q_ cells)
+
+
+def check_q_alpha(value) -> None:
+    """The acceptance rate for p = [0.5, 0.3, 0.2, 0] and q uniform over 4 tokens: 1 - TVD(p, q)."""
+    from decodelab.decoding.speculative import tvd
+
+    expected = 1 - float(tvd(torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64), torch.full((4,), 0.25,
+                                                                                                dtype=torch.float64)))
+    expect_answer(value, expected, "q_alpha: the acceptance rate for p = [0.5, 0.3, 0.2, 0] and q = [0.25, 0.25, "
+                  "0.25, 0.25] (sum of min(p, q))", rel_tol=0.02)
+
+
+def check_q_tokens_per_call(value) -> None:
+    """Mean tokens per target call for alpha = 0.8 and k = 4 drafts: (1 - alpha^(k+1)) / (1 - alpha)."""
+    from decodelab.decoding.speculative import expected_tokens_per_call
+
+    expect_answer(value, expected_tokens_per_call(0.8, 4), "q_tokens_per_call: tokens per target call for "
+                  "alpha = 0.8, k = 4 (1 + 0.8 + 0.8^2 + 0.8^3 + 0.8^4)", rel_tol=0.02)

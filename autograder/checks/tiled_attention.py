@@ -21,16 +21,19 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autograder.checks.calling import call
+from autograder.checks.answers import expect_answer
+from autograder.checks.calling import call, expect_raises
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
     "online_softmax_update": "decodelab.lessons.tiled_attention:online_softmax_update",
     "tiled_attention": "decodelab.lessons.tiled_attention:tiled_attention",
     "attention_memory_bytes": "decodelab.lessons.tiled_attention:attention_memory_bytes",
+    "combine_partial_attention": "decodelab.lessons.tiled_attention:combine_partial_attention",
 }
 
-__all__ = ["check_online_softmax_update", "check_tiled_attention", "check_attention_memory_bytes"]
+__all__ = ["check_online_softmax_update", "check_tiled_attention", "check_attention_memory_bytes",
+           "check_combine_partial_attention"]
 
 
 def _first_bad(got: torch.Tensor, want: torch.Tensor, tol: float) -> tuple | None:
@@ -230,3 +233,75 @@ def check_attention_memory_bytes(fn) -> None:
         if isinstance(got, bool) or not isinstance(got, (int, float)) or got != want:
             why = f"B * H * T * {'S' if tile is None else 'min(tile, S)'} * bytes = {b} * {h} * {t} * {width} * {size}"
             raise AssertionError(f"{desc}: expected {want:,} ({why}), got {got!r}")
+
+
+# --------------------------------------------------------------------------- combine_partial_attention
+
+
+def _split_states(scores: torch.Tensor, values: torch.Tensor, bounds: list[int]):
+    """maxes [C, ..., T], sums [C, ..., T], outs [C, ..., T, D] of the splits scores[..., a:b] (from the
+    definition, `_state_of`), for split boundaries bounds = [0, b1, ..., S]."""
+    states = [_state_of(scores[..., a:b], values[..., a:b, :]) for a, b in zip(bounds, bounds[1:])]
+    return tuple(torch.stack(part) for part in zip(*states))
+
+
+def check_combine_partial_attention(fn) -> None:
+    """Splits of one softmax merged: the result must be softmax(all scores) @ all values (float64),
+    with splits whose maxes differ by up to 1,000 and a split that some query does not see at all."""
+    g = torch.Generator().manual_seed(11)
+    cases = []  # (what, scores [..., T, S], values [..., S, D], split bounds)
+    scores = torch.tensor([[0.0, 0.0, 2.0, 2.0]], dtype=torch.float64)  # one query, 4 keys
+    values = torch.tensor([[1.0], [3.0], [5.0], [7.0]], dtype=torch.float64)
+    cases.append(("one query, keys split [0, 0 | 2, 2] with values [1, 3 | 5, 7]: the second split weighs e^2 "
+                  "times the first", scores, values, [0, 2, 4]))
+    scores = torch.randn(2, 3, 4, 10, generator=g, dtype=torch.float64)
+    scores[..., 3:7] += 4.0
+    cases.append(("random scores [2, 3, 4 queries, 10 keys], splits 0:3 | 3:7 (4 higher) | 7:10", scores,
+                  torch.randn(2, 3, 10, 5, generator=g, dtype=torch.float64), [0, 3, 7, 10]))
+    scores = torch.randn(1, 2, 3, 8, generator=g, dtype=torch.float64)
+    scores[..., 4:] += 1000.0
+    cases.append(("scores near 0 in split 0:4 and near 1,000 in split 4:8 (exp(1000) overflows: rescale each "
+                  "split to the largest max of all splits)", scores, torch.randn(1, 2, 8, 4, generator=g,
+                                                                                dtype=torch.float64), [0, 4, 8]))
+    scores = torch.randn(1, 1, 3, 9, generator=g, dtype=torch.float64)
+    scores[0, 0, 0, 6:] = -math.inf  # query 0 sees nothing of the last split: its state there is (-inf, 0, 0)
+    cases.append(("3 queries over splits 0:3 | 3:6 | 6:9, query 0 masked out of the last split (max -inf, sum 0, "
+                  "out 0)", scores, torch.randn(1, 1, 9, 2, generator=g, dtype=torch.float64), [0, 3, 6, 9]))
+    for what, scores, values, bounds in cases:
+        maxes, sums, outs = _split_states(scores, values, bounds)
+        desc = f"combine_partial_attention(maxes {list(maxes.shape)}, sums {list(sums.shape)}, outs {list(outs.shape)})"
+        got = call(f"{desc}, {what}", fn, maxes.clone(), sums.clone(), outs.clone())
+        want = torch.softmax(scores, dim=-1) @ values  # [..., T, D]
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
+            raise AssertionError(f"{desc}, {what}: expected a tensor of shape {list(want.shape)} (outs without its "
+                                 f"split axis), got {getattr(got, 'shape', type(got).__name__)}")
+        bad = _first_bad(got, want, 1e-9 * max(1.0, float(want.abs().max())))
+        if bad is not None:
+            raise AssertionError(f"{desc}, {what}: at {list(bad)} expected {float(want[bad]):.6g}, got "
+                                 f"{float(got[bad]):.6g}: rescale each split's sum and output by exp(its max - the "
+                                 f"largest max) before adding them, and divide once at the end")
+    expect_raises("combine_partial_attention(maxes [2, 3], sums [2, 4], outs [2, 3, 5])", ValueError,
+                  "sums must have the shape of maxes", fn, torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2, 3, 5))
+
+
+# --------------------------------------------------------------------------- predictions (q_ cells)
+
+
+def check_q_llama_scores_gib(value) -> None:
+    """GiB of one layer's plain score matrix: Llama-3.1-8B (32 query heads), a 16,384-token prompt, fp16."""
+    from decodelab.lessons import kv_size, tiled_attention
+
+    heads = kv_size.config_fields("Llama-3.1-8B")["num_attention_heads"]
+    expected = tiled_attention.attention_memory_bytes(16384, 16384, num_heads=heads, bytes_per_value=2) / 2**30
+    expect_answer(value, expected, "q_llama_scores_gib: one layer's plain scores for Llama-3.1-8B, 16,384 tokens, "
+                  "fp16, in GiB (32 heads x 16,384 x 16,384 x 2 bytes)", rel_tol=0.05)
+
+
+def check_q_smollm2_scores_mib(value) -> None:
+    """MiB of one layer's plain score matrix: SmolLM2 (9 query heads), a 1,024-token prompt, float32."""
+    from decodelab.lessons import kv_size, tiled_attention
+
+    heads = kv_size.config_fields("SmolLM2-135M")["num_attention_heads"]
+    expected = tiled_attention.attention_memory_bytes(1024, 1024, num_heads=heads, bytes_per_value=4) / 2**20
+    expect_answer(value, expected, "q_smollm2_scores_mib: one layer's plain scores for SmolLM2, 1,024 tokens, "
+                  "float32, in MiB (9 heads x 1,024 x 1,024 x 4 bytes)", rel_tol=0.05)

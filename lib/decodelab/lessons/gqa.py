@@ -112,6 +112,37 @@ def broadcast_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     return out.view(batch, num_heads, num_queries, head_dim).to(q.dtype)  # head j*g + i, as q had them
 
 
+
+def gqa_decode_step(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, length: int) -> tuple[torch.Tensor, int]:
+    """One decode step of grouped-query attention over a preallocated KV cache, and the bytes it reads.
+
+    q [B, H, 1, D]: the new token's queries; k_new, v_new [B, H_kv, 1, D]: its key and value;
+    k_cache, v_cache [B, H_kv, S_max, D]: the layer's cache, holding `length` positions. Writes
+    k_new, v_new at position `length` (in place), then attends the query over positions
+    0 .. length (the new token is the last, so nothing is masked) reading each KV head in place
+    for its g = H / H_kv query heads, as `broadcast_gqa_attention` does; scores in float32.
+    Returns (out [B, H, 1, D] in q's dtype, bytes_read), bytes_read = the bytes of the K and V
+    rows the step reads, 2 * B * H_kv * (length + 1) * D * element size: H_kv, not H, sets it.
+    ValueError if T != 1, H_kv does not divide H, or the cache is full (length >= S_max).
+    """
+    batch, num_heads, num_queries, head_dim = q.shape
+    num_kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
+    if num_queries != 1 or num_heads % num_kv_heads:
+        raise ValueError(f"a decode step takes q [B, H, 1, D] with H a multiple of H_kv = {num_kv_heads}, "
+                         f"got q {tuple(q.shape)}")
+    if not 0 <= length < max_len:
+        raise ValueError(f"the cache holds {max_len} positions and {length} are taken: no room for one more")
+    k_cache[:, :, length] = k_new[:, :, 0]  # the new token's row, in place
+    v_cache[:, :, length] = v_new[:, :, 0]
+    keys, values = k_cache[:, :, :length + 1], v_cache[:, :, :length + 1]  # views [B, H_kv, length + 1, D]
+    group = num_heads // num_kv_heads
+    rows = q.float().reshape(batch, num_kv_heads, group, head_dim)  # [B, H_kv, g, D]: the g heads of a group
+    scores = rows @ keys.float().transpose(-2, -1) / math.sqrt(head_dim)  # [B, H_kv, g, length + 1]
+    out = torch.softmax(scores, dim=-1) @ values.float()  # [B, H_kv, g, D]
+    bytes_read = 2 * batch * num_kv_heads * (length + 1) * head_dim * k_cache.element_size()  # K and V rows
+    return out.reshape(batch, num_heads, 1, head_dim).to(q.dtype), bytes_read
+
 def pool_kv_heads(k_proj_weight: torch.Tensor, num_kv_heads_new: int, head_dim: int) -> torch.Tensor:
     """Mean-pool consecutive groups of KV heads in a k_proj (or v_proj) weight or bias.
 
@@ -174,4 +205,4 @@ def pool_model_kv_heads(model, num_kv_heads: int, pool=pool_kv_heads):
 
 
 __all__ = ["attention_kind", "kv_head_for_query_head", "group_query_attention", "broadcast_gqa_attention",
-           "pool_kv_heads", "pool_model_kv_heads", "repeat_kv"]
+           "gqa_decode_step", "pool_kv_heads", "pool_model_kv_heads", "repeat_kv"]

@@ -53,6 +53,28 @@ def online_softmax_update(running_max: torch.Tensor, running_sum: torch.Tensor, 
     return new_max, new_sum, new_out
 
 
+
+def combine_partial_attention(maxes: torch.Tensor, sums: torch.Tensor, outs: torch.Tensor) -> torch.Tensor:
+    """Merge C partial softmax states, each over its own split of the keys, into the attention output.
+
+    maxes [C, ..., T], sums [C, ..., T], outs [C, ..., T, D]: for split c, the (running_max,
+    running_sum, running_out) that `online_softmax_update` reaches over the keys of that split alone
+    (-inf, 0, 0 where a query sees none of them). With m = max_c maxes[c], each split's sum and
+    output were measured against its own max, so both are rescaled by exp(maxes[c] - m) before
+    they are added: out = sum_c outs[c] e^(maxes[c] - m) / sum_c sums[c] e^(maxes[c] - m), [..., T, D].
+    Every query must see at least one key in some split. This is the last step of split-K
+    ("flash decoding"): the splits of one long cache run in parallel, then merge.
+    ValueError when the shapes do not line up.
+    """
+    if maxes.shape != sums.shape or outs.shape[:-1] != maxes.shape:
+        raise ValueError(f"maxes {tuple(maxes.shape)} and sums {tuple(sums.shape)} must be [C, ..., T] and outs "
+                         f"{tuple(outs.shape)} [C, ..., T, D]")
+    top = maxes.amax(dim=0)  # [..., T]: the largest score of all splits
+    shift = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # no -inf - (-inf)
+    scale = torch.exp(maxes - shift)  # [C, ..., T]: 0 for a split a query did not see
+    total = (sums * scale).sum(dim=0)  # [..., T]
+    return (outs * scale[..., None]).sum(dim=0) / total[..., None]  # [..., T, D]
+
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_size: int = 64,
                     causal: bool = True, q_offset: int = 0) -> torch.Tensor:
     """Attention of q [B, H, T, D] over k, v [B, H_kv, S, D], one tile of keys at a time; [B, H, T, D].
@@ -201,5 +223,5 @@ def measure_module_memory(module: torch.nn.Module, *args) -> tuple[object, Tenso
     return measure_tensor_memory(lambda *inputs: module(*inputs[:len(args)]), *args, *own)
 
 
-__all__ = ["online_softmax_update", "tiled_attention", "attention_memory_bytes", "measure_tensor_memory",
+__all__ = ["online_softmax_update", "combine_partial_attention", "tiled_attention", "attention_memory_bytes", "measure_tensor_memory",
            "measure_module_memory", "TensorMemory"]
