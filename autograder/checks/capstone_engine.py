@@ -92,6 +92,8 @@ def _scenarios():
          PROMPTS[:3], greedy[:3]),
         ("speculative decoding with the tiny draft model (k=3), greedy", {"speculative": True}, PROMPTS[:2],
          [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * 2),
+        ("chunked prefill, at most 6 tokens a step (prompts fed in slices: no token until a prompt is complete)",
+         {"chunked_prefill": True, "max_num_batched_tokens": 6, "max_num_seqs": 4}, PROMPTS, greedy),
     ]
 
 

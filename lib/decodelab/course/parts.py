@@ -68,7 +68,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("forward pass", "forward", "01_forward_pass", ("rms_norm", "rope", "mlp", "forward"),
           lambda ns: ns["forward"]),
     Stage("attention", "attention", "01_forward_pass", ("attention",), lambda ns: ns["attention"]),
-    Stage("sampling", "sample", "02_sampling", ("apply_temperature", "top_k_filter", "top_p_filter", "sample"),
+    Stage("sampling", "sample", "02_sampling", ("process_logits", "top_k_filter", "top_p_filter", "sample"),
           lambda ns: ns["sample"]),
     Stage("repetition penalty", "repetition_penalty", "02_sampling", ("apply_repetition_penalty",),
           lambda ns: ns["apply_repetition_penalty"]),
@@ -244,13 +244,14 @@ def your_engine(course_dir, this_notebook: str = CAPSTONE, timeout: float = prog
 
 def serve(engine: Assembly, prompt: str, max_new_tokens: int = 32, model: str = "smollm2", device=None) -> dict:
     """Greedy, float32, the chat template as `python -m decodelab generate` applies it, on an LLM
-    built with the assembly's hooks -> {"prompt_ids", "output_ids", "text", "parts", "why"}."""
+    built with the assembly's hooks -> {"prompt_ids", "output_ids", "text", "parts", "why"}.
+    Chunked prefill is on (16 tokens a step), so notebook 08's step is the one that schedules."""
     from decodelab.decoding.generate import encode_prompt
     from decodelab.engine.llm import LLM
     from decodelab.params import SamplingParams
 
     llm = LLM(model=model, device=device, dtype="float32", quantization=engine.quantization, hooks=engine.hooks,
-              max_num_seqs=1)
+              max_num_seqs=1, chunked_prefill=True, max_num_batched_tokens=16)
     prompt_ids = encode_prompt(llm.tokenizer, prompt, chat=True)
     out = llm.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=max_new_tokens), use_tqdm=False)[0]
     if out.error:
