@@ -270,3 +270,16 @@ def test_chunked_prefill_with_the_forward_and_attention_hooks(tiny):
         llm = LLM((model, tokenizer), num_kv_blocks=40, kv_block_size=4, max_num_seqs=4, max_num_batched_tokens=12,
                   chunked_prefill=True, hooks=hooks)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+
+
+def test_steps_to_first_token_counts_the_library_step():
+    """Counted by driving the library's chunked step: ceil(prompt / (budget - decodes)), the closed form."""
+    import math
+
+    from decodelab.lessons.chunked_prefill import steps_to_first_token
+
+    for prompt, budget, decoding in [(2000, 512, 4), (960, 128, 4), (100, 50, 4), (504, 512, 4), (1, 8, 0), (37, 10, 3)]:
+        assert steps_to_first_token(prompt, budget, decoding) == math.ceil(prompt / (budget - decoding)), \
+            (prompt, budget, decoding)
+    with pytest.raises(ValueError):
+        steps_to_first_token(100, 4, decoding=4)

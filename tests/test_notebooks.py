@@ -51,7 +51,7 @@ def _report(problems: list) -> str:
 
 # Notebooks whose predictions (q_ cells) and further-reading section are still being written
 # (issue 20); each leaves this set when it has both.
-LEARNING_SUPPORT_PENDING = {"08_continuous_batching"}
+LEARNING_SUPPORT_PENDING: set[str] = set()
 READING_ENTRY = re.compile(r"^\s*(?:[-*]|\d+\.)\s+(.+)$")
 YEAR = re.compile(r"\b(?:19|20)\d\d\b")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 
+from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call
 from decodelab.engine.block_allocator import BlockAllocator, blocks_needed
 from decodelab.params import SamplingParams
@@ -592,3 +593,23 @@ def check_schedule_chunked(schedule_chunked) -> None:
         _run_chunked(schedule_chunked, f"schedule_chunked, random case {case}: block size {block_size}, {free} free "
                      f"blocks, running (tokens, computed) {running}, waiting lengths {waiting}, max_num_seqs={slots}, "
                      f"max_num_batched_tokens={budget}", block_size, free, running, waiting, slots, budget)
+
+
+# --------------------------------------------------------------------------- predictions (q_ cells)
+
+
+def check_q_throughput_gain_b32(value) -> None:
+    """Throughput of batch 32 over batch 1 when a step costs 20 ms + 1 ms per sequence."""
+    expected = (32 / (0.020 + 32 * 0.001)) / (1 / (0.020 + 1 * 0.001))
+    expect_answer(value, expected, "q_throughput_gain_b32: (32 / (20 ms + 32 x 1 ms)) / (1 / (20 ms + 1 ms))",
+                  rel_tol=0.05)
+
+
+def check_q_chunked_steps(value) -> None:
+    """Steps until a 2,000-token newcomer is complete: budget 512, 4 decodes first."""
+    from decodelab.lessons.chunked_prefill import steps_to_first_token
+
+    expect_answer(value, steps_to_first_token(2000, 512, decoding=4), "q_chunked_steps: steps until a 2,000-token "
+                  "prompt is complete with a budget of 512 and 4 decodes a step (508 prompt tokens a step)",
+                  rel_tol=0.0, abs_tol=0.5)
+

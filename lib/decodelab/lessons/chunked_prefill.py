@@ -119,4 +119,25 @@ def compare_stalls(engines: dict, running_prompts, newcomer_prompt, decode_token
     return best
 
 
-__all__ = ["percentile", "StallResult", "newcomer_run", "compare_stalls"]
+def steps_to_first_token(prompt_len: int, budget: int, decoding: int = 4, block_size: int = 16) -> int:
+    """Engine steps until a newcomer of prompt_len tokens samples its first token, under the
+    library's chunked-prefill step with `decoding` requests decoding and a token budget of `budget`
+    a step (no model: `continuous_batching.advance` plays the forward pass and the sampling)."""
+    from decodelab.engine import scheduler as reference
+    from decodelab.engine.block_allocator import blocks_needed
+    from decodelab.lessons.continuous_batching import advance, make_sequence, toy_scheduler
+
+    if prompt_len < 1 or budget <= decoding:
+        raise ValueError(f"need prompt_len >= 1 and a budget above the {decoding} decodes, got {prompt_len}, {budget}")
+    pool = blocks_needed(prompt_len, block_size) + decoding * blocks_needed(prompt_len + 2, block_size)
+    state = toy_scheduler([1] * decoding, num_blocks=pool, block_size=block_size, max_num_seqs=decoding + 1,
+                          max_num_batched_tokens=budget, admitted=True)  # `decoding` requests, each ready to decode
+    newcomer = make_sequence(decoding, prompt_len)
+    state.add(newcomer)
+    for step in range(1, prompt_len + 1):
+        if newcomer in advance(reference.schedule_chunked(state)):
+            return step
+    raise RuntimeError(f"the newcomer sampled nothing in {prompt_len} steps")
+
+
+__all__ = ["percentile", "StallResult", "newcomer_run", "compare_stalls", "steps_to_first_token"]
