@@ -86,9 +86,9 @@ def test_release_checksum_is_nbgraders():
 def test_set_up_is_the_code_before_the_first_numbered_section_or_exercise():
     plan = progress.plan_notebook(SOLUTIONS / "02_sampling" / "02_sampling.ipynb")
     cells = read(plan.path).cells
-    # cell 1: imports and setup_notebook(); cell 3 (section 0): the model and its logits. Cell 5,
-    # under "## 1. Temperature", is a demonstration and is not set-up.
-    assert [i for i, _ in plan.setup] == [1, 3]
+    # cell 1: imports and setup_notebook(); cell 2: the engine map; cell 4 (section 0): the model and
+    # its logits. The cells under "## 1." are demonstrations, not set-up.
+    assert [i for i, _ in plan.setup] == [1, 2, 4]
     assert "course.setup_notebook()" in plan.setup[0][1]
     assert [name for name, _, _ in plan.cells] == ["top_k_filter", "top_p_filter", "apply_repetition_penalty",
                                                    "process_logits", "sample"]
@@ -98,7 +98,7 @@ def test_set_up_is_the_code_before_the_first_numbered_section_or_exercise():
     assert not plan.unchanged and not plan.problems  # solutions carry no release checksum
 
     plan = progress.plan_notebook(SOLUTIONS / "04_prefill_decode" / "04_prefill_decode.ipynb")
-    assert [i for i, _ in plan.setup] == [1]  # "## 1." comes before the model is loaded
+    assert [i for i, _ in plan.setup] == [1, 2]  # the engine map; "## 1." comes before the model is loaded
 
     released = progress.plan_notebook(COURSE / "02_sampling" / "02_sampling.ipynb")
     assert released.unchanged == {name for name, _, _ in released.cells}
