@@ -57,7 +57,10 @@ class CompiledDecoder:
 
     def __init__(self, model, backend: str = "inductor"):
         self.model, self.config = model, model.config
-        self.compiles = 0  # graphs compiled so far (a recompile or a graph break adds one)
+        # Graphs compiled during this decoder's calls (a recompile adds one). The weights are inputs
+        # of the graph, so a second decoder on a model of the same shapes reuses the first one's.
+        self.compiles = 0
+        self._warm = False  # True once a step has run: its guards are no longer checked
         self._step = torch.compile(self._decode_step, backend=backend, fullgraph=True)
 
     @property
@@ -90,12 +93,20 @@ class CompiledDecoder:
         torch._dynamo.mark_dynamic(kv_cache.keys, 3)  # any max_seq_len: one graph for all
         torch._dynamo.mark_dynamic(kv_cache.values, 3)
         before = counters["stats"]["unique_graphs"]
-        # Once the one graph exists, checking its guards (a few hundred: every weight's shape, dtype,
-        # device) cost ~2 ms a token on a 2-core CPU, for nothing: only the cache length changes,
-        # and that dimension is dynamic. Hence the model must not be changed after the first step.
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.compiles == 1):
-            logits = self._step(input_ids, torch.tensor([position], device=input_ids.device),
-                                kv_cache.keys, kv_cache.values)
+        arguments = (input_ids, torch.tensor([position], device=input_ids.device), kv_cache.keys, kv_cache.values)
+        try:
+            # Once the one graph exists, checking its guards (a few hundred: every weight's shape,
+            # dtype, device) cost ~1-2 ms a token on a 2-core CPU, for nothing: only the cache length
+            # changes, and that dimension is dynamic. Hence the model must not change after the
+            # first step. A change of global state (torch.set_num_threads) is still caught, and
+            # compiles again below.
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=self._warm):
+                logits = self._step(*arguments)
+        except RuntimeError as error:
+            if "skip_guard_eval_unsafe" not in str(error):
+                raise
+            logits = self._step(*arguments)
         self.compiles += counters["stats"]["unique_graphs"] - before
+        self._warm = True
         kv_cache.lengths = [position + 1] * len(kv_cache.lengths)
         return logits
