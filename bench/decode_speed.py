@@ -15,9 +15,10 @@ Contenders, all run interleaved in one process so machine noise hits them alike:
   installs it), with as many threads as torch.
 Per-token decode time is the median gap between two tokens' arrivals, over every round
 (the first token, which waits for prefill, starts the first gap): robust to the spikes of a
-shared machine. The compile time (first call minus a compiled call of the same length) is reported
-apart, as is the number of graphs compiled over all runs (1 means no recompiles as the
-context grows). Writes bench/results/decode_speed_<model>_<device>.json, with the load average.
+shared machine. The compile time (first call minus a compiled call of the same length; from
+inductor's on-disk cache when it holds the graph, cold with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1)
+is reported apart, as is the number of graphs compiled over all runs (1 means no recompiles as
+the context grows). Writes bench/results/decode_speed_<model>_<device>.json, with the load average.
 """
 from __future__ import annotations
 
