@@ -11,7 +11,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 # Spinning OpenMP threads slow decode 5-10x on a busy machine (see lib/decodelab/__init__.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup lab test release grade gpu-check bench clean-venv
+.PHONY: setup lab test release grade gpu-check bench bench-deps clean-venv
 
 setup: $(STAMP)
 
@@ -45,12 +45,20 @@ test: setup
 # notebook 12's Triton paged attention against gather + SDPA).
 gpu-check:
 	PYTHONPATH=lib python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_device.py tests/test_kv_cache.py tests/test_gpu_kernel.py
-	PYTHONPATH=lib python3 bench/decode_speed.py --model tiny --device cuda --tokens 64 --no-transformers
+	PYTHONPATH=lib python3 bench/decode_speed.py --model tiny --device cuda --tokens 64 --no-transformers --no-compile
 	PYTHONPATH=lib python3 bench/gpu_engine.py --device cuda --dtype bfloat16
 	PYTHONPATH=lib python3 bench/gpu_kernel.py --dtype bfloat16
 
 bench: setup
 	$(BIN)/python bench/decode_speed.py
+
+# Optional, not part of setup: llama-cpp-python (built from its sdist for this CPU, about 11 minutes
+# on 2 cores, niced and one compile at a time), so that bench/decode_speed.py races llama.cpp on the
+# GGUF we ship.
+LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
+bench-deps: setup
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=1 nice -n 19 \
+		$(BIN)/python -m pip install -q --no-binary llama-cpp-python '$(LLAMA_CPP_PYTHON)'
 
 clean-venv:
 	rm -rf $(VENV)

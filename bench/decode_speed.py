@@ -1,18 +1,33 @@
-"""Batch-1 greedy decode speed: decodelab vs transformers on the same weights, against
-this machine's bandwidth roofline (every weight byte is read once per generated token).
+"""Batch-1 greedy decode speed: decodelab's paths beside transformers and llama.cpp on the same
+weights, against this machine's bandwidth roofline (every weight byte is read once per token;
+the read bandwidth is probed once per round, between the engines, and its median taken).
 
     .venv/bin/python bench/decode_speed.py [--model smollm2] [--tokens 64] [--rounds 3]
+        [--no-transformers] [--no-compile] [--no-llama-cpp]
 
-Both engines run interleaved in one process, so machine noise hits them alike. Per-token
-decode time is (time for N+16 tokens - time for 16 tokens) / N, which cancels prefill.
-Writes bench/results/decode_speed_<model>_<device>.json.
+Contenders, all run interleaved in one process so machine noise hits them alike:
+* `decodelab`: the single-request generator, eager, float32 (`stream_token_ids`);
+* `compiled`: the same with the decode step compiled (`decodelab.decoding.compiled`);
+* `compiled int8`: compiled, every linear (lm_head too) int8 with the dequantization fused
+  into the matrix-vector product (`decodelab.model.fused_int8`);
+* `transformers`: its `generate`, float32;
+* `llama.cpp`: llama-cpp-python on the GGUF file we ship (SmolLM2 only; `make bench-deps`
+  installs it), with as many threads as torch.
+Per-token decode time is the median gap between two tokens' arrivals, over every round
+(the first token, which waits for prefill, starts the first gap): robust to the spikes of a
+shared machine. The compile time (first call minus a compiled call of the same length; from
+inductor's on-disk cache when it holds the graph, cold with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1)
+is reported apart, as is the number of graphs compiled over all runs (1 means no recompiles as
+the context grows). Writes bench/results/decode_speed_<model>_<device>.json, with the load average.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,30 +36,95 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 import decodelab  # noqa: E402,F401  (first: sets OMP_WAIT_POLICY before torch starts its threads)
 import torch  # noqa: E402
+from decodelab.decoding.compiled import CompiledDecoder  # noqa: E402
 from decodelab.decoding.generate import stream_token_ids  # noqa: E402
-from decodelab.lessons.measure import Roofline, matmul_flops, memory_bandwidth, parameter_bytes, synchronize  # noqa: E402
-from decodelab.model.registry import load, resolve_model  # noqa: E402
+from decodelab.lessons.measure import Roofline, matmul_flops, memory_bandwidth, parameter_bytes  # noqa: E402
+from decodelab.model.fused_int8 import quantize_for_decode  # noqa: E402
+from decodelab.model.registry import load, resolve_model, smollm2_gguf_path  # noqa: E402
 from decodelab.params import SamplingParams  # noqa: E402
+
+BASE_TOKENS = 16  # the warm-up run's length
+
+
+def bytes_read_per_token(model) -> int:
+    """`parameter_bytes`, less an embedding table that no matmul reads (a lookup reads one row):
+    the case once the lm_head is quantized and no longer shares it."""
+    embedding = model.model.embed_tokens.weight
+    shared = getattr(model.lm_head, "weight", None) is embedding
+    return parameter_bytes(model) - (0 if shared else embedding.nbytes)
+
+
+def arrival_times(tokens) -> tuple[list[float], list[int]]:
+    """Drain a token iterator; (perf_counter time at which each token arrived, the tokens)."""
+    times, out = [], []
+    for token in tokens:
+        times.append(time.perf_counter())
+        out.append(int(token))
+    return times, out
 
 
 def time_ours(model, prompt_ids, n):
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    synchronize(model.device)
-    start = time.perf_counter()
-    out = list(stream_token_ids(model, prompt_ids, params))
-    synchronize(model.device)
-    return time.perf_counter() - start, out
+    return arrival_times(stream_token_ids(model, prompt_ids, params))
+
+
+class ArrivalStreamer:
+    """A `transformers` streamer that notes when each generated token arrives."""
+
+    def __init__(self):
+        self.times, self.tokens, self.seen_prompt = [], [], False
+
+    def put(self, value):
+        if not self.seen_prompt:  # generate hands the prompt over first
+            self.seen_prompt = True
+            return
+        self.times.append(time.perf_counter())
+        self.tokens.extend(value.reshape(-1).tolist())
+
+    def end(self):
+        pass
 
 
 def time_transformers(hf_model, prompt_ids, n):
     ids = torch.tensor([prompt_ids], device=hf_model.device)
-    synchronize(hf_model.device)
-    start = time.perf_counter()
+    streamer = ArrivalStreamer()
     with torch.inference_mode():
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                do_sample=False, pad_token_id=0)
-    synchronize(hf_model.device)
-    return time.perf_counter() - start, out[0, len(prompt_ids):].tolist()
+        hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=0, streamer=streamer)
+    return streamer.times, streamer.tokens
+
+
+def time_llama_cpp(llm, prompt_ids, n):
+    """Greedy (top_k=1) from llama.cpp, prefill included, EOS ignored: the same work as ours."""
+    llm.reset()  # no reuse of the previous run's prompt: it prefills again, as ours does
+
+    def tokens():
+        for count, token in enumerate(llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                                                   repeat_penalty=1.0), start=1):
+            yield token
+            if count == n:
+                return
+    return arrival_times(tokens())
+
+
+def load_llama_cpp(threads: int):
+    """llama-cpp-python on the shipped GGUF, or None when it is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    return Llama(model_path=str(smollm2_gguf_path()), n_ctx=512, n_threads=threads, n_threads_batch=threads,
+                 seed=0, verbose=False)
+
+
+def agreement(tokens: list[int], reference: list[int]) -> int:
+    """Tokens identical before the first difference."""
+    same = 0
+    for a, b in zip(tokens, reference):
+        if a != b:
+            break
+        same += 1
+    return same
 
 
 def main():
@@ -54,60 +134,105 @@ def main():
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--no-llama-cpp", action="store_true")
     args = parser.parse_args()
 
     device = torch.device(args.device)
+    load_average_before = os.getloadavg()
     model, tokenizer = load(args.model, device=device, dtype="float32")
     prompt = "What is gravity?"
     prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
                                   if tokenizer.chat_template else prompt)
     engines = {"decodelab": lambda n: time_ours(model, prompt_ids, n)}
+    weight_bytes = {"decodelab": bytes_read_per_token(model)}
+    decoders = {}
+    if not args.no_compile:
+        decoders["compiled"] = CompiledDecoder(model)
+        int8_model = quantize_for_decode(copy.deepcopy(model))
+        decoders["compiled int8"] = CompiledDecoder(int8_model)
+        weight_bytes["compiled"] = weight_bytes["decodelab"]
+        weight_bytes["compiled int8"] = bytes_read_per_token(int8_model)
+        for name, decoder in decoders.items():
+            engines[name] = lambda n, decoder=decoder: time_ours(decoder, prompt_ids, n)
     if not args.no_transformers:
         import transformers
         transformers.logging.set_verbosity_error()
         hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=torch.float32)
         hf = hf.to(device).eval()
         engines["transformers"] = lambda n: time_transformers(hf, prompt_ids, n)
+        weight_bytes["transformers"] = weight_bytes["decodelab"]
+    llm = None if args.no_llama_cpp or args.model != "smollm2" or device.type != "cpu" else \
+        load_llama_cpp(torch.get_num_threads())
+    if llm is not None:
+        engines["llama.cpp"] = lambda n: time_llama_cpp(llm, prompt_ids, n)
+        weight_bytes["llama.cpp"] = smollm2_gguf_path().stat().st_size  # Q4_1 blocks (its metadata too)
 
-    bandwidth = memory_bandwidth(device)
-    roof = Roofline(bandwidth, matmul_flops(device))
-    weight_bytes = parameter_bytes(model)
-    base = 16
-    per_token = {name: [] for name in engines}
-    outputs = {}
-    for name, run in engines.items():
-        run(base)  # warm-up
+    compile_seconds = {}
+    for name, run in engines.items():  # warm-up; for a compiled path the first call compiles
+        start = time.perf_counter()
+        run(BASE_TOKENS)
+        first = time.perf_counter() - start
+        if name in decoders:
+            start = time.perf_counter()
+            run(BASE_TOKENS)
+            compile_seconds[name] = first - (time.perf_counter() - start)
+    intervals = {name: [] for name in engines}
+    outputs, bandwidths = {}, []
     for _ in range(args.rounds):
-        for name, run in engines.items():  # interleaved: same noise for both
-            short, _ = run(base)
-            long, tokens = run(base + args.tokens)
-            per_token[name].append((long - short) / args.tokens)
-            outputs[name] = tokens
+        bandwidths.append(memory_bandwidth(device))  # probed in every round: the same load as the engines
+        for name, run in engines.items():  # interleaved: same noise for all
+            times, outputs[name] = run(args.tokens)
+            intervals[name] += [b - a for a, b in zip(times, times[1:])]  # from the 2nd token: no prefill
+    tokens_per_s = {name: 1 / statistics.median(v) for name, v in intervals.items()}
+    bandwidth = statistics.median(bandwidths)
+    roof = Roofline(bandwidth, matmul_flops(device))
+    roofline = {name: roof.decode_tokens_per_second(weight_bytes[name]) for name in engines}
     result = {
         "command": "python bench/decode_speed.py " + " ".join(sys.argv[1:]),
         "model": args.model, "device": str(device), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-        "weight_bytes": weight_bytes, "bandwidth_GBps": bandwidth / 1e9,
+        "load_average_1_5_15_min": {"before": load_average_before, "after": os.getloadavg()},
+        "cpu_count": os.cpu_count(),
+        "bandwidth_GBps": bandwidth / 1e9, "bandwidth_GBps_per_round": [b / 1e9 for b in bandwidths],
         "matmul_GFLOPs": roof.peak_flops / 1e9,
-        "roofline_tokens_per_s": roof.decode_tokens_per_second(weight_bytes),
-        "tokens_per_s": {name: 1 / min(v) for name, v in per_token.items()},
-        "all_ms_per_token": {name: [1e3 * t for t in v] for name, v in per_token.items()},
+        "weight_bytes_per_token": weight_bytes,
+        "roofline_tokens_per_s": roofline,
+        "tokens_per_s": tokens_per_s,
+        "ms_per_token_quartiles": {name: [1e3 * q for q in statistics.quantiles(v, n=4)]
+                                   for name, v in intervals.items()},
+        "fraction_of_roofline": {name: tokens_per_s[name] / roofline[name] for name in engines},
+        "speedup_vs_decodelab_eager": {name: tokens_per_s[name] / tokens_per_s["decodelab"] for name in engines},
+        "greedy_tokens_same_as_decodelab_eager": {name: agreement(outputs[name], outputs["decodelab"])
+                                                  for name in engines if name != "decodelab"},
+        "greedy_tokens_compared": args.tokens,
+        "compile_seconds": compile_seconds,  # from inductor's on-disk cache when it holds the graph
+        "inductor_caches_disabled": os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1",
+        "graphs_compiled": {name: decoder.compiles for name, decoder in decoders.items()},
     }
-    result["fraction_of_roofline"] = {n: tps / result["roofline_tokens_per_s"] for n, tps in result["tokens_per_s"].items()}
-    if "transformers" in outputs:
-        result["same_greedy_tokens"] = outputs["decodelab"] == outputs["transformers"]
-        result["speedup_vs_transformers"] = result["tokens_per_s"]["decodelab"] / result["tokens_per_s"]["transformers"]
+    if "transformers" in engines:
+        result["speedup_vs_transformers"] = tokens_per_s["decodelab"] / tokens_per_s["transformers"]
+    if "llama.cpp" in engines:
+        result["llama_cpp"] = {"gguf": smollm2_gguf_path().name, "threads": torch.get_num_threads(),
+                               "version": __import__("llama_cpp").__version__,
+                               "loaded_from": str(Path(__import__("llama_cpp").__file__).parent)}
+        result["slowdown_vs_llama_cpp"] = {name: tokens_per_s["llama.cpp"] / tokens_per_s[name]
+                                           for name in engines if name != "llama.cpp"}
     out = Path(__file__).parent / "results" / f"decode_speed_{args.model}_{device.type}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"weights {weight_bytes / 1e6:.0f} MB; read bandwidth (GEMV) {bandwidth / 1e9:.1f} GB/s "
-          f"-> roofline {result['roofline_tokens_per_s']:.1f} tok/s")
-    for name, tps in result["tokens_per_s"].items():
-        print(f"{name:>13}: {tps:6.1f} tok/s  ({100 * result['fraction_of_roofline'][name]:.0f}% of roofline)")
-    if "speedup_vs_transformers" in result:
-        print(f"decodelab / transformers = {result['speedup_vs_transformers']:.2f}x; "
-              f"same greedy tokens: {result['same_greedy_tokens']}")
+    print(f"read bandwidth (GEMV) {bandwidth / 1e9:.1f} GB/s; load average {result['load_average_1_5_15_min']}")
+    for name, tps in tokens_per_s.items():
+        same = result["greedy_tokens_same_as_decodelab_eager"].get(name, args.tokens)
+        print(f"{name:>14}: {tps:6.1f} tok/s  {weight_bytes[name] / 1e6:4.0f} MB/token  "
+              f"({100 * result['fraction_of_roofline'][name]:3.0f}% of its roofline "
+              f"{roofline[name]:5.1f} tok/s)  x{result['speedup_vs_decodelab_eager'][name]:.2f} eager  "
+              f"greedy tokens same as eager: {same}/{args.tokens}")
+    for name, seconds in compile_seconds.items():
+        print(f"{name}: compile {seconds:.1f} s, graphs compiled {decoders[name].compiles}")
+    for name, ratio in result.get("slowdown_vs_llama_cpp", {}).items():
+        print(f"llama.cpp / {name} = {ratio:.2f}x")
     print(f"wrote {out}")
 
 

@@ -149,7 +149,9 @@ class LlamaForCausalLM(nn.Module):
         if positions is None:
             start = kv_cache.seq_len if kv_cache is not None else 0
             positions = torch.arange(start, start + t, device=input_ids.device)
-        if int(positions.max()) >= self.config.max_position_embeddings:
+        # A compiled step (decodelab.decoding.compiled) checks its position before the call: here
+        # the check would read a tensor's value and break the graph.
+        if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(f"position {int(positions.max())} is beyond the model's context of "
                              f"{self.config.max_position_embeddings} tokens")
         cos, sin = self.rope_at(positions)
