@@ -83,6 +83,15 @@ def _expect(ok: bool, desc: str, what: str, expected, got) -> None:
         raise AssertionError(f"{desc}: {what}: expected {expected}, got {got}")
 
 
+def _expect_waiting_then_pool(desc: str, scheduler, waiting: list, free: int) -> None:
+    """Each (seq, label) is WAITING with no blocks; the pool has `free` blocks and is consistent."""
+    for seq, label in waiting:
+        _expect(seq.status is Status.WAITING and not seq.block_table, desc, label, "WAITING, no blocks",
+                f"{seq.status.name}, {len(seq.block_table)} blocks")
+    _expect(scheduler.allocator.num_free == free, desc, "free blocks afterwards", free, scheduler.allocator.num_free)
+    _pool_consistent(desc, scheduler)
+
+
 def _pool_consistent(desc: str, scheduler, extra_tables=()) -> None:
     tables = [s.block_table for s in scheduler.running] + list(extra_tables)
     try:
@@ -126,12 +135,8 @@ def _run_admit(fn, desc, block_size, num_blocks, running_lens, waiting_lens, max
                 f"block size {block_size})", need, len(seq.block_table))
         _expect(seq.num_computed_tokens == 0, desc, f"num_computed_tokens of seq {seq.seq_id} (nothing cached)",
                 0, seq.num_computed_tokens)
-    for seq in old_waiting[count:]:
-        _expect(seq.status is Status.WAITING and not seq.block_table, desc,
-                f"seq {seq.seq_id}, not admitted: status and blocks", "WAITING, no blocks",
-                f"{seq.status.name}, {len(seq.block_table)} blocks")
-    _expect(scheduler.allocator.num_free == free, desc, "free blocks afterwards", free, scheduler.allocator.num_free)
-    _pool_consistent(desc, scheduler)
+    _expect_waiting_then_pool(desc, scheduler, [(seq, f"seq {seq.seq_id}, not admitted: status and blocks")
+                                                 for seq in old_waiting[count:]], free)
 
 
 def check_admit(admit) -> None:
@@ -473,12 +478,7 @@ def _run_chunked(fn, desc, block_size, extra_free, running, waiting_lens, max_nu
         need = blocks_needed(computed + n, block_size)
         _expect(len(seq.block_table) == need, desc, f"blocks of seq {seq.seq_id} (it holds {computed} computed "
                 f"tokens and feeds {n}; block size {block_size})", need, len(seq.block_table))
-    for i in preempted:
-        _expect(seqs[i].status is Status.WAITING and not seqs[i].block_table, desc,
-                f"preempted seq {seqs[i].seq_id}", "WAITING, no blocks",
-                f"{seqs[i].status.name}, {len(seqs[i].block_table)} blocks")
-    _expect(scheduler.allocator.num_free == free, desc, "free blocks afterwards", free, scheduler.allocator.num_free)
-    _pool_consistent(desc, scheduler)
+    _expect_waiting_then_pool(desc, scheduler, [(seqs[i], f"preempted seq {seqs[i].seq_id}") for i in preempted], free)
 
 
 def _decode_skips_unfinished_prompts(decode_batch) -> None:
