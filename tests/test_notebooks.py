@@ -367,3 +367,16 @@ def test_readme_course_table_lists_every_notebook():
     assert sorted(rows) == names, f"README course table rows {sorted(rows)} vs notebooks {names}"
     for name, line in rows.items():
         assert re.search(r"\|\s*\d+(\.\d+)? h\s*\|", line), f"README: {name}'s row has no time estimate: {line}"
+
+
+def test_notebook_00_gives_the_readme_plan():
+    """Notebook 00's plan (time per notebook) is the README's course table: one plan, two places a
+    learner meets it, kept equal here."""
+    readme = {line.split("`")[1]: line.split("|")[2].strip() for line in (ROOT / "README.md").read_text().splitlines()
+              if line.startswith("| `") and line.split("`")[1][:2].isdigit()}
+    intro = read(solution_path("00_meet_the_model")).cells[0].source
+    plan = {line.split("`")[1]: line.split("|")[2].strip() for line in intro.splitlines()
+            if line.startswith("| `") and line.split("`")[1][:2].isdigit()}
+    assert plan == readme, f"notebook 00's plan {plan} differs from the README's course table {readme}"
+    for tool in ("Validate", "Show hint", "Predict first", "decodelab progress"):
+        assert tool in intro, f"notebook 00's introduction does not explain {tool!r}"
