@@ -393,6 +393,47 @@ def test_int8_linear_scales_the_output_without_a_float_weight():
     assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_linear_scales_each_group_without_a_float_weight(group_size):
+    """Int4Linear reads the levels QuantizedLinear(bits=4) dequantizes (the same bytes and scales), within
+    the group-wise bound of the float layer, one group in float at a time."""
+    from decodelab.lessons.tiled_attention import measure_module_memory
+
+    g = torch.Generator().manual_seed(5)
+    linear = torch.nn.Linear(512, 640)
+    torch.nn.init.normal_(linear.weight, generator=g)
+    layer = quant.Int4Linear.from_linear(linear, group_size)
+    assert layer.group_size == group_size and layer.nbytes == 640 * 256 + 4 * 640 * 512 // group_size
+    for k in range(512 // group_size):
+        assert torch.equal(layer.unpack_group(k), quant.unpack_int4(layer.weight_q)[:, k * group_size:(k + 1) * group_size])
+    x = torch.randn(3, 5, 512, generator=g)
+    with torch.no_grad():
+        got, exact = layer(x), linear(x)
+        assert torch.allclose(got, quant.QuantizedLinear.from_linear(linear, 4, group_size)(x), rtol=1e-5, atol=1e-4)
+    bound = x.abs().reshape(3, 5, -1, group_size).sum(-1) @ (layer.weight_scale.T / 2) + 1e-4
+    assert ((got - exact).abs() <= bound).all()
+    _, seen = measure_module_memory(layer, x[0])
+    assert seen.peak_bytes < 4 * 640 * 512 / 4, seen  # one group's levels in float, not the weight
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_int4_linear_in_the_engine_writes_the_library_int4_tokens():
+    """LLM("tiny", quantization="int4", hooks=EngineHooks(linear=Int4Linear.from_linear)): every decoder-layer
+    linear is an Int4Linear, and greedy decoding writes LLM(quantization="int4")'s tokens (same levels and scales)."""
+    from decodelab.engine.llm import LLM, EngineHooks
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = []
+    for hooks in (None, EngineHooks(linear=quant.Int4Linear.from_linear)):
+        llm = LLM("tiny", quantization="int4", num_kv_blocks=64, hooks=hooks)
+        if hooks:
+            assert all(isinstance(m, quant.Int4Linear) for m in llm.model.model.layers.modules()
+                       if hasattr(m, "weight_q"))
+        outputs.append([r.outputs[0].token_ids for r in llm.generate(["def fibonacci(n):", "import os\n"], params,
+                                                                     use_tqdm=False)])
+    assert outputs[0] == outputs[1]
+
+
 SMOLLM2_INT8_MIN_AGREEMENT = 0.85  # measured 0.953: 61/64, the 3 misses at top-2 margins < 0.014
 
 

@@ -1,8 +1,8 @@
 """Notebook 06's hidden checks (autograder/checks/quantization.py): they pass on the library's
 reference implementations and catch every kept bug, those of tests/fixtures/buggy_quantization.py
 and those of tests/fixtures/library/buggy_quantization.py whose check the notebook grades, with a message
-that names the case; the notebook's visible tests of the int8 layer and of replace_linears catch each of
-their kept bugs too."""
+that names the case; the notebook's visible tests of the int8 and int4 layers and of replace_linears catch
+each of their kept bugs too."""
 from __future__ import annotations
 
 import importlib
@@ -21,6 +21,7 @@ GRADED_CHECKS = {
     "quantize_int8_per_channel": "check_quantize_int8_per_channel",
     "quantize_int4_groupwise": "check_quantize_int4_groupwise",
     "Int8Linear": "check_int8_linear",
+    "Int4Linear": "check_int4_linear",
     "replace_linears": "check_replace_linears",
 }
 ALL_BUGS = {**buggy.BUGS, **{name: bug for name, bug in buggy_library.BUGS.items() if hasattr(checks, bug[1])}}
@@ -70,7 +71,7 @@ def test_messages_name_the_case():
         checks.check_quantize_int4_groupwise(buggy.int4_groupwise_one_scale_per_row)
 
 
-INT8_LINEAR_MESSAGES = {
+LAYER_MESSAGES = {
     "int8_linear_scale_per_input": r"weight_scale has shape \(1, 256\).*expected float32 \(1024, 1\): one scale per output row",
     "int8_linear_dequantizes_whole": r"took \d\.\d\d MiB at once .* at most half of it",
     "int8_linear_scale_twice": "multiplied by its row's scale twice",
@@ -78,16 +79,20 @@ INT8_LINEAR_MESSAGES = {
     "int8_linear_truncates": "truncates toward zero",
     "int8_linear_overflow": "wrapped around",
     "int8_linear_float32_output": "expected a bfloat16 result",
+    "int4_linear_nibbles_swapped": r"unpack_group\(0\): expected the levels \[8, 32\] of inputs 0..31",
+    "int4_linear_unsigned": r"two's complement: 0x8..0xF are -8..-1",
+    "int4_linear_first_group_scale": "scaled by group 0's scale",
+    "int4_linear_dequantizes_whole": r"took \d\.\d\d MiB at once .* at most a quarter of it",
     "replace_linears_lm_head_too": "the lm_head was replaced too",
     "replace_linears_children_only": "make_linear was called 0 times",
     "replace_linears_first_layer": r"make_linear was called 7 times .* expected once for each of the 14",
 }
 
 
-@pytest.mark.parametrize("bug", sorted(INT8_LINEAR_MESSAGES))
+@pytest.mark.parametrize("bug", sorted(LAYER_MESSAGES))
 def test_layer_messages_name_the_bug(bug):
     fn, check_name, _ = buggy.BUGS[bug]
-    with pytest.raises(AssertionError, match=INT8_LINEAR_MESSAGES[bug]):
+    with pytest.raises(AssertionError, match=LAYER_MESSAGES[bug]):
         getattr(checks, check_name)(fn)
 
 
@@ -109,6 +114,24 @@ def test_the_int8_bound_and_the_memory_check_are_tight_enough():
     # before the last is dropped), plus the output
 
 
+def test_the_int4_bound_and_the_memory_check_are_tight_enough():
+    """The int4 reference's largest error uses a fair part of its group-wise bound, and its forward holds
+    well under the quarter of a float weight the memory check allows."""
+    from decodelab.lessons.tiled_attention import measure_module_memory
+    from decodelab.model.quantization import Int4Linear
+
+    linear = checks._linear(512, 1024, seed=3)
+    layer = Int4Linear.from_linear(linear, 64)
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        err = (layer(x).double() - (x.double() @ linear.weight.double().T + linear.bias.double())).abs()
+    _, scale = checks._int4_grid(linear.weight.detach(), 64)
+    bound = x.double().abs().reshape(64, 8, 64).sum(-1) @ (scale / 2).T
+    assert 0.05 < float((err / bound).max()) <= 1
+    _, seen = measure_module_memory(layer, x[:4])
+    assert seen.peak_bytes <= 4 * 1024 * 512 / 5  # one group: its int8 nibbles, its levels [1024, 64] in float, the output
+
+
 def _notebook_visible_tests():
     from notebooks import graded_cells, read, solution_path, visible_part
 
@@ -118,15 +141,15 @@ def _notebook_visible_tests():
 
 
 @pytest.mark.parametrize("bug", sorted(bug for bug, (_, check, _) in buggy.BUGS.items()
-                                       if check in ("check_int8_linear", "check_replace_linears")))
+                                       if check in ("check_int8_linear", "check_int4_linear", "check_replace_linears")))
 def test_the_notebooks_visible_tests_catch_each_layer_bug(bug):
-    """Not only one bug per exercise (tests/test_notebooks.py): every kept bug of the int8 layer and of
-    replace_linears fails the visible tests a learner runs, with an AssertionError."""
+    """Not only one bug per exercise (tests/test_notebooks.py): every kept bug of the int8 and int4 layers
+    and of replace_linears fails the visible tests a learner runs, with an AssertionError."""
     import contextlib
     import io
 
     fn, check_name, _ = buggy.BUGS[bug]
-    function = "Int8Linear" if check_name == "check_int8_linear" else "replace_linears"
+    function = {"check_int8_linear": "Int8Linear", "check_int4_linear": "Int4Linear"}.get(check_name, "replace_linears")
     setup, visible = _notebook_visible_tests()
     for candidate, should_fail in ((_reference(function), False), (fn, True)):
         namespace = {"__name__": "__visible_test__"}

@@ -1,6 +1,7 @@
 """Checks for notebook 06, `decodelab.model.quantization`: absmax int8 (per tensor, per channel), group-wise
 int4 packed two levels per byte, the int8 linear layer that dequantizes inside the matmul (`Int8Linear`), and
-the swap of a model's linear layers (`replace_linears`).
+the swap of a model's linear layers (`replace_linears`), and the group-wise int4 layer that unpacks and
+scales one group of inputs at a time (`Int4Linear`).
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in the notebook's hidden-test cells) and
@@ -45,6 +46,7 @@ REFERENCES = {
     "quantize_int8_per_channel": "decodelab.model.quantization:quantize_int8_per_channel",
     "quantize_int4_groupwise": "decodelab.model.quantization:quantize_int4_groupwise",
     "Int8Linear": "decodelab.model.quantization:Int8Linear",
+    "Int4Linear": "decodelab.model.quantization:Int4Linear",
     "replace_linears": "decodelab.model.quantization:replace_linears",
 }
 
@@ -53,6 +55,7 @@ __all__ = [
     "check_quantize_int8_per_channel",
     "check_quantize_int4_groupwise",
     "check_int8_linear",
+    "check_int4_linear",
     "check_replace_linears",
 ]
 
@@ -429,6 +432,200 @@ def check_int8_linear(cls) -> None:
         _check_bfloat16(layer, linear, name)
     _check_memory(layer, name)
     _check_models(cls, name)
+
+
+# --------------------------------------------------------------------------- the int4 linear layer
+# Oracles here: the levels of a byte come from `_ref_levels_from_bytes` (the documented layout, decoded in
+# plain torch), the expected bytes and scales from the formulas of `_ref_bytes_from_levels` and max|group| / 7
+# in float64, the expected output from x @ (levels * scale)^T in float64. Bound: group k of row o moves output
+# o by at most s_ok / 2 * sum_(i in k) |x_i| (half a step per weight), plus float32 summation (n eps sum |x W|).
+
+
+def _int4_grid(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(levels int [out, in], scale float64 [out, in / g]) of symmetric int4 in groups, by the formula."""
+    out_features, in_features = w.shape
+    groups = w.double().reshape(out_features, in_features // group_size, group_size)
+    scale = groups.abs().amax(dim=-1) / 7
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    levels = torch.round(groups / scale[..., None]).clamp(-7, 7).reshape(out_features, in_features)
+    return levels.long(), scale
+
+
+def _check_int4_init(cls, name: str) -> None:
+    g = torch.Generator().manual_seed(14)
+    packed = torch.randint(0, 256, (8, 32), generator=g).to(torch.uint8)  # 64 inputs
+    scale, bias = torch.rand(8, 2, generator=g) + 0.01, torch.randn(8, generator=g)
+    for b in (bias, None):
+        what = f"{name}(weight_q uint8 [8, 32], weight_scale [8, 2], bias {'[8]' if b is not None else 'None'})"
+        layer = call(what, cls, packed, scale, b)
+        buffers = dict(layer.named_buffers()) if isinstance(layer, nn.Module) else {}
+        missing = [n for n, t in (("weight_q", packed), ("weight_scale", scale), ("bias", b))
+                   if t is not None and not (n in buffers and torch.equal(buffers[n], t))]
+        assert not missing, (f"{what}: {missing} should be the layer's buffers, holding the tensors given "
+                             f"(self.register_buffer(name, tensor)); its buffers are {sorted(buffers)}")
+        assert getattr(layer, "bias", "missing") is None or b is not None, f"{what}: expected bias None"
+        got = tuple(getattr(layer, a, None) for a in ("out_features", "in_features", "group_size"))
+        assert got == (8, 64, 32), (f"{what}: expected (out_features, in_features, group_size) = (8, 64, 32): "
+                                    f"two inputs per byte, 64 / 2 scales per row; got {got}")
+        want = _ref_levels_from_bytes(packed)  # [8, 64]
+        for k in range(2):
+            levels = call(f"{what}.unpack_group({k})", layer.unpack_group, k)
+            ok = isinstance(levels, torch.Tensor) and tuple(levels.shape) == (8, 32)
+            assert ok and torch.equal(levels.long(), want[:, 32 * k:32 * (k + 1)]), (
+                f"{what}.unpack_group({k}): expected the levels [8, 32] of inputs {32 * k}..{32 * k + 31}, e.g. row 0 "
+                f"starts {want[0, 32 * k:32 * k + 4].tolist()} from the bytes {[hex(v) for v in packed[0, 16 * k:16 * k + 2].tolist()]} "
+                f"(even column in the low nibble, two's complement: 0x8..0xF are -8..-1); got "
+                f"{levels[0, :4].tolist() if ok else tuple(getattr(levels, 'shape', ()))}")
+
+
+def _check_int4_stored(cls, linear: nn.Linear, group_size: int, name: str):
+    out_features, in_features = linear.weight.shape
+    what = f"{name}.from_linear(nn.Linear({in_features}, {out_features}), group_size={group_size})"
+    layer = call(what, lambda: cls.from_linear(linear, group_size))
+    for attr in ("weight_q", "weight_scale", "bias"):
+        assert hasattr(layer, attr), f"{what} returned a layer without .{attr}: store it in __init__"
+    levels, scale = _int4_grid(linear.weight.detach(), group_size)
+    q, s = layer.weight_q, layer.weight_scale
+    assert isinstance(q, torch.Tensor) and q.dtype == torch.uint8 and tuple(q.shape) == (out_features, in_features // 2), (
+        f"{what}.weight_q: expected packed uint8 [{out_features}, {in_features // 2}], got "
+        f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+    assert isinstance(s, torch.Tensor) and tuple(s.shape) == tuple(scale.shape) and s.dtype == torch.float32, (
+        f"{what}.weight_scale: expected float32 {tuple(scale.shape)} (one scale per group of {group_size} inputs of a "
+        f"row), got {getattr(s, 'dtype', None)} {tuple(getattr(s, 'shape', ()))}")
+    assert torch.allclose(s.double(), scale, rtol=1e-6, atol=0), \
+        f"{what}.weight_scale: expected max|group| / 7, e.g. {scale[0, :3].tolist()}, got {s[0, :3].tolist()}"
+    assert torch.equal(q, _ref_bytes_from_levels(levels)), (
+        f"{what}.weight_q: the bytes differ from the levels round(w / scale) packed two per byte (even column low)")
+    if linear.bias is None:
+        assert layer.bias is None, f"{what}: a linear without bias gives bias None, got {layer.bias}"
+    else:
+        assert isinstance(layer.bias, torch.Tensor) and torch.equal(layer.bias.float(), linear.bias.float()), \
+            f"{what}.bias: expected the linear's bias, unchanged"
+    held = sum(t.nbytes for t in {t.data_ptr(): t for t in _own_tensors(layer)}.values())
+    want = in_features * out_features // 2 + s.nbytes + (0 if linear.bias is None else linear.bias.nbytes)
+    assert held <= want, (f"{what}: the layer holds {held:,} bytes of tensors, expected {want:,} (packed levels, "
+                          f"scales, bias): keep no float copy of the weight (nor the nn.Linear itself)")
+    assert getattr(layer, "nbytes", None) == in_features * out_features // 2 + s.nbytes, \
+        f"{what}.nbytes: expected {in_features * out_features // 2 + s.nbytes:,}, got {getattr(layer, 'nbytes', None)!r}"
+    return layer
+
+
+def _check_int4_forward(layer, linear: nn.Linear, group_size: int, name: str) -> None:
+    out_features, in_features = linear.weight.shape
+    levels, scale = _int4_grid(linear.weight.detach(), group_size)
+    b = 0 if linear.bias is None else linear.bias.double()
+    groups = in_features // group_size
+    x = torch.randn(2, 3, in_features, generator=torch.Generator().manual_seed(17))
+    what = f"{name}(x [2, 3, {in_features}]) in groups of {group_size}, float32"
+    with torch.no_grad():
+        got = call(what, layer, x.clone())
+    assert isinstance(got, torch.Tensor) and tuple(got.shape) == (2, 3, out_features) and got.dtype == torch.float32, (
+        f"{what}: expected float32 [2, 3, {out_features}], got {getattr(got, 'dtype', type(got).__name__)} "
+        f"{tuple(getattr(got, 'shape', ()))}")
+    w = linear.weight.double()
+    grid_weight = (levels.double().reshape(out_features, groups, group_size) * scale[..., None]).reshape_as(w)
+    want = x.double() @ grid_weight.T + b  # the dequantized layer, in float64
+    exact = x.double() @ w.T + b  # the float layer
+    rounding = in_features * EPS * (x.double().abs() @ w.abs().T)
+    bound = x.double().abs().reshape(2, 3, groups, group_size).sum(-1) @ (scale / 2).T + rounding
+    err = (got.double() - exact).abs()
+    one_scale = x.double() @ (levels.double() * scale[:, :1]).T + b
+    if linear.bias is not None and torch.allclose(got.double() + b, want, rtol=1e-4, atol=1e-4):
+        hint = " The output misses exactly the bias."
+    elif torch.allclose(got.double(), one_scale, rtol=1e-4, atol=1e-4):
+        hint = " Every group was scaled by group 0's scale: group k's partial sum takes weight_scale[:, k]."
+    else:
+        hint = (" y[o] = sum_k weight_scale[o, k] * (x[group k] @ levels[o, group k]) + bias[o], the levels "
+                "unpacked as signed nibbles, even column from the low nibble.")
+    if (err > bound).any():
+        i = tuple(int(j) for j in (err > bound).nonzero()[0])
+        raise AssertionError(
+            f"{what}: output {i[-1]} at {i[:-1]} is {got[i].item():.6g}, the float layer gives {exact[i].item():.6g}; "
+            f"int4 weights move it by at most sum_k scale[o, k] / 2 * sum_(i in k) |x_i| = {bound[i].item():.4g}, it "
+            f"moved {err[i].item():.4g}.{hint}")
+    tol = 1e-5 * want.abs().max() + rounding.max()
+    assert (got.double() - want).abs().max() <= tol, (
+        f"{what}: differs from x @ (levels * scale)^T + bias (the same levels and scales, in float64) by "
+        f"{(got.double() - want).abs().max().item():.3g}, more than float32 rounding ({tol.item():.3g}).{hint}")
+
+
+def _check_int4_memory(layer, name: str) -> None:
+    from decodelab.lessons.tiled_attention import measure_module_memory
+
+    out_features, in_features = layer.out_features, layer.in_features
+    x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(18))
+    what = f"{name}(x [4, {in_features}]) with weights [{out_features}, {in_features}] in groups of {layer.group_size}"
+    _, seen = call(what, measure_module_memory, layer, x)
+    weight_bytes = 4 * out_features * in_features
+    if seen.peak_bytes > weight_bytes // 4:
+        raise AssertionError(
+            f"{what}: the tensors the forward created took {seen.peak_bytes / MiB:.2f} MiB at once (largest "
+            f"{list(seen.largest_shape)}); a float32 copy of the weight is {weight_bytes / MiB:.2f} MiB and the "
+            f"forward may hold at most a quarter of it. Unpack and convert one group of inputs at a time "
+            f"(unpack_group(k)), instead of unpacking or dequantizing the whole weight_q")
+
+
+def _check_int4_bfloat16(layer, linear: nn.Linear, group_size: int, name: str) -> None:
+    in_features = linear.in_features
+    levels, scale = _int4_grid(linear.weight.detach(), group_size)
+    grid_weight = (levels.double().reshape(linear.out_features, -1, group_size) * scale[..., None]).reshape(
+        linear.out_features, in_features)
+    x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(19)).bfloat16()
+    what = f"{name}(x [5, {in_features}] in bfloat16)"
+    with torch.no_grad():
+        got = call(what, layer, x)
+    b = 0 if linear.bias is None else linear.bias.double()
+    want = x.double() @ grid_weight.T + b
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16, (
+        f"{what}: expected a bfloat16 result (x's dtype), got {getattr(got, 'dtype', type(got).__name__)}")
+    magnitude = x.double().abs() @ grid_weight.abs().T + (b.abs() if linear.bias is not None else 0)
+    bound = 2**-7 * (magnitude + want.abs())  # a few bfloat16 roundings of each group's sum and of the output
+    err = (got.double() - want).abs()
+    if (err > bound).any():
+        i = tuple(int(j) for j in (err > bound).nonzero()[0])
+        raise AssertionError(f"{what}: output {i} is {got[i].item():.6g}, expected {want[i].item():.6g} within "
+                             f"bfloat16 rounding ({bound[i].item():.3g}); keep the running sum in float32")
+
+
+def _check_int4_models(cls, name: str) -> None:
+    """A toy model quantized with the learner's layers (groups of 32) gives the logits and greedy tokens of
+    the library's int4 model: the same levels and scales."""
+    from decodelab.decoding.generate import stream_token_ids
+    from decodelab.model.quantization import quantize_model
+    from decodelab.model.toy import random_llama
+    from decodelab.params import SamplingParams
+
+    toy = random_llama(22, weight_scale=2.0)
+    library, learner = quantize_model(copy.deepcopy(toy), bits=4, group_size=32), copy.deepcopy(toy)
+    what = f"quantize_model(toy model, bits=4, linear=lambda linear: {name}.from_linear(linear, 32))"
+    call(what, lambda: quantize_model(learner, bits=4, linear=lambda linear: cls.from_linear(linear, 32)))
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+    with torch.no_grad():
+        want, got = library(ids), call(f"the toy model with {name} layers, on 8 tokens", learner, ids)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (
+        f"{what}: its logits differ from the library's int4 model by {(got - want).abs().max().item():.3g} "
+        f"(logits up to {want.abs().max().item():.3g})")
+    params = SamplingParams(temperature=0, max_tokens=ENGINE_TOKENS, ignore_eos=True)
+    want_tokens = list(stream_token_ids(library, [1, 2, 3], params))
+    got_tokens = call(f"greedy decoding with {name} layers", lambda: list(stream_token_ids(learner, [1, 2, 3], params)))
+    assert got_tokens == want_tokens, \
+        f"{what}: greedy tokens from [1, 2, 3] are {got_tokens}, the library's int4 model gives {want_tokens}"
+
+
+def check_int4_linear(cls) -> None:
+    """Int4Linear: what __init__ keeps (buffers, group_size) and unpack_group reads (one group's signed nibbles),
+    what from_linear stores (packed levels, a scale per group, the bias), the forward within the int4 bound of the
+    float layer and equal to the dequantized product, without a float copy of the weight, in x's dtype; and a
+    whole model with it."""
+    name = getattr(cls, "__name__", "Int4Linear")
+    _check_int4_init(cls, name)
+    for bias, group_size in ((True, 64), (False, 32)):
+        linear = _linear(512, 1024, seed=31 + bias, bias=bias)
+        layer = _check_int4_stored(cls, linear, group_size, name)
+        _check_int4_forward(layer, linear, group_size, name)
+        _check_int4_bfloat16(layer, linear, group_size, name)
+    _check_int4_memory(layer, name)
+    _check_int4_models(cls, name)
 
 
 # --------------------------------------------------------------------------- replace_linears

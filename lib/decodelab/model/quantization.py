@@ -268,6 +268,72 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8, scale on the output"
 
 
+class Int4Linear(nn.Module):
+    """A group-wise int4 nn.Linear that dequantizes inside the matmul, one group of inputs at a time.
+
+    weight_q uint8 [out, in / 2] (two levels per byte, as `quantize_int4_groupwise` packs them),
+    weight_scale float32 [out, in / group_size] (one scale per group of a row), bias float [out]
+    or None: buffers; group_size = in / weight_scale.shape[1].
+    forward(x [..., in]) -> [..., out] in x's dtype:
+
+        y[..., o] = sum_k weight_scale[o, k] * (sum_{i in group k} x[..., i] * level[o, i]) + bias[o]
+
+    A group's scale is constant over that group's inputs only, so it leaves the group's partial
+    sum, not the whole sum: one partial product per group, each scaled and added. The forward
+    unpacks and converts the levels of one group ([out, group_size]) at a time, so no float copy
+    of the whole weight is ever held. The rounding moves output o by at most
+    sum_k weight_scale[o, k] / 2 * sum_{i in group k} |x_i|.
+    """
+
+    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight_q.shape[0], 2 * weight_q.shape[1]
+        self.group_size = self.in_features // weight_scale.shape[1]
+        self.register_buffer("weight_q", weight_q)
+        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 64) -> "Int4Linear":
+        """Quantize an nn.Linear's weight with `quantize_int4_groupwise` in groups of group_size
+        (or the largest smaller allowed size that divides its inputs, `fallback_group_size`); the
+        bias, if any, stays float (a copy)."""
+        size = fallback_group_size(linear.in_features, group_size)
+        q, scale = quantize_int4_groupwise(linear.weight.detach(), size)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, scale, bias)
+
+    def unpack_group(self, k: int) -> torch.Tensor:
+        """The int8 levels [out, group_size] in [-8, 7] of group k (inputs k * g ... (k + 1) * g - 1)."""
+        half = self.group_size // 2  # bytes per group of a row
+        signed = self.weight_q[:, k * half:(k + 1) * half].view(torch.int8)  # [out, g / 2]: the same bits, signed
+        return torch.stack([(signed << 4) >> 4, signed >> 4], dim=-1).flatten(-2)  # [out, g]: low nibble first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [N, in]
+        out = torch.zeros(rows.shape[0], self.out_features, dtype=torch.float32, device=x.device)  # [N, out]
+        for k in range(self.weight_scale.shape[1]):
+            inputs = rows[:, k * self.group_size:(k + 1) * self.group_size]  # [N, g]
+            partial = inputs @ self.unpack_group(k).to(x.dtype).T  # [N, out]: one group's levels in float at a time
+            out += partial.float() * self.weight_scale[:, k].float()  # this group's scale, after its sum
+        if self.bias is not None:
+            out += self.bias.float()
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight [out, in] this layer stands for (for measurements, never in forward)."""
+        return dequantize_int4(self.weight_q, self.weight_scale, self.group_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed levels plus their scales (the bias is not counted)."""
+        return self.weight_q.nbytes + self.weight_scale.nbytes
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int4, "
+                f"group_size={self.group_size}, scale on each group's sum")
+
+
 def replace_linears(model, make_linear):
     """Replace every nn.Linear inside the decoder layers (model.model.layers) by
     make_linear(that linear), in place; returns the model.
@@ -401,6 +467,6 @@ class QuantizedKVCache(KVCache):
 __all__ = [
     "quantize_int8_per_tensor", "quantize_int8_per_channel", "dequantize_int8",
     "pack_int4", "unpack_int4", "quantize_int4_groupwise", "dequantize_int4",
-    "QuantizedLinear", "Int8Linear", "replace_linears", "quantize_model", "QuantizedKVCache",
+    "QuantizedLinear", "Int8Linear", "Int4Linear", "replace_linears", "quantize_model", "QuantizedKVCache",
     "GROUP_SIZES", "KV_DTYPES",
 ]

@@ -6,7 +6,7 @@ The functions to use are passed in as a dict (the learner's own, or the library'
 while an exercise is unfinished); `using` puts them inside `decodelab.model.quantization` for the length of a
 `with` block, so `quantize_model` (through `replace_linears`), `QuantizedLinear` and `dequantize_int4` run
 the learner's code. A quantized layer is anything with `dequantized_weight()` and `nbytes`
-(`QuantizedLinear`, `Int8Linear`, the learner's own `Int8Linear`).
+(`QuantizedLinear`, `Int8Linear`, `Int4Linear`, the learner's own `Int8Linear` and `Int4Linear`).
 """
 from __future__ import annotations
 
@@ -70,13 +70,17 @@ def restoring(model):
 def quantized(model, bits: int | None, group_size: int = 64, fns: dict | None = None):
     """The model with its decoder-layer linears quantized (bits 8 or 4; None: unchanged) by
     `quant.quantize_model` running fns, for the block; the float layers come back afterwards
-    (cheaper than a deep copy of the model). fns["Int8Linear"], if given, is the int8 layer class."""
-    linear_class = (fns or {}).get("Int8Linear") if bits == 8 else None
+    (cheaper than a deep copy of the model). fns["Int8Linear"] and fns["Int4Linear"], if given, are the
+    int8 and int4 layer classes."""
+    linear_class = (fns or {}).get({8: "Int8Linear", 4: "Int4Linear"}.get(bits, ""))
+    make = None
+    if linear_class is not None:
+        make = linear_class.from_linear if bits == 8 else lambda linear: linear_class.from_linear(
+            linear, quant.fallback_group_size(linear.in_features, group_size))
     with restoring(model):
         if bits is not None:
             with using(fns):
-                quant.quantize_model(model, bits=bits, group_size=group_size,
-                                     linear=linear_class.from_linear if linear_class is not None else None)
+                quant.quantize_model(model, bits=bits, group_size=group_size, linear=make)
         yield model
 
 
@@ -106,6 +110,27 @@ def int8_linear_or_reference(learner_class):
 
     chosen = course.use_or_reference(probe, quant.Int8Linear, name=getattr(learner_class, "__name__", "Int8Linear"))
     return learner_class if chosen is probe else quant.Int8Linear
+
+
+def int4_linear_or_reference(learner_class):
+    """The learner's Int4Linear class if one built from a small nn.Linear (groups of 32) computes that
+    layer's output within the int4 bound in a forward, else `quant.Int4Linear`, with
+    `course.use_or_reference`'s notice on stdout."""
+    from decodelab import course
+
+    def probe():
+        with torch.random.fork_rng(devices=[]), torch.no_grad():  # the notebook's random state stays as it was
+            torch.manual_seed(0)
+            linear = nn.Linear(64, 8)
+            x = torch.randn(3, 64)
+            y, exact = learner_class.from_linear(linear, 32)(x), linear(x)
+        scale = linear.weight.abs().reshape(8, 2, 32).amax(dim=-1) / 7  # [8, 2]
+        bound = x.abs().reshape(3, 2, 32).sum(-1) @ (scale / 2).T + 1e-5  # [3, 8]
+        if y.shape != exact.shape or not bool(((y - exact).abs() <= bound).all()):
+            raise AssertionError("its output is not within the int4 bound of nn.Linear(64, 8)'s")
+
+    chosen = course.use_or_reference(probe, quant.Int4Linear, name=getattr(learner_class, "__name__", "Int4Linear"))
+    return learner_class if chosen is probe else quant.Int4Linear
 
 
 def linear_bytes(model) -> int:
@@ -289,6 +314,6 @@ def int8_matmul(x: torch.Tensor, w: torch.Tensor, quantize_rows, keep_columns=()
     return (product + x[:, keep].double() @ w[:, keep].double().T).float()
 
 
-__all__ = ["using", "restoring", "quantized", "probe_model", "int8_linear_or_reference", "linear_bytes", "relative_weight_error", "same_prefix", "greedy_tokens",
+__all__ = ["using", "restoring", "quantized", "probe_model", "int8_linear_or_reference", "int4_linear_or_reference", "linear_bytes", "relative_weight_error", "same_prefix", "greedy_tokens",
            "measure_variant", "variant_name", "asymmetric_int4_error", "quantization_explorer",
            "kv_cache_comparison", "linear_input", "int8_matmul"]
