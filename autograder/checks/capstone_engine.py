@@ -11,6 +11,13 @@ Oracles:
   speculative decoding with the tiny draft model (the draft model must actually be used), and
   the stream of events (one per generated token). The loop is driven here with a step cap, so
   a step that makes no progress fails with a message instead of hanging.
+* ``check_generate_all`` runs the learner's outer loop on a fresh engine and ``LLM.generate`` (the
+  oracle) on another built the same way, scenario by scenario (greedy prompts that finish out of
+  order and a refused empty prompt, n=2 seeded samples, stop strings and stop token ids, a KV pool
+  that forces preemption, speculative decoding), and compares every output field; the callback must
+  see the same events as ``LLM.stream``. An engine whose step never progresses must end in a
+  RuntimeError (its step raises after a few calls, so a loop without a cap fails instead of
+  hanging), and ``max_steps`` must stop a loop that would need more steps.
 * ``check_kv_blocks_for_memory``: the block size written out by hand from the config fields.
 * ``check_decode_roofline_fraction``: closed-form cases worked by hand.
 """
@@ -28,11 +35,12 @@ from decodelab.config import ModelConfig
 
 REFERENCES = {
     "engine_step": "decodelab.engine.llm:engine_step",
+    "generate_all": "decodelab.lessons.serving_loop:generate_all",
     "kv_blocks_for_memory": "decodelab.engine.llm:kv_blocks_for_memory",
     "decode_roofline_fraction": "decodelab.lessons.measure:decode_roofline_fraction",
 }
 
-__all__ = ["check_engine_step", "check_kv_blocks_for_memory", "check_decode_roofline_fraction"]
+__all__ = ["check_engine_step", "check_generate_all", "check_kv_blocks_for_memory", "check_decode_roofline_fraction"]
 
 MAX_STEPS = 2_000  # far above what any scenario below needs
 
@@ -117,6 +125,98 @@ def check_engine_step(engine_step) -> None:
                 "of an engine with a draft model go to engine.speculator.step(seqs)")
         assert all(block.ref_count == 0 for block in llm.allocator.blocks), (
             f"engine_step, {case}: blocks still referenced after every request finished")
+
+
+# --------------------------------------------------------------------------- generate_all
+
+
+def _loop_scenarios():
+    from decodelab.params import SamplingParams
+
+    def greedy(*lengths):
+        return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lengths]
+
+    stops = SamplingParams(temperature=0, max_tokens=24, stop=["object", "os\nim"], stop_token_ids=[496])
+    return [
+        ("five greedy prompts with 9, 3, 12, 4 and 6 new tokens, the fourth one empty (refused): they finish out "
+         "of order", {}, [PROMPTS[0], PROMPTS[1], PROMPTS[2], "", PROMPTS[3]], greedy(9, 3, 12, 4, 6)),
+        ("n=2 seeded samples of two prompts (each sample its own CompletionOutput)", {}, PROMPTS[:2],
+         SamplingParams(temperature=0.9, top_p=0.95, max_tokens=7, n=2, seed=5, ignore_eos=True)),
+        ("stop strings 'object' and 'os\\nim' (it spans three tokens, and cuts text already streamed) and stop "
+         "token id 496 ('able'), greedy, up to 24 tokens", {}, PROMPTS, stops),
+        ("a KV pool of 6 blocks of 4 tokens, which forces preemption", {"num_kv_blocks": 6, "kv_block_size": 4},
+         PROMPTS[:3], greedy(5, 12, 3)),
+        ("speculative decoding with the tiny draft model (k=3), greedy", {"speculative": True}, PROMPTS[:3],
+         greedy(10, 4, 7)),
+    ]
+
+
+def _fields(outputs) -> list:
+    return [(out.request_id, out.prompt_token_ids, out.error,
+             [(c.index, c.token_ids, c.text, c.finish_reason) for c in out.outputs]) for out in outputs]
+
+
+def _event_fields(events) -> list:
+    return [(e.request_index, e.sample_index, e.token_id, e.text, e.finished) for e in events]
+
+
+class _StalledStep:
+    """A step hook that produces nothing and changes nothing; after `limit` calls it fails the check,
+    so that a loop with neither a cap nor a progress test ends instead of hanging."""
+
+    def __init__(self, limit: int = 50):
+        self.calls, self.limit = 0, limit
+
+    def __call__(self, engine) -> list:
+        self.calls += 1
+        if self.calls > self.limit:
+            raise AssertionError(f"generate_all called engine.step() {self.limit} times on an engine whose step "
+                                 "returns no events and changes nothing: it must stop with a RuntimeError (no "
+                                 "progress), not loop forever")
+        return []
+
+
+def check_generate_all(generate_all) -> None:
+    from decodelab.engine.llm import engine_step
+
+    for case, kwargs, prompts, params in _loop_scenarios():
+        want_llm = _engine(engine_step, **dict(kwargs))
+        expected = _fields(want_llm.generate(prompts, params, use_tqdm=False))
+        expected_events = _event_fields(_engine(engine_step, **dict(kwargs)).stream(prompts, params))
+        llm = _engine(engine_step, **dict(kwargs))
+        events = []
+        got = call(f"generate_all, {case}", generate_all, llm, prompts, params, events.append)
+        assert isinstance(got, list) and len(got) == len(prompts), (
+            f"generate_all, {case}: expected a list of {len(prompts)} RequestOutputs (one per prompt), got {got!r}")
+        have = _fields(got)
+        for i, (want_one, have_one) in enumerate(zip(expected, have)):
+            assert have_one == want_one, (
+                f"generate_all, {case}: output {i} should be prompt {i}'s (request_id, prompt ids, error, "
+                f"[(sample index, token ids, text, finish_reason)]) as LLM.generate gives it:\n  expected "
+                f"{want_one}\n  got      {have_one}")
+        assert _event_fields(events) == expected_events, (
+            f"generate_all, {case}: the callback should see every StreamEvent once, in the order the engine "
+            f"produced them ({len(expected_events)} events, as LLM.stream yields them), got {len(events)}: "
+            f"first expected {expected_events[:3]}, first got {_event_fields(events)[:3]}")
+        assert not llm.scheduler.has_unfinished(), f"generate_all, {case}: returned with sequences unfinished"
+
+    from decodelab.params import SamplingParams
+
+    stalled = _StalledStep()
+    expect_raises("generate_all on an engine whose step returns no events and changes nothing", RuntimeError,
+                  "no progress", generate_all, _engine(stalled), [PROMPTS[0]],
+                  SamplingParams(temperature=0, max_tokens=4), None)
+    calls = []
+
+    def counted_step(engine):
+        calls.append(1)
+        return engine_step(engine)
+
+    expect_raises("generate_all with max_steps=3 on a request of 10 new tokens (10 steps)", RuntimeError,
+                  "3 steps do not finish it", generate_all, _engine(counted_step), [PROMPTS[1]],
+                  SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), None, max_steps=3)
+    assert len(calls) == 3, (f"generate_all with max_steps=3 called engine.step() {len(calls)} times before "
+                             "giving up: expected exactly 3")
 
 
 # --------------------------------------------------------------------------- kv_blocks_for_memory

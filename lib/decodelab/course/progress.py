@@ -110,6 +110,7 @@ PARTS: dict[tuple[str, str], str] = {
     ("09_speculative_decoding", "propose_from_prompt"): "speculative decoding: prompt-lookup drafter",
     ("10_capstone_engine", "kv_blocks_for_memory"): "engine: KV block budget",
     ("10_capstone_engine", "engine_step"): "engine: the step",
+    ("10_capstone_engine", "generate_all"): "engine: the outer loop, outputs in prompt order",
     ("10_capstone_engine", "decode_roofline_fraction"): "engine: roofline fraction",
     ("11_tiled_attention", "attention_memory_bytes"): "tiled attention: score memory",
     ("11_tiled_attention", "online_softmax_update"): "tiled attention: online softmax",
