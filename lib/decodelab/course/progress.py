@@ -22,7 +22,8 @@ What runs for exercise X, in a fresh module namespace (the cell-selection rule):
 
 1. the notebook's set-up: its code cells that come before the first exercise cell *and* before
    the first markdown heading ``## N`` with N >= 1 (the imports and section 0, which loads the
-   model the exercises may use). Cells with an nbgrader grade id never count as set-up;
+   model the exercises may use). Cells with an nbgrader grade id never count as set-up, but for
+   a prediction's answer cell (``q_<name>``, a number or None), which a set-up cell may show;
 2. every exercise cell before X, in notebook order (what X may build on);
 3. X's own cell;
 4. the visible part of X's test cell.
@@ -251,7 +252,7 @@ def _pick_cells(plan: Plan, cells: list) -> None:
                 (plan.unchanged if checksum == release_checksum(cell) else plan.changed).add(name)
         elif grade_id.startswith("test_"):
             test_cells.setdefault(grade_id[5:], []).append(_source(cell))
-        elif setup_open and not grade_id:
+        elif setup_open and (not grade_id or grade_id.startswith("q_")):  # a prediction: the set-up may show it
             plan.setup.append((index, _source(cell)))
     seen = [name for name, _, _ in plan.cells]
     for name in seen:
