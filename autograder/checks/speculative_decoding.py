@@ -1,5 +1,6 @@
-"""Checks for notebook 09, speculative decoding: the acceptance rule, and one whole step with a
-draft model (propose, verify, accept, rollback).
+"""Checks for notebook 09, speculative decoding: the acceptance rule, one whole step with a
+draft model (propose, verify, accept, rollback), the prompt-lookup drafter, and a draft tree
+verified in one pass.
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and returns
@@ -33,6 +34,15 @@ Oracles:
      of the first token's mass outside the filtered support;
   4. the function in the library's loop (`stream_speculative` with it swapped in for
      `speculative_step`): greedy output equals target-only greedy output token for token.
+* ``check_verify_tree``, on the same random target after a 12-token prompt: four named trees (a
+  chain of the target's own tokens, the accepted path in a second branch, no match, nodes out of
+  depth order) and 12 random trees of 3 to 9 nodes in which about half the nodes carry the
+  target's choice after their parent's path. The oracle runs every path alone (a plain forward
+  over prompt + path, no cache, no tree) and walks down the tree by its argmax: the emitted
+  tokens must be that walk's; the target runs ONE forward over the n + 1 flattened tokens; the
+  cache then holds the text but the new pending token, its K/V equal to a plain pass over it
+  (1e-4). The oracle's argmax wins by more than 1e-3 on every path visited (a test says so), so
+  no case hangs on rounding between a tree pass and a plain one.
 """
 from __future__ import annotations
 

@@ -81,18 +81,24 @@ def verify_tree(target, cache: KVCache, pending: int, tree_tokens: list[int], pa
 
 
 @torch.inference_mode()
-def propose_tree(draft, ids: list[int], depth: int, width: int) -> tuple[list[int], list[int]]:
+def propose_tree(draft, draft_cache: KVCache, ids: list[int], depth: int, width: int) -> tuple[list[int], list[int]]:
     """The draft's top-`width` tokens after ids, each continued greedily to `depth` tokens: a tree
-    of width branches (width 1: a chain) -> (tree_tokens, parents), flattened level by level."""
-    logits = draft(torch.tensor([ids], device=draft.device), last_only=True)[0, -1]  # [V]
-    branches = [[token] for token in logits.topk(width).indices.tolist()]
-    for _ in range(depth - 1):
-        batch = torch.tensor([ids + branch for branch in branches], device=draft.device)  # [width, L + level]
-        for branch, token in zip(branches, draft(batch, last_only=True)[:, -1].argmax(-1).tolist()):
-            branch.append(token)
+    of width branches (width 1: a chain) -> (tree_tokens, parents), flattened level by level.
+    draft_cache holds a prefix of ids; it is fed the rest and ends holding all of ids (each
+    branch's guesses are truncated away after it)."""
+    unseen = torch.tensor([ids[draft_cache.seq_len:]], device=draft.device)  # [1, >= 1]
+    logits = draft(unseen, kv_cache=draft_cache, last_only=True)[0, -1]  # [V]
+    branches = []
+    for first in logits.topk(width).indices.tolist():
+        branch = [first]
+        for _ in range(depth - 1):
+            step = draft(torch.tensor([branch[-1:]], device=draft.device), kv_cache=draft_cache, last_only=True)
+            branch.append(int(step[0, -1].argmax()))
+        draft_cache.truncate(len(ids))
+        branches.append(branch)
     tree_tokens, parents = [], []
     for level in range(depth):
-        for b, branch in enumerate(branches):
+        for branch in branches:
             parents.append(-1 if level == 0 else len(tree_tokens) - width)
             tree_tokens.append(branch[level])
     return tree_tokens, parents
@@ -103,13 +109,15 @@ def tree_generate(target, draft, ids: list[int], max_tokens: int, depth: int, wi
                   verify=verify_tree) -> tuple[list[int], int]:
     """Greedy decoding with a draft tree per step (`propose_tree`, judged by `verify`) ->
     (the first max_tokens generated tokens, the target's forward passes, prefill excluded)."""
-    cache = KVCache(target.config, 1, len(ids) + max_tokens + depth * width + 1, device=target.device)
+    room = len(ids) + max_tokens + depth * width + 1
+    cache = KVCache(target.config, 1, room, device=target.device)
+    draft_cache = KVCache(draft.config, 1, room, device=draft.device)
     if len(ids) > 1:
         target(torch.tensor([ids[:-1]], device=target.device), kv_cache=cache)
     out, calls = [], 0
     while len(out) < max_tokens:
         text = ids + out
-        tree_tokens, parents = propose_tree(draft, text, depth, width)
+        tree_tokens, parents = propose_tree(draft, draft_cache, text, depth, width)
         out += [int(t) for t in verify(target, cache, text[-1], tree_tokens, parents)]
         calls += 1
     return out[:max_tokens], calls
