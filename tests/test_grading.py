@@ -50,6 +50,18 @@ def _solution_source(gid: str) -> str:
     return next(c.source for c in read(solution_path(NAME)).cells if _gid(c) == gid)
 
 
+def _points(grade_id: str | None = None) -> float:
+    """Points of one graded cell of the notebook, or of all of them (grade_id None)."""
+    return sum(float(c.metadata.nbgrader.get("points", 0)) for c in read(solution_path(NAME)).cells
+               if c.get("metadata", {}).get("nbgrader", {}).get("grade") and grade_id in (None, _gid(c)))
+
+
+# The class below varies two exercises (count_parameters, decode_tokens_per_second_bound: 2 points each);
+# every other answer cell of the notebook (its predictions, any other exercise, all of them before the bound
+# exercise) holds the solution in every _trimmed submission, so they add OTHER points wherever it runs.
+MAX = _points()
+OTHER = MAX - _points("test_count_parameters") - _points("test_decode_tokens_per_second_bound")
+
 SOL_COUNT = _solution_source("ex_count_parameters")
 SOL_BOUND = _solution_source("ex_decode_tokens_per_second_bound")
 WRONG_COUNT = ("def count_parameters(config):\n"
@@ -67,6 +79,12 @@ def _trimmed(count: str = SOL_COUNT, bound: str = SOL_BOUND):
         if cell.cell_type == "markdown" or i == 1 or gid:
             keep.append(cell)
     nb.cells = keep
+    solution = read(solution_path(NAME))
+    for cell in solution.cells:  # every other answer cell: the solution's
+        gid = _gid(cell)
+        if cell.metadata.get("nbgrader", {}).get("solution") and gid not in ("ex_count_parameters",
+                                                                              "ex_decode_tokens_per_second_bound"):
+            _answer(nb, gid, cell.source)
     _answer(nb, "ex_count_parameters", count)
     _answer(nb, "ex_decode_tokens_per_second_bound", bound)
     return nb
@@ -155,7 +173,8 @@ except OSError as e:
     print("fork refused after", children, "children:", type(e).__name__)
 """
 
-# student -> (status, score) on 4 points; the sandbox-only ones are graded only as root
+# student -> (status, score on the two varied exercises, 4 points); the sandbox-only ones are graded only as
+# root. _expected_score adds the OTHER points of the answers every _trimmed submission has right.
 EXPECTED = {
     "correct": ("ok", 4),
     "stub": ("ok", 0),
@@ -177,6 +196,11 @@ EXPECTED = {
     "silenced_tracebacks": ("ok", 2),
 }
 NEEDS_SANDBOX = {"memory_bomb", "fork_bomb", "socket", "escape"}
+NOTHING_RIGHT = {"stub", "malformed_json", "empty_file", "wrong_file_name"}  # no answer of theirs is graded
+
+
+def _expected_score(student: str) -> float:
+    return EXPECTED[student][1] + (0 if student in NOTHING_RIGHT else OTHER)
 
 DUE = "2026-03-01 17:00 Europe/Berlin"  # 16:00 UTC
 LATE_SETTINGS = ("--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay", "--PointsPerDay.points=1",
@@ -187,7 +211,7 @@ TIMESTAMPS = {  # nbgrader's timestamp.txt of a few students
     "stripped_metadata": "2026-03-12 12:00:00 UTC",      # past the cut-off: the whole score
     "edited_test": "yesterday at noon",                  # malformed: a note, no penalty
 }
-LATE_PENALTY = {"big_output": 2, "stripped_metadata": 4}
+LATE_PENALTY = {"big_output": 2, "stripped_metadata": MAX}
 
 
 def build_class(root: Path, port: int, out_dir: Path) -> Path:
@@ -317,9 +341,9 @@ def test_status_and_score(graded, student):
     if student in NEEDS_SANDBOX and not AS_ROOT:
         pytest.skip("needs the sandbox (root)")
     row = graded["rows"][student]
-    status, score = EXPECTED[student]
-    net = score - LATE_PENALTY.get(student, 0)  # the score column is net of the late penalty
-    assert (row["status"], float(row["score"]), float(row["max_score"])) == (status, net, 4), row
+    status = EXPECTED[student][0]
+    net = _expected_score(student) - LATE_PENALTY.get(student, 0)  # the score column is net of the late penalty
+    assert (row["status"], float(row["score"]), float(row["max_score"])) == (status, net, MAX), row
     if not AS_ROOT:
         assert row["notes"].startswith("graded WITHOUT the sandbox"), row
 
@@ -390,11 +414,11 @@ def test_late_penalties(graded):
     from nbgrader.api import Gradebook
 
     rows = graded["rows"]
-    got = {s: (rows[s]["submitted_at"], rows[s]["late_penalty"], rows[s]["score"]) for s in TIMESTAMPS}
-    assert got == {"correct": ("2026-03-01T15:59:00+00:00", "0", "4"),
-                   "big_output": ("2026-03-03T04:00:00+00:00", "2", "2"),
-                   "stripped_metadata": ("2026-03-12T12:00:00+00:00", "4", "0"),
-                   "edited_test": ("", "", "2")}
+    got = {s: (rows[s]["submitted_at"], rows[s]["late_penalty"], float(rows[s]["score"])) for s in TIMESTAMPS}
+    assert got == {"correct": ("2026-03-01T15:59:00+00:00", "0", MAX),
+                   "big_output": ("2026-03-03T04:00:00+00:00", "2", _expected_score("big_output") - 2),
+                   "stripped_metadata": ("2026-03-12T12:00:00+00:00", f"{MAX:g}", 0.0),
+                   "edited_test": ("", "", _expected_score("edited_test"))}
     notes = {s: r["notes"].split("; ") for s, r in rows.items()}
     assert ("late: submitted 2026-03-03T04:00:00+00:00, 1.5 day(s) after the due date 2026-03-01T16:00:00+00:00: "
             "2 point(s) off (PointsPerDay: 1 point(s) per day, score 0 past 7 day(s))") in notes["big_output"]
@@ -432,20 +456,23 @@ def test_exports_of_the_graded_class(graded, tmp_path):
     with open(long_out, newline="") as f:
         cells = list(csv.DictReader(f))
     wrong = {r["grade_id"]: (r["points"], r["max_points"]) for r in cells if r["student"] == "wrong"}
-    assert wrong == {"test_count_parameters": ("0", "2"), "test_decode_tokens_per_second_bound": ("2", "2")}
+    assert (wrong.pop("test_count_parameters"), wrong.pop("test_decode_tokens_per_second_bound")) == (("0", "2"),
+                                                                                                     ("2", "2"))
+    assert all(points == max_points for points, max_points in wrong.values()), wrong  # the solution's answers
     for student, row in graded["rows"].items():  # per-cell points add up to the score before the penalty
         raw = float(row["score"]) + float(row["late_penalty"] or 0)
         assert sum(float(r["points"]) for r in cells if r["student"] == student) == raw, student
     roster = tmp_path / "roster.csv"
     roster.write_text(f"Student,ID,SIS User ID,SIS Login ID,Section,{NAME} (77),Current Score\n"
-                      "    Points Possible,,,,,4,(read only)\n"
+                      f"    Points Possible,,,,,{MAX:g},(read only)\n"
                       "One,1,,correct,A,,90\nTwo,2,wrong,w2,A,,80\nThree,3,,nobody,A,1,70\n")
     result = subprocess.run([sys.executable, "-m", "autograder", "export", "--format", "canvas", "--grades",
                              str(graded["out"]), "--roster", str(roster), "--out", str(tmp_path / "canvas.csv")],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     filled = (tmp_path / "canvas.csv").read_text().splitlines()
-    assert filled[2:] == ["One,1,,correct,A,4,90", "Two,2,wrong,w2,A,2,80", "Three,3,,nobody,A,1,70"]
+    assert filled[2:] == [f"One,1,,correct,A,{MAX:g},90", f"Two,2,wrong,w2,A,{_expected_score('wrong'):g},80",
+                          "Three,3,,nobody,A,1,70"]
     assert "not in the roster" in result.stderr and "Three (nobody)" in result.stderr
 
 

@@ -58,3 +58,38 @@ def test_predictions_are_graded_within_five_percent():
                          (checks.check_q_llama8b_tokens_per_s, 3.35e12 / 8.03e9)):  # one byte per weight, not two
         with pytest.raises(AssertionError, match="you predicted"):
             check(wrong)
+
+
+def test_bpe_reference_passes_and_matches_the_rust_tokenizer_on_the_notebook_prompt(smollm2):
+    """The Python BPE, word by word, gives the library tokenizer's ids; ' gravity' is one token."""
+    from decodelab.lessons.bpe import ByteLevelBPE, bpe_encode, bpe_merge_steps
+
+    checks.check_bpe_encode(bpe_encode)
+    _, tokenizer = smollm2
+    bpe = ByteLevelBPE.from_tokenizer(tokenizer)
+    assert bpe.encode("What is gravity?") == tokenizer.encode("What is gravity?")
+    steps = bpe_merge_steps(b" gravity", bpe.merges)
+    assert steps[0] == [bytes([b]) for b in b" gravity"] and steps[-1] == [b" gravity"]
+    assert all(len(after) < len(before) and b"".join(after) == b" gravity" for before, after in zip(steps, steps[1:]))
+
+
+def test_bpe_messages_name_the_mistake():
+    with pytest.raises(AssertionError, match="lowest rank"):
+        checks.check_bpe_encode(buggy.bpe_highest_rank_first)
+    with pytest.raises(AssertionError, match="keep merging"):
+        checks.check_bpe_encode(buggy.bpe_one_merge)
+    with pytest.raises(AssertionError, match="not the word"):
+        checks.check_bpe_encode(buggy.bpe_overlapping)
+    with pytest.raises(AssertionError, match="No merge makes the piece"):
+        checks.check_bpe_encode(buggy.bpe_from_characters)
+    with pytest.raises(AssertionError, match="expected a list of bytes"):
+        checks.check_bpe_encode(lambda word, merges: [p.decode("latin-1") for p in buggy._bpe(word, merges)])
+
+
+def test_bpe_oracle_agrees_with_the_real_tokenizer_model():
+    """The random-table oracle (tokenizers.models.BPE built from a merge table) gives the real
+    tokenizer's own pieces when built from the real table."""
+    bpe = checks._real_tables()[1][1]  # the tiny model's 767 merges: quick to rebuild
+    oracle = checks._oracle_bpe(bpe.merges)
+    for word in [w for text in checks.BPE_TEXTS for w in bpe.words(text)]:
+        assert oracle(word) == bpe.pieces(word), word

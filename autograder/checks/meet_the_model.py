@@ -1,9 +1,16 @@
-"""Checks for notebook 00, meet the model: counting parameters from a config, and the
-memory-bandwidth bound on batch-1 decode speed.
+"""Checks for notebook 00, meet the model: byte-level BPE on one word, counting parameters from
+a config, and the memory-bandwidth bound on batch-1 decode speed.
 
 Each ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and
 returns None or raises ``AssertionError`` naming the input, the expected and the actual result.
+
+Expected BPE tokens come from Hugging Face's Rust `tokenizers`, never from a Python BPE written here:
+* the real tokenizers (SmolLM2's, 48,900 merges; the tiny model's, 767): the library's
+  `Tokenizer.encode` on words and whole texts, against the learner's function applied to the
+  same pre-tokenized words with the same merge table (`decodelab.lessons.bpe.ByteLevelBPE`);
+* random merge tables built the way BPE training builds them: `tokenizers.models.BPE` made from
+  the same table.
 
 Expected parameter counts never come from a formula written here:
 * SmolLM2-135M-Instruct: the tensors in the real checkpoint (its safetensors header: shapes
@@ -25,11 +32,12 @@ from autograder.checks.calling import call, expect_raises
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
+    "bpe_encode": "decodelab.lessons.bpe:bpe_encode",
     "count_parameters": "decodelab.lessons.kv_size:parameter_count",
     "decode_tokens_per_second_bound": "decodelab.lessons.measure:decode_tokens_per_second_bound",
 }
 
-__all__ = ["check_count_parameters", "check_decode_tokens_per_second_bound", "check_q_embedding_share_percent",
+__all__ = ["check_bpe_encode", "check_count_parameters", "check_decode_tokens_per_second_bound", "check_q_embedding_share_percent",
            "check_q_llama8b_tokens_per_s"]
 
 # The config.json fields of two published checkpoints and the totals transformers reports for them.
@@ -41,6 +49,124 @@ PUBLISHED = {
                                num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                                tie_word_embeddings=True), 494_032_768),
 }
+
+
+# Words and texts for the real tokenizers: every kind of piece SmolLM2's pre-tokenizer makes
+# (a word with its leading space, digits one by one, punctuation runs, whitespace runs, code,
+# accented letters, CJK and an emoji, several bytes per character).
+BPE_WORDS = ["What", " is", " gravity", "?", " gravitational", " tokenization", " Hello", " antidisestablishment",
+             "ness", " the", " The", "!!!", "...", "   ", "\n\n", "\t", " café", " naïve", " 日本語", " 🤖",
+             " über", " Привет", " 1", " supercalifragilistic", " self", " __init__", " {", "}}", " x", " y"]
+BPE_TEXTS = [
+    "What is gravity? Gravity is the force by which a planet or other body draws objects toward its centre.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "In 1687, Newton published the Principia: F = G * m1 * m2 / r^2 (about 6.674e-11 N m^2 kg^-2).",
+    "Déjà vu, naïve café, straße, 東京は日本の首都です, and an emoji or two: 🚀🤖!  Done.\n\n\tIndented.",
+    "aaaaaaaaaaaa bbbbbbbb        eeeeeee\r\n----====****",
+]
+
+
+def _pieces_text(pieces) -> str:
+    return "[" + ", ".join(repr(p) for p in pieces) + "]" if isinstance(pieces, list) else repr(pieces)
+
+
+def _expect_pieces(desc: str, word: bytes, got, expected: list[bytes], merges: dict) -> None:
+    """got must equal expected; the message says what kind of mistake it looks like."""
+    if isinstance(got, tuple):
+        got = list(got)
+    if not isinstance(got, list) or not all(isinstance(p, bytes) for p in got):
+        kinds = sorted({type(p).__name__ for p in got}) if isinstance(got, list) else []
+        raise AssertionError(f"{desc} returned {type(got).__name__} {_pieces_text(got)[:200]}"
+                             + (f" of {', '.join(kinds)}" if kinds else "")
+                             + f"; expected a list of bytes {_pieces_text(expected)}")
+    if got == expected:
+        return
+    unmade = [p for p in got if len(p) > 1 and p not in {a + b for a, b in merges}]
+    if b"".join(got) != word:
+        why = (f" The pieces join to {b''.join(got)!r}, not the word: each byte belongs to exactly one piece "
+               f"(after merging a pair, step past both of its pieces)")
+    elif unmade:
+        why = (f" No merge makes the piece {unmade[0]!r}: start from the word's single bytes (a character may "
+               f"take several UTF-8 bytes), then only merges join them")
+    else:
+        left = [(merges[pair], pair) for pair in zip(got, got[1:]) if pair in merges]
+        if left:
+            rank, pair = min(left)
+            why = (f" The pieces {pair[0]!r} and {pair[1]!r} still form a pair with a merge (rank {rank}): "
+                   f"keep merging until no adjacent pair has one")
+        else:
+            why = (" No pair is left to merge, but different merges were made: always merge the pair with the "
+                   "lowest rank (learned first) among all adjacent pairs, not the first one found or the highest")
+    raise AssertionError(f"{desc} returned {_pieces_text(got)}; expected {_pieces_text(expected)}.{why}")
+
+
+def _trained_merges(rng: random.Random, alphabet: bytes, count: int) -> dict[tuple[bytes, bytes], int]:
+    """A merge table shaped like a trained one: each merge joins two tokens that already exist and
+    makes a new one, so a token is only ever built from earlier merges."""
+    tokens, merges = [bytes([b]) for b in alphabet], {}
+    while len(merges) < count:
+        left, right = rng.choice(tokens[-6:] + tokens), rng.choice(tokens[-6:] + tokens)
+        if len(left + right) <= 6 and left + right not in tokens:
+            merges[(left, right)] = len(merges)
+            tokens.append(left + right)
+    return merges
+
+
+def _oracle_bpe(merges: dict[tuple[bytes, bytes], int]):
+    """word bytes -> pieces, by Hugging Face tokenizers' BPE built from `merges`."""
+    from tokenizers.models import BPE
+
+    from decodelab.lessons.bpe import byte_to_unicode, tokenizers_pieces
+
+    alphabet = byte_to_unicode()
+
+    def text(piece: bytes) -> str:
+        return "".join(alphabet[b] for b in piece)
+
+    pairs = sorted(merges, key=merges.get)
+    tokens = [bytes([b]) for b in range(256)] + [left + right for left, right in pairs]
+    model = BPE(vocab={text(t): i for i, t in enumerate(dict.fromkeys(tokens))},
+                merges=[(text(left), text(right)) for left, right in pairs])
+    return lambda word: tokenizers_pieces(model, word)
+
+
+def _real_tables():
+    """(name, ByteLevelBPE) of the real tokenizers: SmolLM2's and the tiny model's."""
+    from decodelab.lessons.bpe import ByteLevelBPE
+    from decodelab.model.registry import resolve_model
+    from decodelab.model.tokenizer import Tokenizer
+
+    return [(name, ByteLevelBPE.from_tokenizer(Tokenizer.from_folder(resolve_model(key))))
+            for name, key in (("SmolLM2's tokenizer", "smollm2"), ("the tiny model's tokenizer", "tiny"))]
+
+
+def check_bpe_encode(fn) -> None:
+    """fn(word_bytes: bytes, merges: {(left, right): rank}) -> list[bytes], the BPE tokens of one word."""
+    rng = random.Random(0)
+    hand = {(b"b", b"c"): 0, (b"a", b"b"): 1, (b"a", b"a"): 2, (b"a", b"bc"): 3, (b"abc", b"d"): 4,
+            (b"aa", b"aa"): 5}
+    words = [b"", b"a", b"abc", b"abcd", b"aaa", b"aaaaa", b"aaaaaaa", b"abab", b"dcba", b"xyz", b"abcdabcd"]
+    tables = [("a hand-made table " + repr(hand), hand, words)]
+    for size in (8, 20, 40):
+        merges = _trained_merges(rng, b"abc", size)
+        random_words = [bytes(rng.choice(b"abc") for _ in range(rng.randrange(1, 14))) for _ in range(40)]
+        tables.append((f"a random trained-like table of {size} merges over b'abc'", merges, random_words))
+    for name, merges, table_words in tables:
+        oracle = _oracle_bpe(merges)
+        for word in table_words:
+            desc = f"bpe_encode({word!r}, merges) with {name}"
+            _expect_pieces(desc, word, call(desc, fn, word, merges), oracle(word), merges)
+    for name, bpe in _real_tables():
+        named = f"{name}'s {len(bpe.merges):,} merges"
+        for word in [w.encode() for w in BPE_WORDS] + [w for text in BPE_TEXTS for w in bpe.words(text)]:
+            desc = f"bpe_encode({word!r}, merges) with {named}"
+            _expect_pieces(desc, word, call(desc, fn, word, bpe.merges), bpe.pieces(word), bpe.merges)
+        for text in BPE_TEXTS:  # end to end: pre-tokenizer, the learner's BPE, the vocabulary
+            expected = bpe.tokenizer.encode(text)
+            got = call(f"encoding {text[:40]!r}... word by word with bpe_encode", bpe.encode, text, fn)
+            if got != expected:
+                raise AssertionError(f"{name} encodes {text!r} as {len(expected)} tokens {expected[:16]}...; "
+                                     f"word by word with bpe_encode it became {len(got)} tokens {got[:16]}...")
 
 
 def _describe_config(config) -> str:

@@ -79,7 +79,7 @@ PLACES = (("size", "measure"), ("speed", "measure"), ("latency", "measure"), ("r
           ("sampling", "sampling"), ("scheduler", "scheduler"), ("paged kv", "paged_kv"), ("block", "paged_kv"),
           ("prefix", "paged_kv"), ("quantiz", "linear"), ("linear", "linear"), ("rmsnorm", "rmsnorm"),
           ("mlp", "mlp"), ("attention", "attention"), ("rope", "attention"), ("gqa", "attention"),
-          ("kv cache", "attention"))
+          ("kv cache", "attention"), ("tokenizer", "tokenizer"))
 OTHER = Stage("other", "also built in the course")
 
 

@@ -68,6 +68,7 @@ from decodelab.course import hints
 
 # (notebook, exercise) -> the stage of the engine that exercise builds.
 PARTS: dict[tuple[str, str], str] = {
+    ("00_meet_the_model", "bpe_encode"): "tokenizer: byte-level BPE merges",
     ("00_meet_the_model", "count_parameters"): "model size: parameter count",
     ("00_meet_the_model", "decode_tokens_per_second_bound"): "decode speed: bandwidth bound",
     ("01_forward_pass", "rms_norm"): "forward pass: RMSNorm",
