@@ -144,3 +144,31 @@ def test_bad_tree_arguments_are_refused(tiny_pair):
     for args in ((drafter, GREEDY, 2), (drafter, sampled, 1), (lambda ids, k: [], GREEDY, 1)):
         with pytest.raises(ValueError, match="tree_width > 1 needs"):
             speculative_generate(target, args[0], prompt, args[1], args[2], tree_width=2)
+
+
+@torch.inference_mode()
+def test_the_lessons_tree_loop_gives_greedy_output_and_more_tokens_per_call():
+    """Notebook 09's tree of any depth (`decodelab.lessons.speculative_decoding`): with the tiny
+    draft proposing width 1, 2, 3 branches of depth 3, the output is target-only greedy, the
+    proposal is a well-formed tree, and a wider tree never needs more target calls here."""
+    from decodelab.lessons.speculative_decoding import propose_tree, tree_generate, tree_layout
+    from decodelab.model.registry import load
+
+    target, tokenizer = load("tiny", device="cpu")
+    draft, _ = load("tiny-draft", device="cpu")
+    prompt = tokenizer.encode("class Stack:\n    def __init__(self):\n        self.items = []\n")
+    reference = list(stream_token_ids(target, prompt, GREEDY))
+    calls = []
+    for width in (1, 2, 3):
+        out, n = tree_generate(target, draft, prompt, len(reference), 3, width)
+        assert out == reference, width
+        calls.append(n)
+    assert calls[0] >= calls[1] >= calls[2] and calls[0] > calls[2], calls
+    cache = KVCache(draft.config, 1, 64)
+    tokens, parents = propose_tree(draft, cache, prompt[:20], 3, 2)
+    assert parents == [-1, -1, 0, 1, 2, 3] and cache.seq_len == 20 and len(set(tokens[:2])) == 2
+    mask, positions = tree_layout(parents, 19)
+    assert positions.tolist() == [19, 20, 20, 21, 21, 22, 22]
+    assert mask[5].tolist() == [True, True, False, True, False, True, False]  # node 4: pending, node 0, node 2, itself
+    with pytest.raises(ValueError, match="a parent comes before its child"):
+        tree_layout([-1, 1], 0)

@@ -10,6 +10,7 @@ import torch
 from autograder.checks import speculative_decoding as checks
 from decodelab.decoding import speculative
 from decodelab.decoding.lookup import propose_from_prompt
+from decodelab.lessons.speculative_decoding import verify_tree
 from oracles import expect_bug_caught, load_fixture
 
 buggy = load_fixture("buggy_speculative_decoding")
@@ -19,6 +20,7 @@ def test_reference_passes():
     checks.check_accept_draft_tokens(speculative.accept_draft_tokens)
     checks.check_speculative_step(speculative.speculative_step)
     checks.check_propose_from_prompt(propose_from_prompt)
+    checks.check_verify_tree(verify_tree)
 
 
 def test_written_out_step_passes():
@@ -30,7 +32,8 @@ def test_written_out_step_passes():
 def test_references_name_the_library_functions():
     assert checks.REFERENCES == {"accept_draft_tokens": "decodelab.decoding.speculative:accept_draft_tokens",
                                  "speculative_step": "decodelab.decoding.speculative:speculative_step",
-                                 "propose_from_prompt": "decodelab.decoding.lookup:propose_from_prompt"}
+                                 "propose_from_prompt": "decodelab.decoding.lookup:propose_from_prompt",
+                                 "verify_tree": "decodelab.lessons.speculative_decoding:verify_tree"}
 
 
 @pytest.mark.parametrize("bug", sorted(buggy.BUGS))
@@ -161,3 +164,39 @@ def test_check_restores_the_thread_count():
     with checks._one_thread():
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def test_written_out_tree_step_passes():
+    """The fixtures' tree step with no switch flipped passes: each kept tree bug is one switch."""
+    checks.check_verify_tree(buggy.tree_written_out)
+
+
+def test_tree_oracle_has_no_near_ties_and_runs_deep_paths():
+    """The oracle's argmax along every path the check visits wins by more than 1e-3 (a tree pass
+    and a plain pass agree to ~1e-5, so no case hangs on rounding), and the cases accept paths of
+    every length from 0 to 3, in branches other than the first."""
+    lengths = []
+
+    def spy(target, cache, pending, tree_tokens, parents):
+        out = verify_tree(target, cache, pending, tree_tokens, parents)
+        lengths.append(len(out) - 1)
+        return out
+
+    checks.check_verify_tree(spy)
+    with torch.inference_mode():
+        _, _, choice_after, memo = checks._tree_prompt()
+        for case in checks._named_trees(choice_after):
+            checks._expected_tree_output(choice_after, case[0], case[1])
+        rng = torch.Generator().manual_seed(checks.TREE_PROMPT_SEED)
+        for _ in range(checks.TREE_RANDOM_CASES):
+            tree_tokens, parents = checks._guided_tree(rng, choice_after, int(torch.randint(3, 10, (1,), generator=rng)))
+            checks._expected_tree_output(choice_after, tree_tokens, parents)
+    assert min(margin for _, margin in memo.values()) > 1e-3
+    assert set(lengths) >= {0, 1, 2, 3}, lengths
+
+
+def test_tree_messages_name_the_case():
+    with pytest.raises(AssertionError, match="the accepted nodes' rows must end up right after the pending token's"):
+        checks.check_verify_tree(buggy.tree_rows_not_moved)
+    with pytest.raises(AssertionError, match="the target's choice after its last node"):
+        checks.check_verify_tree(buggy.tree_last_token_from_root)

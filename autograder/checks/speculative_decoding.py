@@ -1,5 +1,6 @@
-"""Checks for notebook 09, speculative decoding: the acceptance rule, and one whole step with a
-draft model (propose, verify, accept, rollback).
+"""Checks for notebook 09, speculative decoding: the acceptance rule, one whole step with a
+draft model (propose, verify, accept, rollback), the prompt-lookup drafter, and a draft tree
+verified in one pass.
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and returns
@@ -33,6 +34,15 @@ Oracles:
      of the first token's mass outside the filtered support;
   4. the function in the library's loop (`stream_speculative` with it swapped in for
      `speculative_step`): greedy output equals target-only greedy output token for token.
+* ``check_verify_tree``, on the same random target after a 12-token prompt: four named trees (a
+  chain of the target's own tokens, the accepted path in a second branch, no match, nodes out of
+  depth order) and 12 random trees of 3 to 9 nodes in which about half the nodes carry the
+  target's choice after their parent's path. The oracle runs every path alone (a plain forward
+  over prompt + path, no cache, no tree) and walks down the tree by its argmax: the emitted
+  tokens must be that walk's; the target runs ONE forward over the n + 1 flattened tokens; the
+  cache then holds the text but the new pending token, its K/V equal to a plain pass over it
+  (1e-4). The oracle's argmax wins by more than 1e-3 on every path visited (a test says so), so
+  no case hangs on rounding between a tree pass and a plain one.
 """
 from __future__ import annotations
 
@@ -51,9 +61,11 @@ REFERENCES = {
     "accept_draft_tokens": "decodelab.decoding.speculative:accept_draft_tokens",
     "speculative_step": "decodelab.decoding.speculative:speculative_step",
     "propose_from_prompt": "decodelab.decoding.lookup:propose_from_prompt",
+    "verify_tree": "decodelab.lessons.speculative_decoding:verify_tree",
 }
 
-__all__ = ["check_accept_draft_tokens", "check_speculative_step", "check_propose_from_prompt", "tvd_bound"]
+__all__ = ["check_accept_draft_tokens", "check_speculative_step", "check_propose_from_prompt", "check_verify_tree",
+           "tvd_bound"]
 
 FAILURE_PROB = 1e-6
 VOCAB = 96  # of the random models of the step check
@@ -189,6 +201,8 @@ GREEDY_KS = (1, 3, 2, 1, 4, 2)  # k of successive steps, in turn: 16 steps, 12 w
 SAMPLED = dict(temperature=1.2, top_k=4, top_p=0.8)  # the distribution part's filters: both cut (3 tokens kept)
 SAMPLED_PROMPT_SEED = 3  # the distribution part's prompt: alpha 0.54 there
 N_SAMPLED_STEPS = 600
+TREE_PROMPT_SEED = 5  # verify_tree's prompt
+TREE_RANDOM_CASES = 12
 
 
 def _random_model(seed: int):
@@ -524,6 +538,123 @@ def check_propose_from_prompt(fn) -> None:
             raise AssertionError(f"{what} (random case {case}): expected {expected}, got {got!r}: look up the longest "
                                  f"suffix of at most max_ngram tokens first, take its latest earlier occurrence, and "
                                  f"return at most k tokens after it")
+
+
+# --------------------------------------------------------------------------- verify_tree
+def _tree_prompt():
+    """(target, a 12-token random prompt, the target's greedy choice after it and after any path)."""
+    target, _, prompt = _pair(TREE_PROMPT_SEED)
+    memo: dict[tuple[int, ...], tuple[int, float]] = {}
+
+    def choice_after(path: tuple[int, ...]) -> int:
+        """The oracle: the target run alone over prompt + path (no cache, no tree) -> its argmax."""
+        if path not in memo:
+            logits = target(torch.tensor([prompt + list(path)]))[0, -1]
+            top = logits.topk(2).values
+            memo[path] = int(logits.argmax()), float(top[0] - top[1])
+        return memo[path][0]
+
+    return target, prompt, choice_after, memo
+
+
+def _named_trees(choice_after):
+    """(tree_tokens, parents, what) whose accepted path the target's greedy tokens g1, g2, ... fix."""
+    g = []
+    for _ in range(4):
+        g.append(choice_after(tuple(g)))
+    wrong = [t for t in range(VOCAB) if t not in g][:4]
+    a, b, x, y = wrong
+    return [
+        ([g[0], g[1], g[2]], [-1, 0, 1], f"a chain [g1, g2, g3] = {g[:3]} of the target's own greedy tokens: all 3 "
+         f"accepted, then g4 = {g[3]}"),
+        ([a, g[0], b, x, g[1], y], [-1, -1, 0, 1, 1, 4], f"two branches from the root, [{a}, {b}] and [g1 = {g[0]}] "
+         f"with children [{x}] and [g2 = {g[1]}, then {y}]: the second branch holds the path g1, g2, so it emits "
+         f"{g[:3]}"),
+        ([a, b], [-1, -1], f"two candidates {a}, {b}, neither the target's choice {g[0]}: it emits [{g[0]}] alone"),
+        ([a, g[0], x, b, g[1]], [-1, -1, 1, 0, 1], f"nodes out of depth order: g1 = {g[0]} (node 1) has children "
+         f"[{x}] and [g2 = {g[1]}] (node 4), the wrong branch [{a}] a child [{b}]: it emits {g[:3]}"),
+    ]
+
+
+def _guided_tree(rng: torch.Generator, choice_after, size: int):
+    """A random tree (parents[i] < i, distinct sibling tokens) in which about half the nodes carry
+    the target's choice after their parent's path, so accepted paths run deep in any branch."""
+    tree_tokens, parents, paths = [], [], {-1: ()}
+    for node in range(size):
+        parent = int(torch.randint(-1, node, (1,), generator=rng))
+        siblings = {tree_tokens[i] for i in range(node) if parents[i] == parent}
+        token = choice_after(paths[parent])
+        if token in siblings or float(torch.rand(1, generator=rng)) < 0.5:
+            token = next(t for t in torch.randperm(VOCAB, generator=rng).tolist() if t not in siblings | {token})
+        tree_tokens.append(token)
+        parents.append(parent)
+        paths[node] = paths[parent] + (token,)
+    return tree_tokens, parents
+
+
+def _expected_tree_output(choice_after, tree_tokens, parents) -> list[int]:
+    """Greedy acceptance from the paths run one by one: follow the child carrying the oracle's choice."""
+    path, node = (), -1
+    while True:
+        want = choice_after(path)
+        child = next((i for i, parent in enumerate(parents) if parent == node and tree_tokens[i] == want), None)
+        if child is None:
+            return list(path) + [want]
+        path, node = path + (tree_tokens[child],), child
+
+
+def _check_one_tree(fn, target, prompt, choice_after, tree_tokens, parents, what) -> None:
+    from decodelab.model.kv_cache import KVCache
+
+    call_what = (f"verify_tree(pending {prompt[-1]} after an 11-token prefix, tree_tokens {tree_tokens}, parents "
+                 f"{parents}) ({what})")
+    expected = _expected_tree_output(choice_after, tree_tokens, parents)
+    start = len(prompt) - 1
+    cache = KVCache(target.config, 1, 64)
+    target(torch.tensor([prompt[:-1]]), kv_cache=cache)
+    with _counting(target) as (counter,):
+        out = call(call_what, fn, target, cache, prompt[-1], list(tree_tokens), list(parents))
+        fed = counter.take()
+    got = _emitted(out, call_what, len(tree_tokens))
+    if fed != [len(tree_tokens) + 1]:
+        raise AssertionError(f"{call_what}: the target ran {len(fed)} forward passes, fed {fed} tokens; the whole tree "
+                             f"is judged in ONE pass over the {len(tree_tokens) + 1} tokens [pending, node 0 .. node "
+                             f"{len(tree_tokens) - 1}], the tree mask keeping each node to its own path")
+    if got != expected:
+        raise AssertionError(f"{call_what}: expected {expected}, got {got}. Running each path of the tree alone through "
+                             f"the target, its argmax after the root and after each accepted node gives {expected}: "
+                             f"the deepest path of accepted nodes, then the target's choice after its last node. Check "
+                             f"the mask (a node sees only its ancestors and itself), the positions (start + depth, not "
+                             f"start + index) and which row the last token comes from")
+    length = start + len(got)
+    if cache.seq_len != length:
+        raise AssertionError(f"{call_what}: after the step the cache holds {cache.seq_len} positions; expected "
+                             f"{length}: the {start} before the pending token, the pending token and the "
+                             f"{len(got) - 1} accepted nodes (the new pending token {got[-1]} is not in it yet)")
+    plain = KVCache(target.config, 1, 64)
+    target(torch.tensor([prompt + got[:-1]]), kv_cache=plain)
+    error = max(float((plain.keys[:, :, :, :length] - cache.keys[:, :, :, :length]).abs().max()),
+                float((plain.values[:, :, :, :length] - cache.values[:, :, :, :length]).abs().max()))
+    if error > 1e-4:
+        raise AssertionError(f"{call_what}: the cache's keys and values after the step differ by up to {error:.3g} from "
+                             f"a plain pass over the text {got[:-1]} that the step accepted: the accepted nodes' rows "
+                             f"must end up right after the pending token's, in path order (their rows in the tree "
+                             f"pass are start + 1 + their index), and those rows must be computed with the tree mask "
+                             f"and start + depth positions")
+
+
+def check_verify_tree(verify_tree) -> None:
+    """Named trees (a chain, the path in a second branch, no match, nodes out of depth order), then
+    random guided trees, each against running every path separately; one pass; the cache's rows."""
+    with _one_thread(), torch.inference_mode():
+        target, prompt, choice_after, memo = _tree_prompt()
+        cases = _named_trees(choice_after)
+        rng = torch.Generator().manual_seed(TREE_PROMPT_SEED)
+        for case in range(TREE_RANDOM_CASES):
+            tree_tokens, parents = _guided_tree(rng, choice_after, int(torch.randint(3, 10, (1,), generator=rng)))
+            cases.append((tree_tokens, parents, f"random tree {case + 1}"))
+        for tree_tokens, parents, what in cases:
+            _check_one_tree(verify_tree, target, prompt, choice_after, tree_tokens, parents, what)
 
 
 # --------------------------------------------------------------------------- predictions (q_ cells)

@@ -109,6 +109,7 @@ PARTS: dict[tuple[str, str], str] = {
     ("09_speculative_decoding", "accept_draft_tokens"): "speculative decoding: acceptance rule",
     ("09_speculative_decoding", "speculative_step"): "speculative decoding: propose, verify, roll back",
     ("09_speculative_decoding", "propose_from_prompt"): "speculative decoding: prompt-lookup drafter",
+    ("09_speculative_decoding", "verify_tree"): "speculative decoding: a draft tree in one pass",
     ("10_capstone_engine", "kv_blocks_for_memory"): "engine: KV block budget",
     ("10_capstone_engine", "engine_step"): "engine: the step",
     ("10_capstone_engine", "generate_all"): "engine: the outer loop, outputs in prompt order",
