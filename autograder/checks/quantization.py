@@ -234,6 +234,17 @@ def _own_tensors(layer) -> list[torch.Tensor]:
     return [t for t in (*layer.parameters(), *layer.buffers(), *vars(layer).values()) if isinstance(t, torch.Tensor)]
 
 
+def _expect_buffers(what: str, layer, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias) -> None:
+    """The layer keeps weight_q, weight_scale and bias (unless None) as buffers holding the tensors
+    given, and bias None when none was given (an Int8Linear's or an Int4Linear's constructor)."""
+    buffers = dict(layer.named_buffers()) if isinstance(layer, nn.Module) else {}
+    missing = [n for n, t in (("weight_q", weight_q), ("weight_scale", weight_scale), ("bias", bias))
+               if t is not None and not (n in buffers and torch.equal(buffers[n], t))]
+    assert not missing, (f"{what}: {missing} should be the layer's buffers, holding the tensors given "
+                         f"(self.register_buffer(name, tensor)); its buffers are {sorted(buffers)}")
+    assert getattr(layer, "bias", "missing") is None or bias is not None, f"{what}: expected bias None"
+
+
 def _check_init(cls, name: str) -> None:
     """cls(weight_q, weight_scale, bias) keeps the three tensors as buffers (so that model.to(device) moves
     them) and the shape as out_features, in_features."""
@@ -243,12 +254,7 @@ def _check_init(cls, name: str) -> None:
     for b in (bias, None):
         what = f"{name}(weight_q int8 [8, 16], weight_scale [8, 1], bias {'[8]' if b is not None else 'None'})"
         layer = call(what, cls, q, scale, b)
-        buffers = dict(layer.named_buffers()) if isinstance(layer, nn.Module) else {}
-        missing = [n for n, t in (("weight_q", q), ("weight_scale", scale), ("bias", b))
-                   if t is not None and not (n in buffers and torch.equal(buffers[n], t))]
-        assert not missing, (f"{what}: {missing} should be the layer's buffers, holding the tensors given "
-                             f"(self.register_buffer(name, tensor)); its buffers are {sorted(buffers)}")
-        assert getattr(layer, "bias", "missing") is None or b is not None, f"{what}: expected bias None"
+        _expect_buffers(what, layer, q, scale, b)
         assert (getattr(layer, "out_features", None), getattr(layer, "in_features", None)) == (8, 16), (
             f"{what}: expected out_features 8 and in_features 16 (weight_q's shape), got "
             f"{getattr(layer, 'out_features', None)} and {getattr(layer, 'in_features', None)}")
@@ -458,12 +464,7 @@ def _check_int4_init(cls, name: str) -> None:
     for b in (bias, None):
         what = f"{name}(weight_q uint8 [8, 32], weight_scale [8, 2], bias {'[8]' if b is not None else 'None'})"
         layer = call(what, cls, packed, scale, b)
-        buffers = dict(layer.named_buffers()) if isinstance(layer, nn.Module) else {}
-        missing = [n for n, t in (("weight_q", packed), ("weight_scale", scale), ("bias", b))
-                   if t is not None and not (n in buffers and torch.equal(buffers[n], t))]
-        assert not missing, (f"{what}: {missing} should be the layer's buffers, holding the tensors given "
-                             f"(self.register_buffer(name, tensor)); its buffers are {sorted(buffers)}")
-        assert getattr(layer, "bias", "missing") is None or b is not None, f"{what}: expected bias None"
+        _expect_buffers(what, layer, packed, scale, b)
         got = tuple(getattr(layer, a, None) for a in ("out_features", "in_features", "group_size"))
         assert got == (8, 64, 32), (f"{what}: expected (out_features, in_features, group_size) = (8, 64, 32): "
                                     f"two inputs per byte, 64 / 2 scales per row; got {got}")

@@ -92,29 +92,9 @@ def probe_model():
         return random_llama(0)
 
 
-def int8_linear_or_reference(learner_class):
-    """The learner's Int8Linear class if one built from a small nn.Linear computes that layer's
-    output within the int8 bound in a forward, else `quant.Int8Linear`, with
-    `course.use_or_reference`'s notice on stdout."""
-    from decodelab import course
-
-    def probe():
-        with torch.random.fork_rng(devices=[]), torch.no_grad():  # the notebook's random state stays as it was
-            torch.manual_seed(0)
-            linear = nn.Linear(16, 8)
-            x = torch.randn(3, 16)
-            y, exact = learner_class.from_linear(linear)(x), linear(x)
-        bound = x.abs().sum(-1, keepdim=True) * (linear.weight.abs().amax(dim=1) / 127 / 2) + 1e-5
-        if y.shape != exact.shape or not bool(((y - exact).abs() <= bound).all()):
-            raise AssertionError("its output is not within the int8 bound of nn.Linear(16, 8)'s")
-
-    chosen = course.use_or_reference(probe, quant.Int8Linear, name=getattr(learner_class, "__name__", "Int8Linear"))
-    return learner_class if chosen is probe else quant.Int8Linear
-
-
-def int4_linear_or_reference(learner_class):
-    """The learner's Int4Linear class if one built from a small nn.Linear (groups of 32) computes that
-    layer's output within the int4 bound in a forward, else `quant.Int4Linear`, with
+def _layer_or_reference(learner_class, reference, build, bound, bits: int):
+    """The learner's layer class if the layer `build(cls, linear)` makes of nn.Linear(64, 8) computes
+    that layer's output within `bound(linear, x)` ([3, 8]) in a forward, else `reference`, with
     `course.use_or_reference`'s notice on stdout."""
     from decodelab import course
 
@@ -123,14 +103,31 @@ def int4_linear_or_reference(learner_class):
             torch.manual_seed(0)
             linear = nn.Linear(64, 8)
             x = torch.randn(3, 64)
-            y, exact = learner_class.from_linear(linear, 32)(x), linear(x)
-        scale = linear.weight.abs().reshape(8, 2, 32).amax(dim=-1) / 7  # [8, 2]
-        bound = x.abs().reshape(3, 2, 32).sum(-1) @ (scale / 2).T + 1e-5  # [3, 8]
-        if y.shape != exact.shape or not bool(((y - exact).abs() <= bound).all()):
-            raise AssertionError("its output is not within the int4 bound of nn.Linear(64, 8)'s")
+            y, exact = build(learner_class, linear)(x), linear(x)
+        if y.shape != exact.shape or not bool(((y - exact).abs() <= bound(linear, x) + 1e-5).all()):
+            raise AssertionError(f"its output is not within the int{bits} bound of nn.Linear(64, 8)'s")
 
-    chosen = course.use_or_reference(probe, quant.Int4Linear, name=getattr(learner_class, "__name__", "Int4Linear"))
-    return learner_class if chosen is probe else quant.Int4Linear
+    chosen = course.use_or_reference(probe, reference, name=getattr(learner_class, "__name__", reference.__name__))
+    return learner_class if chosen is probe else reference
+
+
+def int8_linear_or_reference(learner_class):
+    """The learner's Int8Linear class if it keeps nn.Linear(64, 8)'s output within the int8 bound
+    (half a step of each row's scale times |x|), else `quant.Int8Linear`."""
+    return _layer_or_reference(learner_class, quant.Int8Linear, lambda cls, linear: cls.from_linear(linear),
+                               lambda linear, x: x.abs().sum(-1, keepdim=True) * (linear.weight.abs().amax(dim=1) / 127 / 2),
+                               bits=8)
+
+
+def int4_linear_or_reference(learner_class):
+    """The learner's Int4Linear class if, with groups of 32, it keeps nn.Linear(64, 8)'s output within
+    the int4 bound (half a step of each group's scale times that group's |x|), else `quant.Int4Linear`."""
+    def bound(linear, x):
+        scale = linear.weight.abs().reshape(8, 2, 32).amax(dim=-1) / 7  # [8, 2]
+        return x.abs().reshape(3, 2, 32).sum(-1) @ (scale / 2).T  # [3, 8]
+
+    return _layer_or_reference(learner_class, quant.Int4Linear, lambda cls, linear: cls.from_linear(linear, 32),
+                               bound, bits=4)
 
 
 def linear_bytes(model) -> int:
