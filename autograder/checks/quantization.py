@@ -336,13 +336,19 @@ def _check_forward(layer, linear: nn.Linear, name: str) -> None:
         f"{(got - want).abs().max().item():.3g}, more than float32 rounding ({tol.item():.3g})")
 
 
-def _check_memory(layer, name: str) -> None:
+def _forward_memory(layer, what: str, in_features: int, seed: int):
+    """One forward of x [4, in_features] through the layer, its memory measured -> (output, what the
+    forward's new tensors took: `measure_module_memory`'s record)."""
     from decodelab.lessons.tiled_attention import measure_module_memory
 
+    x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(seed))
+    return call(what, measure_module_memory, layer, x)
+
+
+def _check_memory(layer, name: str) -> None:
     out_features, in_features = layer.weight_q.shape
-    x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(8))
     what = f"{name}(x [4, {in_features}]) with weights [{out_features}, {in_features}]"
-    got, seen = call(what, measure_module_memory, layer, x)
+    got, seen = _forward_memory(layer, what, in_features, seed=8)
     weight_bytes = 4 * out_features * in_features
     if seen.peak_bytes > weight_bytes // 2:
         raise AssertionError(
@@ -551,12 +557,9 @@ def _check_int4_forward(layer, linear: nn.Linear, group_size: int, name: str) ->
 
 
 def _check_int4_memory(layer, name: str) -> None:
-    from decodelab.lessons.tiled_attention import measure_module_memory
-
     out_features, in_features = layer.out_features, layer.in_features
-    x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(18))
     what = f"{name}(x [4, {in_features}]) with weights [{out_features}, {in_features}] in groups of {layer.group_size}"
-    _, seen = call(what, measure_module_memory, layer, x)
+    _, seen = _forward_memory(layer, what, in_features, seed=18)
     weight_bytes = 4 * out_features * in_features
     if seen.peak_bytes > weight_bytes // 4:
         raise AssertionError(
