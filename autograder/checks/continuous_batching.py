@@ -197,6 +197,18 @@ def check_admit(admit) -> None:
 # --------------------------------------------------------------------------- decode_batch
 
 
+def _preempt_newest_until(need: int, i: int, free: int, running: list, held: list, preempted: list) -> int:
+    """The rule on integers: while fewer than `need` blocks are free, the newest running index gives
+    its blocks back (recorded in `preempted`); stop if sequence i itself was the victim. -> free blocks."""
+    while free < need:
+        victim = running.pop()
+        free, held[victim] = free + held[victim], 0
+        preempted.append(victim)
+        if victim == i:
+            break
+    return free
+
+
 def _expected_decode(lens, free, block_size):
     """(decoded indices in order, preempted indices in order, free blocks afterwards).
     lens: tokens of each running sequence, the newest without a slot."""
@@ -206,12 +218,7 @@ def _expected_decode(lens, free, block_size):
         if i in preempted:
             continue
         need = 1 if (lens[i] - 1) % block_size == 0 else 0
-        while free < need:
-            victim = running.pop()
-            free, held[victim] = free + held[victim], 0
-            preempted.append(victim)
-            if victim == i:
-                break
+        free = _preempt_newest_until(need, i, free, running, held, preempted)
         if i in running:
             free -= need
             batch.append(i)
@@ -416,12 +423,7 @@ def _expected_chunked(running, waiting_lens, free: int, block_size: int, max_num
         if i in preempted or total - computed > 1:
             continue
         need = 1 if computed % block_size == 0 else 0
-        while free < need:
-            victim = order.pop()
-            free, held[victim] = free + held[victim], 0
-            preempted.append(victim)
-            if victim == i:
-                break
+        free = _preempt_newest_until(need, i, free, order, held, preempted)
         if i in order:
             free, batch[i] = free - need, 1
     if decodes_only:

@@ -345,18 +345,24 @@ def _forward_memory(layer, what: str, in_features: int, seed: int):
     return call(what, measure_module_memory, layer, x)
 
 
-def _check_memory(layer, name: str) -> None:
-    out_features, in_features = layer.weight_q.shape
-    what = f"{name}(x [4, {in_features}]) with weights [{out_features}, {in_features}]"
-    got, seen = _forward_memory(layer, what, in_features, seed=8)
-    weight_bytes = 4 * out_features * in_features
-    if seen.peak_bytes > weight_bytes // 2:
+def _expect_peak(what: str, seen, weight_bytes: int, divisor: int, share: str, advice: str) -> None:
+    """The forward's new tensors held at most weight_bytes // divisor at once (`share` of a float32
+    copy of the weight), else AssertionError with the measurement and `advice`."""
+    if seen.peak_bytes > weight_bytes // divisor:
         raise AssertionError(
             f"{what}: the tensors the forward created took {seen.peak_bytes / MiB:.2f} MiB at once (largest "
             f"{list(seen.largest_shape)}); a float32 copy of the weight is {weight_bytes / MiB:.2f} MiB and the "
-            f"forward may hold at most half of it. Convert the levels to x's dtype one block of "
-            f"{getattr(layer, 'block_rows', 128)} output rows at a time (weight_q[start:end].to(x.dtype)) and scale "
-            f"the output, instead of dequantizing (or converting) the whole weight_q")
+            f"forward may hold at most {share} of it. {advice}")
+
+
+def _check_memory(layer, name: str) -> None:
+    out_features, in_features = layer.weight_q.shape
+    what = f"{name}(x [4, {in_features}]) with weights [{out_features}, {in_features}]"
+    _, seen = _forward_memory(layer, what, in_features, seed=8)
+    _expect_peak(what, seen, 4 * out_features * in_features, 2, "half",
+                 f"Convert the levels to x's dtype one block of {getattr(layer, 'block_rows', 128)} output rows at a "
+                 "time (weight_q[start:end].to(x.dtype)) and scale the output, instead of dequantizing (or converting) "
+                 "the whole weight_q")
 
 
 def _check_bfloat16(layer, linear: nn.Linear, name: str) -> None:
@@ -560,13 +566,9 @@ def _check_int4_memory(layer, name: str) -> None:
     out_features, in_features = layer.out_features, layer.in_features
     what = f"{name}(x [4, {in_features}]) with weights [{out_features}, {in_features}] in groups of {layer.group_size}"
     _, seen = _forward_memory(layer, what, in_features, seed=18)
-    weight_bytes = 4 * out_features * in_features
-    if seen.peak_bytes > weight_bytes // 4:
-        raise AssertionError(
-            f"{what}: the tensors the forward created took {seen.peak_bytes / MiB:.2f} MiB at once (largest "
-            f"{list(seen.largest_shape)}); a float32 copy of the weight is {weight_bytes / MiB:.2f} MiB and the "
-            f"forward may hold at most a quarter of it. Unpack and convert one group of inputs at a time "
-            f"(unpack_group(k)), instead of unpacking or dequantizing the whole weight_q")
+    _expect_peak(what, seen, 4 * out_features * in_features, 4, "a quarter",
+                 "Unpack and convert one group of inputs at a time (unpack_group(k)), instead of unpacking or "
+                 "dequantizing the whole weight_q")
 
 
 def _check_int4_bfloat16(layer, linear: nn.Linear, group_size: int, name: str) -> None:
