@@ -6,6 +6,7 @@ A model folder holds ``tokenizer.json`` (the BPE itself) and ``tokenizer_config.
 from __future__ import annotations
 
 import json
+import operator
 from pathlib import Path
 
 from tokenizers import Tokenizer as BackendTokenizer
@@ -112,8 +113,12 @@ class StreamDecoder:
         return context, window
 
     def push(self, token_id: int) -> str:
-        """Add one id; return the text that is now final ("" while a character is unfinished)."""
-        self.ids.append(int(token_id))
+        """Add one id; return the text that is now final ("" while a character is unfinished).
+        Raises TypeError if token_id is not an integer, ValueError if it is negative."""
+        token_id = operator.index(token_id)  # an int, a NumPy integer or a 0-d integer tensor
+        if token_id < 0:
+            raise ValueError(f"token ids are >= 0, got {token_id}")
+        self.ids.append(token_id)
         context, window = self._decode_window()
         if window.endswith("\ufffd") or len(window) <= len(context):
             return ""  # an unfinished character, or no text yet (a skipped special token): wait
