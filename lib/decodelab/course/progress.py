@@ -88,6 +88,7 @@ PARTS: dict[tuple[str, str], str] = {
     ("03_kv_cache", "kv_bytes"): "KV cache size",
     ("04_prefill_decode", "timed_generate"): "prefill and decode, timed",
     ("04_prefill_decode", "latencies_from_timestamps"): "latency: TTFT and inter-token",
+    ("04_prefill_decode", "IncrementalDetokenizer"): "detokenizer: streaming text, a few ids per token",
     ("04_prefill_decode", "arithmetic_intensity"): "roofline: arithmetic intensity",
     ("04_prefill_decode", "reuse_prefix"): "prefix reuse",
     ("05_gqa", "broadcast_gqa_attention"): "GQA: attention without copying K/V",
