@@ -42,7 +42,8 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     context_lens [B] (list or tensor): sequence b attends over its tokens 0 .. context_lens[b] - 1.
     Returns [B, H, D] in q's dtype; query head h reads KV head h // (H / H_kv); scores and
     softmax in float32. Raises ValueError when H is not a multiple of H_kv, when the tables or
-    lengths do not match the batch, or when a context length is below 1 or beyond its blocks.
+    lengths do not match the batch, when a block id is not in the pool, or when a context
+    length is below 1 or beyond its blocks.
     """
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
@@ -51,23 +52,25 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     if isinstance(block_tables, torch.Tensor):
         tables = block_tables.to(device=q.device, dtype=torch.long)
     else:  # ragged lists: pad each with -1 to the longest
-        width = max((len(table) for table in block_tables), default=0)
+        width = max(len(table) for table in block_tables)
         tables = torch.tensor([list(table) + [-1] * (width - len(table)) for table in block_tables],
-                              dtype=torch.long, device=q.device).view(len(block_tables), width)
+                              dtype=torch.long, device=q.device)
     lengths = torch.as_tensor(context_lens, dtype=torch.long, device=q.device)  # [B]
     if tables.shape[0] != batch or lengths.shape != (batch,):
         raise ValueError(f"q holds {batch} sequences; got {tables.shape[0]} block tables and "
                          f"{lengths.numel()} context lengths")
+    if tables.numel() and (tables.min() < -1 or tables.max() >= num_blocks):
+        raise ValueError(f"block ids must lie in 0 .. {num_blocks - 1} (-1: padding), got {tables.tolist()}")
     held = (tables >= 0).sum(dim=1) * block_size  # [B]: the slots of each table's blocks
     if (lengths < 1).any() or (lengths > held).any():
         raise ValueError(f"context_lens {lengths.tolist()} must each lie in 1 .. the slots of their table's "
                          f"blocks, {held.tolist()}")
     context = tables.shape[1] * block_size  # S: every sequence padded to the longest table
-    blocks = tables.clamp(min=0).view(-1)  # padding reads block 0; the mask drops it
+    blocks = tables.clamp(min=0).reshape(-1)  # padding reads block 0; the mask drops it
     keys = key_cache.index_select(0, blocks).view(batch, context, num_kv_heads, head_dim)  # one gather for all
     values = value_cache.index_select(0, blocks).view(batch, context, num_kv_heads, head_dim)
     keys, values = (t.transpose(1, 2).float() for t in (keys, values))  # [B, H_kv, S, D]
-    q_grouped = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, H_kv, G, D]
+    q_grouped = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, H_kv, G, D]
     scores = q_grouped @ keys.transpose(-1, -2) / math.sqrt(head_dim)  # [B, H_kv, G, S]
     valid = torch.arange(context, device=q.device) < lengths[:, None]  # [B, S]
     weights = torch.softmax(scores.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
