@@ -8,8 +8,9 @@ each context length masked, the query heads grouped under the KV head they share
 K or V per query head), and the softmax in float32. `per_sequence_decode_attention` gives the
 same result one sequence at a time (`gather_kv`, then the causal attention): the loop that the
 batched version replaces. The engine's decode step (`PagedBatch._attend_decode`) does the
-batched work with SDPA instead of explicit products, which on a CPU is about as fast on short
-contexts and up to twice as fast on long ones.
+batched work with SDPA instead of explicit products: SDPA reads the gathered keys where they lie,
+while the products here first copy them into head-major order, so on a CPU the engine's way is
+about as fast on short contexts and faster the longer they get.
 
 Layouts:
     q             [B, H, D]                           one new token per sequence
