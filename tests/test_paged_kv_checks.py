@@ -111,15 +111,6 @@ def test_the_notebooks_visible_tests_catch_each_allocator_bug(bug):
         assert not should_fail, f"the visible tests pass on {bug}"
 
 
-def test_paged_decode_attention_check_is_quick():
-    """The hidden check runs in well under 2 s (its float64 oracle loops in Python)."""
-    import time
-
-    start = time.perf_counter()
-    checks.check_paged_decode_attention(paged_decode_attention)
-    assert time.perf_counter() - start < 2.0
-
-
 @pytest.mark.parametrize("bug", sorted(bug for bug, (_, check, _) in buggy.BUGS.items()
                                        if check == "check_paged_decode_attention"))
 def test_the_notebooks_visible_tests_catch_each_decode_attention_bug(bug):

@@ -35,7 +35,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from decodelab.lessons.paged_kv import per_sequence_decode_attention, random_paged_batch  # noqa: F401 - this module's too
+from decodelab.lessons.paged_kv import per_sequence_decode_attention, random_paged_batch  # the latter re-exported (__all__)
 
 
 def use_interpreter_without_gpu() -> str:
