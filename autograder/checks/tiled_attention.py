@@ -274,7 +274,7 @@ def check_tiled_causal_attention(fn) -> None:
                 f"q_offset={offset}) ({what})")
         with FlopCounterMode(display=False) as flop_counter:
             got = call(desc, fn, q, k, v, tile_size=tile, q_offset=offset)
-        if not (isinstance(got, tuple) and len(got) == 3):
+        if not (isinstance(got, (tuple, list)) and len(got) == 3):
             raise AssertionError(f"{desc}: expected a tuple (out, tiles_computed, tiles_masked), got {got!r:.200}")
         out, computed, masked = got
         _expect_output(desc, out, q)
@@ -304,7 +304,7 @@ def check_tiled_causal_attention(fn) -> None:
     k, v = torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=gen), torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=gen)
     desc = "tiled_causal_attention on float64 q [1, 4, 5, 8], k and v [1, 2, 12, 8], tile_size=5, q_offset=7"
     got = call(desc, fn, q, k, v, tile_size=5, q_offset=7)
-    _expect_output(desc, got[0] if isinstance(got, tuple) else got, q)
+    _expect_output(desc, got[0] if isinstance(got, (tuple, list)) else got, q)
     err = (got[0] - _ref_attention(q, k, v, True, 7)).abs().max().item()
     if err > 1e-10:
         raise AssertionError(f"{desc}: differs from the exact result by {err:.3g}; float64 input should be "
