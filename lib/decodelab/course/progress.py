@@ -119,6 +119,7 @@ PARTS: dict[tuple[str, str], str] = {
     ("11_tiled_attention", "attention_memory_bytes"): "tiled attention: score memory",
     ("11_tiled_attention", "online_softmax_update"): "tiled attention: online softmax",
     ("11_tiled_attention", "tiled_attention"): "tiled attention: the tiled loop",
+    ("11_tiled_attention", "tiled_causal_attention"): "tiled attention: causal tiles, the future skipped",
     ("11_tiled_attention", "combine_partial_attention"): "tiled attention: split-K merge",
     ("12_gpu_kernel", "gather_kv_kernel"): "GPU kernel: reading KV blocks through the block table",
     ("12_gpu_kernel", "paged_attention_kernel"): "GPU kernel: paged attention with an online softmax",
