@@ -108,6 +108,7 @@ PARTS: dict[tuple[str, str], str] = {
     ("08_continuous_batching", "decode_batch"): "scheduler: decode batch",
     ("08_continuous_batching", "schedule_chunked"): "scheduler: a step with chunked prefill",
     ("08_continuous_batching", "finish"): "scheduler: finish",
+    ("08_continuous_batching", "padded_prefill"): "static batch: padding and its attention mask",
     ("09_speculative_decoding", "accept_draft_tokens"): "speculative decoding: acceptance rule",
     ("09_speculative_decoding", "speculative_step"): "speculative decoding: propose, verify, roll back",
     ("09_speculative_decoding", "propose_from_prompt"): "speculative decoding: prompt-lookup drafter",
