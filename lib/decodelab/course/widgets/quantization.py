@@ -281,14 +281,15 @@ def asymmetric_int4_error(w: torch.Tensor, block: int = 32) -> float:
 
 
 @torch.inference_mode()
-def kv_cache_comparison(model, prompt_ids: list[int], kv_dtype: str, num_tokens: int, cache_class=None) -> dict:
-    """Greedy decoding with an fp32 KVCache, then the same tokens fed through a QuantizedKVCache
-    (or through `cache_class(config, 1, max_seq_len, device=...)`, a learner's cache, when given).
+def kv_cache_comparison(model, prompt_ids: list[int], caches: dict, num_tokens: int) -> dict[str, dict]:
+    """Greedy decoding with an fp32 KVCache, then the same tokens fed through each cache of `caches`
+    (label -> a kv_dtype of `quant.QuantizedKVCache`, or a cache class built as
+    `cls(config, 1, max_seq_len, device=...)`, such as the learner's Int8KVCache) -> label -> its figures.
 
-    Feeding the fp32 run's tokens lets the logits be compared step by step; the quantized cache's
-    own greedy text would equal the fp32 text up to the first step whose argmax differs, so
-    `same_prefix` is also the length of the identical free-running prefix. `argmax` is the token
-    the quantized cache's logits pick at each step.
+    Feeding the fp32 run's tokens lets the logits be compared step by step; a cache's own greedy
+    text would equal the fp32 text up to the first step whose argmax differs, so `same_prefix` is
+    also the length of the identical free-running prefix. `argmax` is the token the cache's logits
+    pick at each step. The fp32 run is made once for all the caches.
     """
     def run(cache, teacher=None):
         x, tokens, logits = torch.tensor([prompt_ids], device=model.device), [], []
@@ -301,12 +302,15 @@ def kv_cache_comparison(model, prompt_ids: list[int], kv_dtype: str, num_tokens:
 
     length = len(prompt_ids) + num_tokens
     ref_tokens, ref_logits, ref_bytes = run(KVCache(model.config, 1, length, device=model.device))
-    cache = (cache_class(model.config, 1, length, device=model.device) if cache_class is not None
-             else quant.QuantizedKVCache(model.config, 1, length, device=model.device, kv_dtype=kv_dtype))
-    tokens, logits, per_token = run(cache, teacher=ref_tokens)
-    return {"bytes_per_token": per_token, "fp32_bytes_per_token": ref_bytes, "argmax": tokens,
-            "max_logit_diff": max(float((a - b).abs().max()) for a, b in zip(ref_logits, logits)),
-            "same_prefix": same_prefix(tokens, ref_tokens), "tokens": num_tokens}
+    figures = {}
+    for label, kind in caches.items():
+        cache = (quant.QuantizedKVCache(model.config, 1, length, device=model.device, kv_dtype=kind)
+                 if isinstance(kind, str) else kind(model.config, 1, length, device=model.device))
+        tokens, logits, per_token = run(cache, teacher=ref_tokens)
+        figures[label] = {"bytes_per_token": per_token, "fp32_bytes_per_token": ref_bytes, "argmax": tokens,
+                          "max_logit_diff": max(float((a - b).abs().max()) for a, b in zip(ref_logits, logits)),
+                          "same_prefix": same_prefix(tokens, ref_tokens), "tokens": num_tokens}
+    return figures
 
 
 # --------------------------------------------------------------------------- outliers
