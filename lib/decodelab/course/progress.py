@@ -100,6 +100,7 @@ PARTS: dict[tuple[str, str], str] = {
     ("06_quantization", "Int8Linear"): "int8 linear layer",
     ("06_quantization", "replace_linears"): "quantized model: swapping the linear layers",
     ("06_quantization", "Int4Linear"): "int4 linear layer, group by group",
+    ("06_quantization", "Int8KVCache"): "int8 KV cache, a scale per token and head",
     ("07_paged_kv", "gather_kv"): "paged KV: gather through a block table",
     ("07_paged_kv", "paged_decode_attention"): "paged KV: a decode batch's attention through its block tables",
     ("07_paged_kv", "kv_waste"): "paged KV: counting the waste",
