@@ -79,6 +79,8 @@ class _ListRing:
 
     def append(self, layer, k, v):
         old_k, old_v = self.held[layer]
+        if k.shape != v.shape or k[:, :, :0].shape != old_k[:, :, :0].shape:
+            raise ValueError(f"k, v of shape {list(k.shape)}, {list(v.shape)} do not fit {list(old_k.shape)}")
         k_all, v_all = torch.cat([old_k, k], 2), torch.cat([old_v, v], 2)
         self.held[layer] = (k_all[:, :, -self.window:].clone(), v_all[:, :, -self.window:].clone())
         self.seen[layer] += k.shape[2]

@@ -450,6 +450,12 @@ def check_sliding_window_kv_cache(cls) -> None:
                   "a ring needs a window W", cls, config, 1, 8)
     expect_raises("SlidingWindowKVCache(config, window=0)", ValueError, "a window holds at least 1 position",
                   cls, config, 1, 8, window=0)
+    cache = call("SlidingWindowKVCache(config, 2, 8, window=3) (2 KV heads of dim 2)", cls, config, 2, 8, window=3)
+    expect_raises("append(0, k and v with 1 KV head) on a cache of 2 KV heads", ValueError,
+                  "k and v must have the cache's shape [B, H_kv, T, D]", cache.append, 0, torch.zeros(2, 1, 3, 2),
+                  torch.zeros(2, 1, 3, 2))
+    expect_raises("append(0, k of 3 rows, v of 2 rows)", ValueError, "k and v must have the same shape",
+                  cache.append, 0, torch.zeros(2, 2, 3, 2), torch.zeros(2, 2, 2, 2))
 
 
 # --------------------------------------------------------------------------- predictions (q_ cells)

@@ -111,7 +111,12 @@ class SlidingWindowKVCache:
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, H_kv, T, D] (only their last W rows survive); return the positions held before
-        followed by the new rows, [B, H_kv, min(S, W) + T, D], in position order (copies)."""
+        followed by the new rows, [B, H_kv, min(S, W) + T, D], in position order (copies). ValueError
+        for k, v of another shape than the cache's."""
+        batch, kv_heads, _, head_dim = self.keys.shape[1:]
+        if k.dim() != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (batch, kv_heads, head_dim):
+            raise ValueError(f"append takes k and v of shape [B={batch}, H_kv={kv_heads}, T, D={head_dim}], "
+                             f"got {list(k.shape)} and {list(v.shape)}")
         start, new = self.lengths[layer], k.shape[2]
         held_k, held_v = self.view(layer)  # taken before the ring is overwritten
         kept = min(new, self.window)  # a chunk longer than the window overwrites itself
