@@ -12,7 +12,8 @@ from decodelab.model.kv_cache import KVCache, SlidingWindowKVCache
 from decodelab.lessons.kv_size import kv_bytes
 from decodelab.params import SamplingParams
 from decodelab.model.attention import causal_attention
-from decodelab.course.widgets.kv_cache import kv_size_calculator, per_token_ms
+from decodelab.course.widgets.kv_cache import (bytes_held_after, cache_class_or_reference, kv_size_calculator,
+                                                per_token_ms)
 from decodelab.lessons.measure import CountingModel
 from decodelab.model.toy import tiny_model
 from oracles import expect_bug_caught, load_fixture
@@ -155,3 +156,21 @@ def test_timing_and_calculator_run():
     assert "16 GiB" in box.figure.layout.title.text
     box.controls["preset"].value = "gpt-oss-20b"
     assert "3 GiB" in box.figure.layout.title.text or "3.0" in box.figure.layout.title.text
+
+
+def test_memory_sweep_measures_a_growing_full_cache_and_a_flat_ring():
+    config = tiny_model(0).config  # 2 layers, 2 KV heads of dim 8: 2 x 2 x 2 x 8 x 4 = 256 bytes a position in float32
+    lengths = [8, 16, 32]
+    full = bytes_held_after(lambda n: KVCache(config, 1, n), config, lengths, chunk=5)
+    ring = bytes_held_after(lambda n: SlidingWindowKVCache(config, 1, n, window=4), config, lengths, chunk=5)
+    assert full == [256 * n for n in lengths] and ring == [256 * 4] * 3
+
+
+def test_an_unfinished_ring_falls_back_to_the_reference(capsys):
+    class Unfinished:
+        def __init__(self, *args, **kwargs):
+            raise NotImplementedError
+
+    assert cache_class_or_reference(Unfinished, SlidingWindowKVCache, sliding_window=2) is SlidingWindowKVCache
+    assert "not written yet" in capsys.readouterr().out
+    assert cache_class_or_reference(buggy.RingInSlotOrder, SlidingWindowKVCache, sliding_window=2) is buggy.RingInSlotOrder
