@@ -268,3 +268,14 @@ def test_cuda_model_and_cache_match_cpu():
     on_gpu = list(stream_token_ids(gpu, prompt, SamplingParams(temperature=0, max_tokens=16)))
     on_cpu = list(stream_token_ids(model.to("cpu"), prompt, SamplingParams(temperature=0, max_tokens=16)))
     assert on_gpu == on_cpu
+
+
+@pytest.mark.cuda
+def test_ring_on_cuda_matches_cpu():
+    model = tiny_model(11, sliding_window=RING_WINDOW)
+    ids = random_ids(40, model.config.vocab_size, seed=11, batch=2)
+    sizes = SCHEDULES["chunked_prefill"](40, 20)
+    with torch.no_grad():
+        on_cpu = cached_logits(model, ids, sizes, SlidingWindowKVCache)
+        on_gpu = cached_logits(model.to("cuda"), ids.cuda(), sizes, SlidingWindowKVCache).cpu()
+    assert (on_gpu - on_cpu).abs().max() <= 1e-4
