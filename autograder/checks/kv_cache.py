@@ -341,8 +341,9 @@ def _ring_bookkeeping(cls, window: int, chunks: list[int]) -> None:
             what = f"append(layer={layer}, positions {start}..{end - 1}) {seen}, window {window}"
             got_k, got_v = _pair(call(what, cache.append, layer, keys[:, :, start:end], values[:, :, start:end]), what)
             first = max(0, start - window)  # held before: the last min(start, W) positions
-            why = (f"the held positions {first}..{start - 1} then the new {start}..{end - 1}, in position order: the "
-                   "chunk's first queries still need keys its own later rows overwrite")
+            held = f"the held positions {first}..{start - 1} then " if start else "nothing held yet, so just "
+            why = (f"{held}the new {start}..{end - 1}, in position order: the chunk's first queries still need "
+                   "keys its own later rows overwrite")
             _ring_same(got_k, keys, first, end, f"the keys {what} returned", why)
             _ring_same(got_v, values, first, end, f"the values {what} returned", why)
             what = f"view(layer={layer}) after positions 0..{end - 1}, window {window}"
