@@ -86,6 +86,7 @@ PARTS: dict[tuple[str, str], str] = {
     ("03_kv_cache", "KVCache"): "KV cache",
     ("03_kv_cache", "generate_with_cache"): "generation loop with the KV cache",
     ("03_kv_cache", "kv_bytes"): "KV cache size",
+    ("03_kv_cache", "SlidingWindowKVCache"): "KV cache of a sliding window: a ring of W slots",
     ("04_prefill_decode", "timed_generate"): "prefill and decode, timed",
     ("04_prefill_decode", "latencies_from_timestamps"): "latency: TTFT and inter-token",
     ("04_prefill_decode", "IncrementalDetokenizer"): "detokenizer: streaming text, a few ids per token",
