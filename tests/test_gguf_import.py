@@ -12,6 +12,7 @@ import torch
 
 import decodelab.model.gguf_import as gguf_import
 from decodelab.model.gguf_import import GGUFError, convert_gguf, permute_rows, unpermute_rows
+from decodelab.model.gguf_tensors import read_gguf_tensors
 from decodelab.model.tokenizer import Tokenizer
 from decodelab.model.weights import load_model
 from oracles import random_ids, random_model
@@ -291,7 +292,7 @@ def _same_tensors(fast, slow):
 
 def test_read_gguf_tensors_lists_what_gguf_reader_lists(source):
     _, path = source
-    _same_tensors(gguf_import.read_gguf_tensors(path), gguf.GGUFReader(str(path)).tensors)
+    _same_tensors(read_gguf_tensors(path), gguf.GGUFReader(str(path)).tensors)
 
 
 def test_read_gguf_tensors_of_quantized_tensors(tmp_path):
@@ -316,7 +317,7 @@ def test_read_gguf_tensors_of_quantized_tensors(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    fast = gguf_import.read_gguf_tensors(path)
+    fast = read_gguf_tensors(path)
     _same_tensors(fast, gguf.GGUFReader(str(path)).tensors)
     assert [t.tensor_type for t in fast] == [Q.Q4_1, Q.Q8_0, Q.F32]
 
@@ -326,8 +327,8 @@ def test_read_gguf_tensors_refuses_what_is_not_gguf(source, tmp_path):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(path.read_bytes()[:200])
     with pytest.raises(GGUFError, match="ends inside its GGUF header"):
-        gguf_import.read_gguf_tensors(cut)
+        read_gguf_tensors(cut)
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"PK\x03\x04" + bytes(64))
     with pytest.raises(GGUFError, match="not a little-endian GGUF file"):
-        gguf_import.read_gguf_tensors(bogus)
+        read_gguf_tensors(bogus)

@@ -109,7 +109,8 @@ def check_load_gguf_state_dict(fn) -> None:
     import dataclasses
 
     from decodelab.lessons.forward_pass import greedy_generate
-    from decodelab.model.gguf_import import hf_tensor_name, read_gguf_tensors
+    from decodelab.model.gguf_import import hf_tensor_name
+    from decodelab.model.gguf_tensors import read_gguf_tensors
     from decodelab.model.registry import resolve_model, smollm2_gguf_path
     from decodelab.model.weights import read_state_dict
 
