@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,9 @@ buggy = load_fixture("buggy_forward_pass")
 
 
 def test_references_pass():
+    from decodelab.model.gguf_import import load_gguf_state_dict
+
+    checks.check_load_gguf_state_dict(load_gguf_state_dict)
     checks.check_rms_norm(fp.rms_norm)
     checks.check_rope(fp.rope)
     checks.check_attention(fp.attention)
@@ -53,6 +57,37 @@ def test_other_valid_solutions_pass():
         gate, up = x @ gate_weight.T, x @ up_weight.T
         return (gate * torch.sigmoid(gate) * up) @ down_weight.T
 
+    def load_gguf_with_numpy(tensors, config):
+        """Dequantized in numpy, all types through one table of block layouts, the rows unpermuted by index."""
+        from decodelab.model.gguf_import import hf_tensor_name
+
+        state = {}
+        for tensor in tensors:
+            data, kind = np.array(tensor.data), tensor.tensor_type.name
+            if kind == "F32":
+                values = data
+            else:
+                blocks = data.reshape(-1, {"Q4_1": 20, "Q8_0": 34}[kind])
+                d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+                if kind == "Q8_0":
+                    values = d * blocks[:, 2:].copy().view(np.int8).astype(np.float32)
+                else:
+                    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+                    q = np.concatenate([blocks[:, 4:] & 15, blocks[:, 4:] >> 4], axis=1).astype(np.float32)
+                    values = d * q + m
+            weight = torch.from_numpy(values.reshape([int(n) for n in tensor.shape][::-1]))
+            name = hf_tensor_name(tensor.name)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+                half = weight.shape[0] // heads // 2
+                order = [h * 2 * half + 2 * i + j for h in range(heads) for j in (0, 1) for i in range(half)]
+                weight = weight[order]
+            state[name] = weight
+        if config.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+        return state
+
+    checks.check_load_gguf_state_dict(load_gguf_with_numpy)
     checks.check_attention(attention_by_hand)
     checks.check_attention(attention_sdpa)
     checks.check_rope(rope_full_tables)
@@ -66,6 +101,10 @@ def test_bug_is_caught(bug):
 
 def test_messages_name_the_case():
     cases = [
+        ("check_load_gguf_state_dict", buggy.load_gguf_high_nibble_first, "low nibbles are weights 0-15"),
+        ("check_load_gguf_state_dict", buggy.load_gguf_dims_not_reversed, "innermost first"),
+        ("check_load_gguf_state_dict", buggy.load_gguf_qk_left_permuted, r"k_proj.*rows 2i and 2i \+ 1"),
+        ("check_load_gguf_state_dict", buggy.load_gguf_float16_arithmetic, "Q8_0.*in float32"),
         ("check_rms_norm", buggy.rms_norm_half_precision, "float16.*65,504"),
         ("check_rms_norm", buggy.rms_norm_no_eps, r"eps=1e-6.*inside the square root"),
         ("check_rms_norm", buggy.rms_norm_wrong_dim, r"x=\[\[3, 4\]\].*expected 0.848528"),

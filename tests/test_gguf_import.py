@@ -12,6 +12,7 @@ import torch
 
 import decodelab.model.gguf_import as gguf_import
 from decodelab.model.gguf_import import GGUFError, convert_gguf, permute_rows, unpermute_rows
+from decodelab.model.gguf_tensors import read_gguf_tensors
 from decodelab.model.tokenizer import Tokenizer
 from decodelab.model.weights import load_model
 from oracles import random_ids, random_model
@@ -278,3 +279,56 @@ def test_interrupted_conversion_leaves_no_half_written_folder(source, tmp_path, 
     loaded = load_model(convert_gguf(path, target, progress=False))  # a retry succeeds
     ids = random_ids(16, model.config.vocab_size, seed=15)
     assert torch.equal(logits(loaded, ids), logits(model, ids))
+
+
+# ------------------------------------------------------------ the tensor table alone
+def _same_tensors(fast, slow):
+    assert [t.name for t in fast] == [t.name for t in slow]
+    for a, b in zip(fast, slow):
+        assert (a.tensor_type, a.shape.tolist(), a.n_elements, a.n_bytes, a.data_offset) == \
+            (b.tensor_type, b.shape.tolist(), b.n_elements, b.n_bytes, b.data_offset), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data), a.name
+
+
+def test_read_gguf_tensors_lists_what_gguf_reader_lists(source):
+    _, path = source
+    _same_tensors(read_gguf_tensors(path), gguf.GGUFReader(str(path)).tensors)
+
+
+def test_read_gguf_tensors_of_quantized_tensors(tmp_path):
+    """Q4_1, Q8_0 and F32 after string, array and scalar metadata, with a non-default alignment."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    path = tmp_path / "quantized.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.data_alignment = 64
+    writer.add_uint32("general.alignment", 64)
+    writer.add_token_list(["a", "bc", "déf"])
+    writer.add_token_types([1, 1, 3])
+    writer.add_float32("llama.rope.freq_base", 5000.0)
+    rng = np.random.default_rng(0)
+    for name, shape, kind in (("blk.0.ffn_up.weight", (8, 64), Q.Q4_1), ("token_embd.weight", (5, 96), Q.Q8_0),
+                              ("blk.0.attn_norm.weight", (64,), Q.F32)):
+        values = rng.standard_normal(shape).astype(np.float32)
+        data = values if kind == Q.F32 else quantize(values, kind)
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    fast = read_gguf_tensors(path)
+    _same_tensors(fast, gguf.GGUFReader(str(path)).tensors)
+    assert [t.tensor_type for t in fast] == [Q.Q4_1, Q.Q8_0, Q.F32]
+
+
+def test_read_gguf_tensors_refuses_what_is_not_gguf(source, tmp_path):
+    _, path = source
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(GGUFError, match="ends inside its GGUF header"):
+        read_gguf_tensors(cut)
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(GGUFError, match="not a little-endian GGUF file"):
+        read_gguf_tensors(bogus)

@@ -1,5 +1,5 @@
-"""Checks for notebook 01, the forward pass: RMSNorm, RoPE, attention over a KV cache, the SwiGLU
-MLP, and the decoder layers with the model loop.
+"""Checks for notebook 01, the forward pass: the weights read from the GGUF file, RMSNorm, RoPE,
+attention over a KV cache, the SwiGLU MLP, and the decoder layers with the model loop.
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in the notebook's hidden-test cell) and either
@@ -7,6 +7,10 @@ returns None or raises ``AssertionError`` naming the input, what was expected an
 Every call of the function under test goes through `autograder.checks.calling.call`.
 
 Oracles, never snapshots:
+
+* the library's own conversion of SmolLM2's GGUF file (`decodelab.model.gguf_import`, which
+  dequantizes with the `gguf` package), tensor by tensor on the first two layers, the embedding
+  and the final norm, and the greedy tokens of those two layers run on either state dict;
 
 * analytic cases worked out here: RMSNorm of [3, 4]; RoPE at position 0 (no rotation) and of a
   unit vector (cos and sin of position x frequency land in channels i and i + D/2); attention
@@ -33,6 +37,7 @@ from decodelab.model.rope import apply_rope, rope_tables
 from decodelab.model.toy import random_llama, toy_config
 
 REFERENCES = {
+    "load_gguf_state_dict": "decodelab.model.gguf_import:load_gguf_state_dict",
     "rms_norm": "decodelab.lessons.forward_pass:rms_norm",
     "rope": "decodelab.lessons.forward_pass:rope",
     "attention": "decodelab.lessons.forward_pass:attention",
@@ -40,7 +45,7 @@ REFERENCES = {
     "forward": "decodelab.lessons.forward_pass:forward",
 }
 
-__all__ = ["check_rms_norm", "check_rope", "check_attention", "check_mlp", "check_forward", "check_q_layer_params",
+__all__ = ["check_load_gguf_state_dict", "check_rms_norm", "check_rope", "check_attention", "check_mlp", "check_forward", "check_q_layer_params",
            "check_q_rope_slowest_period"]
 
 
@@ -75,6 +80,78 @@ def _expect_close(what: str, got, expected: torch.Tensor, atol: float, rtol: flo
             f"{what}: expected {describe(e[index].item())} at index {list(index)}, got {describe(g[index].item())} "
             f"(largest difference {(g - e).abs().nan_to_num(float('inf')).max().item():.3g}, tolerance {atol:g}"
             f"{f' + {rtol:g} x |expected|' if rtol else ''}){f'; {why}' if why else ''}{detail}")
+
+
+# --------------------------------------------------------------------------- the weights from GGUF
+
+_GGUF_LAYERS = 2  # the layers checked: dequantizing all 30 by hand takes about a second
+
+
+def _why_gguf(tensor, config) -> str:
+    """What a GGUF tensor takes to become its HF tensor, for the message of a mismatch."""
+    kind = tensor.tensor_type.name
+    why = {"Q4_1": "a Q4_1 block of 32 weights is fp16 d, fp16 m, then 16 bytes whose low nibbles are weights 0-15 "
+                   "and high nibbles weights 16-31; w = d x q + m, computed in float32",
+           "Q8_0": "a Q8_0 block of 32 weights is fp16 d, then 32 int8 q; w = d x q, computed in float32",
+           "F32": "an F32 tensor is stored as it is"}.get(kind, kind)
+    if tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+        heads = config.num_attention_heads if "attn_q" in tensor.name else config.num_key_value_heads
+        why += (f"; then llama.cpp's row order is undone within each of the {heads} heads: its rows 2i and 2i + 1 "
+                f"are HF's rows i and i + D/2")
+    return why
+
+
+@torch.no_grad()
+def check_load_gguf_state_dict(fn) -> None:
+    """SmolLM2's GGUF tensors of the first two layers, the embedding (Q8_0, tied to lm_head) and
+    the final norm against the library's conversion of the same file, then the greedy tokens of
+    those two layers run on both state dicts."""
+    import dataclasses
+
+    from decodelab.lessons.forward_pass import greedy_generate
+    from decodelab.model.gguf_import import hf_tensor_name
+    from decodelab.model.gguf_tensors import read_gguf_tensors
+    from decodelab.model.registry import resolve_model, smollm2_gguf_path
+    from decodelab.model.weights import read_state_dict
+
+    folder = resolve_model("smollm2")  # the library's conversion of the same file
+    config = ModelConfig.from_file(folder / "config.json")
+    tensors = [t for t in read_gguf_tensors(smollm2_gguf_path())
+               if t.name in ("token_embd.weight", "output_norm.weight")
+               or t.name.split(".")[:2] in (["blk", str(i)] for i in range(_GGUF_LAYERS))]
+    expected = read_state_dict(folder, {hf_tensor_name(t.name) for t in tensors})
+    expected["lm_head.weight"] = expected["model.embed_tokens.weight"]  # SmolLM2 ties them
+    what = (f"load_gguf_state_dict(SmolLM2's GGUF tensors of layers 0-{_GGUF_LAYERS - 1}, the embedding and the "
+            f"final norm: {len(tensors)} of them, SmolLM2's config)")
+    got = call(what, fn, tensors, config)
+    if not isinstance(got, dict):
+        raise AssertionError(f"{what}: expected a dict from HF names to tensors, got {type(got).__name__}")
+    if set(got) != set(expected):
+        missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+        raise AssertionError(f"{what}: expected the {len(expected)} HF names {sorted(expected)}; missing {missing}, "
+                             f"unexpected {extra} (names from GLOBAL_TENSORS and LAYER_TENSORS; a tied model's "
+                             f"lm_head.weight is its embedding table)")
+    by_name = {hf_tensor_name(t.name): t for t in tensors}
+    by_name["lm_head.weight"] = by_name["model.embed_tokens.weight"]
+    for name, tensor in by_name.items():
+        gguf_dims = [int(n) for n in tensor.shape]
+        where = f"{what}[{name!r}] (GGUF's {tensor.name}, {tensor.tensor_type.name}, dims {gguf_dims})"
+        value = got[name]
+        if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(expected[name].shape):
+            raise AssertionError(f"{where}: expected shape {list(expected[name].shape)}, got {list(value.shape)}; "
+                                 f"GGUF lists the dimensions innermost first, PyTorch's [out, in] is the reverse")
+        if name == "lm_head.weight" and value is got["model.embed_tokens.weight"]:
+            continue  # the embedding, checked already
+        if not (isinstance(value, torch.Tensor) and value.dtype == torch.float32
+                and (torch.equal(value, expected[name])  # fast; _expect_close's message is not
+                     or torch.allclose(value, expected[name], rtol=1e-6, atol=1e-6))):
+            _expect_close(where, value, expected[name], 1e-6, 1e-6, why=_why_gguf(tensor, config))
+    small = dataclasses.replace(config, num_hidden_layers=_GGUF_LAYERS)
+    prompt = torch.randint(0, config.vocab_size, (16,), generator=_gen(7)).tolist()
+    yours, library = (greedy_generate(weights, small, prompt, 4) for weights in (got, expected))
+    if yours != library:
+        raise AssertionError(f"greedy tokens of SmolLM2's first {_GGUF_LAYERS} layers on a random 16-token prompt: "
+                             f"with the library's weights {library}, with yours {yours}")
 
 
 # --------------------------------------------------------------------------- RMSNorm

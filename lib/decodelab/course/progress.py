@@ -72,6 +72,7 @@ PARTS: dict[tuple[str, str], str] = {
     ("00_meet_the_model", "bpe_encode"): "tokenizer: byte-level BPE merges",
     ("00_meet_the_model", "count_parameters"): "model size: parameter count",
     ("00_meet_the_model", "decode_tokens_per_second_bound"): "decode speed: bandwidth bound",
+    ("01_forward_pass", "load_gguf_state_dict"): "forward pass: the weights read from GGUF, dequantized",
     ("01_forward_pass", "rms_norm"): "forward pass: RMSNorm",
     ("01_forward_pass", "rope"): "forward pass: RoPE",
     ("01_forward_pass", "attention"): "forward pass: attention",

@@ -8,6 +8,9 @@ Three things need care:
    Skip it and short prompts still look fine while longer ones turn to nonsense.
 3. The tokenizer is rebuilt from the vocabulary, merges and special-token ids in the
    metadata, with the pre-tokenizer the file names (SmolLM splits every digit).
+
+`load_gguf_state_dict` (the reference of notebook 01's exercise) turns the file's tensors into
+the HF-named float32 state dict (`decodelab.model.gguf_tensors` lists them fast).
 """
 from __future__ import annotations
 
@@ -115,10 +118,16 @@ def read_tensor(tensor) -> torch.Tensor:
     return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))  # a writable copy
 
 
-def state_dict_from_gguf(reader, config: ModelConfig, progress: bool = True) -> dict[str, torch.Tensor]:
+def load_gguf_state_dict(tensors, config: ModelConfig, progress: bool = False) -> dict[str, torch.Tensor]:
+    """An HF-named float32 state dict from GGUF tensors (`GGUFReader.tensors` or `read_gguf_tensors`).
+
+    Each tensor dequantized (`read_tensor`), renamed (`hf_tensor_name`), and for a "llama" file q
+    and k put back in HF's row order; a tied model's ``lm_head.weight`` is its embedding table, as
+    in `LlamaForCausalLM.state_dict()`.
+    """
     state = {}
     unpermute = config.model_type == "llama"  # llama.cpp permutes q/k only for its "llama" arch
-    for tensor in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=not progress, file=sys.stderr):
+    for tensor in tqdm(tensors, desc="dequantizing", unit="tensor", disable=not progress, file=sys.stderr):
         name = hf_tensor_name(tensor.name)
         weight = read_tensor(tensor)
         if unpermute and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -126,6 +135,8 @@ def state_dict_from_gguf(reader, config: ModelConfig, progress: bool = True) -> 
         elif unpermute and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_rows(weight, config.num_key_value_heads)
         state[name] = weight
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
 
 
@@ -185,7 +196,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     except Exception as exc:  # the gguf package raises bare ValueErrors on bad magic
         raise GGUFError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
     config = config_from_metadata(reader)
-    state = state_dict_from_gguf(reader, config, progress)
+    state = load_gguf_state_dict(reader.tensors, config, progress)
     from decodelab.model.llama import LlamaForCausalLM
     from decodelab.model.weights import WeightsError, check_state_dict
 
@@ -196,7 +207,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         check_state_dict(state, expected, gguf_path)
     except WeightsError as exc:
         raise GGUFError(str(exc)) from None
-    skeleton.load_state_dict({k: v for k, v in state.items()}, strict=False, assign=True)
+    skeleton.load_state_dict({name: state[name] for name in expected}, strict=False, assign=True)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     if tmp.exists():  # left behind by a run that was killed
         shutil.rmtree(tmp)

@@ -48,15 +48,17 @@ def safetensors_files(folder: Path) -> list[Path]:
     raise WeightsError(f"no model.safetensors or model.safetensors.index.json in {folder}")
 
 
-def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint, on the CPU, as stored."""
+def read_state_dict(folder: str | Path, names=None) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors checkpoint, or only those in `names`, on
+    the CPU, as stored."""
     tensors = {}
     for file in safetensors_files(Path(folder)):
         if not file.exists():
             raise WeightsError(f"shard {file.name} named in the index is missing from {folder}")
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+                if names is None or name in names:
+                    tensors[name] = f.get_tensor(name)
     return tensors
 
 
