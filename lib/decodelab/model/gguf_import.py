@@ -5,7 +5,8 @@ Three things need care:
 2. llama.cpp stores the q and k projections of "llama" models with the rows of every head
    permuted (its RoPE rotates adjacent channel pairs; HF's rotates channel i with i + D/2).
    `unpermute_rows` undoes it, using the query head count for q and the KV head count for k.
-   Skip it and the text is wrong from the first tokens (SmolLM2 answers a chat prompt with end-of-turn tokens, then repeats itself).
+   Skip it and the text is wrong from the first tokens (SmolLM2 answers a chat prompt with
+   end-of-turn tokens, then repeats itself).
 3. The tokenizer is rebuilt from the vocabulary, merges and special-token ids in the
    metadata, with the pre-tokenizer the file names (SmolLM splits every digit).
 
