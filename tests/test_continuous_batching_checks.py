@@ -1,16 +1,18 @@
 """Notebook 08's hidden checks: they pass on the library's reference step pieces
-(`decodelab.engine.scheduler`) and catch every kept bug (tests/fixtures/buggy_continuous_batching.py) with a
-message that names the case; plus the simulator and serving helpers the notebook uses
-(`decodelab.lessons.continuous_batching`)."""
+(`decodelab.engine.scheduler`) and padded prefill (`decodelab.lessons.padded_batch`), and catch
+every kept bug (tests/fixtures/buggy_continuous_batching.py) with a message that names the case;
+plus the simulator and serving helpers the notebook uses (`decodelab.lessons.continuous_batching`)."""
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
 
 from autograder.checks import continuous_batching as checks
 from decodelab.lessons import continuous_batching as batching_sim
 from decodelab.engine import scheduler
+from decodelab.lessons import padded_batch
 from oracles import expect_bug_caught, load_fixture
 
 buggy = load_fixture("buggy_continuous_batching")
@@ -22,11 +24,12 @@ def test_reference_passes():
     checks.check_preempt(scheduler.preempt)
     checks.check_finish(scheduler.finish)
     checks.check_schedule_chunked(scheduler.schedule_chunked)
+    checks.check_padded_prefill(padded_batch.padded_prefill)
 
 
 def test_scheduler_methods_are_the_graded_functions():
-    """A learner's subclass replaces exactly what the checks grade."""
-    for name in checks.REFERENCES:
+    """A learner's subclass replaces exactly what the checks grade (padded_prefill is no Scheduler method)."""
+    for name in set(checks.REFERENCES) - {"padded_prefill"}:
         assert getattr(scheduler.Scheduler, name) is getattr(scheduler, name)
 
 
@@ -49,6 +52,21 @@ def test_messages_name_the_case():
         checks.check_schedule_chunked(buggy.chunked_ignores_budget)
     with pytest.raises(AssertionError, match="not decoded.*expected \\[0, 2\\], got \\[0, 1, 2\\]"):
         checks.check_decode_batch(buggy.decode_decodes_unfinished_prompts)
+    with pytest.raises(AssertionError, match="scrambled.*row 0 \\(a prompt of 3 tokens after 4 pads\\).*alone"):
+        checks.check_padded_prefill(buggy.padded_positions_from_padded_start)
+    with pytest.raises(AssertionError, match="pad fraction expected 0.285714 \\(6 pad slots of 3 x 7\\), got 0.4"):
+        checks.check_padded_prefill(buggy.padded_fraction_of_real_tokens)
+
+
+def test_padded_prefill_check_wants_one_pass():
+    """Running each prompt alone gives the right logits, but it is not a static batch."""
+    def one_by_one(model, prompts, pad_id):
+        rows = [model(torch.tensor([prompt]), last_only=True)[0, -1] for prompt in prompts]
+        longest = max(map(len, prompts))
+        return torch.stack(rows), 1 - sum(map(len, prompts)) / (len(prompts) * longest)
+
+    with pytest.raises(AssertionError, match="ONE forward pass over the padded batch of 7 columns, got 3 calls"):
+        checks.check_padded_prefill(one_by_one)
 
 
 # --------------------------------------------------------------------------- the simulator

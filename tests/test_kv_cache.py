@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from decodelab.decoding.generate import stream_token_ids
-from decodelab.model.kv_cache import KVCache
+from decodelab.model.kv_cache import KVCache, SlidingWindowKVCache
+from decodelab.model.toy import tiny_model
+from decodelab.lessons.kv_size import tensor_bytes_held
 from decodelab.params import SamplingParams
 from oracles import random_ids, random_model, load_fixture
 
@@ -173,6 +175,56 @@ def test_checks_catch_buggy_caches(small, bug):
         assert truncate_vs_fresh(small, a, rejected, c, cache_cls) > 1e-2
 
 
+# ------------------------------------------------------------------------ the sliding-window ring
+
+RING_WINDOW = 6
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_ring_logits_equal_contiguous_cache_with_window_mask(schedule):
+    """The ring (W slots) against the contiguous cache under the same window mask, over a sequence
+    longer than 3 W, prefilled whole, in chunks that wrap around the ring, or token by token."""
+    model = tiny_model(7, sliding_window=RING_WINDOW)
+    ids = random_ids(40, model.config.vocab_size, seed=7, batch=2)
+    sizes = SCHEDULES[schedule](40, 20)
+    contiguous = cached_logits(model, ids, sizes, KVCache)
+    ring = cached_logits(model, ids, sizes, SlidingWindowKVCache)
+    assert (ring - contiguous).abs().max() <= TOL
+    with torch.no_grad():
+        assert (ring - model(ids)).abs().max() <= TOL
+
+
+def test_ring_greedy_tokens_identical_to_contiguous_cache():
+    model = tiny_model(8, sliding_window=RING_WINDOW)
+    greedy = SamplingParams(temperature=0, max_tokens=4 * RING_WINDOW, ignore_eos=True)
+    ring = list(stream_token_ids(model, [3, 1, 4, 1, 5], greedy, cache_class=SlidingWindowKVCache))
+    contiguous = list(stream_token_ids(model, [3, 1, 4, 1, 5], greedy))
+    assert ring == contiguous and len(ring) == 4 * RING_WINDOW
+
+
+def test_ring_holds_w_slots_whatever_the_length():
+    model = tiny_model(9, sliding_window=RING_WINDOW)
+    cache = SlidingWindowKVCache(model.config, 1, 64)
+    allocated = tensor_bytes_held(cache)
+    per_position = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * model.config.head_dim * 4
+    assert allocated == RING_WINDOW * per_position
+    with torch.no_grad():
+        for length in (4, 30, 60):
+            model(random_ids(length - cache.seq_len, 61, seed=length), kv_cache=cache)
+            assert cache.seq_len == length and tensor_bytes_held(cache) == allocated
+            assert cache.nbytes() == min(length, RING_WINDOW) * per_position
+            assert cache.view(1)[0].shape[2] == min(length, RING_WINDOW)
+
+
+def test_ring_window_argument_and_errors():
+    windowless = tiny_model(10)
+    assert SlidingWindowKVCache(windowless.config, window=3).window == 3
+    assert SlidingWindowKVCache(tiny_model(10, sliding_window=5).config, window=2).window == 2  # the argument wins
+    for bad in (None, 0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="window of at least 1 position"):
+            SlidingWindowKVCache(windowless.config, window=bad)
+
+
 # ------------------------------------------------------------------------ SmolLM2
 @pytest.fixture(scope="module")
 def smollm2_ids(smollm2):
@@ -240,3 +292,14 @@ def test_cuda_model_and_cache_match_cpu():
     on_gpu = list(stream_token_ids(gpu, prompt, SamplingParams(temperature=0, max_tokens=16)))
     on_cpu = list(stream_token_ids(model.to("cpu"), prompt, SamplingParams(temperature=0, max_tokens=16)))
     assert on_gpu == on_cpu
+
+
+@pytest.mark.cuda
+def test_ring_on_cuda_matches_cpu():
+    model = tiny_model(11, sliding_window=RING_WINDOW)
+    ids = random_ids(40, model.config.vocab_size, seed=11, batch=2)
+    sizes = SCHEDULES["chunked_prefill"](40, 20)
+    with torch.no_grad():
+        on_cpu = cached_logits(model, ids, sizes, SlidingWindowKVCache)
+        on_gpu = cached_logits(model.to("cuda"), ids.cuda(), sizes, SlidingWindowKVCache).cpu()
+    assert (on_gpu - on_cpu).abs().max() <= 1e-4

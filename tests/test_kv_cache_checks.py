@@ -8,10 +8,12 @@ import torch
 
 from autograder.checks import kv_cache as checks
 from decodelab.decoding.generate import generate_with_cache, generate_without_cache, stream_token_ids
-from decodelab.model.kv_cache import KVCache
+from decodelab.model.kv_cache import KVCache, SlidingWindowKVCache
 from decodelab.lessons.kv_size import kv_bytes
 from decodelab.params import SamplingParams
-from decodelab.course.widgets.kv_cache import kv_size_calculator, per_token_ms
+from decodelab.model.attention import causal_attention
+from decodelab.course.widgets.kv_cache import (bytes_held_after, cache_class_or_reference, kv_size_calculator,
+                                                per_token_ms)
 from decodelab.lessons.measure import CountingModel
 from decodelab.model.toy import tiny_model
 from oracles import expect_bug_caught, load_fixture
@@ -24,6 +26,7 @@ def test_references_pass():
     checks.check_kv_cache_class(KVCache)
     checks.check_generate_with_cache(generate_with_cache)
     checks.check_kv_cache_bytes(kv_bytes)
+    checks.check_sliding_window_kv_cache(SlidingWindowKVCache)
 
 
 def test_a_list_based_cache_passes():
@@ -50,6 +53,59 @@ def test_messages_name_the_case():
         checks.check_kv_cache_bytes(buggy.kv_bytes_forgets_values)
     with pytest.raises(AssertionError, match="gpt-oss-20b"):
         checks.check_kv_cache_bytes(buggy.kv_bytes_ignores_window)
+    with pytest.raises(AssertionError, match="the rows held, in order: position 4, position 5, position 2, position 3"):
+        checks.check_sliding_window_kv_cache(buggy.RingInSlotOrder)
+    with pytest.raises(AssertionError, match=r"expected shape \[2, 2, 6, 2\] \(the held positions 0..2 then "
+                                             r"the new 3..5.*got \[2, 2, 4, 2\]"):
+        checks.check_sliding_window_kv_cache(buggy.RingReturnsWindowAfterWrite)
+    with pytest.raises(AssertionError, match=r"seq_len .*\(every position seen.*expected 6, got 4"):
+        checks.check_sliding_window_kv_cache(buggy.RingSeqLenCountsHeld)
+
+
+class _ListRing:
+    """A ring written another valid way: K/V kept as a list of the last W rows per layer (torch.cat,
+    then a cloned slice), no slot arithmetic. Behaviour is graded, not layout."""
+
+    def __init__(self, config, batch_size=1, max_seq_len=None, device=None, dtype=torch.float32, window=None):
+        self.window = config.sliding_window if window is None else window
+        if not self.window or self.window < 1:
+            raise ValueError(f"window {self.window!r}")
+        empty = torch.zeros(batch_size, config.num_key_value_heads, 0, config.head_dim, device=device, dtype=dtype)
+        self.held = [(empty, empty) for _ in range(config.num_hidden_layers)]
+        self.seen = [0] * config.num_hidden_layers
+
+    @property
+    def seq_len(self):
+        return self.seen[-1]
+
+    def append(self, layer, k, v):
+        old_k, old_v = self.held[layer]
+        if k.shape != v.shape or k[:, :, :0].shape != old_k[:, :, :0].shape:
+            raise ValueError(f"k, v of shape {list(k.shape)}, {list(v.shape)} do not fit {list(old_k.shape)}")
+        k_all, v_all = torch.cat([old_k, k], 2), torch.cat([old_v, v], 2)
+        self.held[layer] = (k_all[:, :, -self.window:].clone(), v_all[:, :, -self.window:].clone())
+        self.seen[layer] += k.shape[2]
+        return k_all, v_all
+
+    def view(self, layer):
+        return self.held[layer]
+
+    def attend(self, layer, q, k, v):
+        k_all, v_all = self.append(layer, k, v)
+        return causal_attention(q, k_all, v_all, q_offset=k_all.shape[2] - k.shape[2], sliding_window=self.window)
+
+
+def test_a_ring_written_another_way_passes_and_a_slice_that_keeps_its_buffer_fails():
+    checks.check_sliding_window_kv_cache(_ListRing)
+
+    class SliceKeepsBuffer(_ListRing):  # the last W rows as a view: the whole growing buffer stays alive
+        def append(self, layer, k, v):
+            k_all, v_all = _ListRing.append(self, layer, k, v)
+            self.held[layer] = (k_all[:, :, -self.window:], v_all[:, :, -self.window:])
+            return k_all, v_all
+
+    with pytest.raises(AssertionError, match="holds tensors of .* bytes .* W=4 slots"):
+        checks.check_sliding_window_kv_cache(SliceKeepsBuffer)
 
 
 def test_generate_with_and_without_cache_agree_with_the_streaming_generator():
@@ -100,3 +156,21 @@ def test_timing_and_calculator_run():
     assert "16 GiB" in box.figure.layout.title.text
     box.controls["preset"].value = "gpt-oss-20b"
     assert "3 GiB" in box.figure.layout.title.text or "3.0" in box.figure.layout.title.text
+
+
+def test_memory_sweep_measures_a_growing_full_cache_and_a_flat_ring():
+    config = tiny_model(0).config  # 2 layers, 2 KV heads of dim 8: 2 x 2 x 2 x 8 x 4 = 256 bytes a position in float32
+    lengths = [8, 16, 32]
+    full = bytes_held_after(lambda n: KVCache(config, 1, n), config, lengths, chunk=5)
+    ring = bytes_held_after(lambda n: SlidingWindowKVCache(config, 1, n, window=4), config, lengths, chunk=5)
+    assert full == [256 * n for n in lengths] and ring == [256 * 4] * 3
+
+
+def test_an_unfinished_ring_falls_back_to_the_reference(capsys):
+    class Unfinished:
+        def __init__(self, *args, **kwargs):
+            raise NotImplementedError
+
+    assert cache_class_or_reference(Unfinished, SlidingWindowKVCache, sliding_window=2) is SlidingWindowKVCache
+    assert "not written yet" in capsys.readouterr().out
+    assert cache_class_or_reference(buggy.RingInSlotOrder, SlidingWindowKVCache, sliding_window=2) is buggy.RingInSlotOrder

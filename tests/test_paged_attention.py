@@ -114,3 +114,99 @@ def test_group_by_length_finds_the_cheapest_partition(seed):
     assert sorted(i for g in groups for i in g) == list(range(len(num_blocks)))
     assert all(g == sorted(g) for g in groups)
     assert cost(groups) == min(cost(p) for p in partitions(list(range(len(num_blocks)))))
+
+
+# --------------------------------------------------------------------------- a decode batch through its block tables
+# (decodelab.lessons.paged_kv, notebook 07's exercise: the whole batch at once, no loop over sequences)
+
+
+def decode_batch_case(lengths: list[int], num_heads: int, num_kv_heads: int, block_size: int, seed: int,
+                      shared_prefix: int = 0, spare_blocks: int = 1):
+    """Sequences with contiguous K/V [H_kv, length, D] each (the first shared_prefix tokens the same
+    K/V and the same blocks in every sequence long enough), written into a shuffled pool full of
+    stale numbers. -> (q [B, H, D], key_cache, value_cache, ragged block tables, the oracle [B, H, D]):
+    per-sequence SDPA of the one query over its contiguous K/V, the K/V heads repeated per query head."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    shared_blocks = shared_prefix // block_size  # only full blocks can be shared
+    needed = [blocks_needed(n, block_size) for n in lengths]
+    num_blocks = shared_blocks + sum(n - shared_blocks if n > shared_blocks else n for n in needed) + spare_blocks
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    prefix_table = [free.pop() for _ in range(shared_blocks)]
+    pool_k, pool_v = (torch.randn(num_blocks * block_size, num_kv_heads, D, generator=gen) for _ in range(2))
+    prefix_k, prefix_v = (torch.randn(num_kv_heads, shared_blocks * block_size, D, generator=gen) for _ in range(2))
+    q = torch.randn(len(lengths), num_heads, D, generator=gen)
+    tables, expected = [], []
+    for b, n in enumerate(lengths):
+        k, v = (torch.randn(num_kv_heads, n, D, generator=gen) for _ in range(2))
+        shares = needed[b] > shared_blocks and shared_blocks > 0
+        if shares:
+            k[:, :shared_blocks * block_size], v[:, :shared_blocks * block_size] = prefix_k, prefix_v
+        table = (prefix_table if shares else []) + [free.pop() for _ in range(needed[b] - (shared_blocks if shares else 0))]
+        for position in range(n):
+            slot = table[position // block_size] * block_size + position % block_size
+            pool_k[slot], pool_v[slot] = k[:, position], v[:, position]
+        group = num_heads // num_kv_heads
+        expected.append(torch.nn.functional.scaled_dot_product_attention(
+            q[b][:, None], k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0))[:, 0])
+        tables.append(table)
+    shape = (num_blocks, block_size, num_kv_heads, D)
+    return q, pool_k.view(shape), pool_v.view(shape), tables, torch.stack(expected)
+
+
+def padded_with(tables: list[list[int]], fill: int) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [fill] * (width - len(t)) for t in tables])
+
+
+DECODE_CASES = [  # (context lengths, H, H_kv, block size, shared prefix tokens)
+    ([1, 37, 5, 64, 2], 6, 2, 4, 0),  # very different lengths, GQA
+    ([130, 3, 17, 16, 1, 90], 9, 3, 16, 0),  # SmolLM2's heads
+    ([20, 33, 12, 8], 4, 4, 4, 8),  # a shared 8-token prefix (two blocks); the 8-token one is all prefix
+    ([7, 40, 41], 8, 1, 8, 16),  # MQA, a shared prefix
+    ([5], 2, 1, 2, 0),
+]
+
+
+@pytest.mark.parametrize("lengths, num_heads, num_kv_heads, block_size, shared", DECODE_CASES)
+def test_paged_decode_attention_equals_per_sequence_sdpa(lengths, num_heads, num_kv_heads, block_size, shared):
+    from decodelab.lessons.paged_kv import paged_decode_attention, per_sequence_decode_attention
+
+    q, key_cache, value_cache, tables, expected = decode_batch_case(lengths, num_heads, num_kv_heads, block_size,
+                                                                    seed=len(lengths), shared_prefix=shared)
+    assert any(sorted(t) != t for t in tables), "the case should hold a table out of order"
+    if shared:
+        held = [b for t in tables for b in t]
+        assert len(set(held)) < len(held), "the case should share a block"
+    before = [list(t) for t in tables], key_cache.clone(), value_cache.clone()
+    for block_tables, context_lens in ((tables, lengths), (padded_with(tables, -1), torch.tensor(lengths))):
+        got = paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(per_sequence_decode_attention(q, key_cache, value_cache, tables, lengths), expected,
+                               atol=1e-5, rtol=1e-5)
+    assert before[0] == tables and torch.equal(before[1], key_cache) and torch.equal(before[2], value_cache)
+
+
+def test_paged_decode_attention_keeps_q_dtype_and_softmaxes_in_float32():
+    from decodelab.lessons.paged_kv import paged_decode_attention
+
+    q, key_cache, value_cache, tables, expected = decode_batch_case([50, 3, 21], 6, 2, 8, seed=3)
+    got = paged_decode_attention(q.bfloat16(), key_cache.bfloat16(), value_cache.bfloat16(), tables, [50, 3, 21])
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("tables, lengths, message", [
+    ([[0, 1], [2]], [9, 4], r"context_lens \[9, 4\] must each lie in 1 \.\. .* \[8, 4\]"),
+    ([[0, 1], [2]], [8, 0], "must each lie in 1"),
+    ([[0, 1]], [8, 4], "q holds 2 sequences; got 1 block tables and 2 context lengths"),
+])
+def test_paged_decode_attention_names_bad_input(tables, lengths, message):
+    from decodelab.lessons.paged_kv import paged_decode_attention
+
+    cache = torch.zeros(3, 4, 1, D)
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(torch.zeros(2, 2, D), cache, cache, tables, lengths)
+    with pytest.raises(ValueError, match="the 3 query heads must be a multiple of the 2 KV heads"):
+        paged_decode_attention(torch.zeros(1, 3, D), torch.zeros(3, 4, 2, D), torch.zeros(3, 4, 2, D), [[0]], [1])

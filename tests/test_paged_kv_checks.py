@@ -8,15 +8,18 @@ import pytest
 from autograder.checks import paged_kv as checks
 from decodelab.engine.block_allocator import BlockAllocator, kv_waste
 from decodelab.engine.paged_attention import gather_kv
+from decodelab.lessons.paged_kv import paged_decode_attention
 from oracles import expect_bug_caught, load_fixture
 
 buggy = load_fixture("buggy_paged_kv")
-CHECK_OF = {"kv_waste": "check_kv_waste", "gather_kv": "check_gather_kv", "BlockAllocator": "check_block_allocator"}
+CHECK_OF = {"kv_waste": "check_kv_waste", "gather_kv": "check_gather_kv",
+            "paged_decode_attention": "check_paged_decode_attention", "BlockAllocator": "check_block_allocator"}
 
 
 def test_reference_passes():
     checks.check_kv_waste(kv_waste)
     checks.check_gather_kv(gather_kv)
+    checks.check_paged_decode_attention(paged_decode_attention)
     checks.check_block_allocator(BlockAllocator)
 
 
@@ -44,6 +47,13 @@ def test_messages_name_the_case():
         checks.check_gather_kv(buggy.gather_kv_contiguous_from_first_block)
     with pytest.raises(AssertionError, match=r"token 0 should come from slot 20 \(block 5, offset 0\)"):
         checks.check_gather_kv(buggy.gather_kv_adds_offset_to_block_id)
+    # A decode batch: the call, the sequence and head, and which sequences differ (here: the padded ones).
+    with pytest.raises(AssertionError, match=r"block_tables=\[\[5, 1\], \[3\], \[0, 4, 2\]\] \(lists\), "
+                                             r"context_lens=\[5, 1, 11\]\): sequence 0 .*Sequences that differ: "
+                                             r"\[0, 1\] of 3; .*\(padded\): \[0, 1\]"):
+        checks.check_paged_decode_attention(buggy.decode_attention_padding_unmasked)
+    with pytest.raises(AssertionError, match=r"query head 1 \(it reads KV head 1 // 2 = 0\)"):
+        checks.check_paged_decode_attention(buggy.decode_attention_heads_modulo)
     # The allocator's messages: the operations so far, then what was expected and what came back.
     with pytest.raises(AssertionError, match=r"(?s)1\. A = allocate\(\[1, 2, 3, 4, 5, 6, 7, 8, 100, 101, 102\]\).*"
                                              r"free_sequence\(A's table .*ref_count\(\d+\): expected 1 "
@@ -97,5 +107,29 @@ def test_the_notebooks_visible_tests_catch_each_allocator_bug(bug):
                 exec(compile(visible, "<test_BlockAllocator>", "exec"), namespace)  # noqa: S102
             except AssertionError:
                 assert should_fail, f"the visible tests fail on {cls.__name__}, a right allocator"
+                continue
+        assert not should_fail, f"the visible tests pass on {bug}"
+
+
+@pytest.mark.parametrize("bug", sorted(bug for bug, (_, check, _) in buggy.BUGS.items()
+                                       if check == "check_paged_decode_attention"))
+def test_the_notebooks_visible_tests_catch_each_decode_attention_bug(bug):
+    """Every kept bug of paged_decode_attention fails the visible tests with an AssertionError."""
+    from notebooks import graded_cells, read, solution_path, visible_part
+    import contextlib
+    import io
+
+    nb = read(solution_path("07_paged_kv"))
+    setup = next(c.source for c in nb.cells if c.cell_type == "code")
+    visible = visible_part(graded_cells(nb)["test_paged_decode_attention"].source)
+    for fn, should_fail in ((paged_decode_attention, False), (buggy.BUGS[bug][0], True)):
+        namespace = {"__name__": "__visible_test__"}
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(setup, "<setup cell>", "exec"), namespace)  # noqa: S102 - our own notebook
+            namespace["paged_decode_attention"] = fn
+            try:
+                exec(compile(visible, "<test_paged_decode_attention>", "exec"), namespace)  # noqa: S102
+            except AssertionError:
+                assert should_fail, "the visible tests fail on the library's paged_decode_attention"
                 continue
         assert not should_fail, f"the visible tests pass on {bug}"

@@ -167,3 +167,69 @@ def test_int8_serves_your_int8_linear_with_the_library_int8_tokens(filled_course
     assert served["output_ids"] == served["library_output_ids"]
     assert served["parts"]["int8 linear layer"] == "yours" and served["parts"]["forward pass"] == "reference"
     assert served["hook_modules"]["int8 linear layer"] == "_decodelab_yours_06_quantization"
+
+
+# --------------------------------------------------------------------------- a part that breaks in the engine
+
+BROKEN_PARTS = '''
+import torch
+
+def sample(*args, **kwargs):
+    raise RuntimeError("this sampler only knows one row")
+
+def apply_repetition_penalty(logits, token_ids, penalty):
+    return None  # passes a test that only checks it does not raise; the engine reads its logits
+'''
+
+
+def planted(*stages: str) -> parts.Assembly:
+    """An assembly whose `stages` are the learner's, taken from BROKEN_PARTS (02's namespace)."""
+    bill = parts.bill_of_materials(all_passing())
+    for entry in bill:
+        if entry.stage.name not in stages:
+            entry.source = "reference"
+    sampling = {"__name__": "_decodelab_yours_02_sampling"}
+    exec(compile(BROKEN_PARTS, "<02_sampling cells>", "exec"), sampling)
+    # an innocent stage: 08's methods, as the library writes them
+    scheduling = {"__name__": "_decodelab_yours_08", **{name: getattr(parts.Scheduler, name)
+                                                        for name in parts._scheduler_methods()}}
+    namespaces = {"02_sampling": sampling, "08_continuous_batching": scheduling}
+    hooks = parts.EngineHooks()
+    for entry in bill:
+        if entry.source == "yours":
+            setattr(hooks, entry.stage.hook, entry.stage.build(namespaces[entry.stage.notebook]))
+    return parts.Assembly(bill, hooks, namespaces=namespaces)
+
+
+def tiny_run(hooks):
+    from decodelab import LLM, SamplingParams
+
+    llm = LLM("tiny", hooks=hooks)
+    out = llm.generate([[1, 5, 9, 4]], SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3),
+                       use_tqdm=False)[0]
+    return out.outputs[0].token_ids
+
+
+def test_a_part_that_raises_in_the_engine_falls_back_and_the_bill_says_why():
+    expected = tiny_run(parts.EngineHooks())
+    engine = planted("sampling", "repetition penalty", "scheduler")
+    assert parts.run_with_fallback(engine, tiny_run) == expected
+    bill = {e.stage.name: e for e in engine.bill}
+    # the sampler raised in its own frame: named by the traceback
+    assert bill["sampling"].source == "reference"
+    assert "RuntimeError: this sampler only knows one row" in bill["sampling"].why
+    # the penalty returned None and the library failed later: found by replacing one stage at a time
+    assert bill["repetition penalty"].source == "reference" and "raised in the engine" in bill["repetition penalty"].why
+    assert bill["scheduler"].source == "yours"  # innocent, kept
+    assert engine.parts["sampling"] == "reference" and "yours" in parts.format_bill(engine.bill)
+
+
+def test_an_error_that_is_not_the_learners_is_raised():
+    engine = planted("scheduler")
+
+    def broken(hooks):
+        raise ValueError("the prompt is too long")
+
+    with pytest.raises(ValueError, match="too long"):
+        parts.run_with_fallback(engine, broken)
+    assert engine.parts["scheduler"] == "yours"

@@ -7,12 +7,14 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import re
 
 import pytest
 import torch
 
 from autograder.checks import prefill_decode as checks
 from decodelab.lessons import prefill_decode as pf
+from decodelab.lessons.detokenize import CountingTokenizer, sentencepiece_style_tokenizer
 from decodelab.decoding.generate import stream_token_ids
 from decodelab.model.kv_cache import KVCache
 from decodelab.params import SamplingParams
@@ -30,7 +32,8 @@ def _reference(function: str):
 
 @pytest.mark.parametrize("function", sorted(checks.REFERENCES))
 def test_reference_passes(function):
-    getattr(checks, f"check_{function}")(_reference(function))
+    check = "check_" + re.sub(r"(?<=[a-z])(?=[A-Z])", "_", function).lower()  # IncrementalDetokenizer: a class
+    getattr(checks, check)(_reference(function))
 
 
 @pytest.mark.parametrize("bug", sorted(buggy.BUGS))
@@ -57,19 +60,33 @@ def test_messages_name_the_case():
         checks.check_reuse_prefix(buggy.reuse_recomputes_prefix)
     with pytest.raises(AssertionError, match="own copy|5-token suffix"):
         checks.check_reuse_prefix(buggy.reuse_shares_one_cache)
+    with pytest.raises(AssertionError, match="Japanese.*U\\+FFFD: part of a character was sent"):
+        checks.check_incremental_detokenizer(buggy.DetokenizeEachTokenAlone)
+    with pytest.raises(AssertionError, match=r"decoded \d+ ids in all.*expected at most 32"):
+        checks.check_incremental_detokenizer(buggy.DetokenizeEverythingAgain)
+    with pytest.raises(AssertionError, match="flush\\(\\) returned ''; expected flush to return '\ufffd'"):
+        checks.check_incremental_detokenizer(buggy.DetokenizeFlushLosesTail)
+    with pytest.raises(AssertionError, match="SentencePiece-style.*sent 'Helloworl', expected 'Hello wor'"):
+        checks.check_incremental_detokenizer(buggy.DetokenizeWithoutContext)
 
 
 def _exercise_defs():
-    """function name -> its FunctionDef in the notebook's exercise cells."""
+    """function or class name -> its FunctionDef or ClassDef in the notebook's exercise cells."""
     found = {}
     for cell in read(solution_path(NAME)).cells:
         gid = grade_id(cell) or ""
         if gid.startswith("ex_"):
             tree = ast.parse(cell.source)
             for node in tree.body:  # an exercise cell may define helpers too (timed_generate's prefill)
-                if isinstance(node, ast.FunctionDef):
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                     found[node.name] = node
     return found
+
+
+def _expect_same_signature(name: str, node: ast.FunctionDef, reference: ast.FunctionDef) -> None:
+    assert ast.unparse(node.args) == ast.unparse(reference.args), f"{name}: arguments differ from the reference's"
+    returns = [ast.unparse(n.returns) if n.returns else None for n in (node, reference)]
+    assert returns[0] == returns[1], f"{name}: return annotation differs"
 
 
 def test_exercises_have_the_references_signature_and_docstring():
@@ -79,8 +96,43 @@ def test_exercises_have_the_references_signature_and_docstring():
         reference = pf.prefill if function == "prefill" else _reference(function)
         assert ast.get_docstring(node) == inspect.getdoc(reference), f"{function}: docstring differs from the reference's"
         source = ast.parse(inspect.getsource(reference).lstrip()).body[0]
-        assert ast.unparse(node.args) == ast.unparse(source.args), f"{function}: arguments differ from the reference's"
-        assert ast.unparse(node.returns) == ast.unparse(source.returns), f"{function}: return annotation differs"
+        if isinstance(node, ast.ClassDef):  # a class: the same methods, each with the same signature and docstring
+            methods = {n.name: n for n in node.body if isinstance(n, ast.FunctionDef)}
+            wanted = {n.name: n for n in source.body if isinstance(n, ast.FunctionDef)}
+            assert set(methods) == set(wanted), f"{function}: methods {sorted(methods)}, reference {sorted(wanted)}"
+            for name, method in methods.items():
+                _expect_same_signature(f"{function}.{name}", method, wanted[name])
+                assert ast.get_docstring(method) == ast.get_docstring(wanted[name]), f"{function}.{name}: docstring"
+        else:
+            _expect_same_signature(function, node, source)
+
+
+def test_stream_decoder_takes_integer_ids_only():
+    """The engine's detokenizer (the exercise's reference) takes ids as ints, NumPy or 0-d tensors."""
+    import numpy as np
+
+    from decodelab.model.tokenizer import StreamDecoder
+
+    tokenizer = sentencepiece_style_tokenizer()
+    decoder = StreamDecoder(tokenizer)
+    hello, world = tokenizer.encode("Hello world")
+    assert decoder.push(torch.tensor(hello)) + decoder.push(np.int64(world)) + decoder.flush() == "Hello world"
+    with pytest.raises(TypeError):
+        decoder.push(1.5)
+    with pytest.raises(ValueError, match=">= 0"):
+        decoder.push(-3)
+
+
+def test_counting_tokenizer_counts_and_offers_only_decode():
+    tokenizer = sentencepiece_style_tokenizer()
+    counter = CountingTokenizer(tokenizer)
+    ids = tokenizer.encode("say hi in Japanese: 日本")
+    assert counter.decode(ids) == tokenizer.decode(ids) and counter.decode(ids[:3], True) == "say hi in"
+    mark = counter.mark()
+    counter.decode(ids[:2])
+    assert counter.decoded == [len(ids), 3, 2] and counter.since(mark) == 2
+    with pytest.raises(AttributeError, match="only decode"):
+        counter.encode("hi")
 
 
 def test_latencies_from_timestamps():

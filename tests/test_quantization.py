@@ -518,6 +518,26 @@ def test_quantized_kv_cache_random(kv_dtype):
         model(random_ids(17, cfg.vocab_size), kv_cache=cache)
 
 
+@pytest.mark.parametrize("kv_dtype", quant.KV_DTYPES)
+def test_quantized_kv_cache_view_is_what_append_returned(kv_dtype):
+    """view(layer) dequantizes (it once handed back the raw int8 levels); append returns it in k's dtype."""
+    cfg = random_model().config
+    cache = quant.QuantizedKVCache(cfg, 2, 8, kv_dtype=kv_dtype)
+    shape = (2, cfg.num_key_value_heads, 3, cfg.head_dim)
+    k, v = torch.randn(shape, generator=torch.Generator().manual_seed(0)), torch.randn(shape).bfloat16()
+    got_k, got_v = cache.append(1, k, v)
+    view_k, view_v = cache.view(1)
+    assert got_k.dtype == torch.float32 and got_v.dtype == torch.bfloat16 and view_k.dtype == torch.float32
+    assert torch.equal(view_k, got_k) and torch.equal(view_v.bfloat16(), got_v)
+    assert (view_k - k).abs().max() <= {"int8": 0.5 / 127, "fp8": 0.07, "fp16": 1e-3}[kv_dtype] * k.abs().max()
+
+
+def test_int8_kv_cache_is_the_int8_quantized_cache():
+    cfg = random_model().config
+    cache = quant.Int8KVCache(cfg, 1, 8)
+    assert isinstance(cache, quant.QuantizedKVCache) and cache.kv_dtype == "int8" and cache.keys.dtype == torch.int8
+
+
 SMOLLM2_KV_INT8_MAX_LOGIT_DIFF = 1.0  # measured 0.54 (logits span about +-30)
 
 

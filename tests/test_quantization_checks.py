@@ -23,6 +23,7 @@ GRADED_CHECKS = {
     "Int8Linear": "check_int8_linear",
     "Int4Linear": "check_int4_linear",
     "replace_linears": "check_replace_linears",
+    "Int8KVCache": "check_int8_kv_cache",
 }
 ALL_BUGS = {**buggy.BUGS, **{name: bug for name, bug in buggy_library.BUGS.items() if hasattr(checks, bug[1])}}
 
@@ -86,6 +87,11 @@ LAYER_MESSAGES = {
     "replace_linears_lm_head_too": "the lm_head was replaced too",
     "replace_linears_children_only": "make_linear was called 0 times",
     "replace_linears_first_layer": r"make_linear was called 7 times .* expected once for each of the 14",
+    "int8_kv_cache_per_tensor": r"with 0 held returned .* came back as 0, off by .*within s / 2",
+    "int8_kv_cache_max_not_abs": r"value 1 is -15 and came back as -1\.97588",
+    "int8_kv_cache_truncates": r"off by 0\.00038; .* within s / 2 = 0\.00019",
+    "int8_kv_cache_scales_from_zero": r"with 5 held returned \(all 7 held\): .* position 6",
+    "int8_kv_cache_keeps_float": r"keeps 6,144 bytes of tensors \(torch.float32 .*take 2,304: store K and V as int8",
 }
 
 
@@ -141,15 +147,17 @@ def _notebook_visible_tests():
 
 
 @pytest.mark.parametrize("bug", sorted(bug for bug, (_, check, _) in buggy.BUGS.items()
-                                       if check in ("check_int8_linear", "check_int4_linear", "check_replace_linears")))
+                                       if check in ("check_int8_linear", "check_int4_linear", "check_replace_linears",
+                                                    "check_int8_kv_cache")))
 def test_the_notebooks_visible_tests_catch_each_layer_bug(bug):
-    """Not only one bug per exercise (tests/test_notebooks.py): every kept bug of the int8 and int4 layers
-    and of replace_linears fails the visible tests a learner runs, with an AssertionError."""
+    """Not only one bug per exercise (tests/test_notebooks.py): every kept bug of the int8 and int4 layers,
+    of replace_linears and of the int8 KV cache fails the visible tests a learner runs, with an AssertionError."""
     import contextlib
     import io
 
     fn, check_name, _ = buggy.BUGS[bug]
-    function = {"check_int8_linear": "Int8Linear", "check_int4_linear": "Int4Linear"}.get(check_name, "replace_linears")
+    function = {"check_int8_linear": "Int8Linear", "check_int4_linear": "Int4Linear",
+                "check_int8_kv_cache": "Int8KVCache"}.get(check_name, "replace_linears")
     setup, visible = _notebook_visible_tests()
     for candidate, should_fail in ((_reference(function), False), (fn, True)):
         namespace = {"__name__": "__visible_test__"}
@@ -171,3 +179,17 @@ def test_hidden_runner_reports_the_message():
     hidden("quantization.check_replace_linears", _reference("replace_linears"))
     with pytest.raises(HiddenTestFailed, match="hidden test failed: .*the lm_head was replaced too"):
         hidden("quantization.check_replace_linears", buggy.replace_linears_lm_head_too)
+
+
+def test_the_int8_kv_cache_bound_is_tight_enough():
+    """On the check's rows, the reference's largest error uses a fair part of half a step (the bound is not
+    vacuous), and its tensors take exactly the bytes the storage check allows (the allowance is not loose)."""
+    from decodelab.model.quantization import Int8KVCache
+
+    cache = Int8KVCache(checks._kv_config(), checks._KV_BATCH, checks._KV_MAX_LEN)
+    x = checks._kv_rows(checks._KV_MAX_LEN, seed=0)
+    keys, _ = cache.append(0, x, x)
+    _, scale = checks._kv_grid(x)
+    assert 0.4 < float(((keys.double() - x.double()).abs() / scale).max()) <= 0.5 + 1e-5
+    held = sum(t.nbytes for t in vars(cache).values() if isinstance(t, torch.Tensor))
+    assert held == checks._KV_TOKEN_BYTES * checks._KV_MAX_LEN

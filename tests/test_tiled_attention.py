@@ -1,5 +1,6 @@
 """decodelab.lessons.tiled_attention: the online softmax gives plain attention's result to float
-tolerance, with grouped heads, offsets and ragged last tiles, and never holds the [T, S] scores."""
+tolerance, with grouped heads, offsets and ragged last tiles, and never holds the [T, S] scores;
+causal tiling computes about half of a prompt's tiles and masks only the diagonal ones."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from decodelab.model.attention import causal_attention, repeat_kv
 from decodelab.lessons.gqa import group_query_attention
 from decodelab.lessons.tiled_attention import (attention_memory_bytes, measure_tensor_memory, online_softmax_update,
-                                       tiled_attention)
+                                               tiled_attention, tiled_causal_attention)
 
 
 def _plain(q, k, v, causal=True, q_offset=0):
@@ -240,3 +241,77 @@ def test_combined_splits_equal_softmax_over_all_keys():
     torch.testing.assert_close(got, torch.softmax(scores, -1) @ values)
     with pytest.raises(ValueError, match="must be"):
         combine_partial_attention(torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2, 3, 5))
+
+
+# --------------------------------------------------------------------------- tiled_causal_attention
+
+
+@pytest.mark.parametrize("queries, offset, tile", [
+    (64, 0, 16),  # a prompt, the tile divides it
+    (50, 0, 16),  # a prompt, the tile does not divide it
+    (20, 13, 6),  # a chunk after a prefix, tiles off the boundaries: rows masked whole in diagonal tiles
+    (24, 40, 8),  # a chunk after a prefix, on the boundaries
+    (1, 40, 8),   # a decode step that starts a new key tile
+    (1, 39, 8),   # a decode step at the end of a key tile
+    (7, 0, 64),   # one tile larger than everything
+    (5, 3, 1),    # tiles of a single query and key
+])
+def test_causal_tiles_match_causal_attention(queries, offset, tile):
+    torch.manual_seed(queries + offset + tile)
+    q = torch.randn(2, 6, queries, 8)
+    k, v = torch.randn(2, 2, offset + queries, 8), torch.randn(2, 2, offset + queries, 8)
+    out, computed, masked = tiled_causal_attention(q, k, v, tile_size=tile, q_offset=offset)
+    assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out, causal_attention(q, k, v, q_offset=offset), atol=1e-5, rtol=1e-5)
+    assert 0 <= masked <= computed <= math.ceil(queries / tile) * math.ceil((offset + queries) / tile)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_causal_tiles_random_shapes_float64(seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    pick = lambda low, high: int(torch.randint(low, high + 1, (1,), generator=gen))  # noqa: E731
+    kv_heads, group, queries, offset, tile = pick(1, 3), pick(1, 3), pick(1, 30), pick(0, 50), pick(1, 20)
+    q = torch.randn(1, kv_heads * group, queries, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, kv_heads, offset + queries, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, kv_heads, offset + queries, 8, generator=gen, dtype=torch.float64)
+    out, _, _ = tiled_causal_attention(q, k, v, tile_size=tile, q_offset=offset)
+    assert out.dtype == torch.float64
+    assert (out - _plain(q, k, v, q_offset=offset)).abs().max() < 1e-12
+
+
+def test_causal_tiles_skip_about_half_a_prompt_and_less_after_a_prefix():
+    """n tiles a side: n(n+1)/2 computed, the n diagonal ones masked. A chunk after a prefix computes a larger
+    share of its grid the longer the prefix; a decode step computes every key tile and masks none."""
+    for n in (1, 4, 16):
+        q, kv = torch.randn(1, 1, 8 * n, 4), torch.randn(1, 1, 8 * n, 4)
+        assert tiled_causal_attention(q, kv, kv, tile_size=8)[1:] == (n * (n + 1) // 2, n)
+    shares = []
+    for prefix in (0, 64, 256, 1024):
+        q, kv = torch.randn(1, 1, 64, 4), torch.randn(1, 1, prefix + 64, 4)
+        computed = tiled_causal_attention(q, kv, kv, tile_size=16, q_offset=prefix)[1]
+        shares.append(computed / (4 * math.ceil((prefix + 64) / 16)))
+    # a prompt of 4 tiles: 1 + 2 + 3 + 4 of 16; after 1,024 tokens the 4 query tiles need 65, 66, 67 and 68 of 68 key tiles
+    assert shares == sorted(shares) and shares[0] == 10 / 16 and shares[-1] == 266 / 272
+    q, kv = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 41, 4)
+    assert tiled_causal_attention(q, kv, kv, tile_size=8, q_offset=40)[1:] == (6, 0)
+
+
+def test_causal_tiles_large_scores_and_half_precision():
+    torch.manual_seed(9)
+    q, k, v = 30 * torch.randn(1, 2, 12, 8), 30 * torch.randn(1, 2, 17, 8), torch.randn(1, 2, 17, 8)
+    out = tiled_causal_attention(q, k, v, tile_size=5, q_offset=5)[0]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), _plain(q, k, v, q_offset=5), atol=1e-5, rtol=1e-5)
+    half = tiled_causal_attention(q.bfloat16() / 30, k.bfloat16() / 30, v.bfloat16(), tile_size=4, q_offset=5)[0]
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), causal_attention(q / 30, k / 30, v, q_offset=5), atol=2e-2, rtol=2e-2)
+
+
+def test_causal_tiles_bad_arguments_are_errors():
+    q, kv = torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 5, 4)
+    with pytest.raises(ValueError, match="5 keys for 3 queries at offset 0"):
+        tiled_causal_attention(q, kv, kv)
+    with pytest.raises(ValueError, match="2 keys for 3 queries at offset -1"):
+        tiled_causal_attention(q, torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), q_offset=-1)
+    with pytest.raises(ValueError, match="tile_size must be at least 1"):
+        tiled_causal_attention(q, kv, kv, tile_size=0, q_offset=2)

@@ -1,5 +1,6 @@
 """Checks for notebook 08, continuous batching: the step pieces of `decodelab.engine.scheduler`
-(`admit`, `decode_batch`, `preempt`, `finish`, and the chunked-prefill step `schedule_chunked`).
+(`admit`, `decode_batch`, `preempt`, `finish`, and the chunked-prefill step `schedule_chunked`),
+and the static batch's padded prefill (`padded_prefill`, `decodelab.lessons.padded_batch`).
 
 Each ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and
@@ -17,17 +18,26 @@ prompts, then newcomers). They are compared with what the function left behind: 
 each sequence's status, block table size and counters, the number of free blocks, and the
 pool's reference counts (`check_invariants`: no leaked or doubly freed block). Block *ids*
 are never compared: which free block a sequence gets is the allocator's business.
+
+`padded_prefill` is graded against its oracle, each prompt run alone through the same model,
+on a small random Llama and on the same with scrambled RoPE tables (`model.toy.scramble_rope_`):
+RoPE only sees the distance between two tokens, so positions shifted by the pads change the
+plain model's logits by float rounding only; on the scrambled one they change them by O(1).
 """
 from __future__ import annotations
 
 import random
 
+import torch
+
 from autograder.checks.answers import expect_answer
-from autograder.checks.calling import call
+from autograder.checks.calling import call, expect_raises
 from decodelab.engine.block_allocator import BlockAllocator, blocks_needed
 from decodelab.params import SamplingParams
 from decodelab.engine.scheduler import Scheduler
 from decodelab.engine.sequence import Sequence, Status
+from decodelab.lessons.measure import CountingModel
+from decodelab.model.toy import random_llama, scramble_rope_
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this).
 # check_admit grades the library's whole-prompt `admit`, no longer an exercise (schedule_chunked admits).
@@ -36,9 +46,11 @@ REFERENCES = {
     "preempt": "decodelab.engine.scheduler:preempt",
     "finish": "decodelab.engine.scheduler:finish",
     "schedule_chunked": "decodelab.engine.scheduler:schedule_chunked",
+    "padded_prefill": "decodelab.lessons.padded_batch:padded_prefill",
 }
 
-__all__ = ["check_admit", "check_decode_batch", "check_preempt", "check_finish", "check_schedule_chunked"]
+__all__ = ["check_admit", "check_decode_batch", "check_preempt", "check_finish", "check_schedule_chunked",
+           "check_padded_prefill"]
 
 RANDOM_CASES = 150
 
@@ -595,6 +607,90 @@ def check_schedule_chunked(schedule_chunked) -> None:
         _run_chunked(schedule_chunked, f"schedule_chunked, random case {case}: block size {block_size}, {free} free "
                      f"blocks, running (tokens, computed) {running}, waiting lengths {waiting}, max_num_seqs={slots}, "
                      f"max_num_batched_tokens={budget}", block_size, free, running, waiting, slots, budget)
+
+
+# --------------------------------------------------------------------------- padded_prefill
+
+PADDED_SEED = 8
+PADDED_RANDOM_CASES = 6
+# The toy's logits are of order 1; a correct padded row differs from its prompt alone by ~1e-6
+# (another summation order), a wrong mask or position by 0.1 or more.
+PADDED_TOLERANCE = 1e-4
+
+
+def _padded_models() -> dict[str, torch.nn.Module]:
+    """A small random Llama (4 query heads over 2 KV heads), and the same with scrambled RoPE tables."""
+    return {"a small random Llama": random_llama(PADDED_SEED),
+            "a small random Llama whose RoPE tables are scrambled (a token's position matters on its own, not only "
+            "distances: each prompt's first real token must be at position 0)":
+                scramble_rope_(random_llama(PADDED_SEED), PADDED_SEED)}
+
+
+def _check_padded_case(padded_prefill, model, model_name: str, prompts: list[list[int]], pad_id: int,
+                       what: str) -> None:
+    lengths = [len(prompt) for prompt in prompts]
+    batch, longest = len(prompts), max(lengths)
+    desc = f"padded_prefill(model, prompts of {lengths} tokens, pad_id={pad_id}){what} on {model_name}"
+    counting = CountingModel(model)
+    got = call(desc, padded_prefill, counting, [list(prompt) for prompt in prompts], pad_id)
+    if not (isinstance(got, tuple) and len(got) == 2):
+        raise AssertionError(f"{desc}: expected a pair (logits [B, V], pad fraction), got {type(got).__name__}")
+    logits, fraction = got
+    if [tokens for tokens, _ in counting.calls] != [longest]:
+        raise AssertionError(f"{desc}: expected ONE forward pass over the padded batch of {longest} columns, got "
+                             f"{len(counting.calls)} calls feeding {counting.tokens_fed()} tokens a row")
+    vocab_size = model.config.vocab_size
+    if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (batch, vocab_size):
+        shape = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise AssertionError(f"{desc}: expected logits of shape [{batch}, {vocab_size}], got {shape}")
+    for row, prompt in enumerate(prompts):
+        alone = model(torch.tensor([prompt]), last_only=True)[0, -1]  # [V]: the oracle
+        mine = logits[row].detach().float()
+        if not torch.allclose(mine, alone, rtol=0.0, atol=PADDED_TOLERANCE):
+            gap = (mine - alone).abs().nan_to_num(float("inf"))
+            token = int(gap.argmax())
+            raise AssertionError(
+                f"{desc}: row {row} (a prompt of {len(prompt)} tokens after {longest - len(prompt)} pads) should equal "
+                f"the prompt's own next-token logits, run alone: at token {token} expected {float(alone[token]):.5f}, "
+                f"got {float(mine[token]):.5f} (largest difference {float(gap.max()):.3g}, tolerance "
+                f"{PADDED_TOLERANCE:g})")
+    expected = 1 - sum(lengths) / (batch * longest)
+    if not isinstance(fraction, (int, float, torch.Tensor)) or abs(float(fraction) - expected) > 1e-9:
+        raise AssertionError(f"{desc}: pad fraction expected {expected:.6g} ({batch * longest - sum(lengths)} pad "
+                             f"slots of {batch} x {longest}), got {fraction!r}")
+
+
+def _padded_cases(vocab_size: int) -> list[tuple[list[list[int]], int, str]]:
+    cases = [
+        ([[5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [9, 3, 4, 4, 8]], 0, ", three prompts of different lengths"),
+        ([[3], [1, 2, 3, 4, 5, 6, 7, 8, 9]], 0, ", a one-token prompt beside a 9-token one"),
+        ([[1, 2, 3, 4], [5, 6, 7, 8]], 0, ", prompts of equal length (nothing to pad)"),
+        ([[10, 20, 30]], 0, ", one prompt"),
+        ([[4, 4, 9], [1, 4, 2, 3, 4, 5]], 4, ", pad_id 4 also a real token of both prompts"),
+        ([[vocab_size - 1, 2], [7, 8, 9, 10, 11]], vocab_size - 1, ", pad_id the last id of the vocabulary"),
+    ]
+    rng = random.Random(PADDED_SEED)
+    for case in range(PADDED_RANDOM_CASES):
+        prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(1, 24))] for _ in range(rng.randint(1, 5))]
+        cases.append((prompts, rng.randrange(vocab_size), f", random case {case + 1}"))
+    return cases
+
+
+def check_padded_prefill(padded_prefill) -> None:
+    """Named and random batches on both toy models against each prompt run alone (one pass, the
+    pad fraction), then bad input: no prompt, an empty prompt, pad_id outside the vocabulary."""
+    with torch.inference_mode():
+        models = _padded_models()
+        for model_name, model in models.items():
+            for prompts, pad_id, what in _padded_cases(model.config.vocab_size):
+                _check_padded_case(padded_prefill, model, model_name, prompts, pad_id, what)
+        model = next(iter(models.values()))
+        vocab_size = model.config.vocab_size
+        expect_raises("padded_prefill(model, [], pad_id=0)", ValueError, "no prompt", padded_prefill, model, [], 0)
+        expect_raises("padded_prefill(model, [[1, 2], []], pad_id=0)", ValueError, "a prompt without tokens",
+                      padded_prefill, model, [[1, 2], []], 0)
+        expect_raises(f"padded_prefill(model, [[1, 2]], pad_id={vocab_size}) with a vocabulary of {vocab_size}",
+                      ValueError, "pad_id outside the vocabulary", padded_prefill, model, [[1, 2]], vocab_size)
 
 
 # --------------------------------------------------------------------------- predictions (q_ cells)

@@ -1,5 +1,5 @@
 """Checks for notebook 03, the KV cache: generation without a cache, a KV cache class, generation
-with it, and the KV bytes formula.
+with it, the KV bytes formula, and the sliding-window ring cache.
 
 Every ``check_*`` takes the function (or class) under test: the library's reference in CI, a
 kept buggy version in CI's negative tests (tests/fixtures/buggy_kv_cache.py), the learner's
@@ -14,6 +14,10 @@ Oracles, never snapshots:
 * the cache: the model without any cache (one causal forward pass over the whole sequence) in
   float64, with grouped-query heads, a sliding window and a batch of two; and the rows appended,
   which views must return exactly;
+* the ring: the rows appended (what it returns and holds must be exactly the right positions, in
+  position order), `causal_attention` with ``sliding_window=W`` over the full K/V for queries at
+  every position, the model with that window and no cache, and the bytes behind the tensors it
+  holds (at most W slots per layer, whatever the length);
 * bytes: the formula written out here layer by layer from the published config.json values
   (Llama-3.1-8B, Qwen3-8B, gpt-oss-20b, GPT-3), and the seed's figures (128 KiB per token...).
 """
@@ -29,7 +33,9 @@ from decodelab.course.checking import describe, expect_int
 from decodelab.config import ModelConfig
 from decodelab.model.kv_cache import KVCache as _ReferenceCache
 from decodelab.lessons import kv_size
+from decodelab.lessons.kv_size import tensor_bytes_held
 from decodelab.lessons.measure import CountingModel
+from decodelab.model.attention import causal_attention
 from decodelab.model.toy import tiny_model
 
 REFERENCES = {
@@ -37,10 +43,11 @@ REFERENCES = {
     "KVCache": "decodelab.model.kv_cache:KVCache",
     "generate_with_cache": "decodelab.decoding.generate:generate_with_cache",
     "kv_bytes": "decodelab.lessons.kv_size:kv_bytes",
+    "SlidingWindowKVCache": "decodelab.model.kv_cache:SlidingWindowKVCache",
 }
 
 __all__ = ["check_generate_without_cache", "check_kv_cache_class", "check_generate_with_cache",
-           "check_kv_cache_bytes"]
+           "check_kv_cache_bytes", "check_sliding_window_kv_cache"]
 
 CASES = [  # (model seed, sliding window, prompt, new tokens)
     (1, None, [5], 6),
@@ -309,6 +316,147 @@ def check_kv_cache_bytes(fn) -> None:
                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
     what = "kv_bytes(ModelConfig(5 layers, 6 heads, 2 KV heads, hidden 48), seq_len=7, batch=2, 'bf16')"
     expect_int(call(what, fn, config, 7, 2, "bf16"), 2 * 2 * 7 * 5 * 2 * 8 * 2, what)
+
+
+# --------------------------------------------------------------------------- the sliding-window ring
+
+_RING_CONFIG = dict(vocab_size=10, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=2, max_position_embeddings=64)
+
+
+def _ring_bookkeeping(cls, window: int, chunks: list[int]) -> None:
+    """Append chunks of random rows to both layers; every return, view and seq_len must be exact."""
+    config = ModelConfig(**_RING_CONFIG, sliding_window=window)
+    made = f"SlidingWindowKVCache(config with sliding_window={window}, 2 layers, batch_size=2, max_seq_len=64, float64)"
+    cache = call(made, cls, config, 2, 64, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(window)
+    total = sum(chunks)
+    rows = [torch.randn(2, 2, total, 2, generator=gen, dtype=torch.float64) for _ in range(4)]  # K, V of 2 layers
+    start = 0
+    for t in chunks:
+        end = start + t
+        for layer in range(2):
+            keys, values = rows[2 * layer], rows[2 * layer + 1]
+            seen = f"after positions 0..{start - 1}" if start else "on a new cache"
+            what = f"append(layer={layer}, positions {start}..{end - 1}) {seen}, window {window}"
+            got_k, got_v = _pair(call(what, cache.append, layer, keys[:, :, start:end], values[:, :, start:end]), what)
+            first = max(0, start - window)  # held before: the last min(start, W) positions
+            held = f"the held positions {first}..{start - 1} then " if start else "nothing held yet, so just "
+            why = (f"{held}the new {start}..{end - 1}, in position order: the chunk's first queries still need "
+                   "keys its own later rows overwrite")
+            _ring_same(got_k, keys, first, end, f"the keys {what} returned", why)
+            _ring_same(got_v, values, first, end, f"the values {what} returned", why)
+            what = f"view(layer={layer}) after positions 0..{end - 1}, window {window}"
+            held_k, held_v = _pair(call(what, cache.view, layer), what)
+            why = f"the last {min(end, window)} positions, {max(0, end - window)}..{end - 1}, in position order"
+            _ring_same(held_k, keys, max(0, end - window), end, f"the keys of {what}", why)
+            _ring_same(held_v, values, max(0, end - window), end, f"the values of {what}", why)
+        when = f"after positions 0..{end - 1} reached both layers"
+        expect_int(_seq_len(cache, when), end, f"seq_len {when} (every position seen, not only the {window} held: "
+                   "the model reads the next position from it)")
+        start = end
+    held = tensor_bytes_held(cache)
+    allowed = 2 * 2 * 2 * 2 * window * 2 * 8  # K and V, 2 layers, batch 2, 2 KV heads, W slots, dim 2, float64
+    if held > allowed:
+        raise AssertionError(f"{made} holds tensors of {held:,} bytes after {total} positions; W={window} slots per "
+                             f"layer take {allowed:,} bytes (keep a ring of W slots, not max_seq_len or every position)")
+
+
+def _ring_same(got, rows: torch.Tensor, first: int, end: int, what: str, why: str) -> None:
+    """got must be rows[:, :, first:end] exactly; a wrong row is named by the position it holds."""
+    expected = rows[:, :, first:end]
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{what}: expected a tensor of shape {list(expected.shape)} ({why}), got {describe(got)}")
+    if tuple(got.shape) != tuple(expected.shape):
+        raise AssertionError(f"{what}: expected shape {list(expected.shape)} ({why}), got {list(got.shape)}")
+    got = got.detach().cpu().to(rows.dtype)
+    if not torch.equal(got, expected):
+        held = []
+        for row in range(expected.shape[2]):
+            match = [p for p in range(rows.shape[2]) if torch.equal(got[:, :, row], rows[:, :, p])]
+            held.append(f"position {match[0]}" if match else "no position's values")
+        raise AssertionError(f"{what}: expected {why}; the rows held, in order: {', '.join(held)}")
+
+
+@torch.no_grad()
+def _ring_attention(cls, window: int, chunks: list[int]) -> None:
+    """attend chunk by chunk equals causal_attention with the window over the full K/V."""
+    config = ModelConfig(**_RING_CONFIG, sliding_window=window)
+    gen = torch.Generator().manual_seed(100 + window)
+    total = sum(chunks)
+    q = torch.randn(2, 4, total, 2, generator=gen, dtype=torch.float64)  # [B, H, S, D]
+    k, v = (torch.randn(2, 2, total, 2, generator=gen, dtype=torch.float64) for _ in range(2))  # [B, H_kv, S, D]
+    expected = causal_attention(q, k, v, sliding_window=window)  # [B, H, S, D]
+    made = f"SlidingWindowKVCache(config with sliding_window={window}, batch_size=2, float64)"
+    cache = call(made, cls, config, 2, 64, dtype=torch.float64)
+    start = 0
+    for t in chunks:
+        end = start + t
+        for layer in range(2):
+            what = (f"{made}: attend(layer={layer}, queries and K/V of positions {start}..{end - 1}) in chunks of "
+                    f"{chunks} positions")
+            got = call(what, cache.attend, layer, q[:, :, start:end], k[:, :, start:end], v[:, :, start:end])
+            want = expected[:, :, start:end]
+            if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
+                raise AssertionError(f"{what}: expected a tensor of shape {list(want.shape)}, got {describe(got)}")
+            err = (got - want).abs().amax(dim=(0, 1, 3))
+            if not err.max().item() < 1e-9:
+                bad = [start + i for i in range(t) if err[i] >= 1e-9]
+                raise AssertionError(f"{what}: the outputs of the queries at positions {bad} differ from "
+                                     f"causal_attention(q, all K, all V, sliding_window={window}) by up to "
+                                     f"{err.max().item():.3g}; each query must see exactly its last {window} positions")
+        start = end
+
+
+@torch.no_grad()
+def _ring_in_model(cls, seed: int, window: int, chunks: list[int], window_argument: bool) -> None:
+    """The model's logits through the ring equal the windowed model without any cache."""
+    model = _model(seed, window)
+    total = sum(chunks)
+    ids = torch.randint(0, 61, (2, total), generator=torch.Generator().manual_seed(seed))
+    full = model(ids)  # [2, S, V]: the oracle, the window as a mask over the whole sequence
+    if window_argument:  # the cache's own window on a model whose config has none (how the notebook runs SmolLM2)
+        model = _model(seed, None)
+        label = f"a random 2-layer model without a window (seed {seed}), batch of 2, the cache made with window={window}"
+        cache = call(f"SlidingWindowKVCache(config, 2, {total}, dtype=torch.float64, window={window})", cls,
+                     model.config, 2, total, dtype=torch.float64, window=window)
+    else:
+        label = f"a random 2-layer model with sliding window {window} (seed {seed}), batch of 2"
+        cache = call(f"SlidingWindowKVCache(config, 2, {total}, dtype=torch.float64) for {label}", cls, model.config, 2,
+                     total, dtype=torch.float64)
+    pieces, start = [], 0
+    for t in chunks:
+        pieces.append((start, start + t))
+        start += t
+    got = torch.cat([call(f"model(tokens {s}..{e - 1}, kv_cache=your cache) on {label}", model, ids[:, s:e],
+                          kv_cache=cache) for s, e in pieces], 1)
+    err = (got - full).abs().amax(dim=(0, 2))
+    if not err.max().item() < 1e-9:
+        bad = [i for i in range(total) if err[i] >= 1e-9]
+        raise AssertionError(f"chunks of {chunks} tokens through your cache on {label}: the logits must equal one "
+                             f"forward pass with the window and no cache; they differ by {err.max().item():.3g} at "
+                             f"positions {bad[:8]}{'...' if len(bad) > 8 else ''}")
+
+
+def check_sliding_window_kv_cache(cls) -> None:
+    """Returns, views, seq_len and bytes held; attention and model logits equal the full K/V under the window
+    mask, with chunks longer than the window and chunks that wrap around the ring; the errors."""
+    _ring_bookkeeping(cls, 4, [3, 3, 1, 1, 6, 2, 4])  # fills, wraps mid-chunk, decodes, a chunk longer than W
+    _ring_bookkeeping(cls, 3, [10, 1, 2])  # a prefill that overwrites itself twice
+    _ring_attention(cls, 5, [7, 4, 1, 1, 1, 2, 5, 1])
+    _ring_in_model(cls, 21, 4, [6, 3, 1, 1, 1, 5, 1, 1], window_argument=False)
+    _ring_in_model(cls, 22, 3, [2, 1, 1, 4, 1, 1], window_argument=True)
+    config = ModelConfig(**_RING_CONFIG)
+    expect_raises("SlidingWindowKVCache(a config without sliding_window, no window argument)", ValueError,
+                  "a ring needs a window W", cls, config, 1, 8)
+    expect_raises("SlidingWindowKVCache(config, window=0)", ValueError, "a window holds at least 1 position",
+                  cls, config, 1, 8, window=0)
+    cache = call("SlidingWindowKVCache(config, 2, 8, window=3) (2 KV heads of dim 2)", cls, config, 2, 8, window=3)
+    expect_raises("append(0, k and v with 1 KV head) on a cache of 2 KV heads", ValueError,
+                  "k and v must have the cache's shape [B, H_kv, T, D]", cache.append, 0, torch.zeros(2, 1, 3, 2),
+                  torch.zeros(2, 1, 3, 2))
+    expect_raises("append(0, k of 3 rows, v of 2 rows)", ValueError, "k and v must have the same shape",
+                  cache.append, 0, torch.zeros(2, 2, 3, 2), torch.zeros(2, 2, 2, 2))
 
 
 # --------------------------------------------------------------------------- predictions (q_ cells)

@@ -1,4 +1,5 @@
-"""Checks for notebook 07, paged KV: `kv_waste`, `gather_kv` and the `BlockAllocator` class.
+"""Checks for notebook 07, paged KV: `kv_waste`, `gather_kv`, `paged_decode_attention` and the
+`BlockAllocator` class.
 
 Every ``check_*`` takes the function or class under test (the library's reference in CI, a
 kept buggy version in CI's negative tests, the learner's own in a notebook's hidden-test cell)
@@ -6,7 +7,8 @@ and either returns None or raises ``AssertionError`` whose message gives the inp
 expected and the actual result.
 
 The expected waste and gathered K/V never come from the library: waste from counting empty
-slots exactly (fractions), gathered K/V from a Python loop over tokens. The allocator is driven
+slots exactly (fractions), gathered K/V from a Python loop over tokens, a decode batch's attention
+from a float64 loop over sequences, query heads and tokens. The allocator is driven
 through scripted stories and random sequences of operations (allocate, append a token, fork,
 free) side by side with the library's `BlockAllocator` as the oracle, and judged by behaviour,
 never layout: block ids and hash values are the learner's own. What must agree is what the
@@ -33,10 +35,11 @@ from autograder.checks.calling import call, expect_raises
 REFERENCES = {
     "kv_waste": "decodelab.engine.block_allocator:kv_waste",
     "gather_kv": "decodelab.engine.paged_attention:gather_kv",
+    "paged_decode_attention": "decodelab.lessons.paged_kv:paged_decode_attention",
     "BlockAllocator": "decodelab.engine.block_allocator:BlockAllocator",
 }
 
-__all__ = ["check_kv_waste", "check_gather_kv", "check_block_allocator"]
+__all__ = ["check_kv_waste", "check_gather_kv", "check_paged_decode_attention", "check_block_allocator"]
 
 
 # --------------------------------------------------------------------------- kv_waste
@@ -134,6 +137,109 @@ def check_gather_kv(fn) -> None:
         what = f"gather_kv(flat_cache [16, 2, 4], block_table={table}, context_len={context_len}, block_size=4)"
         expect_raises(what, ValueError, f"{len(table)} blocks of 4 hold {4 * len(table)} < {context_len} tokens",
                       fn, flat, table, context_len, 4)
+
+
+# --------------------------------------------------------------------------- paged_decode_attention
+
+
+def _loop_decode_attention(q, key_cache, value_cache, tables, lengths):
+    """[B, H, D] float64: for each sequence, query head and token, the slot read through the table."""
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    group = q.shape[1] // num_kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, (table, length) in enumerate(zip(tables, lengths)):
+        slots = [(table[i // block_size], i % block_size) for i in range(length)]
+        for h in range(q.shape[1]):
+            keys = torch.stack([key_cache[blk, off, h // group] for blk, off in slots]).double()  # [length, D]
+            values = torch.stack([value_cache[blk, off, h // group] for blk, off in slots]).double()
+            weights = torch.softmax(keys @ q[b, h].double() / head_dim ** 0.5, dim=0)
+            out[b, h] = weights @ values
+    return out
+
+
+def _decode_case(rng: random.Random, gen: torch.Generator, lengths, num_heads, num_kv_heads, block_size,
+                 shared_blocks=0, extra_block=False, head_dim=8):
+    """A shuffled pool of random (stale) numbers and out-of-order tables, the first shared_blocks
+    blocks shared by every sequence long enough, one table holding a block past its context if
+    extra_block. -> (q, key_cache, value_cache, tables as lists)."""
+    needed = [-(-n // block_size) + (1 if extra_block and b == 0 else 0) for b, n in enumerate(lengths)]
+    num_blocks = sum(needed) + 2
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    prefix = [free.pop() for _ in range(shared_blocks)]
+    tables = []
+    for n in needed:
+        shared = prefix if n > len(prefix) else []
+        tables.append(shared + [free.pop() for _ in range(n - len(shared))])
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return (torch.randn(len(lengths), num_heads, head_dim, generator=gen), torch.randn(*shape, generator=gen),
+            torch.randn(*shape, generator=gen), tables)
+
+
+def _padded(tables, dtype=torch.long) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=dtype)
+
+
+def _expect_decode(fn, q, key_cache, value_cache, tables, lengths, as_tensor=False, dtype=None):
+    form = "a [B, max_blocks] tensor padded with -1" if as_tensor else "lists"
+    what = (f"paged_decode_attention(q {list(q.shape)}, key_cache and value_cache {list(key_cache.shape)}, "
+            f"block_tables={tables} ({form}), context_lens={lengths})")
+    expected = _loop_decode_attention(q, key_cache, value_cache, tables, lengths)
+    if dtype is not None:
+        q, key_cache, value_cache = q.to(dtype), key_cache.to(dtype), value_cache.to(dtype)
+        what = what.replace("paged_decode_attention(q", f"paged_decode_attention({dtype} q")
+    block_tables = _padded(tables) if as_tensor else [list(t) for t in tables]
+    before = (q.clone(), key_cache.clone(), value_cache.clone(),
+              block_tables.clone() if as_tensor else [list(t) for t in block_tables])
+    got = call(what, fn, q, key_cache, value_cache, block_tables,
+               torch.tensor(lengths) if as_tensor else list(lengths))
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{what}: expected a torch.Tensor, got {type(got).__name__}")
+    if tuple(got.shape) != tuple(q.shape):
+        raise AssertionError(f"{what}: expected shape [B, H, D] = {list(q.shape)}, got {list(got.shape)}")
+    if got.dtype != q.dtype:
+        raise AssertionError(f"{what}: expected q's dtype {q.dtype}, got {got.dtype}")
+    unchanged = (torch.equal(before[0], q) and torch.equal(before[1], key_cache) and torch.equal(before[2], value_cache)
+                 and (torch.equal(before[3], block_tables) if as_tensor else before[3] == block_tables))
+    if not unchanged:
+        raise AssertionError(f"{what} changed its input in place (q, the pool or the block tables); it must only "
+                             "read them")
+    tol = 1e-5 if dtype is None else 3e-2
+    bad = ~torch.isclose(got.double(), expected, rtol=tol, atol=tol) | torch.isnan(got)
+    if bad.any():
+        b, h = (int(i) for i in bad.nonzero()[0][:2])
+        group = q.shape[1] // key_cache.shape[2]
+        wrong = sorted({int(i) for i in bad.nonzero()[:, 0]})
+        width = max(len(t) for t in tables)
+        padded = [i for i, t in enumerate(tables) if len(t) < width]
+        show = lambda t: ", ".join(f"{x:.4f}" for x in t[:4].tolist())  # noqa: E731
+        raise AssertionError(
+            f"{what}: sequence {b} (context_len {lengths[b]}, table {tables[b]}), query head {h} (it reads KV head "
+            f"{h} // {group} = {h // group}): expected [{show(expected[b, h])}, ...], got [{show(got[b, h].double())}, "
+            f"...] (tolerance {tol:g}). Sequences that differ: {wrong} of {len(tables)}; the ones whose table is "
+            f"shorter than the longest (padded): {padded}")
+
+
+def check_paged_decode_attention(fn) -> None:
+    gen = torch.Generator().manual_seed(7)
+    rng = random.Random(7)
+    # (lengths, H, H_kv, block_size, shared blocks, a table with a block past its context)
+    cases = [([5, 1, 11], 4, 2, 4, 0, False), ([1, 37, 5, 64, 2], 6, 2, 4, 0, False),
+             ([20, 33, 9, 8], 4, 4, 4, 2, False), ([30, 16, 3], 9, 3, 16, 0, True), ([7, 40, 41], 8, 1, 8, 2, False),
+             ([12], 6, 3, 4, 0, False), ([16, 4], 2, 1, 4, 0, False)]
+    for i, (lengths, heads, kv_heads, block_size, shared, extra) in enumerate(cases):
+        q, key_cache, value_cache, tables = _decode_case(rng, gen, lengths, heads, kv_heads, block_size, shared, extra)
+        _expect_decode(fn, q, key_cache, value_cache, tables, lengths, as_tensor=i % 2 == 1)
+    q, key_cache, value_cache, tables = _decode_case(rng, gen, [50, 3, 21], 6, 2, 8)
+    _expect_decode(fn, q, key_cache, value_cache, tables, [50, 3, 21], dtype=torch.bfloat16)
+    cache = torch.zeros(3, 4, 2, 8)
+    expect_raises("paged_decode_attention(q [2, 4, 8], key_cache [3, 4, 2, 8], block_tables=[[0, 1], [2]], "
+                  "context_lens=[8, 5])", ValueError, "sequence 1's one block of 4 holds fewer than 5 tokens",
+                  fn, torch.zeros(2, 4, 8), cache, cache, [[0, 1], [2]], [8, 5])
+    expect_raises("paged_decode_attention(q [1, 3, 8], key_cache [3, 4, 2, 8], block_tables=[[0]], context_lens=[2])",
+                  ValueError, "3 query heads do not split evenly over 2 KV heads", fn, torch.zeros(1, 3, 8), cache,
+                  cache, [[0]], [2])
 
 
 # --------------------------------------------------------------------------- BlockAllocator

@@ -1,5 +1,6 @@
 """Checks for notebook 04, prefill and decode: the prompt in one forward pass, TTFT and
-inter-token latency, arithmetic intensity, and reusing a shared prefix's KV cache.
+inter-token latency, streaming text one token at a time, arithmetic intensity, and reusing a
+shared prefix's KV cache.
 
 Each ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and
@@ -13,6 +14,9 @@ Oracles, never snapshots:
   clock readings: a clock that returns how many forward passes have run, so each reading shows
   where in the loop it was taken;
 * latencies: differences of clock readings, by hand;
+* the streaming detokenizer: the real tokenizer's decode of all the ids (SmolLM2's byte-level BPE,
+  and a SentencePiece-style one with Llama 2's decoder), and of the ids so far, which says what text
+  is final after each push; its work: the ids each push hands to a counting tokenizer;
 * arithmetic intensity: 2 FLOPs per parameter per token over the bytes of every weight plus
   K/V (2 x layers x KV heads x head_dim x positions x bytes), with the parameters counted by
   building the model for real (small configs) or the total `transformers` reports (Llama-3.1-8B).
@@ -36,10 +40,12 @@ REFERENCES = {
     "latencies_from_timestamps": "decodelab.lessons.prefill_decode:latencies_from_timestamps",
     "arithmetic_intensity": "decodelab.lessons.prefill_decode:arithmetic_intensity",
     "reuse_prefix": "decodelab.lessons.prefill_decode:reuse_prefix",
+    "IncrementalDetokenizer": "decodelab.model.tokenizer:StreamDecoder",
 }
 
 __all__ = ["check_timed_generate", "check_latencies_from_timestamps", "check_arithmetic_intensity",
-           "check_reuse_prefix", "check_q_kv_share_percent", "check_q_prefill_tokens_to_ridge"]
+           "check_reuse_prefix", "check_incremental_detokenizer", "check_q_kv_share_percent",
+           "check_q_prefill_tokens_to_ridge"]
 
 VOCAB = 97
 LLAMA_31_8B_PARAMETERS = 8_030_261_248  # what transformers reports for meta-llama/Llama-3.1-8B
@@ -335,3 +341,101 @@ def check_q_prefill_tokens_to_ridge(value) -> None:
     expected = next(t for t in range(1, 10_000) if arithmetic_intensity("Llama-3.1-8B", t, 0, "fp16") >= ridge)
     expect_answer(value, expected, "q_prefill_tokens_to_ridge: prompt tokens for a Llama-3.1-8B prefill in fp16 to "
                   "reach 990e12 / 3.35e12 = 296 FLOPs per byte", rel_tol=0.05)
+
+
+# --------------------------------------------------------------------------- streaming detokenizer
+
+# Texts whose ids SmolLM2's byte-level BPE splits in every way the check cares about: a Japanese
+# character or an emoji over 2 to 4 tokens, digits one by one, code with runs of spaces.
+STREAM_TEXTS = {
+    "English prose": "The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun.",
+    "Python code": "def mean(xs):\n    if not xs:\n        raise ValueError('empty')\n    return sum(xs) / len(xs)\n",
+    "Japanese": "東京は日本の首都です。桜の季節には、多くの人が公園を訪れます。",
+    "emoji": "Good luck 🍀🦙 on the trip 👩‍💻🇯🇵, see you soon! 😀🫠",
+    "numbers": "In 2024, 3.14159 × 10^6 ≈ 3,141,590 and ½ + ¾ = 1¼.",
+    "many scripts": "naïve café, Zürich, São Paulo, Ελληνικά, русский, 한국어, 中文, हिन्दी",
+}
+MAX_IDS_PER_PUSH = 32  # a window of a few ids; re-decoding a 1,000-token text decodes up to 1,000
+
+
+def _smollm2_tokenizer():
+    from decodelab.model.registry import resolve_model
+    from decodelab.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(resolve_model("smollm2"))
+
+
+def _stream(cls, tokenizer, ids: list[int], skip: bool, desc: str, counter=None) -> list[int]:
+    """Push ids one by one into cls(tokenizer, skip_special_tokens=skip), then flush; every piece
+    must be final (the text so far a prefix of the whole decode, and all of it once the ids decoded
+    so far end on a whole character) and the pieces must join into the whole decode. Returns the
+    ids decoded during each push (with a CountingTokenizer)."""
+    want = tokenizer.decode(ids, skip)
+    made = f"{cls.__name__}(tokenizer, skip_special_tokens={skip})"
+    detokenizer = call(f"{made} for {desc}", cls, counter or tokenizer, skip_special_tokens=skip)
+    sent, work = "", []
+    for k, token_id in enumerate(ids, 1):
+        mark = counter.mark() if counter else 0
+        piece = call(f"push(id {k} of {len(ids)}) for {desc}", detokenizer.push, token_id)
+        work.append(counter.since(mark) if counter else 0)
+        if not isinstance(piece, str):
+            raise AssertionError(f"{desc}: push(id {k}) returned {type(piece).__name__} {piece!r}; expected a str")
+        sent += piece
+        if not want.startswith(sent):
+            at = next(i for i, (a, b) in enumerate(zip(sent, want + "\0" * len(sent))) if a != b)
+            why = (" (U+FFFD: part of a character was sent before its last byte arrived; hold back text that ends "
+                   "in U+FFFD)" if "\ufffd" in piece else " (a token decoded without its context reads differently)")
+            raise AssertionError(f"{desc}, skip_special_tokens={skip}: after push(id {k}) returned {piece!r}, the text "
+                                 f"sent so far differs from tokenizer.decode(all ids) at character {at}: sent "
+                                 f"{sent[max(0, at - 12):at + 4]!r}, expected {want[max(0, at - 12):at + 4]!r}{why}")
+        so_far = tokenizer.decode(ids[:k], skip)
+        if not so_far.endswith("\ufffd") and sent != so_far:
+            raise AssertionError(f"{desc}, skip_special_tokens={skip}: after push(id {k}) the ids so far decode to "
+                                 f"...{so_far[-24:]!r}, which ends on a whole character, but the pieces sent so far "
+                                 f"end ...{sent[-24:]!r}: push must return all the text that is final, not hold it")
+    tail = call(f"flush() for {desc}", detokenizer.flush)
+    if not isinstance(tail, str) or sent + tail != want:
+        raise AssertionError(f"{desc}, skip_special_tokens={skip}: the pushes sent ...{sent[-24:]!r} and flush() "
+                             f"returned {tail!r}; expected flush to return {want[len(sent):]!r}, the rest of "
+                             f"tokenizer.decode(all ids) = ...{want[-24:]!r}")
+    return work
+
+
+def check_incremental_detokenizer(cls) -> None:
+    """cls(tokenizer, skip_special_tokens=True) with push(token_id) -> str and flush() -> str."""
+    from decodelab.lessons.detokenize import CountingTokenizer, sentencepiece_style_tokenizer
+
+    smol = _smollm2_tokenizer()
+    for name, text in STREAM_TEXTS.items():
+        _stream(cls, smol, smol.encode(text), True, f"SmolLM2's ids of {name} ({text[:24]!r}...)")
+    chat = smol.encode(smol.apply_chat_template([{"role": "user", "content": STREAM_TEXTS["emoji"]},
+                                                 {"role": "assistant", "content": STREAM_TEXTS["Japanese"]}],
+                                                add_generation_prompt=False))
+    for skip in (True, False):
+        _stream(cls, smol, chat, skip, "SmolLM2's chat template around emoji and Japanese (special tokens "
+                                       "<|im_start|> and <|im_end|>)")
+    japanese = smol.encode(STREAM_TEXTS["Japanese"])
+    cut = next(k for k in range(2, len(japanese)) if smol.decode(japanese[:k]).endswith("\ufffd"))
+    _stream(cls, smol, japanese[:cut], True, f"SmolLM2's Japanese ids cut after {cut}, inside a character "
+                                             f"(flush must return the unfinished tail)")
+    broken = japanese[:cut - 1] + japanese[cut:]  # a byte of one character lost: a real U+FFFD inside the text
+    _stream(cls, smol, broken, True, "SmolLM2's Japanese ids with one id taken out of a character (the ids "
+                                     "really decode to a U+FFFD there)")
+
+    sentencepiece = sentencepiece_style_tokenizer()
+    text = "Hello world, say good morning in Japanese: おはようございます 🦙 one token at a time!"
+    ids = [sentencepiece.bos_token_id] + sentencepiece.encode(text) + [sentencepiece.eos_token_id]
+    for skip in (True, False):
+        _stream(cls, sentencepiece, ids, skip, "a SentencePiece-style tokenizer (Llama 2's decoder: a token decoded "
+                                               "first loses its leading space)")
+
+    long_ids = smol.encode(" ".join(STREAM_TEXTS.values()) * 4)
+    counter = CountingTokenizer(smol)
+    work = _stream(cls, smol, long_ids, True, f"SmolLM2's {len(long_ids)} ids of all the texts 4 times over",
+                   counter)
+    worst = max(range(len(work)), key=work.__getitem__)
+    if work[worst] > MAX_IDS_PER_PUSH:
+        raise AssertionError(f"streaming {len(long_ids)} ids: push(id {worst + 1}) decoded {work[worst]} ids in all "
+                             f"(the most of any push; the first pushes decoded {work[:5]}), expected at most "
+                             f"{MAX_IDS_PER_PUSH}: decode only a window of recent ids, not the whole text again "
+                             f"(that costs O(n) per token, O(n^2) in all)")

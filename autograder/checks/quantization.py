@@ -1,7 +1,8 @@
 """Checks for notebook 06, `decodelab.model.quantization`: absmax int8 (per tensor, per channel), group-wise
 int4 packed two levels per byte, the int8 linear layer that dequantizes inside the matmul (`Int8Linear`), and
-the swap of a model's linear layers (`replace_linears`), and the group-wise int4 layer that unpacks and
-scales one group of inputs at a time (`Int4Linear`).
+the swap of a model's linear layers (`replace_linears`), the group-wise int4 layer that unpacks and
+scales one group of inputs at a time (`Int4Linear`), and the KV cache in int8 with one scale per token and
+KV head (`Int8KVCache`).
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in the notebook's hidden-test cells) and
@@ -48,6 +49,7 @@ REFERENCES = {
     "Int8Linear": "decodelab.model.quantization:Int8Linear",
     "Int4Linear": "decodelab.model.quantization:Int4Linear",
     "replace_linears": "decodelab.model.quantization:replace_linears",
+    "Int8KVCache": "decodelab.model.quantization:Int8KVCache",
 }
 
 __all__ = [
@@ -57,6 +59,7 @@ __all__ = [
     "check_int8_linear",
     "check_int4_linear",
     "check_replace_linears",
+    "check_int8_kv_cache",
 ]
 
 EPS = torch.finfo(torch.float32).eps
@@ -698,6 +701,192 @@ def check_replace_linears(fn) -> None:
     with torch.no_grad():
         assert torch.equal(model(ids), library(ids)), \
             "replace_linears(toy model, Int8Linear.from_linear): its logits differ from quant.quantize_model's"
+
+
+# --------------------------------------------------------------------------- the int8 KV cache
+# Oracles, computed here in float64 from what was appended: each row (one sequence, KV head and position,
+# D values) has the scale s = max|row| / 127 (1.0 for an all-zero row) and comes back as round(x / s) * s.
+# The analytic bound is |x - round(x / s) s| <= s / 2; float32 adds at most eps / 2 relative in x / s and in
+# q * s, so the check allows s / 2 + 2 eps max|row|. Bytes per token, typed in: 2 (K and V) * layers *
+# sequences * KV heads * (D one-byte levels + one 4-byte float32 scale).
+
+_KV_LAYERS, _KV_BATCH, _KV_HEADS, _KV_DIM, _KV_MAX_LEN = 3, 2, 2, 8, 8
+_KV_TOKEN_BYTES = 2 * _KV_LAYERS * _KV_BATCH * _KV_HEADS * (_KV_DIM + 4)
+
+
+def _kv_config():
+    from decodelab.model.toy import toy_config
+
+    return toy_config(num_hidden_layers=_KV_LAYERS, num_key_value_heads=_KV_HEADS, num_attention_heads=4,
+                      head_dim=_KV_DIM, max_position_embeddings=16)
+
+
+def _kv_rows(tokens: int, seed: int) -> torch.Tensor:
+    """k or v [B, H_kv, tokens, D] float32: each row of its own magnitude (1e-3 .. 10, shuffled), and in
+    every other row the extreme is negative (max(x) is then not max|x|)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(_KV_BATCH, _KV_HEADS, tokens, _KV_DIM, generator=g)
+    rows = _KV_BATCH * _KV_HEADS * tokens
+    magnitude = torch.logspace(-3, 1, rows)[torch.randperm(rows, generator=g)].reshape(_KV_BATCH, _KV_HEADS, tokens, 1)
+    x = x / x.abs().amax(-1, keepdim=True) * magnitude
+    x[..., ::2, 1] = -1.5 * magnitude[..., ::2, 0]  # a negative extreme, 1.5 times the rest of the row
+    return x
+
+
+def _kv_grid(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(round(x / s) * s, s) in float64, s = max|row| / 127 over the last dimension ([..., 1])."""
+    absmax = x.double().abs().amax(-1, keepdim=True)
+    scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+    return torch.round(x.double() / scale) * scale, scale
+
+
+def _expect_kv_rows(got, x: torch.Tensor, what: str) -> None:
+    """got: what the cache handed back for the float rows x [B, H_kv, S, D]: their int8 levels times their
+    row's scale, in x's dtype, within half a step of x."""
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(x.shape):
+        shown = list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        raise AssertionError(f"{what}: expected a tensor [B, H_kv, S, D] = {list(x.shape)}, got {shown}")
+    if got.dtype != x.dtype:
+        raise AssertionError(f"{what}: expected {x.dtype} (the dtype of the k, v appended), got {got.dtype}")
+    want, scale = _kv_grid(x)
+    err = (got.double() - x.double()).abs()
+    bound = scale / 2 + 2 * EPS * scale * 127
+    if not bool((err <= bound).all()):
+        excess = (err - bound) / scale  # in steps of each row's own scale
+        b, h, t, d = [int(i) for i in (excess == excess.max()).nonzero()[0]]
+        row = x[b, h, t].double()
+        raise AssertionError(
+            f"{what}: sequence {b}, KV head {h}, position {t}, value {d} is {x[b, h, t, d].item():.6g} and came "
+            f"back as {got[b, h, t, d].item():.6g}, off by {err[b, h, t, d].item():.3g}; with a scale per (token, KV "
+            f"head), s = max|row| / 127 = {row.abs().max().item():.4g} / 127 = {scale[b, h, t, 0].item():.4g}, every "
+            f"value of that row comes back within s / 2 = {scale[b, h, t, 0].item() / 2:.3g} (the row's smallest and "
+            f"largest values are {row.min().item():.4g} and {row.max().item():.4g}; the scale of position {t} must "
+            f"be the one written with its own row)")
+    off_grid = (got.double() - want).abs() > 1e-3 * scale + 2 * EPS * scale * 127
+    if bool(off_grid.any()):
+        b, h, t, d = [int(i) for i in off_grid.nonzero()[0]]
+        same = " (the float input itself: store int8 levels and hand back levels * scale)" \
+            if torch.equal(got, x) else ""
+        raise AssertionError(
+            f"{what}: sequence {b}, KV head {h}, position {t}, value {d} came back as {got[b, h, t, d].item():.6g}"
+            f"{same}; int8 levels give round(x / s) * s = {want[b, h, t, d].item():.6g} for x = "
+            f"{x[b, h, t, d].item():.6g}, s = max|row| / 127 = {scale[b, h, t, 0].item():.4g}")
+
+
+def _kv_storage(cache, what: str) -> None:
+    """The tensors the cache keeps take no more than int8 levels and float32 scales for max_seq_len tokens."""
+    found = []
+    for value in vars(cache).values():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        found += [t for t in items if isinstance(t, torch.Tensor)]
+    held, allowed = sum(t.nbytes for t in found), _KV_TOKEN_BYTES * _KV_MAX_LEN
+    if held > allowed:
+        kinds = sorted({f"{t.dtype} {list(t.shape)}" for t in found})
+        raise AssertionError(f"{what} keeps {held:,} bytes of tensors ({', '.join(kinds)}); int8 levels and one "
+                             f"float32 scale per (layer, sequence, KV head, position) for max_seq_len="
+                             f"{_KV_MAX_LEN} tokens take {allowed:,}: store K and V as int8")
+
+
+def _kv_pair(got, what: str):
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise AssertionError(f"{what}: expected a pair (keys, values), got {type(got).__name__}")
+    return got
+
+
+def _check_kv_appends(cls, name: str) -> None:
+    made = (f"{name}(config with {_KV_LAYERS} layers, {_KV_HEADS} KV heads of dim {_KV_DIM}, "
+            f"batch_size={_KV_BATCH}, max_seq_len={_KV_MAX_LEN})")
+    cache = call(made, cls, _kv_config(), _KV_BATCH, _KV_MAX_LEN)
+    _kv_storage(cache, made)
+    held = [None] * _KV_LAYERS
+    for step, tokens in enumerate((5, 2)):
+        for layer in range(_KV_LAYERS):
+            k, v = _kv_rows(tokens, 10 * step + 2 * layer), _kv_rows(tokens, 10 * step + 2 * layer + 1)
+            before = 0 if held[layer] is None else held[layer][0].shape[2]
+            what = f"append(layer={layer}, k, v [{_KV_BATCH}, {_KV_HEADS}, {tokens}, {_KV_DIM}]) with {before} held"
+            got = _kv_pair(call(f"{made}.{what}", cache.append, layer, k, v), what)
+            held[layer] = (k, v) if held[layer] is None else tuple(torch.cat([h, x], 2) for h, x in zip(held[layer], (k, v)))
+            _expect_kv_rows(got[0], held[layer][0], f"the keys {what} returned (all {before + tokens} held)")
+            _expect_kv_rows(got[1], held[layer][1], f"the values {what} returned (all {before + tokens} held)")
+        seq_len = 5 + 2 * step
+        nbytes = call(f"nbytes() with {seq_len} tokens held", cache.nbytes)
+        assert nbytes == seq_len * _KV_TOKEN_BYTES, (
+            f"{made}.nbytes() with {seq_len} tokens held: expected {seq_len} * 2 (K, V) * {_KV_LAYERS} layers * "
+            f"{_KV_BATCH} sequences * {_KV_HEADS} heads * ({_KV_DIM} levels + 4 scale bytes) = "
+            f"{seq_len * _KV_TOKEN_BYTES:,}, got {nbytes!r}")
+    for layer in range(_KV_LAYERS):
+        got = _kv_pair(call(f"view(layer={layer}) with 7 held", cache.view, layer), f"view(layer={layer})")
+        _expect_kv_rows(got[0].float(), held[layer][0], f"the keys of view(layer={layer}) with 7 held")
+    _kv_storage(cache, f"{made}, after 7 tokens,")
+    call("truncate(3) with 7 held", cache.truncate, 3)
+    for layer in range(_KV_LAYERS):
+        k, v = _kv_rows(1, 50 + layer), _kv_rows(1, 60 + layer)
+        what = f"append(layer={layer}, one token) after truncate(3)"
+        got = _kv_pair(call(what, cache.append, layer, k, v), what)
+        _expect_kv_rows(got[0], torch.cat([held[layer][0][:, :, :3], k], 2), f"the keys {what} returned")
+    expect_raises(f"append(layer=1, k [1, {_KV_HEADS}, 1, {_KV_DIM}]) to a cache of batch_size={_KV_BATCH}", ValueError,
+                  "k must have the cache's batch size (a slice assignment would broadcast it silently)",
+                  cache.append, 1, _kv_rows(1, 72)[:1], _kv_rows(1, 73)[:1])
+    expect_raises(f"append(layer=0, 5 tokens) with 4 held and max_seq_len={_KV_MAX_LEN}", ValueError,
+                  f"4 + 5 tokens exceed max_seq_len={_KV_MAX_LEN}", cache.append, 0, _kv_rows(5, 70), _kv_rows(5, 71))
+    cache = call(made, cls, _kv_config(), _KV_BATCH, _KV_MAX_LEN)
+    k = _kv_rows(2, 80).bfloat16()
+    what = "append(layer=0, k, v in bfloat16)"
+    got = _kv_pair(call(what, cache.append, 0, k, k), what)[0]
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16, (
+        f"{what}: expected bfloat16 keys back (the dtype the model runs in), got "
+        f"{got.dtype if isinstance(got, torch.Tensor) else type(got).__name__}")
+    want, scale = _kv_grid(k)
+    assert bool(((got.double() - want).abs() <= scale / 2 + 2 ** -8 * want.abs()).all()), \
+        f"{what}: the keys returned are not the int8 levels times their scales (within bfloat16's rounding)"
+
+
+@torch.no_grad()
+def _greedy_through(model, ids: torch.Tensor, cache, tokens: int, what: str) -> tuple[list, torch.Tensor]:
+    """Greedy decoding of `tokens` tokens after ids [B, T] through the cache -> (tokens, logits [B, tokens, V])."""
+    x, chosen, logits = ids, [], []
+    for i in range(tokens):
+        step = call(f"{what}, step {i}", model, x, kv_cache=cache, last_only=True)[:, -1].float()  # [B, V]
+        logits.append(step)
+        x = step.argmax(-1, keepdim=True)  # [B, 1]
+        chosen.append(x)
+    return torch.cat(chosen, 1).tolist(), torch.stack(logits, 1)
+
+
+def _check_kv_in_model(cls, name: str) -> None:
+    """Greedy decoding of a random toy model (batch of 2) through the learner's cache and the library's."""
+    from decodelab.decoding.generate import stream_token_ids
+    from decodelab.model.quantization import Int8KVCache
+    from decodelab.model.toy import random_llama
+    from decodelab.params import SamplingParams
+
+    model = random_llama(31, weight_scale=2.0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(31))
+    what = f"greedy decoding of 10 tokens (toy model, 2 prompts of 6 tokens) with model(x, kv_cache={name}(...))"
+    cache = call(f"{name}(toy config, 2, 16)", cls, model.config, 2, 16)
+    got_tokens, got_logits = _greedy_through(model, ids, cache, 10, what)
+    want_tokens, want_logits = _greedy_through(model, ids, Int8KVCache(model.config, 2, 16), 10, "library")
+    diff = (got_logits - want_logits).abs().max().item()
+    assert diff <= 1e-4 * want_logits.abs().max().item(), (
+        f"{what}: the logits differ from the library's Int8KVCache by {diff:.3g} (same levels and scales "
+        f"should give the same logits up to float rounding)")
+    assert got_tokens == want_tokens, f"{what}: tokens {got_tokens}, the library's Int8KVCache gives {want_tokens}"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = ids[0].tolist()
+    what = f"stream_token_ids(toy model, {prompt}, greedy, 12 tokens, cache_class={name})"
+    got = call(what, lambda: list(stream_token_ids(model, prompt, params, cache_class=cls)))
+    want = list(stream_token_ids(model, prompt, params, cache_class=Int8KVCache))
+    assert got == want, f"{what}: tokens {got}, with the library's Int8KVCache {want}"
+
+
+def check_int8_kv_cache(cls) -> None:
+    """Int8KVCache: every value handed back is its int8 level times its (token, KV head) scale, within half a
+    step of what was appended, after a prefill, a second append and a truncate; view, nbytes (D + 4 bytes a
+    row), the full-cache error, x's dtype kept, no more tensor bytes than int8 levels and float32 scales; and
+    greedy decoding of a toy model through it gives the library's Int8KVCache logits and tokens."""
+    name = getattr(cls, "__name__", "Int8KVCache")
+    _check_kv_appends(cls, name)
+    _check_kv_in_model(cls, name)
 
 
 # --------------------------------------------------------------------------- predictions (q_ cells)

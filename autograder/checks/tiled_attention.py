@@ -1,5 +1,5 @@
 """Checks for the bonus notebook 11, tiled attention: `online_softmax_update`, `tiled_attention`,
-`attention_memory_bytes`.
+`tiled_causal_attention`, `attention_memory_bytes`, `combine_partial_attention`.
 
 Every ``check_*`` takes the function under test and either returns None or raises
 ``AssertionError`` whose message gives the input, the expected and the actual result.
@@ -12,14 +12,20 @@ The expected results never come from `decodelab`: they follow from the definitio
   t at position q_offset + t sees keys 0 .. q_offset + t when causal; query head h reads KV head
   h // (H / H_kv));
 * tiled attention must hold no tensor as large as one head's [T, S] score matrix, seen by
-  watching every tensor operation (a torch dispatch mode).
+  watching every tensor operation (a torch dispatch mode);
+* causal tiled attention computes a (query tile, key tile) pair when some query of it sees some
+  key of it, and masks it when also some query of it must not see some key of it: counted here on
+  the [T, S] causal mask cut into tiles; its matrix products may do no more multiply-adds than
+  those pairs need (PyTorch's own FlopCounterMode counts them).
 """
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
@@ -30,10 +36,11 @@ REFERENCES = {
     "tiled_attention": "decodelab.lessons.tiled_attention:tiled_attention",
     "attention_memory_bytes": "decodelab.lessons.tiled_attention:attention_memory_bytes",
     "combine_partial_attention": "decodelab.lessons.tiled_attention:combine_partial_attention",
+    "tiled_causal_attention": "decodelab.lessons.tiled_attention:tiled_causal_attention",
 }
 
-__all__ = ["check_online_softmax_update", "check_tiled_attention", "check_attention_memory_bytes",
-           "check_combine_partial_attention"]
+__all__ = ["check_online_softmax_update", "check_tiled_attention", "check_tiled_causal_attention",
+           "check_attention_memory_bytes", "check_combine_partial_attention"]
 
 
 def _first_bad(got: torch.Tensor, want: torch.Tensor, tol: float) -> tuple | None:
@@ -213,6 +220,100 @@ def _expect_output(desc: str, got, q: torch.Tensor) -> None:
         raise AssertionError(f"{desc}: expected shape {list(q.shape)}, got {list(got.shape)}")
     if got.dtype != q.dtype:
         raise AssertionError(f"{desc}: expected dtype {q.dtype} (q's), got {got.dtype}")
+
+
+# --------------------------------------------------------------------------- tiled_causal_attention
+
+
+def _causal_tiles(num_queries: int, q_offset: int, tile: int, batch_heads_dim: int) -> tuple[int, int, int, int]:
+    """(tiles computed, tiles masked, tiles in the grid, FLOPs of the computed tiles) from the [T, S]
+    causal mask cut into tile x tile pairs. A computed pair of tq queries and tk keys needs two
+    products of tq * tk * D multiply-adds per batch row and head (scores, then weights @ values)."""
+    num_keys = q_offset + num_queries
+    visible = torch.arange(num_keys)[None, :] <= torch.arange(q_offset, num_keys)[:, None]  # [T, S]
+    computed = masked = grid = flops = 0
+    for a in range(0, num_queries, tile):
+        for b in range(0, num_keys, tile):
+            block = visible[a:a + tile, b:b + tile]
+            grid += 1
+            if block.any():
+                computed += 1
+                masked += int(not block.all())
+                flops += 2 * 2 * batch_heads_dim * block.numel()
+    return computed, masked, grid, flops
+
+
+def _expect_count(desc: str, got, want: int, name: str, of: str, why: str) -> None:
+    if isinstance(got, bool) or not isinstance(got, numbers.Integral):
+        raise AssertionError(f"{desc}: {name} should be an int ({want}{of}), got {got!r:.100}")
+    if got != want:
+        raise AssertionError(f"{desc}: expected {name} = {want}{of}, got {got}{why}")
+
+
+def check_tiled_causal_attention(fn) -> None:
+    """Matches causal softmax attention to 1e-5 in float32 (1e-10 in float64) on ragged tiles, offsets that do
+    and do not fall on a tile boundary, decode steps and GQA, without NaN; counts the computed and the masked
+    (query tile, key tile) pairs; does no more than 1.25 times the multiply-adds the computed pairs need."""
+    gen = torch.Generator().manual_seed(31)
+    cases = [  # (batch, heads, kv_heads, T, q_offset, D, tile, what)
+        (1, 2, 2, 10, 0, 8, 4, "a 10-token prompt in tiles of 4: query tiles 0-3, 4-7 and 8-9"),
+        (1, 2, 1, 9, 0, 8, 4, "a 9-token prompt: query 8 is a tile of its own, and key tile 8 starts at its position"),
+        (2, 4, 2, 7, 5, 8, 4, "7 queries at positions 5 to 11 after 5 cached tokens, GQA, batch of two: "
+         "queries 5, 6 and 7 see no key of the diagonal tile 8-11"),
+        (1, 3, 1, 1, 16, 16, 8, "one decode step at position 16: the last key tile starts at the query's own position"),
+        (1, 9, 3, 1, 21, 16, 8, "one decode step at position 21, SmolLM2's 9 over 3 heads"),
+        (1, 2, 2, 6, 7, 16, 64, "a tile larger than the whole sequence"),
+        (1, 2, 1, 5, 0, 4, 1, "tiles of one query by one key: no tile crosses the diagonal, so none needs a mask"),
+        (1, 2, 2, 20, 16, 8, 8, "a chunk of 20 after 16 cached tokens, on tile boundaries"),
+    ]
+    for b, h, h_kv, t, offset, d, tile, what in cases:
+        s = offset + t
+        q = torch.randn(b, h, t, d, generator=gen)
+        k, v = torch.randn(b, h_kv, s, d, generator=gen), torch.randn(b, h_kv, s, d, generator=gen)
+        desc = (f"tiled_causal_attention(q [{b}, {h}, {t}, {d}], k and v [{b}, {h_kv}, {s}, {d}], tile_size={tile}, "
+                f"q_offset={offset}) ({what})")
+        with FlopCounterMode(display=False) as flop_counter:
+            got = call(desc, fn, q, k, v, tile_size=tile, q_offset=offset)
+        if not (isinstance(got, (tuple, list)) and len(got) == 3):
+            raise AssertionError(f"{desc}: expected a tuple (out, tiles_computed, tiles_masked), got {got!r:.200}")
+        out, computed, masked = got
+        _expect_output(desc, out, q)
+        if torch.isnan(out).any():
+            raise AssertionError(f"{desc}: the output contains NaN. In a tile that crosses the diagonal a query can "
+                                 f"have every key in its future: its scores there are all -inf, and exp(-inf - (-inf)) "
+                                 f"is NaN. Such a row must add nothing to its running state")
+        want = _ref_attention(q, k, v, True, offset)
+        bad = _first_bad(out, want, 1e-5)
+        if bad is not None:
+            raise AssertionError(f"{desc}: at [batch, head, query, dim] = {list(bad)} expected {want[bad].item():.6g}, "
+                                 f"got {out[bad].item():.6g} (max difference {(out.double() - want).abs().max().item():.3g}); "
+                                 f"query {bad[2]} sits at position {offset + bad[2]} and sees keys 0 to {offset + bad[2]}")
+        want_computed, want_masked, grid, want_flops = _causal_tiles(t, offset, tile, b * h * d)
+        _expect_count(desc, computed, want_computed, "tiles_computed", f" of the {grid} (query tile, key tile) pairs",
+                      ": a key tile that starts after a query tile's last position is skipped, and not counted"
+                      if computed == grid else "")
+        _expect_count(desc, masked, want_masked, "tiles_masked", f" of the {want_computed} computed",
+                      ": only a tile that crosses the diagonal needs the mask; one whose last key is at or before the "
+                      "query tile's first position needs none" if masked > want_masked else "")
+        flops = flop_counter.get_total_flops()
+        if flops > 1.25 * want_flops:
+            raise AssertionError(f"{desc}: the matrix products did {flops:,} FLOPs, the {want_computed} computed tiles "
+                                 f"need {want_flops:,}: a tile in every query's future must be skipped before its "
+                                 f"scores are computed, not computed and thrown away")
+    q = torch.randn(1, 4, 5, 8, dtype=torch.float64, generator=gen)
+    k, v = torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=gen), torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=gen)
+    desc = "tiled_causal_attention on float64 q [1, 4, 5, 8], k and v [1, 2, 12, 8], tile_size=5, q_offset=7"
+    got = call(desc, fn, q, k, v, tile_size=5, q_offset=7)
+    _expect_output(desc, got[0] if isinstance(got, (tuple, list)) else got, q)
+    err = (got[0] - _ref_attention(q, k, v, True, 7)).abs().max().item()
+    if err > 1e-10:
+        raise AssertionError(f"{desc}: differs from the exact result by {err:.3g}; float64 input should be "
+                             f"computed in float64 (within 1e-10)")
+    q, kv = torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 5, 4)
+    expect_raises("tiled_causal_attention(q [1, 1, 3, 4], k and v [1, 1, 5, 4], q_offset=0)", ValueError,
+                  "5 keys are not q_offset + T = 3", fn, q, kv, kv, tile_size=4, q_offset=0)
+    expect_raises("tiled_causal_attention(q [1, 1, 3, 4], k and v [1, 1, 5, 4], tile_size=0, q_offset=2)", ValueError,
+                  "a tile holds at least 1 query and 1 key", fn, q, kv, kv, tile_size=0, q_offset=2)
 
 
 # --------------------------------------------------------------------------- attention_memory_bytes

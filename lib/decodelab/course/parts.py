@@ -7,6 +7,7 @@ says which ones are yours.
     engine = assemble("~/course", rows)                         # the bill, your code loaded, the hooks
     print(format_bill(engine.bill))
     served = serve(engine, "What is gravity?")                  # SmolLM2 in float32 on those hooks
+                                                                # (a stage of yours that raises falls back)
 
 **Stages.** Each `Stage` is one `EngineHooks` field, built from the exercises of one notebook whose
 code runs in it (the forward pass is 01's `forward`, which calls your `rms_norm`, `rope` and `mlp`).
@@ -239,6 +240,73 @@ def your_engine(course_dir, this_notebook: str = CAPSTONE, timeout: float = prog
         return Assembly(reference_bill(str(exc)), EngineHooks())
 
 
+# --------------------------------------------------------------------------- falling back
+
+
+def _culprit(engine: Assembly, exc: BaseException) -> Entry | None:
+    """The stage of yours whose code raised `exc`: the innermost frame that runs in a learner's
+    notebook module, matched to the stage naming that function (else that notebook's first stage
+    of yours). None when no frame of the traceback is the learner's."""
+    modules = {id(ns): notebook for notebook, ns in engine.namespaces.items()}
+    yours = [e for e in engine.bill if e.source == YOURS and e.in_engine]
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        notebook = modules.get(id(frame.f_globals))
+        if notebook is None:
+            continue
+        mine = [e for e in yours if e.stage.notebook == notebook]
+        named = [e for e in mine if frame.f_code.co_name in e.stage.exercises]
+        if named or mine:
+            return (named or mine)[0]
+    return None
+
+
+def _demote(engine: Assembly, entry: Entry, why: str) -> None:
+    entry.source, entry.why = REFERENCE, why
+    setattr(engine.hooks, entry.stage.hook, getattr(EngineHooks(), entry.stage.hook))
+
+
+def run_with_fallback(engine: Assembly, run: Callable[[EngineHooks], object]):
+    """`run(engine.hooks)`, and if a stage of yours raises in the engine (it passed its visible
+    tests but not the engine's batch), that stage falls back to the library's, the bill says why,
+    and the run starts again. A traceback that names no code of yours is searched stage by stage:
+    each of yours in turn is replaced alone, and the first whose replacement ends the error (or
+    changes it: another part of yours breaks next) is the culprit. An error that no replacement
+    changes is not your parts' and is raised."""
+    while True:
+        try:
+            return run(engine.hooks)
+        except Exception as exc:  # noqa: BLE001 - a learner's part may raise anything
+            failure = f"raised in the engine ({type(exc).__name__}: {exc}); the library's runs it"
+            culprit = _culprit(engine, exc)
+            if culprit is not None:
+                _demote(engine, culprit, failure)
+                continue
+            if not _replace_the_one_that_raised(engine, run, exc, failure):
+                raise
+
+
+def _replace_the_one_that_raised(engine: Assembly, run, exc: Exception, failure: str) -> bool:
+    """Replace each stage of yours alone; the first whose replacement changes the error (or ends it)
+    is demoted. False when none does."""
+    for entry in [e for e in engine.bill if e.source == YOURS and e.in_engine]:
+        hook = getattr(engine.hooks, entry.stage.hook)
+        setattr(engine.hooks, entry.stage.hook, getattr(EngineHooks(), entry.stage.hook))
+        try:
+            run(engine.hooks)
+        except Exception as again:  # noqa: BLE001 - another stage of yours, or not this one
+            if (type(again), str(again)) == (type(exc), str(exc)):
+                setattr(engine.hooks, entry.stage.hook, hook)
+                continue
+        _demote(engine, entry, failure)
+        return True
+    return False
+
+
 # --------------------------------------------------------------------------- serving
 
 
@@ -250,10 +318,14 @@ def serve(engine: Assembly, prompt: str, max_new_tokens: int = 32, model: str = 
     from decodelab.engine.llm import LLM
     from decodelab.params import SamplingParams
 
-    llm = LLM(model=model, device=device, dtype="float32", quantization=engine.quantization, hooks=engine.hooks,
-              max_num_seqs=1, chunked_prefill=True, max_num_batched_tokens=16)
-    prompt_ids = encode_prompt(llm.tokenizer, prompt, chat=True)
-    out = llm.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=max_new_tokens), use_tqdm=False)[0]
+    def run(hooks):
+        llm = LLM(model=model, device=device, dtype="float32", quantization=engine.quantization, hooks=hooks,
+                  max_num_seqs=1, chunked_prefill=True, max_num_batched_tokens=16)
+        prompt_ids = encode_prompt(llm.tokenizer, prompt, chat=True)
+        return prompt_ids, llm.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=max_new_tokens),
+                                        use_tqdm=False)[0]
+
+    prompt_ids, out = run_with_fallback(engine, run)
     if out.error:
         raise ValueError(out.error)
     return {"prompt_ids": prompt_ids, "output_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text,
@@ -261,4 +333,4 @@ def serve(engine: Assembly, prompt: str, max_new_tokens: int = 32, model: str = 
 
 
 __all__ = ["STAGES", "STAGE_NOTEBOOKS", "Stage", "Entry", "Assembly", "bill_of_materials", "reference_bill",
-           "format_bill", "load_notebook", "assemble", "your_engine", "serve"]
+           "format_bill", "load_notebook", "assemble", "your_engine", "run_with_fallback", "serve"]

@@ -72,14 +72,14 @@ STAGES = (
 )
 # Words of a PARTS entry -> its stage, tried in this order (the first match wins): the
 # measurements first ("KV cache size" is a measurement, not the cache), "tiled attention"
-# before "loop" (its tiled loop is attention's), "decoder layer" before "loop".
+# before "loop" (its tiled loop is attention's), "decoder layer" before "loop", "detokeniz" before "tokenizer".
 PLACES = (("size", "measure"), ("speed", "measure"), ("latency", "measure"), ("roofline", "measure"),
           ("waste", "measure"), ("memory", "measure"), ("decoder layer", "forward"), ("tiled attention", "attention"),
           ("loop", "loop"), ("the step", "loop"), ("prefill", "loop"), ("speculative", "speculative"),
           ("sampling", "sampling"), ("scheduler", "scheduler"), ("paged kv", "paged_kv"), ("block", "paged_kv"),
           ("prefix", "paged_kv"), ("quantiz", "linear"), ("linear", "linear"), ("rmsnorm", "rmsnorm"),
           ("mlp", "mlp"), ("attention", "attention"), ("rope", "attention"), ("gqa", "attention"),
-          ("kv cache", "attention"), ("tokenizer", "tokenizer"))
+          ("kv cache", "attention"), ("detokeniz", "stream"), ("tokenizer", "tokenizer"))
 OTHER = Stage("other", "also built in the course")
 
 

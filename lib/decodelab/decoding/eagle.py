@@ -32,6 +32,8 @@ Shapes: B batch, T positions, E hidden_size, V vocab_size, k drafted tokens.
 """
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 import json
 from pathlib import Path
@@ -199,11 +201,26 @@ class FeatureDraftSession:
     `unfed` [m, E] holds the features f_{seq_len} .. f_{len(ids) - 2} not yet turned into entries.
     """
 
-    def __init__(self, drafter: FeatureDrafter, max_len: int):
+    def __init__(self, drafter: FeatureDrafter, max_len: int, offset: int = 0):
         target = drafter.target
         self.drafter = drafter
+        # offset: the position of the first feature. A session may start after a prefix whose
+        # features it never saw (the batched engine's cached prefix); RoPE scores depend on relative
+        # positions only, so entries shifted by `offset` attend to each other as they would unshifted.
+        self.offset = offset
         self.cache = KVCache(drafter.config, 1, max_len, device=target.device, dtype=target.dtype)
         self.unfed = torch.empty(0, drafter.config.hidden_size, device=target.device, dtype=target.dtype)
+
+    @property
+    def next_position(self) -> int:
+        """The position whose feature `add_features` takes next."""
+        return self.offset + self.cache.seq_len + self.unfed.shape[0]
+
+    def fork(self) -> "FeatureDraftSession":
+        """An independent copy (a sibling sample of the same prompt), sharing the drafter."""
+        twin = copy.copy(self)
+        twin.cache, twin.unfed = copy.deepcopy(self.cache), self.unfed.clone()
+        return twin
 
     def add_features(self, features: torch.Tensor) -> None:
         """features [m, E]: the target's features for the next m positions."""
@@ -213,9 +230,10 @@ class FeatureDraftSession:
         """Turn every unfed feature f_j into a cache entry with the token after it, x_{j+1};
         return the drafter's prediction for the pending token's feature, f^_{len(ids)-1} [1, 1, E]."""
         start, m = self.cache.seq_len, self.unfed.shape[0]
-        if start + m != len(ids) - 1:
-            raise RuntimeError(f"drafter out of step: {start} entries + {m} unfed features for {len(ids)} tokens")
-        next_ids = torch.tensor([ids[start + 1:]], device=self.unfed.device)  # [1, m]
+        if self.offset + start + m != len(ids) - 1:
+            raise RuntimeError(f"drafter out of step: {start} entries + {m} unfed features from position "
+                               f"{self.offset} for {len(ids)} tokens")
+        next_ids = torch.tensor([ids[self.offset + start + 1:]], device=self.unfed.device)  # [1, m]
         feature = self.drafter(self.unfed[None], next_ids, kv_cache=self.cache)[:, -1:]  # [1, 1, E]
         self.unfed = self.unfed[:0]
         return feature
@@ -240,5 +258,5 @@ class FeatureDraftSession:
             dists += [q] if q is not None else []
             if i + 1 < k:
                 feature = self.drafter(feature, token[None], kv_cache=self.cache)  # [1, 1, E]
-        self.cache.truncate(len(ids) - 1)
+        self.cache.truncate(len(ids) - 1 - self.offset)
         return torch.cat(tokens), torch.stack(dists) if dists else None

@@ -45,7 +45,8 @@ class EngineArgs:
     kv_cache_memory: bytes for the KV cache when num_kv_blocks is None.
     enable_prefix_caching: share the KV blocks of identical prompt prefixes.
     speculative_model: None, or a draft model for speculative decoding: a registry name, a
-        folder, a (model, tokenizer) pair or a model sharing the target's vocabulary.
+        folder, a (model, tokenizer) pair or a model sharing the target's vocabulary; or a
+        feature drafter: a name ("smollm2-eagle") or a `FeatureDrafter` attached to the target.
     num_speculative_tokens: tokens the draft model proposes per step (>= 1 when speculating).
     max_model_len: the longest sequence (prompt + output); None: the model's context.
     mix_decode_with_prefill: running sequences decode in the passes that prefill new ones

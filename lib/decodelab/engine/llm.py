@@ -226,8 +226,8 @@ class LLM:
         """With a speculative_model, a `BatchSpeculator` drafts and verifies every decode step."""
         self.speculator = None
         if args.speculative_model is not None:
-            from decodelab.engine.speculative import BatchSpeculator
-            self.speculator = BatchSpeculator(self, args.speculative_model, args.num_speculative_tokens)
+            from decodelab.engine.speculative import make_speculator
+            self.speculator = make_speculator(self, args.speculative_model, args.num_speculative_tokens)
         if hasattr(self.scheduler, "mix_decode_with_prefill"):  # speculative decode steps stay apart
             self.scheduler.mix_decode_with_prefill = args.mix_decode_with_prefill and self.speculator is None
         if args.chunked_prefill and not hasattr(self.scheduler, "schedule_chunked"):
@@ -333,6 +333,8 @@ class LLM:
             sibling.block_table = self.allocator.fork(seq.block_table)
             sibling.num_computed_tokens, sibling.status = seq.num_computed_tokens, Status.RUNNING
             sibling.draft_computed_tokens = seq.draft_computed_tokens
+            if self.speculator is not None:
+                self.speculator.fork(seq, sibling)
             self.scheduler.running.append(sibling)
             events.append(self.append_token(sibling, self.choose_token(sibling, logits)))
         seq.siblings = []
@@ -351,19 +353,25 @@ class LLM:
         for seq in seqs:
             start = seq.num_computed_tokens
             items.append((seq.token_ids[start:start + seq.num_tokens_this_step], start, seq.block_table))
-        logits = self.packed_forward(self.model, self.store, items)
-        if self.speculator is not None:  # the draft model keeps its own cache of the same tokens
-            self.speculator.prefill(seqs, items)
+        if self.speculator is not None and self.speculator.reads_features:  # a feature drafter reads them
+            logits, features = self.packed_forward(self.model, self.store, items, features=True)
+            self.speculator.prefill(seqs, items, features)
+        else:
+            logits = self.packed_forward(self.model, self.store, items)
+            if self.speculator is not None:  # the draft model keeps its own cache of the same tokens
+                self.speculator.prefill(seqs, items)
         for seq, (tokens, start, _) in zip(seqs, items):
             seq.num_computed_tokens, seq.num_scheduled_tokens = start + len(tokens), 0
         return torch.stack(logits)
 
     @torch.inference_mode()
-    def packed_forward(self, model, store: PagedKVStore, items, all_logits: bool = False) -> list[torch.Tensor]:
+    def packed_forward(self, model, store: PagedKVStore, items, all_logits: bool = False, features: bool = False):
         """One forward pass of `model` over several sequences' new tokens laid end to end.
 
         items: (new token ids, position of the first, block table) per sequence. Returns per
-        item the logits of its last token [V], or of all its new tokens [T, V] (all_logits).
+        item the logits of its last token [V], or of all its new tokens [T, V] (all_logits);
+        with `features`, also per item the target's features (last hidden states) of all its new
+        tokens [T, E]: (logits list, features list), for a feature drafter.
         """
         self.apply_copy_on_write()
         ids, positions, slots, slices, wanted = [], [], [], [], []
@@ -381,6 +389,12 @@ class LLM:
                            attention_fn=self.hooks.attention if hooked else None)
         input_ids, positions = torch.tensor([ids], device=device), torch.tensor(positions, device=device)
         wanted = torch.tensor(wanted, device=device)
+        if features:
+            hidden = model.features(input_ids, positions=positions, kv_cache=batch)[0]  # [T_all, E]
+            logits = model.lm_head(hidden[wanted]).float()
+            sizes = [len(tokens) for tokens, _, _ in items]
+            rows = list(torch.split(hidden, sizes))
+            return (list(torch.split(logits, sizes)) if all_logits else list(logits)), rows
         if hooked and self.hooks.forward is not None:
             logits = self.hooks.forward(self.weights, model.config, input_ids, batch.attend, positions)[0, wanted]
             logits = logits.float()  # [M, V]
@@ -395,7 +409,7 @@ class LLM:
         """Copy the blocks the allocator duplicated, in every KV store (target and draft)."""
         for src, dst in self.allocator.copy_on_write_log:
             self.store.copy_block(src, dst)
-            if self.speculator is not None:
+            if self.speculator is not None and self.speculator.store is not None:
                 self.speculator.store.copy_block(src, dst)
         self.allocator.copy_on_write_log.clear()
 

@@ -28,6 +28,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_scheduled_tokens: int = 0  # chunked prefill: tokens the next pass feeds (0: all uncomputed ones)
     draft_computed_tokens: int = 0  # the same for the draft model's cache (speculative decoding)
+    draft_state: object = None  # a feature drafter's FeatureDraftSession (speculative decoding)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     text: str = ""

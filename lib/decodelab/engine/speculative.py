@@ -25,15 +25,22 @@ from decodelab.engine.sequence import Sequence
 from decodelab.decoding.speculative import accept_draft_tokens
 
 
+def make_speculator(engine, draft, num_speculative_tokens: int):
+    """The engine's speculator for `draft`: a feature drafter (an attached `FeatureDrafter`, or a
+    named one such as "smollm2-eagle") or a draft model (anything `BatchSpeculator` takes)."""
+    from decodelab.decoding.eagle import NAMED_DRAFTERS, FeatureDrafter
+    if isinstance(draft, FeatureDrafter) or (isinstance(draft, str) and draft in NAMED_DRAFTERS):
+        return FeatureBatchSpeculator(engine, draft, num_speculative_tokens)
+    return BatchSpeculator(engine, draft, num_speculative_tokens)
+
+
 class BatchSpeculator:
+    """Speculation with a draft model, whose paged cache mirrors the target's."""
+    reads_features = False  # the engine's passes give it tokens, not the target's hidden states
+
     def __init__(self, engine, draft, num_speculative_tokens: int):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
-        from decodelab.decoding.eagle import NAMED_DRAFTERS, FeatureDrafter
-        if isinstance(draft, FeatureDrafter) or str(draft) in NAMED_DRAFTERS:
-            raise ValueError(f"{draft if isinstance(draft, str) else 'a FeatureDrafter'} is a feature drafter: it runs "
-                             "in decodelab.decoding.speculative.speculative_generate (one request); the batched engine takes "
-                             "draft models (e.g. 'tiny-draft', or decodelab.decoding.speculative.truncated_draft(model, n))")
         if isinstance(draft, (str, os.PathLike)):
             draft, _ = load(draft, device=engine.device, dtype=engine.model.dtype)
         elif isinstance(draft, tuple):
@@ -47,12 +54,15 @@ class BatchSpeculator:
         self.accept = engine.hooks.accept_draft_tokens or accept_draft_tokens
         self.proposed = self.accepted = self.target_calls = self.draft_calls = 0
 
-    def prefill(self, seqs: list[Sequence], items) -> None:
-        """Mirror a target prefill in the draft cache (same tokens, same slots)."""
+    def prefill(self, seqs: list[Sequence], items, features=None) -> None:
+        """Mirror a target pass in the draft cache (same tokens, same slots)."""
         self.engine.packed_forward(self.draft, self.store, items)
         self.draft_calls += 1
         for seq in seqs:
             seq.draft_computed_tokens = len(seq)
+
+    def fork(self, seq: Sequence, sibling: Sequence) -> None:
+        """A sibling shares the parent's blocks, so the draft cache needs nothing."""
 
     def step(self, seqs: list[Sequence]):
         engine, allocator, k = self.engine, self.engine.allocator, self.k
@@ -105,3 +115,83 @@ class BatchSpeculator:
         return {"proposed": self.proposed, "accepted": self.accepted, "acceptance_rate": rate,
                 "target_calls": self.target_calls, "draft_calls": self.draft_calls}
 
+
+class FeatureBatchSpeculator:
+    """Speculation with a feature drafter (`decodelab.decoding.eagle`) inside the batched engine.
+
+    The drafter guesses from the target's own features (its last hidden states), so every
+    target pass of a speculating engine returns them (`reads_features`): a prefill's or a plain
+    decode's go to `prefill`, a verify pass's accepted rows to the sequence's session. Each
+    sequence holds one `FeatureDraftSession` (`seq.draft_state`: the drafter's one-layer cache,
+    contiguous, small), started where the target's computed tokens start: after a cached prefix
+    it never saw, or again from 0 after a preemption. Drafting runs sequence by sequence (the
+    drafter is one layer); the verify pass is one packed target pass, as with a draft model.
+    Greedy drafts carry one-hot q, so the acceptance rule (the engine hook) is the same.
+    """
+    reads_features = True
+    store = None  # the drafter's caches are per sequence, outside the paged pool
+
+    def __init__(self, engine, draft, num_speculative_tokens: int):
+        from decodelab.decoding.eagle import FeatureDrafter, load_drafter
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if engine.hooks.forward is not None:
+            raise ValueError("a feature drafter reads the target's hidden states, and EngineHooks(forward=...) "
+                             "returns logits only: speculate with a draft model, or drop the forward hook")
+        if isinstance(draft, FeatureDrafter):
+            if draft.target is not engine.model:
+                raise ValueError("this FeatureDrafter is attached to another model: load_drafter(llm.model, ...) "
+                                 "or pass its name (e.g. 'smollm2-eagle')")
+        else:
+            draft = load_drafter(engine.model, draft)
+        self.engine, self.drafter, self.k = engine, draft, num_speculative_tokens
+        self.accept = engine.hooks.accept_draft_tokens or accept_draft_tokens
+        self.proposed = self.accepted = self.target_calls = self.draft_calls = 0
+
+    def prefill(self, seqs: list[Sequence], items, features) -> None:
+        """The target computed items' tokens; features: theirs, [T, E] per item. A sequence whose
+        session expects them appends them; any other (new, preempted, after a cached prefix)
+        starts a session at the first of them."""
+        from decodelab.decoding.eagle import FeatureDraftSession
+        for seq, (tokens, start, _), rows in zip(seqs, items, features):
+            session = seq.draft_state
+            if session is None or session.next_position != start:
+                seq.draft_state = session = FeatureDraftSession(self.drafter, self.engine.max_model_len, offset=start)
+            session.add_features(rows)
+
+    def fork(self, seq: Sequence, sibling: Sequence) -> None:
+        sibling.draft_state = seq.draft_state.fork()
+
+    def step(self, seqs: list[Sequence]):
+        engine, allocator, k = self.engine, self.engine.allocator, self.k
+        room = sum(allocator.blocks_needed(len(s) + k) - len(s.block_table) + 1 for s in seqs)
+        if room > allocator.num_free or any(s.params.repetition_penalty != 1 for s in seqs):
+            return engine.plain_decode(seqs)  # one token each; its pass hands the features to `prefill`
+        vocab = engine.config.vocab_size
+        drafted = []
+        for seq in seqs:
+            allocator.reserve(seq.block_table, len(seq) + k)
+            tokens, q = seq.draft_state.propose(seq.token_ids, k, seq.params, seq.generator)  # [k], [k, V] | None
+            drafted.append((tokens, torch.nn.functional.one_hot(tokens, vocab).float() if q is None else q))
+        self.draft_calls += k * len(seqs)
+        items = [([seq.token_ids[-1]] + tokens.tolist(), len(seq) - 1, seq.block_table)
+                 for (tokens, _), seq in zip(drafted, seqs)]
+        target_logits, features = engine.packed_forward(engine.model, engine.store, items, all_logits=True,
+                                                        features=True)
+        self.target_calls += 1
+        events = []
+        for seq, (tokens, q), logits, rows in zip(seqs, drafted, target_logits, features):
+            emitted = self.accept(tokens, q, probs(logits, seq.params), seq.generator).tolist()
+            self.proposed += len(tokens)
+            self.accepted += len(emitted) - 1
+            seq.draft_state.add_features(rows[:len(emitted)])  # the pending token's and the accepted drafts'
+            for token in emitted:
+                events.append(engine.append_token(seq, int(token)))
+                if seq.is_finished:
+                    break
+            if not seq.is_finished:
+                seq.num_computed_tokens = len(seq) - 1
+                allocator.shrink(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        return events
+
+    stats = BatchSpeculator.stats

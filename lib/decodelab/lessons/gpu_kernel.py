@@ -35,9 +35,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from decodelab.engine.block_allocator import blocks_needed
-from decodelab.engine.paged_attention import gather_kv
-from decodelab.model.attention import causal_attention
+from decodelab.lessons.paged_kv import per_sequence_decode_attention, random_paged_batch  # the latter re-exported (__all__)
 
 
 def use_interpreter_without_gpu() -> str:
@@ -277,15 +275,7 @@ def sdpa_by_gather(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     """The engine's way, one sequence at a time: `gather_kv` through the block table, then SDPA
     (`causal_attention` with grouped heads). Same arguments and result as `paged_attention`."""
     check_paged_inputs(key_cache, block_tables, context_lens, value_cache)
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    flat_k = key_cache.reshape(num_blocks * block_size, num_kv_heads, head_dim)  # one row per slot
-    flat_v = value_cache.reshape(num_blocks * block_size, num_kv_heads, head_dim)
-    out = torch.empty_like(q)
-    for b, (table, length) in enumerate(zip(block_tables.tolist(), context_lens.tolist())):
-        k = gather_kv(flat_k, table, length, block_size)[None]  # [1, H_kv, length, D]
-        v = gather_kv(flat_v, table, length, block_size)[None]
-        out[b] = causal_attention(q[b, :, None][None], k, v, q_offset=length - 1)[0, :, 0]
-    return out
+    return per_sequence_decode_attention(q, key_cache, value_cache, block_tables, context_lens)
 
 
 def batched_sdpa_by_gather(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -309,32 +299,6 @@ def batched_sdpa_by_gather(q: torch.Tensor, key_cache: torch.Tensor, value_cache
 
 
 # --------------------------------------------------------------------------- inputs and measurement
-
-
-def random_paged_batch(context_lens: list[int], num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
-                       block_size: int = 16, spare_blocks: int = 3, seed: int = 0, device="cpu",
-                       dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """A decode batch over a shuffled KV pool: the keyword arguments of `paged_attention`.
-
-    Every slot of the pool holds random numbers (stale data included, as in a real pool), each
-    sequence's blocks are distinct physical blocks in a random order, and block_tables is padded
-    with the ids of other blocks of the pool, other sequences' or free ones (a kernel must stop at
-    the context length). spare_blocks: blocks nobody owns. Returns q [B, H, D], key_cache and value_cache
-    [num_blocks, block_size, H_kv, D], block_tables [B, max_blocks] int32, context_lens [B] int32.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    needed = [blocks_needed(n, block_size) for n in context_lens]
-    num_blocks, max_blocks = sum(needed) + spare_blocks, max(needed)
-    order = torch.randperm(num_blocks, generator=gen)
-    tables, start = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32), 0
-    for b, n in enumerate(needed):
-        tables[b] = order[torch.arange(start, start + max_blocks) % num_blocks].to(torch.int32)
-        start += n
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return {"q": torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(device, dtype),
-            "key_cache": torch.randn(*shape, generator=gen).to(device, dtype),
-            "value_cache": torch.randn(*shape, generator=gen).to(device, dtype),
-            "block_tables": tables.to(device), "context_lens": torch.tensor(context_lens, dtype=torch.int32, device=device)}
 
 
 def kv_bytes_read(context_lens, num_kv_heads: int, head_dim: int, bytes_per_value: float) -> float:

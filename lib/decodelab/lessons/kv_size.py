@@ -163,6 +163,23 @@ def parameter_count(config) -> int:
     return embeddings + fields["num_hidden_layers"] * per_layer + hidden  # + final norm
 
 
+def tensor_bytes_held(obj) -> int:
+    """Bytes of memory behind the tensors an object holds: its attributes, and the tensors in
+    lists, tuples and dicts among them. Counts each tensor's whole storage once, so a slice that
+    keeps a large buffer alive counts the buffer: what a cache really holds, whatever its layout."""
+    storages, found = {}, list(vars(obj).values())
+    while found:
+        item = found.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            storages[(storage.data_ptr(), item.device)] = storage.nbytes()
+        elif isinstance(item, (list, tuple)):
+            found.extend(item)
+        elif isinstance(item, dict):
+            found.extend(item.values())
+    return sum(storages.values())
+
+
 def format_bytes(num_bytes: float, binary: bool = True) -> str:
     """'128 KiB', '16 GiB' (binary=True, powers of 1024) or '9.66 GB' (powers of 1000), 3 significant digits."""
     base, units = (1024, ["B", "KiB", "MiB", "GiB", "TiB"]) if binary else (1000, ["B", "kB", "MB", "GB", "TB"])
@@ -175,4 +192,4 @@ def format_bytes(num_bytes: float, binary: bool = True) -> str:
 
 
 __all__ = ["PRESETS", "config_fields", "bytes_per_value", "layer_windows", "kv_bytes", "parameter_count",
-           "format_bytes"]
+           "format_bytes", "tensor_bytes_held"]

@@ -15,6 +15,10 @@ against the old m, so it is multiplied by exp(m - m') before the tile's own term
 After the last tile, o / l is exactly softmax(scores) @ V, up to float rounding, while the
 largest score block ever held is [T, tile_size]: memory O(T * tile) instead of O(T * S).
 
+Causal attention tiles the queries too (`tiled_causal_attention`): a query tile needs no key tile
+that lies wholly in its future, so about half of a prompt's tiles are never computed, and only the
+tiles that cross the diagonal need a mask.
+
 Shapes: q [B, H, T, D]; k, v [B, H_kv, S, D] with H a multiple of H_kv (grouped-query
 attention as in `decodelab.model.attention.causal_attention`).
 """
@@ -109,6 +113,57 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_size
         running_max, running_sum, running_out = online_softmax_update(
             running_max, running_sum, running_out, scores, v_tile)
     return (running_out / running_sum[..., None]).to(q.dtype)
+
+
+def tiled_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_size: int = 64,
+                           q_offset: int = 0) -> tuple[torch.Tensor, int, int]:
+    """Causal attention in square tiles, FlashAttention's way; returns (out [B, H, T, D], tiles_computed, tiles_masked).
+
+    q [B, H, T, D] holds the queries at positions q_offset .. q_offset + T - 1; k, v [B, H_kv, S, D]
+    the keys 0 .. S - 1 (S = q_offset + T: a prefill chunk after a cached prefix, T = 1 for a decode
+    step; H a multiple of H_kv). The queries are cut into tiles of `tile_size` rows and the keys into
+    tiles of `tile_size` columns; for each query tile (positions first .. last), a key tile
+    start .. end - 1 is
+      skipped  when start > last (every key in the future of every query: never computed),
+      unmasked when end - 1 <= first (every key visible to every query: no mask needed),
+      masked   otherwise (the tile crosses the diagonal).
+    A tile is one (query tile, key tile) pair, over all batch rows and heads at once;
+    tiles_computed counts those not skipped, tiles_masked those of them that needed the mask.
+    Scores and sums in float32 (float64 stays float64); out in q's dtype. ValueError for a
+    tile_size below 1 or S != q_offset + T.
+    """
+    if tile_size < 1:
+        raise ValueError(f"tile_size must be at least 1, got {tile_size}")
+    batch, num_heads, num_queries, head_dim = q.shape
+    num_keys = k.shape[2]
+    if q_offset < 0 or num_keys != q_offset + num_queries:
+        raise ValueError(f"causal attention got {num_keys} keys for {num_queries} queries at offset {q_offset}")
+    group = num_heads // k.shape[1]
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.empty(batch, num_heads, num_queries, head_dim, dtype=work, device=q.device)
+    computed = masked = 0
+    for q_start in range(0, num_queries, tile_size):
+        q_end = min(q_start + tile_size, num_queries)
+        first, last = q_offset + q_start, q_offset + q_end - 1  # positions of the tile's first and last query
+        q_tile = q[:, :, q_start:q_end].to(work) / math.sqrt(head_dim)  # [B, H, tq, D]
+        q_pos = torch.arange(first, last + 1, device=q.device)[:, None]  # [tq, 1]
+        running_max = torch.full(q_tile.shape[:-1], float("-inf"), dtype=work, device=q.device)  # [B, H, tq]
+        running_sum = torch.zeros_like(running_max)
+        running_out = torch.zeros_like(q_tile)  # [B, H, tq, D]
+        for k_start in range(0, last + 1, tile_size):  # tiles that start after `last` are skipped
+            k_end = min(k_start + tile_size, num_keys)
+            k_tile = repeat_kv(k[:, :, k_start:k_end], group).to(work)  # [B, H, tk, D]
+            v_tile = repeat_kv(v[:, :, k_start:k_end], group).to(work)
+            scores = q_tile @ k_tile.transpose(-2, -1)  # [B, H, tq, tk]
+            if k_end - 1 > first:  # on the diagonal: some query here must not see some key here
+                k_pos = torch.arange(k_start, k_end, device=q.device)[None, :]  # [1, tk]
+                scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+                masked += 1
+            running_max, running_sum, running_out = online_softmax_update(
+                running_max, running_sum, running_out, scores, v_tile)
+            computed += 1
+        out[:, :, q_start:q_end] = running_out / running_sum[..., None]
+    return out.to(q.dtype), computed, masked
 
 
 def attention_memory_bytes(num_queries: int, num_keys: int, num_heads: int = 1, batch_size: int = 1,
@@ -223,5 +278,6 @@ def measure_module_memory(module: torch.nn.Module, *args) -> tuple[object, Tenso
     return measure_tensor_memory(lambda *inputs: module(*inputs[:len(args)]), *args, *own)
 
 
-__all__ = ["online_softmax_update", "combine_partial_attention", "tiled_attention", "attention_memory_bytes", "measure_tensor_memory",
+__all__ = ["online_softmax_update", "combine_partial_attention", "tiled_attention", "tiled_causal_attention",
+           "attention_memory_bytes", "measure_tensor_memory",
            "measure_module_memory", "TensorMemory"]

@@ -55,7 +55,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                      is_causal: bool = False) -> torch.Tensor:
     """SDPA of q [B, H, T, D] over k, v [B, H_kv, S, D] with grouped KV heads; mask: boolean
-    [T, S] (True: may attend), or None for no mask (is_causal: SDPA's own causal mask)."""
+    [T, S], or [B, 1, T, S] for a mask per sequence (True: may attend), or None for no mask
+    (is_causal: SDPA's own causal mask). A query row with no allowed key comes out as zeros
+    since PyTorch 2.5, as NaN before it."""
     group = q.shape[1] // k.shape[1]
     grouped = {}
     if group > 1 and SDPA_HAS_GQA:
@@ -63,3 +65,22 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     elif group > 1:
         k, v = repeat_kv(k, group), repeat_kv(v, group)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **grouped)
+
+
+class MaskedPass:
+    """One forward pass without a KV cache whose attention follows a given mask: pass it as the
+    model's `kv_cache`, `model(ids [B, T], positions, kv_cache=MaskedPass(mask))`. mask: boolean
+    [T, T], or [B, 1, T, T] for a mask per sequence (a padded batch); True: query t may attend
+    to key s. Give every row at least one True (an empty row is NaN before PyTorch 2.5)."""
+
+    seq_len = 0  # nothing held before the pass: default positions start at 0
+
+    def __init__(self, mask: torch.Tensor):
+        if mask.dtype != torch.bool or mask.dim() not in (2, 4) or mask.shape[-1] != mask.shape[-2]:
+            raise ValueError(f"MaskedPass needs a boolean [T, T] or [B, 1, T, T] mask, got {mask.dtype} "
+                             f"{list(mask.shape)}")
+        self.mask = mask
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, H, T, D], k, v [B, H_kv, T, D] of this pass -> [B, H, T, D]."""
+        return masked_attention(q, k, v, self.mask)

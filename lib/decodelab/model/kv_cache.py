@@ -5,6 +5,9 @@ them instead of recomputing them: a new token costs one row of K and V per layer
 pass over the whole sequence again.
 
 Shapes: keys and values are stored as [num_layers, B, H_kv, max_seq_len, D].
+
+`SlidingWindowKVCache` keeps only the last W positions, in a ring of W slots, for models whose
+attention looks back at most W positions (Mistral-style sliding windows).
 """
 from __future__ import annotations
 
@@ -87,3 +90,69 @@ class KVCache:
         """Bytes of K and V currently held (not the preallocated capacity)."""
         per_position = self.keys[:, :, :, :1].numel() * self.keys.element_size() * 2
         return per_position * self.seq_len
+
+
+class SlidingWindowKVCache:
+    """Per-layer K/V of the last W positions only, in a ring of W slots: position p lives in slot
+    p % W (Mistral's rolling buffer). Its memory stays W slots however long the sequence grows.
+
+    For a model whose attention looks back at most W positions (`config.sliding_window`, or the
+    `window` argument, which wins). `append(layer, k, v)` returns the positions the layer held
+    before, in position order, followed by the new rows: a chunk's early queries need keys that
+    its own later rows overwrite in the ring. `attend` masks each query to its own window.
+    Shapes: k, v [B, H_kv, T, D]; held [B, H_kv, min(S, W), D] after S positions; the ring
+    [L, B, H_kv, W, D]. `max_seq_len` is accepted so the class drops in where a `KVCache` is made
+    (`cache_class(config, B, max_seq_len, ...)`); a ring never fills, so it is not used.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
+                 device=None, dtype=torch.float32, window: int | None = None):
+        self.window = config.sliding_window if window is None else window  # W
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
+            raise ValueError(f"a sliding-window cache needs a window of at least 1 position, got {self.window!r} "
+                             "(pass window=W or use a config with sliding_window)")
+        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, self.window, config.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [L, B, H_kv, W, D]
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = [0] * config.num_hidden_layers  # positions each layer has seen (held: at most W)
+
+    @property
+    def seq_len(self) -> int:
+        """Positions seen by the last layer, i.e. tokens fully processed (all of them, not only the W held):
+        the model reads the next token's position, and so its rotary angle, from it."""
+        return self.lengths[-1]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, H_kv, T, D] (only their last W rows survive); return the positions held before
+        followed by the new rows, [B, H_kv, min(S, W) + T, D], in position order (copies). ValueError
+        for k, v of another shape than the cache's."""
+        batch, kv_heads, _, head_dim = self.keys.shape[1:]
+        if k.dim() != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (batch, kv_heads, head_dim):
+            raise ValueError(f"append takes k and v of shape [B={batch}, H_kv={kv_heads}, T, D={head_dim}], "
+                             f"got {list(k.shape)} and {list(v.shape)}")
+        start, new = self.lengths[layer], k.shape[2]
+        held_k, held_v = self.view(layer)  # taken before the ring is overwritten
+        kept = min(new, self.window)  # a chunk longer than the window overwrites itself
+        slots = torch.arange(start + new - kept, start + new, device=self.keys.device) % self.window
+        self.keys[layer, :, :, slots] = k[:, :, new - kept:]
+        self.values[layer, :, :, slots] = v[:, :, new - kept:]
+        self.lengths[layer] = start + new
+        return torch.cat([held_k, k], 2), torch.cat([held_v, v], 2)
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last min(S, W) positions this layer holds, in position order: [B, H_kv, held, D] each
+        (copies: once the ring wraps, slot order is not position order)."""
+        seen = self.lengths[layer]
+        slots = torch.arange(max(0, seen - self.window), seen, device=self.keys.device) % self.window
+        return self.keys[layer, :, :, slots], self.values[layer, :, :, slots]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The model's hook: cache the new k, v and attend q [B, H, T, D] over each query's last W positions."""
+        k_all, v_all = self.append(layer, k, v)  # [B, H_kv, held + T, D]
+        held = k_all.shape[2] - k.shape[2]  # the queries sit after the held positions
+        return causal_attention(q, k_all, v_all, q_offset=held, sliding_window=self.window)
+
+    def nbytes(self) -> int:
+        """Bytes of K and V currently held: min(seq_len, W) positions (the ring itself is W slots)."""
+        per_position = self.keys[:, :, :, :1].numel() * self.keys.element_size() * 2
+        return per_position * min(self.seq_len, self.window)

@@ -440,21 +440,31 @@ class QuantizedKVCache(KVCache):
         return scaled.to(self.keys.dtype), scale
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, H_kv, T, D] quantized; return all held, dequantized [B, H_kv, S + T, D]."""
+        """Store k, v [B, H_kv, T, D] quantized; return all held, dequantized [B, H_kv, S + T, D] in k's dtype.
+        ValueError if k or v is not [B, H_kv, T, D] of this cache, or S + T would exceed max_seq_len."""
+        _, batch, heads, _, head_dim = self.keys.shape
+        if k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != (batch, heads, head_dim):
+            raise ValueError(f"k and v must both be [B={batch}, H_kv={heads}, T, D={head_dim}], "
+                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
         start, end = self.lengths[layer], self.lengths[layer] + k.shape[2]
         if end > self.max_seq_len:
             raise ValueError(f"KV cache is full: {start} + {k.shape[2]} tokens exceed max_seq_len={self.max_seq_len}")
-        held = []
         for store, scales, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
             payload, scale = self.quantize(x)
             store[layer, :, :, start:end] = payload
-            if scales is None:
-                held.append(store[layer, :, :, :end].to(x.dtype))
-            else:
+            if scales is not None:
                 scales[layer, :, :, start:end] = scale
-                held.append((store[layer, :, :, :end].float() * scales[layer, :, :, :end]).to(x.dtype))
         self.lengths[layer] = end
-        return held[0], held[1]
+        keys, values = self.view(layer)
+        return keys.to(k.dtype), values.to(v.dtype)
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What this layer holds, dequantized (a new tensor, not a view): float32 [B, H_kv, held, D] each."""
+        held = self.lengths[layer]
+        if self.key_scales is None:
+            return self.keys[layer, :, :, :held].float(), self.values[layer, :, :, :held].float()
+        return (self.keys[layer, :, :, :held].float() * self.key_scales[layer, :, :, :held],
+                self.values[layer, :, :, :held].float() * self.value_scales[layer, :, :, :held])
 
     def nbytes(self) -> int:
         """Bytes of K and V currently held: payload plus scales."""
@@ -464,9 +474,26 @@ class QuantizedKVCache(KVCache):
         return 2 * per_position * self.seq_len
 
 
+class Int8KVCache(QuantizedKVCache):
+    """The int8 KV cache alone (notebook 06's exercise): `QuantizedKVCache` with kv_dtype="int8".
+
+    keys, values int8 [L, B, H_kv, max_seq_len, D]; key_scales, value_scales float32
+    [L, B, H_kv, max_seq_len, 1], one absmax scale per (layer, sequence, KV head, position): the
+    cache grows a token at a time, and a scale per token is fixed once written, where one scale
+    for the whole cache would have to grow with a larger new value and re-quantize every row held.
+    Each token costs 2 * L * B * H_kv * (D + 4) bytes; every value comes back within half its
+    row's step, max|row| / 127 / 2.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
+                 device=None, dtype=None):
+        super().__init__(config, batch_size, max_seq_len, device=device, dtype=dtype, kv_dtype="int8")
+
+
 __all__ = [
     "quantize_int8_per_tensor", "quantize_int8_per_channel", "dequantize_int8",
     "pack_int4", "unpack_int4", "quantize_int4_groupwise", "dequantize_int4",
     "QuantizedLinear", "Int8Linear", "Int4Linear", "replace_linears", "quantize_model", "QuantizedKVCache",
+    "Int8KVCache",
     "GROUP_SIZES", "KV_DTYPES",
 ]

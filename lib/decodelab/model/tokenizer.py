@@ -6,6 +6,7 @@ A model folder holds ``tokenizer.json`` (the BPE itself) and ``tokenizer_config.
 from __future__ import annotations
 
 import json
+import operator
 from pathlib import Path
 
 from tokenizers import Tokenizer as BackendTokenizer
@@ -78,27 +79,54 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns ids arriving one at a time into text pieces, never splitting a UTF-8 character.
+    """Text for ids that arrive one at a time, in pieces that are final: a streaming detokenizer.
 
-    A byte-level BPE may spread one character over several tokens; until it is complete the
-    decoded text ends with U+FFFD, so such a tail is held back until the next token.
+    push(token_id) adds one id and returns the text it completes; flush() ends the stream and
+    returns what is still held back. Joined, the pieces are tokenizer.decode(all the ids,
+    skip_special_tokens), however the ids split the text. Three problems, and the standard answer
+    (vLLM's detokenizer):
+    * a byte-level BPE may spread one character over several tokens (a Japanese character, many
+      emoji): until its last byte arrives the decoded text ends in U+FFFD, so such a tail is held
+      back until the character is complete;
+    * a token decoded alone may read differently than in context (a SentencePiece decoder drops
+      the leading space of the first token it decodes), so each new piece is decoded after a few ids
+      of context and the context's own text is cut off its front;
+    * decoding all the ids again for every token costs O(n) per token, O(n^2) in all; so only a
+      window is decoded: the context ids[prefix_offset:read_offset], whose text was already
+      returned, and the window ids[prefix_offset:]. Once a piece is returned the window moves up
+      (prefix_offset takes read_offset, read_offset the number of ids), so a push decodes a few
+      ids however long the text is.
+    Uses the tokenizer only through tokenizer.decode(ids, skip_special_tokens).
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self.emitted = 0  # characters of the decoded text already returned
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset]: the context, its text already returned
+        self.read_offset = 0  # the text of every id before it has been returned
+
+    def _decode_window(self) -> tuple[str, str]:
+        """(the text of the context ids, the text of the context and every id after it)."""
+        context = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        window = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        return context, window
 
     def push(self, token_id: int) -> str:
-        self.ids.append(int(token_id))
-        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self.emitted = text[self.emitted:], len(text)
-        return piece
+        """Add one id; return the text that is now final ("" while a character is unfinished).
+        Raises TypeError if token_id is not an integer, ValueError if it is negative."""
+        token_id = operator.index(token_id)  # an int, a NumPy integer or a 0-d integer tensor
+        if token_id < 0:
+            raise ValueError(f"token ids are >= 0, got {token_id}")
+        self.ids.append(token_id)
+        context, window = self._decode_window()
+        if window.endswith("\ufffd") or len(window) <= len(context):
+            return ""  # an unfinished character, or no text yet (a skipped special token): wait
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return window[len(context):]
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
-        piece, self.emitted = text[self.emitted:], len(text)
-        return piece
+        """End of the stream: the text held back (an unfinished last character reads U+FFFD)."""
+        context, window = self._decode_window()
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return window[len(context):]

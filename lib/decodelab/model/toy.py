@@ -4,8 +4,12 @@ with logits of order 1 so that tolerances and greedy comparisons prove something
 PyTorch's default init (std 0.02) gives logits of ~1e-2: a 1e-4 tolerance would then prove
 nothing, and greedy output would hang on near-ties. `randomize_` redraws every parameter at
 unit scale instead; `random_llama` builds a model of any shape and randomizes it.
+`scramble_rope_` makes a model's positions matter on their own, not only as distances, so
+that a check sees a position off by the same amount for every token.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -66,3 +70,19 @@ def tiny_model(seed: int = 0, sliding_window: int | None = None, dtype: torch.dt
     the whole context."""
     return random_llama(seed, dtype=dtype, norm_jitter=0.0, vocab_size=61, hidden_size=32, intermediate_size=64,
                         max_position_embeddings=64, sliding_window=sliding_window)
+
+
+@torch.no_grad()
+def scramble_rope_(model: LlamaForCausalLM, seed: int = 0) -> LlamaForCausalLM:
+    """Replace the model's RoPE tables in place by a random angle for every position and channel
+    pair; returns the model. Queries and keys are still rotated (their norms kept), but attention
+    no longer depends only on the distance between two tokens: shifting every position by the
+    same amount changes the output, as it would with absolute position embeddings (GPT-2's).
+    Checks use it where a wrong but uniform position shift must show."""
+    generator = torch.Generator().manual_seed(seed)
+    max_positions, head_dim = model.rope_cos.shape
+    angles = 2 * math.pi * torch.rand(max_positions, head_dim // 2, generator=generator)  # [max_pos, D/2]
+    angles = torch.cat([angles, angles], dim=-1).to(model.rope_cos.device)  # channel i and i + D/2 share one
+    model.rope_cos.copy_(angles.cos())
+    model.rope_sin.copy_(angles.sin())
+    return model

@@ -1,5 +1,6 @@
 """What notebook 03 (the KV cache) draws and measures beyond the shared widgets: per-token
-timing with and without a cache, and the KV-size calculator.
+timing with and without a cache, the KV-size calculator, and the memory a cache holds as the
+sequence grows (a full cache against the sliding-window ring).
 
 Everything takes the functions to run as arguments (the learner's own, or the library's
 reference while an exercise is unfinished), so the plots show the code the exercises build.
@@ -13,7 +14,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 import torch
 
-from decodelab.lessons.kv_size import PRESETS, config_fields, format_bytes, parameter_count
+from decodelab.lessons.kv_size import PRESETS, config_fields, format_bytes, parameter_count, tensor_bytes_held
 from decodelab.lessons.measure import synchronize
 from decodelab.model.toy import tiny_model
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR, log_range
@@ -26,22 +27,44 @@ SEED_MS_PER_TOKEN = {16: (4.02, 0.950), 32: (5.94, 0.648), 64: (11.09, 0.611), 1
 SEED_MAX_LOGIT_DIFF = 2.86e-6  # same 96 greedy tokens with and without the cache
 
 
-def cache_class_or_reference(learner_class, reference_class):
-    """The learner's cache class if a tiny model runs through it (prefill, one step, truncate,
-    view), else the reference, with `course.use_or_reference`'s notice on stdout."""
+def cache_class_or_reference(learner_class, reference_class, sliding_window: int | None = None):
+    """The learner's cache class if a tiny model runs through it, else the reference, with
+    `course.use_or_reference`'s notice on stdout. The probe: prefill, one step, `truncate`, `view`;
+    with a sliding_window (a ring cache, which cannot truncate), a tiny model with that window, a
+    prefill longer than it, one step and `view`."""
     from decodelab import course
 
     def probe():
-        model = tiny_model(0)
+        model = tiny_model(0, sliding_window=sliding_window)
         cache = learner_class(model.config, 1, 8)
         with torch.inference_mode():
             model(torch.tensor([[1, 2, 3]]), kv_cache=cache)
             model(torch.tensor([[4]]), kv_cache=cache)
-        cache.truncate(2)
+        if sliding_window is None:
+            cache.truncate(2)
         cache.view(0)
 
     chosen = course.use_or_reference(probe, reference_class, name=getattr(learner_class, "__name__", "KVCache"))
     return learner_class if chosen is probe else reference_class
+
+
+@torch.inference_mode()
+def bytes_held_after(make_cache, config, lengths: list[int], chunk: int = 256, seed: int = 0) -> list[int]:
+    """For each length n: a fresh cache `make_cache(n)`, fed n positions of K/V in chunks of `chunk`
+    rows per layer ([1, H_kv, chunk, D] float32, one random block reused: the values do not change
+    the bytes), then the bytes behind the tensors it holds (`kv_size.tensor_bytes_held`, so a
+    cache is measured whatever its layout)."""
+    block = torch.randn(1, config.num_key_value_heads, chunk, config.head_dim,
+                        generator=torch.Generator().manual_seed(seed))  # [1, H_kv, chunk, D]
+    held = []
+    for length in lengths:
+        cache = make_cache(length)
+        for start in range(0, length, chunk):
+            rows = block[:, :, :min(chunk, length - start)]
+            for layer in range(config.num_hidden_layers):
+                cache.append(layer, rows, rows)
+        held.append(tensor_bytes_held(cache))
+    return held
 
 
 @torch.inference_mode()

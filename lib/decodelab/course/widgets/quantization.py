@@ -130,6 +130,30 @@ def int4_linear_or_reference(learner_class):
                                bound, bits=4)
 
 
+def int8_kv_cache_or_reference(learner_class):
+    """The learner's Int8KVCache class if two appends to a cache of the toy model's shape hand back
+    every value within half its row's step (max|row| / 127 / 2), else `quant.Int8KVCache`."""
+    from decodelab import course
+    from decodelab.model.toy import toy_config
+
+    def probe():
+        config = toy_config()
+        with torch.random.fork_rng(devices=[]):  # the notebook's random state stays as it was
+            torch.manual_seed(0)
+            rows = [torch.randn(1, config.num_key_value_heads, t, config.head_dim) * torch.logspace(-2, 1, t)[:, None]
+                    for t in (3, 2)]  # [1, H_kv, t, D], rows of different magnitude
+        cache = learner_class(config, 1, 8)
+        for x in rows:
+            keys, values = cache.append(0, x, -x)
+        held = torch.cat(rows, 2)
+        bound = held.abs().amax(-1, keepdim=True) / 127 / 2 + 1e-6
+        if keys.shape != held.shape or not bool(((keys - held).abs() <= bound).all() & ((values + held).abs() <= bound).all()):
+            raise AssertionError("what it hands back is not within half a step of the rows appended")
+
+    chosen = course.use_or_reference(probe, quant.Int8KVCache, name=getattr(learner_class, "__name__", "Int8KVCache"))
+    return learner_class if chosen is probe else quant.Int8KVCache
+
+
 def linear_bytes(model) -> int:
     """Bytes of the decoder-layer linears' weights (quantized: levels + scales)."""
     return sum(m.nbytes if _is_quantized(m) else m.weight.nbytes for m in _linears(model).values())
@@ -257,12 +281,15 @@ def asymmetric_int4_error(w: torch.Tensor, block: int = 32) -> float:
 
 
 @torch.inference_mode()
-def kv_cache_comparison(model, prompt_ids: list[int], kv_dtype: str, num_tokens: int) -> dict:
-    """Greedy decoding with an fp32 KVCache, then the same tokens fed through a QuantizedKVCache.
+def kv_cache_comparison(model, prompt_ids: list[int], caches: dict, num_tokens: int) -> dict[str, dict]:
+    """Greedy decoding with an fp32 KVCache, then the same tokens fed through each cache of `caches`
+    (label -> a kv_dtype of `quant.QuantizedKVCache`, or a cache class built as
+    `cls(config, 1, max_seq_len, device=...)`, such as the learner's Int8KVCache) -> label -> its figures.
 
-    Feeding the fp32 run's tokens lets the logits be compared step by step; the quantized cache's
-    own greedy text would equal the fp32 text up to the first step whose argmax differs, so
-    `same_prefix` is also the length of the identical free-running prefix.
+    Feeding the fp32 run's tokens lets the logits be compared step by step; a cache's own greedy
+    text would equal the fp32 text up to the first step whose argmax differs, so `same_prefix` is
+    also the length of the identical free-running prefix. `argmax` is the token the cache's logits
+    pick at each step. The fp32 run is made once for all the caches.
     """
     def run(cache, teacher=None):
         x, tokens, logits = torch.tensor([prompt_ids], device=model.device), [], []
@@ -275,11 +302,15 @@ def kv_cache_comparison(model, prompt_ids: list[int], kv_dtype: str, num_tokens:
 
     length = len(prompt_ids) + num_tokens
     ref_tokens, ref_logits, ref_bytes = run(KVCache(model.config, 1, length, device=model.device))
-    tokens, logits, per_token = run(quant.QuantizedKVCache(model.config, 1, length, device=model.device,
-                                                           kv_dtype=kv_dtype), teacher=ref_tokens)
-    return {"bytes_per_token": per_token, "fp32_bytes_per_token": ref_bytes,
-            "max_logit_diff": max(float((a - b).abs().max()) for a, b in zip(ref_logits, logits)),
-            "same_prefix": same_prefix(tokens, ref_tokens), "tokens": num_tokens}
+    figures = {}
+    for label, kind in caches.items():
+        cache = (quant.QuantizedKVCache(model.config, 1, length, device=model.device, kv_dtype=kind)
+                 if isinstance(kind, str) else kind(model.config, 1, length, device=model.device))
+        tokens, logits, per_token = run(cache, teacher=ref_tokens)
+        figures[label] = {"bytes_per_token": per_token, "fp32_bytes_per_token": ref_bytes, "argmax": tokens,
+                          "max_logit_diff": max(float((a - b).abs().max()) for a, b in zip(ref_logits, logits)),
+                          "same_prefix": same_prefix(tokens, ref_tokens), "tokens": num_tokens}
+    return figures
 
 
 # --------------------------------------------------------------------------- outliers
@@ -313,4 +344,4 @@ def int8_matmul(x: torch.Tensor, w: torch.Tensor, quantize_rows, keep_columns=()
 
 __all__ = ["using", "restoring", "quantized", "probe_model", "int8_linear_or_reference", "int4_linear_or_reference", "linear_bytes", "relative_weight_error", "same_prefix", "greedy_tokens",
            "measure_variant", "variant_name", "asymmetric_int4_error", "quantization_explorer",
-           "kv_cache_comparison", "linear_input", "int8_matmul"]
+           "kv_cache_comparison", "int8_kv_cache_or_reference", "linear_input", "int8_matmul"]
