@@ -115,6 +115,30 @@ def test_truncate_to_zero_starts_over(small):
         assert (small(ids, kv_cache=cache) - small(ids)).abs().max() <= TOL
 
 
+def test_reorder_makes_each_row_follow_its_parent(small):
+    """Rows [2, 0, 0] of a batch of 3 (a repeat, a row dropped, the batch size kept) and rows [1, 1, 2, 0]
+    (the batch grows, as beam search's first step does): the next logits equal a fresh pass over each
+    chosen row's own text."""
+    ids = random_ids(10, small.config.vocab_size, seed=28, batch=3)
+    for rows in ([2, 0, 0], [1, 1, 2, 0]):
+        cache = KVCache(small.config, 3, 12)
+        with torch.no_grad():
+            small(ids, kv_cache=cache)
+            cache.reorder(torch.tensor(rows))
+            nxt = random_ids(1, small.config.vocab_size, seed=29, batch=len(rows))
+            got = small(nxt, kv_cache=cache)
+            want = small(torch.cat([ids[rows], nxt], dim=1))[:, -1:]
+        assert cache.keys.shape[1] == len(rows) and cache.seq_len == 11
+        assert (got - want).abs().max() <= TOL, rows
+
+
+def test_reorder_rejects_rows_outside_the_batch(small):
+    cache = KVCache(small.config, 2, 8)
+    for rows in ([0, 2], [-1], []):
+        with pytest.raises(ValueError, match=r"rows in \[0, 2\)"):
+            cache.reorder(torch.tensor(rows, dtype=torch.long))
+
+
 # ------------------------------------------------------------------------ errors
 def test_cache_overflow_is_an_error(small):
     cache = KVCache(small.config, 1, max_seq_len=8)

@@ -91,7 +91,7 @@ def test_set_up_is_the_code_before_the_first_numbered_section_or_exercise():
     assert [i for i, _ in plan.setup] == [1, 2, 4]
     assert "course.setup_notebook()" in plan.setup[0][1]
     assert [name for name, _, _ in plan.cells] == ["top_k_filter", "top_p_filter", "apply_repetition_penalty",
-                                                   "process_logits", "sample"]
+                                                   "process_logits", "sample", "beam_search"]
     assert all(cells[i].metadata.nbgrader.grade_id == f"ex_{name}" for name, i, _ in plan.cells)
     for name, visible in plan.tests.items():
         assert "hidden(" not in visible and progress.HIDDEN_BEGIN not in visible and f"{name}(" in visible
@@ -121,7 +121,7 @@ def test_released_stubs_run_are_not_started(tmp_path):
         cell.metadata.get("nbgrader", {}).pop("checksum", None)
     nbformat.write(nb, str(path))
     found = statuses(run_progress("--course", tmp_path, "--json"))
-    assert len(found) == 5 and set(found.values()) == {"not started"}, found
+    assert len(found) == 6 and set(found.values()) == {"not started"}, found
 
 
 @pytest.mark.slow
@@ -137,7 +137,7 @@ def test_solutions_pass_and_a_kept_bug_fails(tmp_path):
     assert found.pop(("02_sampling", "top_k_filter")).startswith(
         "failing: top_k_filter(logits [3, 1, 2, 2, 0.5], k=2): tokens 2 and 3 tie for 2nd place")
     found.pop(("02_sampling", "sample"))  # the solution's sample calls the buggy top_k_filter
-    assert len(found) == 8 and set(found.values()) == {"passing"}, found
+    assert len(found) == 9 and set(found.values()) == {"passing"}, found
 
     table = run_progress("--course", tmp_path, "--notebooks", "03_kv_cache")
     assert table.returncode == 0, table.stderr
@@ -253,7 +253,7 @@ def test_a_malformed_notebook_says_so_and_the_rest_still_run(tmp_path):
     (tmp_path / "02_sampling").mkdir()
     (tmp_path / "02_sampling" / "02_sampling.ipynb").write_text('{"cells": [{"cell_type": "code"')
     found = statuses(run_progress("--course", tmp_path, "--json"))
-    assert len(found) == 8  # 00's three exercises and 02's five
+    assert len(found) == 9  # 00's three exercises and 02's six
     assert {s for (nb, _), s in found.items() if nb == "00_meet_the_model"} == {"not started"}
     assert {s.split(":")[:2] == ["failing", " the notebook cannot be read"]
             for (nb, _), s in found.items() if nb == "02_sampling"} == {True}

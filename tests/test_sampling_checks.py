@@ -1,13 +1,16 @@
-"""Notebook 02's hidden checks (autograder/checks/sampling.py) pass on the reference
-`decodelab.decoding.sampling` and catch the kept buggy versions (tests/fixtures/buggy_sampling.py),
-with and without transformers, with messages that give the input, the expected and the got."""
+"""Notebook 02's hidden checks (autograder/checks/sampling.py) pass on the references
+`decodelab.decoding.sampling` (and `decodelab.lessons.beam_search`) and catch the kept buggy versions
+(tests/fixtures/buggy_sampling.py), with and without transformers, with messages that give the input, the expected and the got."""
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
 
 from autograder.checks import sampling as checks
 from decodelab.decoding import sampling
+from decodelab.lessons.beam_search import beam_search
 from decodelab.lessons.sampling import process_logits
 from oracles import load_fixture
 
@@ -21,6 +24,7 @@ REFERENCE = {
     "check_process_logits": process_logits,
     "check_sample": sampling.sample,
     "check_probs": sampling.probs,
+    "check_beam_search": beam_search,
 }
 
 
@@ -72,6 +76,20 @@ def test_messages_give_input_expected_and_got():
         checks.check_repetition_penalty(buggy.repetition_in_place)
     with pytest.raises(AssertionError, match="gave different ids"):
         checks.check_sample(buggy.sample_ignores_generator)
+
+
+def test_beam_search_messages_and_no_transformers(monkeypatch):
+    """The grader has no transformers: check_beam_search compares with the library's beam search only.
+    A cache that does not follow its beams is named by the uncached rescoring of the learner's ids."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # any import of it now fails
+    checks.check_beam_search(beam_search)
+    with pytest.raises(AssertionError) as info:
+        checks.check_beam_search(buggy.beam_cache_not_reordered)
+    message = str(info.value)
+    assert "expected ids" in message and "got      ids" in message and "'def add(a, b):\\n'" in message
+    assert "without a cache" in message and "cache.reorder" in message
+    with pytest.raises(AssertionError, match=r"num_beams=3.*' _'"):
+        checks.check_beam_search(buggy.beam_top_b_per_beam)
 
 
 def test_crash_in_function_under_test_becomes_assertion():

@@ -1,4 +1,5 @@
-"""Checks for notebook 02, `decodelab.decoding.sampling`: temperature, top-k, top-p, repetition penalty, sampling.
+"""Checks for notebook 02, `decodelab.decoding.sampling`: temperature, top-k, top-p, repetition penalty, sampling;
+and `decodelab.lessons.beam_search` (``check_beam_search``).
 
 Every ``check_*`` takes the function under test (the library's reference in CI, a kept buggy
 version in CI's negative tests, the learner's own in a notebook's hidden-test cell) and either
@@ -41,6 +42,7 @@ REFERENCES = {
     "apply_repetition_penalty": "decodelab.decoding.sampling:apply_repetition_penalty",
     "process_logits": "decodelab.lessons.sampling:process_logits",
     "sample": "decodelab.decoding.sampling:sample",
+    "beam_search": "decodelab.lessons.beam_search:beam_search",
 }
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "check_process_logits",
     "check_sample",
     "check_probs",
+    "check_beam_search",
     "check_q_top_p_uniform_kept",
     "check_q_frequency_std_error",
 ]
@@ -724,6 +727,87 @@ def check_probs(fn) -> None:
                    " (temperature, then top-k, then top-p, then softmax; filtered tokens get exactly 0)")
                 + f"\n  input:    {_fmt(rows(x))}\n  expected: {_fmt([round(v, 6) for v in rows(expected).tolist()])}"
                 + f"\n  got:      {_fmt([round(v, 6) for v in rows(g).tolist()])}")
+
+
+# --------------------------------------------------------------------------- beam search
+
+# (prompt text, num_beams, max_new_tokens, EOS token text or None, length_penalty), on the tiny model.
+# The EOS is a token the model writes often, so hypotheses finish at several lengths: the newline
+# ends a line of code, " _" ends the third case early (there each beam's own top B misses a beam).
+BEAM_CASES = [
+    ("def add(a, b):\n", 4, 16, "\n", 1.0),
+    ("import os\nimport ", 4, 12, "\n", 1.0),
+    ("class Stack:\n    def push(self, item):\n", 3, 12, " _", 1.0),
+    ("def add(a, b):\n", 2, 16, "\n", 0.6),
+    ("for i in range(", 4, 10, None, 2.0),
+]
+BEAM_SCORE_TOL = 1e-4  # float32 sums of up to 16 log-probabilities, the same model
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_model():
+    from decodelab.model.registry import load
+
+    return load("tiny", device="cpu")
+
+
+def _beam_result(desc: str, got) -> tuple[list[int], float]:
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
+        raise AssertionError(f"{desc} returned {type(got).__name__}; expected a pair (new token ids, score)")
+    ids, score = got
+    if isinstance(ids, torch.Tensor):
+        ids = ids.flatten().tolist()
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise AssertionError(f"{desc} returned ids {ids!r}; expected a list of int token ids (the new tokens only)")
+    try:
+        score = float(score)
+    except (TypeError, ValueError):
+        raise AssertionError(f"{desc} returned score {score!r}; expected a number") from None
+    return list(ids), score
+
+
+def check_beam_search(fn) -> None:
+    """fn(model, prompt_ids, num_beams, max_new_tokens, eos_token_id, length_penalty) -> (new ids, score):
+    the same tokens and score as the library's beam search (transformers' num_beams, early_stopping=True)
+    on the tiny model; one beam is greedy; num_beams < 1 is a ValueError."""
+    from decodelab.decoding.generate import generate_with_cache
+    from decodelab.lessons.beam_search import beam_search, sequence_logprob
+
+    model, tokenizer = _tiny_model()
+    for text, num_beams, max_new, eos_text, penalty in BEAM_CASES:
+        prompt = tokenizer.encode(text)
+        eos = None if eos_text is None else tokenizer.encode(eos_text)
+        if eos is not None and len(eos) != 1:
+            raise RuntimeError(f"internal: EOS text {eos_text!r} is not one token of the tiny model")
+        eos = None if eos is None else eos[0]
+        desc = (f"beam_search(tiny model, prompt {text!r}, num_beams={num_beams}, max_new_tokens={max_new}, "
+                f"eos_token_id={eos}{'' if eos is None else f' ({eos_text!r})'}, length_penalty={penalty})")
+        want_ids, want_score = beam_search(model, prompt, num_beams, max_new, eos, penalty)
+        ids, score = _beam_result(desc, call(desc, fn, model, list(prompt), num_beams, max_new, eos, penalty))
+        if ids == want_ids and abs(score - want_score) <= BEAM_SCORE_TOL:
+            continue
+        lines = [f"{desc}: wrong result.",
+                 f"  expected ids {want_ids} = {tokenizer.decode(want_ids)!r}, score {want_score:.5f} (the library's beam "
+                 "search: the best 2 x num_beams candidates a step, hypotheses scored sum_logprob / "
+                 "len(new ids) ** length_penalty, stop once num_beams are finished)",
+                 f"  got      ids {ids} = {tokenizer.decode([i for i in ids if 0 <= i < model.config.vocab_size])!r}, "
+                 f"score {score:.5f}"]
+        if ids and all(0 <= i < model.config.vocab_size for i in ids):
+            true_score = sequence_logprob(model, prompt, ids) / len(ids) ** penalty
+            if abs(true_score - score) > BEAM_SCORE_TOL:
+                lines.append(f"  your ids, scored by one forward pass without a cache, give {true_score:.5f}, not "
+                             f"{score:.5f}: did every beam's cache row follow its parent (cache.reorder), is the length "
+                             "the new ids only, and is the penalty applied to finished hypotheses only?")
+        raise AssertionError("\n".join(lines))
+    prompt = tokenizer.encode(BEAM_CASES[0][0])
+    desc = f"beam_search(tiny model, prompt {BEAM_CASES[0][0]!r}, num_beams=1, max_new_tokens=12)"
+    ids, score = _beam_result(desc, call(desc, fn, model, list(prompt), 1, 12, None, 1.0))
+    greedy = generate_with_cache(model, prompt, 12)
+    if ids != greedy:
+        raise AssertionError(f"{desc}: expected the greedy continuation {greedy}, got {ids} (one beam, no EOS: "
+                             "beam search keeps the single best token at every step)")
+    expect_raises("beam_search(tiny model, prompt, num_beams=0, max_new_tokens=4)", ValueError,
+                  "num_beams must be >= 1", fn, model, list(prompt), 0, 4, None, 1.0)
 
 
 # --------------------------------------------------------------------------- predictions

@@ -83,6 +83,7 @@ PARTS: dict[tuple[str, str], str] = {
     ("02_sampling", "apply_repetition_penalty"): "sampling: repetition penalty",
     ("02_sampling", "process_logits"): "sampling: a batch, each request's own settings",
     ("02_sampling", "sample"): "sampling: drawing the token",
+    ("02_sampling", "beam_search"): "sampling: beam search, each beam with its own cache row",
     ("03_kv_cache", "generate_without_cache"): "generation loop without a cache",
     ("03_kv_cache", "KVCache"): "KV cache",
     ("03_kv_cache", "generate_with_cache"): "generation loop with the KV cache",

@@ -22,7 +22,8 @@ class KVCache:
 
     `append(layer, k, v)` writes new rows after the ones that layer already holds and
     returns views of everything held (`view(layer)` gives the same without writing); `truncate(n)`
-    forgets all but the first n positions (speculative decoding drops rejected draft tokens this way).
+    forgets all but the first n positions (speculative decoding drops rejected draft tokens this way);
+    `reorder(rows)` makes row i a copy of old row rows[i] (beam search: each beam takes its parent's rows).
     Shapes: k, v [B, H_kv, T, D]; what a layer holds [B, H_kv, held, D].
     """
 
@@ -66,6 +67,18 @@ class KVCache:
         if not 0 <= length <= min(self.lengths):
             raise ValueError(f"cannot truncate a cache of {min(self.lengths)} tokens to {length}")
         self.lengths = [length] * len(self.lengths)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Row i of the batch becomes old row rows[i], in every layer: rows [B'] of indices into the
+        old batch, repeats allowed, so the batch size becomes B'. One `index_select` on the batch
+        dimension of keys and values [num_layers, B, H_kv, max_seq_len, D]. Beam search calls it after
+        each step, rows = each surviving beam's parent. Raises ValueError for an index outside [0, B)."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.keys.device)
+        batch = self.keys.shape[1]
+        if rows.dim() != 1 or rows.numel() == 0 or int(rows.min()) < 0 or int(rows.max()) >= batch:
+            raise ValueError(f"reorder needs a non-empty 1-D list of rows in [0, {batch}), got {rows.tolist()}")
+        self.keys = self.keys.index_select(1, rows)
+        self.values = self.values.index_select(1, rows)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The model's hook: cache the new k, v and attend q [B, H, T, D] over all held tokens."""
