@@ -72,3 +72,9 @@ def test_allocator_fallback(capsys):
     for broken in (fixture.FreeForgetsSharedBlocks, fixture.CowWritesShared):
         assert widgets.allocator_class_or_reference(broken, BlockAllocator) is BlockAllocator
         assert f"note: your {broken.__name__} raised AssertionError" in capsys.readouterr().out
+    pick = widgets.allocator_class_or_reference
+    assert pick(fixture.AllocatorBase, BlockAllocator, drafts=True) is fixture.AllocatorBase
+    for broken in (fixture.ReserveWritesSharedTail, fixture.ShrinkForgetsNames, fixture.ReserveTakesBeforeChecking):
+        assert pick(broken, BlockAllocator) is broken  # no speculative step asked for
+    assert pick(fixture.ReserveWritesSharedTail, BlockAllocator, drafts=True) is BlockAllocator
+    assert "expected a copy of the shared last block" in capsys.readouterr().out

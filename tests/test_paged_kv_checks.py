@@ -71,6 +71,18 @@ def test_messages_name_the_case():
         checks.check_block_allocator(buggy.BlocksNeededOffByOne)
     with pytest.raises(AssertionError, match=r"can_allocate\(\[1, 2, .*\]\): expected False, got True"):
         checks.check_block_allocator(buggy.CanAllocateIgnoresCachedFree)
+    # A speculative step: reserve for the drafts, shrink back to the accepted ones.
+    with pytest.raises(AssertionError, match=r"reserve\(A's table \[\d+, \d+, \d+\], 5 \+ 10 drafts\): expected "
+                                             r"False, got True\n  \(5 new blocks .* and a copy of its shared last "
+                                             r"block, 5 free\)"):
+        checks.check_block_allocator(buggy.ReserveWritesSharedTail)
+    with pytest.raises(AssertionError, match=r"it returned False, so it must change nothing, but A's table went "
+                                             r"from \[\d+, \d+, \d+\] to \[(\d+, ){6}\d+\]"):
+        checks.check_block_allocator(buggy.ReserveTakesBeforeChecking)
+    with pytest.raises(AssertionError, match=r"1 of 4 drafts accepted and 30 sampled, 6 computed\): "
+                                             r"is_cached\(\d+\), A's entry 2 \(full: \[5, 6\] after 4 tokens\): "
+                                             r"expected True, got False"):
+        checks.check_block_allocator(buggy.ShrinkForgetsNames)
 
 
 def test_an_unfinished_allocator_says_so():

@@ -9,11 +9,12 @@ expected and the actual result.
 The expected waste and gathered K/V never come from the library: waste from counting empty
 slots exactly (fractions), gathered K/V from a Python loop over tokens, a decode batch's attention
 from a float64 loop over sequences, query heads and tokens. The allocator is driven
-through scripted stories and random sequences of operations (allocate, append a token, fork,
-free) side by side with the library's `BlockAllocator` as the oracle, and judged by behaviour,
-never layout: block ids and hash values are the learner's own. What must agree is what the
-engine sees: can_allocate / can_append, the number of cached tokens, the number of free
-blocks, which sequences share which blocks, and the number of blocks the prefix cache names.
+through scripted stories and random sequences of operations (allocate, append a token, a
+speculative step's reserve and shrink, fork, free) side by side with the library's
+`BlockAllocator` as the oracle, and judged by behaviour, never layout: block ids and hash
+values are the learner's own. What must agree is what the engine sees: can_allocate /
+can_append / reserve, the number of cached tokens, the number of free blocks, which sequences
+share which blocks, and the number of blocks the prefix cache names.
 Two oracle-free invariants hold after every operation: every block's ref_count equals the
 number of live block tables holding it, and free + held = all blocks. And a model of the KV
 store (each slot remembers the prefix whose K/V the engine wrote there; copy-on-write pairs
@@ -475,14 +476,15 @@ class _Story:
         self.compare(op)
         return True
 
-    def grow(self, name: str, token: int) -> bool:
-        """Append a token: can_append, then append_slot (or OutOfBlocksError). True if it grew."""
+    def grow(self, name: str, token: int, held: bool = False) -> bool:
+        """Append a token: can_append, then append_slot (or OutOfBlocksError). True if it grew.
+        held: the table already holds the token's slot (after shrink), so can_append is not asked."""
         table, tokens = self.tables[name], self.tokens[name]
         tokens.append(token)
         op = f"{len(self.log) + 1}. append_slot({name}'s table {list(table)}, its {len(tokens)} tokens, now ending {token})"
-        expected_ok = self.lib.can_append(self.lib_tables[name], len(tokens) - 1)
-        ok = self._bool(f"can_append({name}'s table {table}, {len(tokens) - 1})", self.mine.can_append,
-                        table, len(tokens) - 1)
+        expected_ok = held or self.lib.can_append(self.lib_tables[name], len(tokens) - 1)
+        ok = held or self._bool(f"can_append({name}'s table {table}, {len(tokens) - 1})", self.mine.can_append,
+                                table, len(tokens) - 1)
         if ok != expected_ok:
             full = (len(tokens) - 1) % self.block_size == 0
             shared = not full and self.lib.blocks[self.lib_tables[name][-1]].ref_count > 1
@@ -509,6 +511,52 @@ class _Story:
                       f"{len(table)}: {table}")
         self._write(name, [len(tokens) - 1], op)
         self.compare(op)
+        return True
+
+    def speculate(self, name: str, drafts, accepted: int, token: int) -> bool:
+        """A speculative step as the engine runs it: reserve slots for the drafts, write the K/V of
+        the pending token and the drafts, keep `accepted` drafts and the target's `token`, shrink
+        the table to them, then give `token` its slot (`grow`). False if reserve refuses."""
+        table, tokens, lib_table = self.tables[name], self.tokens[name], self.lib_tables[name]
+        n, k, size = len(tokens), len(drafts), self.block_size
+        op = f"{len(self.log) + 1}. reserve({name}'s table {list(table)}, {n} + {k} drafts)"
+        extra = self.lib.blocks_needed(n + k) - len(lib_table)
+        copy = self.lib.blocks[lib_table[-1]].ref_count > 1
+        before, free_before = list(table), self.lib.num_free
+        ok = self._bool(op, self.mine.reserve, table, n + k)
+        expected_ok = self.lib.reserve(lib_table, n + k)
+        if ok != expected_ok:
+            self.fail(op, str(expected_ok), str(ok), f"{max(extra, 0)} new block{'' if extra == 1 else 's'} for "
+                      f"{n + k} tokens in blocks of {size}{' and a copy of its shared last block' if copy else ''}, "
+                      f"{free_before} free")
+        if not ok:
+            if table != before or self.num_free() != free_before:
+                self.broken(op, f"it returned False, so it must change nothing, but {name}'s table went from "
+                                f"{before} to {table} and num_free from {free_before} to {self.num_free()} "
+                                "(check the room before taking anything)")
+            self.log.append(f"{op} -> False")
+            self.compare(op)
+            return False
+        self.log.append(f"{op} -> table {table}")
+        self._apply_copies(op)
+        if len(table) != len(lib_table):
+            self.fail(f"{op}: {name}'s table", f"{len(lib_table)} blocks for {n + k} tokens", f"{len(table)}: {table}")
+        self.tokens[name] = tokens + list(drafts)
+        self._write(name, range(n - 1, n + k), op)  # the verify pass: the pending token and the drafts
+        self.compare(op)
+        kept = tokens + list(drafts[:accepted])
+        final = kept + [token]
+        op = (f"{len(self.log) + 1}. shrink({name}'s table {list(table)}, its {len(final)} tokens after {accepted} "
+              f"of {k} drafts accepted and {token} sampled, {len(kept)} computed)")
+        self._call(op, self.mine.shrink, table, list(final), len(kept))
+        self.lib.shrink(lib_table, final, len(kept))
+        self.tokens[name] = kept
+        self.log.append(f"{op} -> table {table}")
+        if len(table) != len(lib_table):
+            self.fail(f"{op}: {name}'s table", f"{len(lib_table)} blocks ({len(final)} tokens in blocks of {size}: "
+                      "the slots of the rejected drafts go back)", f"{len(table)}: {table}")
+        self.compare(op)
+        self.grow(name, token, held=len(lib_table) * size >= len(final))  # the next step gives it its slot
         return True
 
     def fork(self, name: str, parent: str) -> None:
@@ -624,6 +672,23 @@ def _scripted_stories(cls) -> None:
     story.arrive("D", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # 3 blocks, 2 of them cached and free: 3 <= 3
     story.free_all()
 
+    # Speculative decoding: reserve slots for drafts not known yet (a shared last block copied
+    # first, nothing taken when they do not fit), shrink back to the accepted ones, and name the
+    # blocks their computed tokens filled, so that a later prompt finds them.
+    story = _Story(cls, 8, 2)
+    story.arrive("A", [1, 2, 3, 4, 5])  # 3 blocks, the last half full
+    story.fork("A2", "A")
+    story.speculate("A", list(range(6, 16)), 0, 20)  # 5 new blocks and a copy, 5 free: refused
+    story.speculate("A", [6, 7, 8, 9], 1, 30)  # a copy and 2 new blocks; 1 kept: block [5, 6] named, 1 freed
+    story.arrive("B", [1, 2, 3, 4, 5, 6, 99])  # finds A's three blocks
+    story.speculate("A2", [40, 41, 42], 3, 43)  # every draft accepted
+    story.free_all()
+    story = _Story(cls, 6, 2)
+    story.arrive("C", [1, 2, 3, 4])  # 2 full blocks
+    story.fork("C2", "C")
+    story.speculate("C", [5, 6], 2, 7)  # the full shared last block is copied too: C writes token 3 again
+    story.free_all()
+
 
 def _random_story(cls, seed: int) -> None:
     rng = random.Random(seed)
@@ -645,9 +710,14 @@ def _random_story(cls, seed: int) -> None:
             name = next(names)
             if story.arrive(name, tokens):
                 past.append(tokens)
-        elif roll < 0.7:
+        elif roll < 0.55:
             name = rng.choice(live)
             if story.grow(name, rng.randint(1, 6)):
+                past.append(list(story.tokens[name]))
+        elif roll < 0.7:
+            name, k = rng.choice(live), rng.randint(1, 4)
+            drafts = [rng.randint(1, 6) for _ in range(k)]
+            if story.speculate(name, drafts, rng.randint(0, k), rng.randint(1, 6)):
                 past.append(list(story.tokens[name]))
         elif roll < 0.8:
             story.fork(next(names), rng.choice(live))

@@ -119,9 +119,10 @@ def fragmentation_figure(results, labels: list[str], title: str) -> go.Figure:
 # --------------------------------------------------------------------------- the block pool over time
 
 
-def allocator_class_or_reference(learner_class, reference_class):
+def allocator_class_or_reference(learner_class, reference_class, drafts: bool = False):
     """The learner's allocator class if a short story runs through it with its counts right at
-    every step (two prompts sharing a block, a fork, a copy-on-write, everyone freed), else the
+    every step (two prompts sharing a block, a fork, a copy-on-write, everyone freed), and with
+    drafts=True a speculative step too (reserve past a shared last block, shrink back), else the
     reference, with `course.use_or_reference`'s notice on stdout."""
     from decodelab import course
 
@@ -137,6 +138,17 @@ def allocator_class_or_reference(learner_class, reference_class):
             raise AssertionError(f"copy_on_write_log {allocator.copy_on_write_log} after one copy-on-write")
         if allocator.allocate([1, 2, 3, 4])[1] != 0:
             raise AssertionError("a prompt of one cached block found it: its last token must stay to compute")
+        if drafts:  # 6 tokens in 2 blocks, shared with a fork; room for 3 drafts, then 1 accepted
+            allocator = learner_class(8, 4)
+            table, _ = allocator.allocate([1, 2, 3, 4, 5, 6])
+            sibling = allocator.fork(table)
+            if allocator.reserve(table, 6 + 3) is not True or len(table) != 3 or table[1] == sibling[1]:
+                raise AssertionError(f"reserve for 3 drafts gave the table {table} (its sibling's: {sibling}); "
+                                     "expected a copy of the shared last block and one new block")
+            allocator.shrink(table, [1, 2, 3, 4, 5, 6, 7, 8], 7)
+            if len(table) != 2 or allocator.num_free != 5:
+                raise AssertionError(f"shrink after 1 draft accepted left the table {table} and "
+                                     f"{allocator.num_free} blocks free; expected 2 blocks and 5 free")
 
     chosen = course.use_or_reference(probe, reference_class, name=getattr(learner_class, "__name__", "BlockAllocator"))
     return learner_class if chosen is probe else reference_class
