@@ -25,6 +25,27 @@ from decodelab.engine.sequence import Sequence
 from decodelab.decoding.speculative import accept_draft_tokens
 
 
+def drafts_fit(engine, seqs: list[Sequence], k: int) -> bool:
+    """May this step draft k tokens for every sequence: room in the pool for their slots, and no
+    repetition penalty (which the acceptance rule's p does not model)?"""
+    allocator = engine.allocator
+    room = sum(allocator.blocks_needed(len(s) + k) - len(s.block_table) + 1 for s in seqs)
+    return room <= allocator.num_free and all(s.params.repetition_penalty == 1 for s in seqs)
+
+
+def emit(engine, seq: Sequence, emitted: list[int]) -> list:
+    """Append the accepted drafts and the target's token (up to where the sequence ends), then give
+    back the slots of the rejected drafts -> the tokens' StreamEvents."""
+    events = []
+    for token in emitted:
+        events.append(engine.append_token(seq, int(token)))
+        if seq.is_finished:
+            return events
+    seq.num_computed_tokens = len(seq) - 1
+    engine.allocator.shrink(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+    return events
+
+
 def make_speculator(engine, draft, num_speculative_tokens: int):
     """The engine's speculator for `draft`: a feature drafter (an attached `FeatureDrafter`, or a
     named one such as "smollm2-eagle") or a draft model (anything `BatchSpeculator` takes)."""
@@ -66,8 +87,7 @@ class BatchSpeculator:
 
     def step(self, seqs: list[Sequence]):
         engine, allocator, k = self.engine, self.engine.allocator, self.k
-        room = sum(allocator.blocks_needed(len(s) + k) - len(s.block_table) + 1 for s in seqs)
-        if room > allocator.num_free or any(s.params.repetition_penalty != 1 for s in seqs):
+        if not drafts_fit(engine, seqs, k):
             return engine.plain_decode(seqs)  # no room for drafts this step: one token each
         for seq in seqs:
             allocator.reserve(seq.block_table, len(seq) + k)
@@ -83,14 +103,9 @@ class BatchSpeculator:
             emitted = self.accept(drafts[i], draft_probs[i], target_probs, seq.generator).tolist()
             self.proposed += k
             self.accepted += len(emitted) - 1
-            for token in emitted:
-                events.append(engine.append_token(seq, int(token)))
-                if seq.is_finished:
-                    break
+            events += emit(engine, seq, emitted)
             if not seq.is_finished:
-                seq.num_computed_tokens = len(seq) - 1
                 seq.draft_computed_tokens = min(length + k - 1, len(seq) - 1)
-                allocator.shrink(seq.block_table, seq.token_ids, seq.num_computed_tokens)
         return events
 
     def propose(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,8 +179,7 @@ class FeatureBatchSpeculator:
 
     def step(self, seqs: list[Sequence]):
         engine, allocator, k = self.engine, self.engine.allocator, self.k
-        room = sum(allocator.blocks_needed(len(s) + k) - len(s.block_table) + 1 for s in seqs)
-        if room > allocator.num_free or any(s.params.repetition_penalty != 1 for s in seqs):
+        if not drafts_fit(engine, seqs, k):
             return engine.plain_decode(seqs)  # one token each; its pass hands the features to `prefill`
         vocab = engine.config.vocab_size
         drafted = []
@@ -185,13 +199,7 @@ class FeatureBatchSpeculator:
             self.proposed += len(tokens)
             self.accepted += len(emitted) - 1
             seq.draft_state.add_features(rows[:len(emitted)])  # the pending token's and the accepted drafts'
-            for token in emitted:
-                events.append(engine.append_token(seq, int(token)))
-                if seq.is_finished:
-                    break
-            if not seq.is_finished:
-                seq.num_computed_tokens = len(seq) - 1
-                allocator.shrink(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+            events += emit(engine, seq, emitted)
         return events
 
     stats = BatchSpeculator.stats
