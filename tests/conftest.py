@@ -84,3 +84,21 @@ def tiny_pair():
     torch.manual_seed(0)
     drafter = FeatureDrafter(target.config).attach(target).eval()
     return target, drafter, tokenizer
+
+
+# --------------------------------------------------------------------------- time per test file
+_SECONDS_PER_FILE: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Sum setup + call + teardown seconds per test file (the issues give CI budgets per part)."""
+    path = report.nodeid.split("::", 1)[0]
+    _SECONDS_PER_FILE[path] = _SECONDS_PER_FILE.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _SECONDS_PER_FILE:
+        return
+    terminalreporter.section("seconds per test file (slowest 12)")
+    for path, seconds in sorted(_SECONDS_PER_FILE.items(), key=lambda item: -item[1])[:12]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
