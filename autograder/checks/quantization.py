@@ -402,27 +402,12 @@ def _tiny_float():
 def _check_models(cls, name: str) -> None:
     """A random toy model and `tiny` through the engine: the learner's layers give the tokens of the
     library's int8 quantization (quantize_model, LLM(quantization="int8"))."""
-    from decodelab.decoding.generate import stream_token_ids
     from decodelab.engine.llm import LLM, EngineHooks
-    from decodelab.model.quantization import quantize_model
-    from decodelab.model.toy import random_llama
     from decodelab.params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=ENGINE_TOKENS, ignore_eos=True)
-    toy = random_llama(21, weight_scale=2.0)
-    library, learner = quantize_model(copy.deepcopy(toy), bits=8), copy.deepcopy(toy)
-    what = f"quantize_model(toy model, bits=8, linear={name}.from_linear)"
-    call(what, lambda: quantize_model(learner, bits=8, linear=cls.from_linear))
-    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
-    with torch.no_grad():
-        want, got = library(ids), call(f"the toy model with {name} layers, on 8 tokens", learner, ids)
-    assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (
-        f"{what}: its logits differ from the library's int8 model by {(got - want).abs().max().item():.3g} "
-        f"(logits up to {want.abs().max().item():.3g})")
-    want_tokens = list(stream_token_ids(library, [1, 2, 3], params))
-    got_tokens = call(f"greedy decoding with {name} layers", lambda: list(stream_token_ids(learner, [1, 2, 3], params)))
-    assert got_tokens == want_tokens, \
-        f"{what}: greedy tokens from [1, 2, 3] are {got_tokens}, the library's int8 model gives {want_tokens}"
+    _check_toy_like_library(name, seed=21, bits=8, group_size=None, linear=cls.from_linear,
+                            linear_text=f"{name}.from_linear")
 
     float_model, tokenizer = _tiny_float()
     prompts = [tokenizer.encode(p) for p in ENGINE_PROMPTS]
@@ -599,26 +584,35 @@ def _check_int4_bfloat16(layer, linear: nn.Linear, group_size: int, name: str) -
 def _check_int4_models(cls, name: str) -> None:
     """A toy model quantized with the learner's layers (groups of 32) gives the logits and greedy tokens of
     the library's int4 model: the same levels and scales."""
+    _check_toy_like_library(name, seed=22, bits=4, group_size=32, linear=lambda linear: cls.from_linear(linear, 32),
+                            linear_text=f"lambda linear: {name}.from_linear(linear, 32)")
+
+
+def _check_toy_like_library(name: str, seed: int, bits: int, group_size: int | None, linear, linear_text: str) -> None:
+    """A random toy model quantized with the learner's layers (`linear`, the factory quantize_model
+    calls) gives the logits (within 1e-4 of their size) and greedy tokens of the library's model at
+    `bits` (and `group_size`)."""
     from decodelab.decoding.generate import stream_token_ids
     from decodelab.model.quantization import quantize_model
     from decodelab.model.toy import random_llama
     from decodelab.params import SamplingParams
 
-    toy = random_llama(22, weight_scale=2.0)
-    library, learner = quantize_model(copy.deepcopy(toy), bits=4, group_size=32), copy.deepcopy(toy)
-    what = f"quantize_model(toy model, bits=4, linear=lambda linear: {name}.from_linear(linear, 32))"
-    call(what, lambda: quantize_model(learner, bits=4, linear=lambda linear: cls.from_linear(linear, 32)))
+    toy = random_llama(seed, weight_scale=2.0)
+    grouping = {} if group_size is None else {"group_size": group_size}
+    library, learner = quantize_model(copy.deepcopy(toy), bits=bits, **grouping), copy.deepcopy(toy)
+    what = f"quantize_model(toy model, bits={bits}, linear={linear_text})"
+    call(what, lambda: quantize_model(learner, bits=bits, linear=linear))
     ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
     with torch.no_grad():
         want, got = library(ids), call(f"the toy model with {name} layers, on 8 tokens", learner, ids)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (
-        f"{what}: its logits differ from the library's int4 model by {(got - want).abs().max().item():.3g} "
+        f"{what}: its logits differ from the library's int{bits} model by {(got - want).abs().max().item():.3g} "
         f"(logits up to {want.abs().max().item():.3g})")
     params = SamplingParams(temperature=0, max_tokens=ENGINE_TOKENS, ignore_eos=True)
     want_tokens = list(stream_token_ids(library, [1, 2, 3], params))
     got_tokens = call(f"greedy decoding with {name} layers", lambda: list(stream_token_ids(learner, [1, 2, 3], params)))
     assert got_tokens == want_tokens, \
-        f"{what}: greedy tokens from [1, 2, 3] are {got_tokens}, the library's int4 model gives {want_tokens}"
+        f"{what}: greedy tokens from [1, 2, 3] are {got_tokens}, the library's int{bits} model gives {want_tokens}"
 
 
 def check_int4_linear(cls) -> None:
