@@ -41,6 +41,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
+from autograder import student_files
+from autograder.notes import short
 from decodelab.course.hints import COUNTER_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,33 +185,31 @@ def _count_try(tag: str) -> int:
 
 
 def hint_counts_beside(notebook: Path) -> bytes | None:
-    """The bytes of the hint counter submitted beside a notebook (at most 64 KiB), or None."""
-    counter = notebook.parent / COUNTER_FILE
+    """The bytes of the hint counter submitted beside a notebook (a small regular file, never
+    through a link), or None."""
     try:
-        if counter.is_file() and counter.stat().st_size <= HINT_COUNTS_MAX_BYTES:
-            return counter.read_bytes()
-    except OSError:
-        pass
-    return None
+        return student_files.read_bytes(notebook.parent / COUNTER_FILE, HINT_COUNTS_MAX_BYTES)
+    except (OSError, ValueError):
+        return None
 
 
 def grade_task(tag: str, student: str, notebook: bytes, release: bytes, gradebook: bytes, settings,
                expected: dict[str, str], hint_counts: bytes | None = None):
     """One submission on a worker: its own folder and slot, then `grade.grade_one`; a Result.
     `hint_counts`: the submitted `.decodelab_hints.json` beside the notebook, if any (its note)."""
-    from autograder import grade, sandbox, slots
+    from autograder import sandbox, slots, submission
 
-    grade._quiet()
+    submission.quiet()
     where = socket.gethostname()
     tries = _count_try(tag)
     if tries > MAX_TRIES:
-        return grade.Result(student, "grader_error", [f"grader: the worker was lost on each of {MAX_TRIES} tries: "
+        return submission.Result(student, "grader_error", [f"grader: the worker was lost on each of {MAX_TRIES} tries: "
                                                       "not graded"], tries=tries)
     problem = worker_problem(expected)
     if problem is None and settings.sandbox:
         problem = sandbox.unavailable_reason()
     if problem:
-        return grade.Result(student, "grader_error", [f"grader: the worker on {where} refused the task: {problem}"],
+        return submission.Result(student, "grader_error", [f"grader: the worker on {where} refused the task: {problem}"],
                             tries=tries)
     slot = slots.acquire()
     work = Path(tempfile.mkdtemp(prefix="decodelab-grade-task-"))
@@ -237,10 +237,10 @@ def grade_task(tag: str, student: str, notebook: bytes, release: bytes, gradeboo
                     except sandbox.SandboxUnavailable as exc:
                         _preflight["reason"] = str(exc)
             if _preflight["reason"]:
-                why = grade._short(_preflight["reason"], 300)
-                return grade.Result(student, "grader_error", [f"grader: the worker on {where} refused the task: {why}"],
+                why = short(_preflight["reason"], 300)
+                return submission.Result(student, "grader_error", [f"grader: the worker on {where} refused the task: {why}"],
                                     tries=tries)
-        result = grade.grade_one(student, str(path), local, slot=slot.number)
+        result = submission.grade_one(student, str(path), local, slot=slot.number)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         slot.release()
@@ -291,23 +291,29 @@ def grade_on_cluster(cluster: Cluster, settings, jobs: dict[str, Path], gradeboo
     from distributed import as_completed
     from distributed.scheduler import KilledWorker
 
-    from autograder.grade import Result
+    from autograder.submission import Result
 
     release = Path(settings.release).read_bytes()
     expected = versions()
     run = uuid.uuid4().hex[:12]
+    notebooks = {}
+    for student, path in jobs.items():  # read here, never through a link: workers get the bytes
+        try:
+            notebooks[student] = student_files.read_bytes(path, student_files.NOTEBOOK_MAX_BYTES)
+        except (OSError, ValueError) as exc:
+            yield Result(student, "unreadable", [f"not read: {short(exc, 150)}"])
     with ExitStack() as stack:
         client = _client(cluster, stack)
         _wait_for_graders(client)
         book = gradebook.read_bytes()  # after the due date is written
 
         def submit(student: str):
-            return client.submit(grade_task, f"{run}-{student}", student, jobs[student].read_bytes(), release, book,
-                                 settings, expected, hint_counts_beside(jobs[student]), key=f"grade-{student}-{run}-{uuid.uuid4().hex[:6]}",
-                                 resources={RESOURCE: 1}, pure=False)
+            return client.submit(grade_task, f"{run}-{student}", student, notebooks[student], release, book,
+                                 settings, expected, hint_counts_beside(jobs[student]),
+                                 key=f"grade-{student}-{run}-{uuid.uuid4().hex[:6]}", resources={RESOURCE: 1}, pure=False)
 
         owner, futures = {}, []
-        for student in jobs:
+        for student in notebooks:
             future = submit(student)
             owner[future.key] = student
             futures.append(future)
@@ -327,10 +333,8 @@ def grade_on_cluster(cluster: Cluster, settings, jobs: dict[str, Path], gradeboo
                 result = Result(student, "grader_error", [f"grader: the worker was lost on each of {tries} tries: "
                                                           "not graded"], tries=tries)
             except Exception as exc:  # noqa: BLE001 - the task never ran its grading: not the student's fault
-                from autograder.grade import _short
-
                 result = Result(student, "grader_error", [f"grader: the task failed on the cluster: "
-                                                          f"{type(exc).__name__}: {_short(exc, 200)}"])
+                                                          f"{type(exc).__name__}: {short(exc, 200)}"])
             finally:
                 future.release()
             if result.tries > 1 and result.status != "grader_error":

@@ -1,7 +1,7 @@
 """nbgrader's Execute for the class grader: a sandboxed kernel, bookkeeping from the kernel's
 execute replies, a time limit per cell and per notebook, a cap on each cell's output.
 
-Imported by `autograder.grade` when a submission runs (nbgrader and nbclient load only then).
+Imported by `autograder.submission` when a submission runs (nbgrader and nbclient load only then).
 What it records for the grader, after `preprocess`:
 
 * ``replies``: cell index -> the execute reply's status ("ok" / "error"): what scoring trusts;
@@ -26,7 +26,7 @@ from nbformat import NotebookNode
 from nbgrader.preprocessors import Execute
 
 from autograder import sandbox
-from autograder.grade import _meta, is_test_cell
+from autograder.cells import is_test_cell, meta
 
 # Dropped from the kernel before each test cell, so that the test imports them afresh.
 RESET_HELPERS = ("import sys as _grader_sys\n"
@@ -189,5 +189,5 @@ class SandboxedExecute(Execute):
             self.events.append(f"{self._label(cell_index)} ran past {self.timeout} s: interrupted")
 
     def _label(self, index: int) -> str:
-        gid = _meta(self.nb.cells[index]).get("grade_id")
+        gid = meta(self.nb.cells[index]).get("grade_id")
         return f"cell {index}" + (f" ({gid})" if gid else "")

@@ -60,522 +60,49 @@ columns stay empty.
 """
 from __future__ import annotations
 
-import copy
-import csv
 import os
 import shutil
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
+from autograder.feedback import write_feedback
+from autograder.gradebook import prepare_course, save_grades, set_due_date
+from autograder.grades_csv import read_csv, write_csv
+from autograder.late import late_columns, late_policy, nbgrader_settings, parse_due
+from autograder.notes import number, short
+from autograder.student_files import is_real_folder, listing
+from autograder.submission import STATUSES, Result, Settings, grade_one, init_worker, quiet
+
 ROOT = Path(__file__).resolve().parent.parent
-STATUSES = ("grader_error", "unreadable", "missing", "crashed", "timeout", "tampered", "ok")
-COLUMNS = ("student", "assignment", "score", "max_score", "status", "notes", "submitted_at", "late_penalty")
-HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 NO_SANDBOX_NOTE = "graded WITHOUT the sandbox (--no-sandbox): the kernel ran as the grader"
-# What nbgrader's exchange writes into each submission (submit) and `release_feedback` reads beside
-# each feedback HTML: the submission time and the secret that names the released file.
-EXCHANGE_FILES = ("timestamp.txt", "submission_secret.txt")
-
-
-@dataclass
-class Settings:
-    assignment: str
-    notebook: str                 # file name, <assignment>.ipynb
-    db_url: str
-    release: str                  # the released notebook nbgrader generated (trusted)
-    work: str                     # the grader's private work folder
-    cell_timeout: float = 300.0
-    notebook_timeout: float = 1800.0
-    output_limit: int = 1_000_000  # bytes kept per cell; the rest is cut (and never costs marks)
-    sandbox: bool = True
-    limits: dict = field(default_factory=dict)
-    hide: list = field(default_factory=list)
-    version: str = ""             # the decodelab grading (decodelab.__version__); "" = not checked
-
-
-@dataclass
-class Result:
-    student: str
-    status: str = "ok"
-    notes: list = field(default_factory=list)
-    notebook: str | None = None    # the graded notebook (nbformat JSON text), None if it never ran
-    tries: int = 1                 # on a Dask cluster: the try that graded it (a lost worker: > 1)
-
-
-# --------------------------------------------------------------------------- helpers
-
-def _meta(cell) -> dict:
-    return cell.get("metadata", {}).get("nbgrader", {}) or {}
-
-
-def is_test_cell(cell) -> bool:
-    meta = _meta(cell)
-    return cell.get("cell_type") == "code" and bool(meta.get("grade")) and not meta.get("solution")
-
-
-def worst(statuses) -> str:
-    return min(statuses, key=STATUSES.index, default="ok")
-
-
-def version_note(nb, version: str) -> str | None:
-    """A note for the instructor when the submission was released for another decodelab than the
-    one grading it (release.py records `decodelab.__version__` in the notebook's metadata), or
-    records none; None when they agree. Never changes a score."""
-    from autograder.release import recorded_version
-
-    recorded = recorded_version(nb)
-    if recorded == version:
-        return None
-    if recorded is None:  # no "; " in a note: the notes column joins them with it
-        return f"version: the notebook records no decodelab version (graded with {version})"
-    return f"version: the notebook was released for decodelab {recorded} (graded with {version})"
-
-
-def hints_note(folder: Path, assignment: str) -> str | None:
-    """"hints: ex_top_k_filter 2, ex_top_p_filter 1" from the hint counter the notebook's hint
-    buttons write beside it (decodelab/course/hints.py, `.decodelab_hints.json`), when it was
-    submitted; None when it was not or no hint was used. Information only: never scored."""
-    from decodelab.course import hints
-
-    return hints.note(hints.read_counts(folder), assignment)
-
-
-def _short(text: str, n: int = 120) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= n else text[: n - 1] + "…"
-
-
-# --------------------------------------------------------------------------- tampering
-
-def _without_hidden_tests(source: str) -> str:
-    if HIDDEN_BEGIN not in source:
-        return source
-    head, _, rest = source.partition(HIDDEN_BEGIN)
-    _, _, tail = rest.partition(HIDDEN_END)
-    lines = head.split("\n")
-    if lines and not lines[-1].strip():
-        lines = lines[:-1]
-    return ("\n".join(lines) + tail.lstrip("\n")).rstrip("\n") if tail.strip() else "\n".join(lines).rstrip("\n")
-
-
-def check_tampering(nb, release) -> tuple[list[str], bool]:
-    """Repair what can be repaired before nbgrader restores the test cells; returns (notes,
-    tampered). Trust comes from the release nbgrader generated here, never from the checksums a
-    submission carries."""
-    from nbgrader.utils import compute_checksum
-
-    notes, tampered = [], False
-    released = {_meta(c)["grade_id"]: c for c in release.cells if _meta(c).get("grade_id")}
-    released_tests = {gid: c for gid, c in released.items() if is_test_cell(c)}
-    seen: set[str] = set()
-    for cell in nb.cells:
-        meta = _meta(cell)
-        gid = meta.get("grade_id")
-        if not gid:
-            continue
-        if gid not in released:  # a graded cell the release never had: it earns nothing
-            if meta.get("grade") or meta.get("solution"):
-                notes.append(f"{gid}: a graded cell not in the release, ignored")
-                tampered = True
-            cell.metadata.pop("nbgrader", None)
-            continue
-        if gid in released_tests and gid not in seen:
-            want = released_tests[gid]
-            # A solution notebook's test cell still holds its hidden tests: compare without them.
-            visible = copy.deepcopy(cell)
-            visible.source = _without_hidden_tests(cell.source)
-            if compute_checksum(visible) != want.metadata.nbgrader.checksum:
-                notes.append(f"{gid} edited: restored from the release")
-                tampered = True
-        seen.add(gid)
-    for gid, want in released_tests.items():
-        if gid in seen:
-            continue
-        stripped = [c for c in nb.cells if c.cell_type == "code" and not _meta(c).get("grade_id")
-                    and c.source.strip() == want.source.strip()]
-        tampered = True
-        if stripped:
-            stripped[0].metadata["nbgrader"] = copy.deepcopy(want.metadata.nbgrader)
-            notes.append(f"{gid} lost its nbgrader metadata: restored from the release")
-        else:
-            notes.append(f"{gid} deleted: scored 0")
-    return notes, tampered
-
-
-# --------------------------------------------------------------------------- execution
-
-def settle_test_cells(nb, ex) -> list[str]:
-    """Make each test cell's outputs say what its execute reply said (nbgrader scores outputs):
-    ok -> no error, no stderr; error, timeout or never run -> an error output. Returns notes."""
-    from nbformat import NotebookNode
-
-    failures = []
-    for index, cell in enumerate(nb.cells):
-        if not is_test_cell(cell):
-            continue
-        gid = _meta(cell).get("grade_id")
-        status = ex.replies.get(index) if ex is not None else None
-        if status == "ok" and index not in ex.timed_out:
-            cell.outputs = [o for o in cell.outputs if o.output_type != "error"
-                            and not (o.output_type == "stream" and o.name == "stderr")]
-            continue
-        errors = [o for o in cell.outputs if o.output_type == "error"]
-        if index in getattr(ex, "timed_out", ()):
-            why = "timed out"
-        elif status is None:
-            why = "not run (the kernel had " + ("died" if ex is not None and ex.stopped == "crashed" else "stopped") + ")"
-        elif errors:
-            why = f"{errors[0].get('ename', 'error')}: {_short(errors[0].get('evalue', ''), 100)}"
-        else:
-            why = "error"
-        if not errors:
-            cell.outputs.append(NotebookNode(output_type="error", ename="NotScored", evalue=why, traceback=[]))
-        failures.append(f"{gid} failed: {why}")
-    return failures
-
-
-# --------------------------------------------------------------------------- one submission (a worker)
-
-_SLOT = 0   # the host-wide sandbox slot this pool process holds (autograder/slots.py)
-_SLOT_HELD = None
-
-
-def _quiet() -> None:
-    # nbgrader's own gradebook code warns about its SQLAlchemy sessions on every submission.
-    warnings.filterwarnings("ignore", message=".*not in session.*")
-    warnings.filterwarnings("ignore", module="sqlalchemy")
-
-
-def _init_worker() -> None:
-    global _SLOT, _SLOT_HELD
-    from autograder import slots
-
-    _quiet()
-    if sys.platform.startswith("linux"):  # the grader killed: its workers (and so their kernels) go too
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    _SLOT_HELD = slots.acquire()  # held until this process exits (the kernel frees the lock then)
-    _SLOT = _SLOT_HELD.number
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
-def grade_one(student: str, path: str, settings: Settings, slot: int | None = None) -> Result:
-    """Read, check, sanitize (nbgrader), execute (sandboxed in `slot`, default this pool process's):
-    never raises."""
-    result = Result(student)
-    try:
-        _grade_one(result, Path(path), settings, _SLOT if slot is None else slot)
-    except Exception as exc:  # noqa: BLE001 - one submission never stops the class
-        result.status = worst([result.status, "crashed"])
-        result.notes.append(f"grader error: {type(exc).__name__}: {_short(exc, 200)}")
-        result.notes.append(_short(traceback.format_exc(limit=3), 300))
-    return result
-
-
-def _read(path: Path):
-    import nbformat
-
-    raw = path.read_bytes()
-    if not raw.strip():
-        raise ValueError("the file is empty")
-    nb = nbformat.reads(raw.decode("utf-8"), as_version=4)
-    if not isinstance(nb.get("cells"), list):
-        raise ValueError("no cells")
-    for cell in nb.cells:
-        if cell.get("cell_type") not in ("code", "markdown", "raw") or not isinstance(cell.get("source"), str):
-            raise ValueError("a cell is not a notebook cell")
-        cell.setdefault("metadata", nbformat.NotebookNode())
-        if cell.cell_type == "code":
-            cell.setdefault("outputs", [])
-            cell.setdefault("execution_count", None)
-    return nb, raw
-
-
-def _grade_one(result: Result, path: Path, settings: Settings, slot: int = 0) -> None:
-    import nbformat
-    from nbgrader.preprocessors import (CheckCellMetadata, ClearOutput, DeduplicateIds, LimitOutput, OverwriteCells,
-                                        OverwriteKernelspec)
-
-    from autograder import integrity, sandbox
-    from autograder.executor import SandboxedExecute
-
-    try:
-        nb, raw = _read(path)
-    except Exception as exc:  # noqa: BLE001 - anything that is not a notebook
-        result.status = "unreadable"
-        result.notes.append(f"{path.name} is not a valid notebook: {_short(exc, 150)}")
-        return
-    note = version_note(nb, settings.version) if settings.version else None
-    if note:
-        result.notes.append(note)
-    note = hints_note(path.parent, settings.assignment)
-    if note:
-        result.notes.append(note)
-    release = nbformat.read(settings.release, as_version=4)
-    notes, tampered = check_tampering(nb, release)
-    result.notes.extend(notes)
-    statuses = ["tampered"] if tampered else []
-    result.notes.extend(f"integrity: {flag}" for flag in integrity.scan(nb, release))
-
-    resources = {"nbgrader": {"notebook": Path(settings.notebook).stem, "assignment": settings.assignment,
-                              "student": result.student, "db_url": settings.db_url}}
-    for pp in (ClearOutput(), DeduplicateIds(), OverwriteKernelspec(), OverwriteCells(), CheckCellMetadata()):
-        nb, resources = pp.preprocess(nb, resources)
-
-    limits = sandbox.Limits(**settings.limits)
-    box = sandbox.Sandbox(Path(settings.work), result.student.replace(os.sep, "_"), slot, limits,
-                          [Path(p) for p in settings.hide], enabled=settings.sandbox)
-    box.prepare(settings.notebook, raw)
-    ex = SandboxedExecute(extra_arguments=["--HistoryManager.hist_file=:memory:"], allow_errors=True,
-                          interrupt_on_timeout=True, raise_on_iopub_timeout=True)
-    ex.setup(box, settings)
-    resources["metadata"] = {"path": str(box.scratch)}
-    try:
-        nb, resources = ex.preprocess(nb, resources)
-    except Exception as exc:  # noqa: BLE001 - e.g. the kernel never started
-        if not ex.stopped:
-            ex.stopped = "crashed"
-            ex.events.append(f"the kernel failed: {type(exc).__name__}: {_short(exc, 200)}")
-    finally:
-        box.cleanup()
-    if ex.stopped:
-        statuses.append(ex.stopped)
-    elif ex.timed_out:
-        statuses.append("timeout")
-    result.notes[:0] = ex.events
-    result.notes.extend(settle_test_cells(nb, ex))
-    if ex.truncated:
-        result.notes.append(f"output cut in {len(ex.truncated)} cell(s) (not scored)")
-    nb, resources = LimitOutput().preprocess(nb, resources)
-    result.status = worst(statuses)
-    result.notebook = nbformat.writes(nb)
 
 
 # --------------------------------------------------------------------------- the class
 
 def roster(submissions: Path) -> list[str]:
-    return sorted(p.name for p in submissions.iterdir() if p.is_dir() and not p.name.startswith("."))
+    """The students: every folder in submissions, and every link there (graded as "missing", not followed)."""
+    return sorted(p.name for p in submissions.iterdir()
+                  if not p.name.startswith(".") and (p.is_symlink() or is_real_folder(p)))
 
 
-def find_submission(submissions: Path, student: str, assignment: str) -> tuple[Path | None, list[str]]:
-    """(the notebook, or None and what the student's folder holds instead)."""
-    target = submissions / student / assignment / f"{assignment}.ipynb"
-    if target.is_file():
-        return target, []
-    found = sorted(str(p.relative_to(submissions / student)) for p in (submissions / student).rglob("*")
-                   if p.is_file() and ".ipynb_checkpoints" not in p.parts)
-    return None, found
-
-
-def prepare_course(assignment: str, source: Path, work: Path, db_path: Path) -> tuple[str, Path]:
-    """nbgrader generate_assignment of the source notebook into a private course folder, with the
-    gradebook at db_path; returns (db_url, the released notebook)."""
-    from nbgrader.apps import NbGraderAPI
-    from nbgrader.coursedir import CourseDirectory
-
-    from autograder.release import ensure_tools_on_path, load_config
-
-    ensure_tools_on_path()
-    course = work / "course"
-    if not (source / assignment / f"{assignment}.ipynb").is_file():
-        raise SystemExit(f"no source notebook {source / assignment / (assignment + '.ipynb')}: "
-                         f"--assignment names a folder of {source}")
-    shutil.copytree(source / assignment, course / "solutions" / assignment,
-                    ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
-    config = load_config()
-    config.CourseDirectory.root = str(course)
-    db_url = f"sqlite:///{db_path}"
-    config.CourseDirectory.db_url = db_url
-    api = NbGraderAPI(CourseDirectory(config=config), config=config)
-    outcome = api.generate_assignment(assignment, force=True, create=True)
-    if not outcome["success"]:
-        raise SystemExit(f"nbgrader generate_assignment {assignment} failed:\n{outcome.get('error')}\n{outcome.get('log')}")
-    os.chmod(db_path, 0o600)
-    return db_url, course / "course" / assignment / f"{assignment}.ipynb"
-
-
-def save_grades(result: Result, settings: Settings) -> tuple[float, float]:
-    """The graded notebook into the gradebook (nbgrader SaveAutoGrades); (score, max_score)."""
-    import nbformat
-    from nbgrader.api import Gradebook
-    from nbgrader.preprocessors import SaveAutoGrades
-
-    notebook_id = Path(settings.notebook).stem
-    with Gradebook(settings.db_url) as gb:
-        gb.update_or_create_student(result.student)
-        gb.update_or_create_submission(settings.assignment, result.student)
-        sub = gb.find_submission_notebook(notebook_id, settings.assignment, result.student)
-        for grade in sub.grades:  # a regrade starts from nothing
-            grade.auto_score = 0
-            grade.manual_score = None
-            grade.needs_manual_grade = False
-        sub.late_submission_penalty = None
-        gb.db.commit()
-    if result.notebook is not None:
-        nb = nbformat.reads(result.notebook, as_version=4)
-        resources = {"nbgrader": {"notebook": notebook_id, "assignment": settings.assignment,
-                                  "student": result.student, "db_url": settings.db_url}}
-        SaveAutoGrades().preprocess(nb, resources)
-    with Gradebook(settings.db_url) as gb:
-        sub = gb.find_submission_notebook(notebook_id, settings.assignment, result.student)
-        return float(sub.score), float(sub.max_score)
-
-
-def copy_exchange_files(submitted: Path | None, feedback: Path) -> list[str]:
-    """Copy the submission's EXCHANGE_FILES (written by `nbgrader submit`, kept by `collect`) into
-    its feedback folder, where `nbgrader release_feedback` reads them; a copy left by an earlier
-    grading that the submission no longer has is removed. Only small regular files are copied
-    (the submission folder is the student's: a link there is not followed). Returns the names."""
-    copied = []
-    for name in EXCHANGE_FILES:
-        source, target = (submitted / name if submitted else None), feedback / name
-        target.unlink(missing_ok=True)
-        if source is None or source.is_symlink() or not source.is_file() or source.stat().st_size > 4096:
-            continue
-        target.write_bytes(source.read_bytes())
-        copied.append(name)
-    return copied
-
-
-def write_feedback(result: Result, settings: Settings, folder: Path, score: float, max_score: float,
-                   submitted: Path | None = None) -> Path:
-    """HTML for the student, nbgrader's feedback template, no hidden test code anywhere, in
-    nbgrader's feedback layout folder/<student>/<assignment>/<notebook>.html; beside it the
-    exchange's files from the submission folder `submitted` (copy_exchange_files), so that
-    `nbgrader release_feedback` releases the folder as it is."""
-    import html
-
-    import nbformat
-    from nbconvert.exporters import HTMLExporter
-    from nbgrader.preprocessors import ClearHiddenTests, GetGrades, LimitOutput
-    from traitlets.config import Config
-
-    target = folder / result.student / settings.assignment / f"{Path(settings.notebook).stem}.html"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    copy_exchange_files(submitted, target.parent)
-    notes = [n for n in result.notes if not n.startswith("integrity:")]
-    if result.notebook is None:
-        body = (f"<html><body><h1>{html.escape(settings.assignment)}: {html.escape(result.status)}</h1>"
-                f"<p>Score: {score:g} / {max_score:g}</p><ul>"
-                + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul></body></html>")
-        target.write_text(body)
-        return target
-    nb = nbformat.reads(result.notebook, as_version=4)
-    resources = {"nbgrader": {"notebook": Path(settings.notebook).stem, "assignment": settings.assignment,
-                              "student": result.student, "db_url": settings.db_url}}
-    nb, resources = GetGrades().preprocess(nb, resources)
-    nb, resources = ClearHiddenTests().preprocess(nb, resources)
-    for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            if output.output_type == "error":  # the traceback would quote the hidden-test lines
-                output.traceback = [f"{output.get('ename', '')}: {output.get('evalue', '')}"]
-        if HIDDEN_BEGIN in cell.source:  # belt and braces
-            cell.source = cell.source.split(HIDDEN_BEGIN)[0]
-    LimitOutput(max_lines=200).preprocess(nb, resources)
-    summary = nbformat.v4.new_markdown_cell(f"**Grader: {result.status}.** "
-                                            + html.escape("; ".join(notes) or "no problems"))
-    nb.cells.insert(0, summary)
-    c = Config()
-    c.HTMLExporter.template_name = "feedback"
-    import nbgrader
-
-    base = Path(nbgrader.__file__).parent / "server_extensions" / "formgrader"
-    c.HTMLExporter.extra_template_basedirs = [str(base / "templates")]
-    c.HTMLExporter.extra_template_paths = [str(base / "static" / "node_modules" / "bootstrap" / "dist" / "css")]
-    body, _ = HTMLExporter(config=c).from_notebook_node(nb, resources)
-    target.write_text(body)
-    return target
-
-
-def write_csv(path: Path, rows: dict[tuple[str, str], dict]) -> None:
-    """Atomically: every row kept, one per (student, assignment)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for key in sorted(rows, key=lambda k: (k[1], k[0])):
-            writer.writerow(rows[key])
-    os.replace(tmp, path)
-
-
-def read_csv(path: Path) -> dict[tuple[str, str], dict]:
-    if not path.exists():
-        return {}
-    with open(path, newline="") as f:
-        return {(r["student"], r["assignment"]): {k: r.get(k, "") for k in COLUMNS} for r in csv.DictReader(f)}
-
-
-def _fmt(x: float) -> str:
-    return f"{x:g}"
-
-
-# --------------------------------------------------------------------------- late submissions
-
-def late_policy(overrides=None):
-    """The late policy of nbgrader_config.py (with command-line `--Class.trait=value` settings
-    on top): SystemExit with the reason if its plugin or time zone is wrong."""
-    from autograder import late
-    from autograder.release import load_config
-
-    config = load_config()
-    if overrides is not None:
-        config.merge(overrides)
-    try:
-        return late.policy_from_config(config)
-    except ValueError as exc:
-        raise SystemExit(f"autograder grade: {exc}") from None
-
-
-def set_due_date(db_url: str, assignment: str, due: str | None, policy):
-    """Write `--due` (None: keep the gradebook's, "none": remove it) into nbgrader's gradebook;
-    returns the assignment's due date (naive UTC) or None."""
-    from nbgrader.api import Gradebook
-
-    with Gradebook(db_url) as gb:
-        if due is not None:
-            gb.update_or_create_assignment(assignment, duedate=parse_due(due, policy))
-        return gb.find_assignment(assignment).duedate
-
-
-def parse_due(due: str, policy):
-    """`--due` as nbgrader's gradebook stores it (naive UTC; None for "none"); SystemExit if malformed."""
-    from autograder import late
-
-    try:
-        return late.due_date_of(due, policy.timezone)
-    except ValueError as exc:
-        raise SystemExit(f"autograder grade: --due {due!r}: {exc}") from None
-
-
-def late_columns(result: Result, settings: Settings, policy, submissions: Path, score: float) -> tuple[float, dict]:
-    """(the score net of any late penalty, the row's submitted_at and late_penalty); a "late:"
-    note joins result.notes when the submission is late or its time cannot be read."""
-    from autograder import late
-
-    empty = {"submitted_at": "", "late_penalty": ""}
-    if policy is None:
-        return score, empty
-    try:
-        found = policy.record(settings.db_url, settings.assignment, Path(settings.notebook).stem, result.student,
-                              submissions / result.student / settings.assignment, score)
-    except Exception as exc:  # noqa: BLE001 - the grade stands; the note says why nothing was taken off
-        result.notes.append(f"late: not checked ({type(exc).__name__}: {_short(exc, 150)}), no penalty")
-        return score, empty
-    if found is None:
-        return score, empty
-    if found.note:
-        result.notes.append(found.note)
-    penalty = found.penalty
-    return max(0.0, score - (penalty or 0.0)), {"submitted_at": late.show(found.submitted_at),
-                                                "late_penalty": "" if penalty is None else _fmt(penalty)}
+def find_submission(submissions: Path, student: str, assignment: str) -> tuple[Path | None, str]:
+    """(the notebook's path, "") or (None, why there is none): a link on the way is never followed,
+    and what the student's folder holds instead is listed by name."""
+    folder = submissions / student
+    if not is_real_folder(folder):
+        return None, f"the student's folder {student} is a link: not followed"
+    if (folder / assignment).is_symlink():
+        return None, f"{assignment}/ is a link: not followed"
+    target = folder / assignment / f"{assignment}.ipynb"
+    if os.path.lexists(target):  # a link or a non-file is refused, with its reason, when read
+        return target, ""
+    found = listing(folder)
+    what = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "") if found else "nothing"
+    return None, f"no {assignment}/{assignment}.ipynb; found: {what}"
 
 
 # --------------------------------------------------------------------------- answer similarity
@@ -595,7 +122,7 @@ def add_similarity_notes(settings: Settings, jobs: dict[str, Path], rows: dict, 
     try:
         found = similarity.class_notes(nbformat.read(settings.release, as_version=4), graded)
     except Exception as exc:  # noqa: BLE001 - the grades are written; only the comparison is lost
-        found = {s: [f"similarity: not checked ({type(exc).__name__}: {_short(exc, 100)})"] for s in graded}
+        found = {s: [f"similarity: not checked ({type(exc).__name__}: {short(exc, 100)})"] for s in graded}
     for student, notes in found.items():
         row = rows[(student, settings.assignment)]
         row["notes"] = "; ".join([n for n in row["notes"].split("; ") if n] + notes)
@@ -627,7 +154,8 @@ def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="decodelab-grade-"))
     os.chmod(work, 0o711)  # kernels traverse to their own folder; nothing else here is theirs
-    hide = [submissions, work / "course", gradebook, out] + ([feedback.resolve()] if feedback else [])
+    # What no kernel may read: every path the grader owns (the repository itself: sandbox.repository_hidden).
+    hide = [submissions, work / "course", gradebook, out, source.resolve()] + ([feedback.resolve()] if feedback else [])
     try:
         if sandbox_on and cluster is None:  # on a cluster, each worker checks its own machine
             sandbox.preflight(work, limits, hide)
@@ -649,17 +177,16 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
 
     from tqdm import tqdm
 
-    _quiet()
+    quiet()
     rows = read_csv(out)
     written = []
     students = roster(submissions)
     results: list[Result] = []
     jobs = {}
     for student in students:
-        path, found = find_submission(submissions, student, settings.assignment)
+        path, why = find_submission(submissions, student, settings.assignment)
         if path is None:
-            what = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "") if found else "nothing"
-            results.append(Result(student, "missing", [f"no {settings.assignment}/{settings.notebook}; found: {what}"]))
+            results.append(Result(student, "missing", [why]))
         else:
             jobs[student] = path
     bar = tqdm(total=len(students), desc=f"grading {settings.assignment}", unit="student", file=sys.stderr,
@@ -673,8 +200,8 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
         if feedback is not None:
             write_feedback(result, settings, feedback.resolve(), score, max_score,
                            submitted=submissions / result.student / settings.assignment)
-        row = {"student": result.student, "assignment": settings.assignment, "score": _fmt(score),
-               "max_score": _fmt(max_score), "status": result.status, "notes": "; ".join(result.notes), **late}
+        row = {"student": result.student, "assignment": settings.assignment, "score": number(score),
+               "max_score": number(max_score), "status": result.status, "notes": "; ".join(result.notes), **late}
         rows[(result.student, settings.assignment)] = row
         written.append(row)
         write_csv(out, rows)  # after every student: a crash of the grader loses nothing done
@@ -690,8 +217,8 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
             finish(result)
     elif jobs:
         ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=_init_worker) as pool:
-            futures = {pool.submit(grade_one, s, str(p), settings): s for s, p in jobs.items()}
+        with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx, initializer=init_worker) as pool:
+            futures = {pool.submit(grade_one, s, str(p), settings, None, str(submissions)): s for s, p in jobs.items()}
             for future in as_completed(futures):
                 try:
                     result = future.result()
@@ -786,29 +313,6 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n".join(summary(rows, args.assignment, time.perf_counter() - started, args.out, library_version())))
     return 0
-
-
-LATE_SETTINGS = ("Exchange", "AssignLatePenalties", "LateSubmissionPlugin", "DailyPenalty", "PointsPerDay",
-                 "PercentPerDay", "ZeroAfterCutoff")
-
-
-def nbgrader_settings(extra: list[str]):
-    """`--Class.trait=value` arguments (nbgrader's command-line syntax) -> a traitlets Config.
-    ValueError for anything else, or a class the late policy does not read."""
-    import re
-
-    from traitlets.config.loader import KVArgParseConfigLoader
-
-    bad = [a for a in extra if not re.fullmatch(r"--[A-Za-z_]\w*\.[A-Za-z_]\w*=.*", a, re.S)]
-    if bad:
-        raise ValueError(f"unrecognized arguments: {' '.join(bad)} (nbgrader settings are --Class.trait=value)")
-    config = KVArgParseConfigLoader(argv=extra).load_config()
-    plugin = str(config.AssignLatePenalties.get("plugin_class", "")).rpartition(".")[2] if extra else ""
-    unknown = sorted(set(config) - set(LATE_SETTINGS) - {plugin})
-    if unknown:
-        raise ValueError(f"--{unknown[0]}.…: only the late policy's settings can be given here "
-                         f"({', '.join(LATE_SETTINGS)}, or the plugin class named by AssignLatePenalties.plugin_class)")
-    return config
 
 
 def summary(rows: list[dict], assignment: str, seconds: float, out: Path, version: str) -> list[str]:

@@ -14,6 +14,8 @@ import importlib
 import re
 from pathlib import Path
 
+from autograder.cells import meta
+
 CHECKS = Path(__file__).resolve().parent / "checks"
 
 
@@ -63,11 +65,11 @@ def scan(nb, release) -> list[str]:
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
-        meta = cell.get("metadata", {}).get("nbgrader", {})
-        is_answer = meta.get("solution") or (not meta.get("grade") and cell.source.strip() not in released_sources)
+        role = meta(cell)
+        is_answer = role.get("solution") or (not role.get("grade") and cell.source.strip() not in released_sources)
         if not is_answer:
             continue
-        label = meta.get("grade_id") or f"cell {index}"
+        label = role.get("grade_id") or f"cell {index}"
         names, imported, strings = _names_used(cell.source)
         for function, reference in refs.items():
             module, _, ref_name = reference.partition(":")

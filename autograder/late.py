@@ -33,6 +33,8 @@ from pathlib import Path
 from nbgrader.plugins import LateSubmissionPlugin
 from traitlets import Enum, Float
 
+from autograder import notes, student_files
+
 TIMESTAMP_FILE = "timestamp.txt"
 DAY = 86400.0
 _DATE_TIME = re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}")
@@ -204,12 +206,15 @@ class Lateness:
 
 
 def read_timestamp(folder: Path, default_zone: str = "UTC") -> tuple[datetime | None, str | None]:
-    """(the submission time, None) from folder/timestamp.txt, or (None, why it cannot be read)."""
+    """(the submission time, None) from folder/timestamp.txt, or (None, why it cannot be read).
+    Only a small regular file is read (a link is not followed): nothing else reaches the note."""
     path = Path(folder) / TIMESTAMP_FILE
     try:
-        raw = path.read_bytes()[:4096]
+        raw = student_files.read_bytes(path, student_files.SMALL_FILE_MAX_BYTES)
     except FileNotFoundError:
         return None, f"no {TIMESTAMP_FILE} in the submission folder"
+    except student_files.NotAStudentFile as exc:
+        return None, f"{exc}"
     except OSError as exc:
         return None, f"{TIMESTAMP_FILE} cannot be read ({type(exc).__name__})"
     try:
@@ -238,7 +243,7 @@ def assess(submitted_at: datetime | None, problem: str | None, due: datetime, sc
     penalty = min(max(float(raw or 0.0), 0.0), max(score, 0.0))
     note = (f"late: submitted {show(submitted_at)}, {days_text(seconds)} after the due date {show(due)}"
             f"{extension_text(extension)}: "
-            f"{_fmt(penalty)} point(s) off ({describe(plugin)})")
+            f"{notes.number(penalty)} point(s) off ({describe(plugin)})")
     return Lateness(submitted_at, seconds, penalty, note)
 
 
@@ -248,10 +253,6 @@ def days_text(seconds: float) -> str:
         return f"{days:.2f}".rstrip("0").rstrip(".") + " day(s)"
     hours = seconds / 3600
     return f"{hours:.1f} hour(s)" if hours >= 1 else f"{max(1, round(seconds / 60))} minute(s)"
-
-
-def _fmt(x: float) -> str:
-    return f"{x:g}"
 
 
 # --------------------------------------------------------------------------- the policy of a run
@@ -318,3 +319,74 @@ def due_date_of(text: str, default_zone: str) -> datetime | None:
 
 def extension_text(delta: timedelta | None) -> str:
     return "" if not delta else f" (with an extension of {days_text(delta.total_seconds())})"
+
+
+# --------------------------------------------------------------------------- the grader's side
+
+
+def late_policy(overrides=None):
+    """The late policy of nbgrader_config.py (with command-line `--Class.trait=value` settings
+    on top): SystemExit with the reason if its plugin or time zone is wrong."""
+    from autograder.release import load_config
+
+    config = load_config()
+    if overrides is not None:
+        config.merge(overrides)
+    try:
+        return policy_from_config(config)
+    except ValueError as exc:
+        raise SystemExit(f"autograder grade: {exc}") from None
+
+
+def parse_due(due: str, policy):
+    """`--due` as nbgrader's gradebook stores it (naive UTC; None for "none"); SystemExit if malformed."""
+
+    try:
+        return due_date_of(due, policy.timezone)
+    except ValueError as exc:
+        raise SystemExit(f"autograder grade: --due {due!r}: {exc}") from None
+
+
+def late_columns(result, settings, policy, submissions: Path, score: float) -> tuple[float, dict]:
+    """result: a submission.Result, settings: its Settings. (the score net of any late penalty, the row's submitted_at and late_penalty); a "late:"
+    note joins result.notes when the submission is late or its time cannot be read."""
+
+    empty = {"submitted_at": "", "late_penalty": ""}
+    if policy is None:
+        return score, empty
+    try:
+        found = policy.record(settings.db_url, settings.assignment, Path(settings.notebook).stem, result.student,
+                              submissions / result.student / settings.assignment, score)
+    except Exception as exc:  # noqa: BLE001 - the grade stands; the note says why nothing was taken off
+        result.notes.append(f"late: not checked ({type(exc).__name__}: {notes.short(exc, 150)}), no penalty")
+        return score, empty
+    if found is None:
+        return score, empty
+    if found.note:
+        result.notes.append(found.note)
+    penalty = found.penalty
+    return max(0.0, score - (penalty or 0.0)), {"submitted_at": show(found.submitted_at),
+                                                "late_penalty": "" if penalty is None else notes.number(penalty)}
+
+
+LATE_SETTINGS = ("Exchange", "AssignLatePenalties", "LateSubmissionPlugin", "DailyPenalty", "PointsPerDay",
+                 "PercentPerDay", "ZeroAfterCutoff")
+
+
+def nbgrader_settings(extra: list[str]):
+    """`--Class.trait=value` arguments (nbgrader's command-line syntax) -> a traitlets Config.
+    ValueError for anything else, or a class the late policy does not read."""
+    import re
+
+    from traitlets.config.loader import KVArgParseConfigLoader
+
+    bad = [a for a in extra if not re.fullmatch(r"--[A-Za-z_]\w*\.[A-Za-z_]\w*=.*", a, re.S)]
+    if bad:
+        raise ValueError(f"unrecognized arguments: {' '.join(bad)} (nbgrader settings are --Class.trait=value)")
+    config = KVArgParseConfigLoader(argv=extra).load_config()
+    plugin = str(config.AssignLatePenalties.get("plugin_class", "")).rpartition(".")[2] if extra else ""
+    unknown = sorted(set(config) - set(LATE_SETTINGS) - {plugin})
+    if unknown:
+        raise ValueError(f"--{unknown[0]}.…: only the late policy's settings can be given here "
+                         f"({', '.join(LATE_SETTINGS)}, or the plugin class named by AssignLatePenalties.plugin_class)")
+    return config

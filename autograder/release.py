@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from autograder import cells
+
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"
 COURSE = ROOT / "course"
@@ -61,7 +63,7 @@ def open_predictions(path: Path) -> None:
     stub = load_config().ClearSolutions.code_stub["python"]
     changed = False
     for cell in nb.get("cells", []):
-        meta = cell.get("metadata", {}).get("nbgrader", {})
+        meta = cells.meta(cell)
         name = meta.get("grade_id") or ""
         source = "".join(cell["source"]) if isinstance(cell.get("source"), list) else cell.get("source", "")
         if cell.get("cell_type") == "code" and meta.get("solution") and name.startswith("q_") and stub in source:

@@ -400,13 +400,14 @@ def launch(spec: Spec, argv: list[str]) -> None:
     os.execve(argv[0], argv, spec.env)
 
 
-def kernel_env(extra: dict | None = None) -> dict[str, str]:
-    """The kernel's whole environment: nothing of the grader's leaks in but what is listed."""
+def kernel_env(extra: dict | None = None, kit: Path | None = None) -> dict[str, str]:
+    """The kernel's whole environment: nothing of the grader's leaks in but what is listed.
+    `kit`: the folder of copied grader modules it imports autograder from (default: the repository)."""
     from decodelab.paths import cache_dir
 
     env = {
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "lib")]),
+        "PYTHONPATH": os.pathsep.join([str(kit or ROOT), str(ROOT / "lib")]),
         "HOME": "/tmp", "TMPDIR": "/tmp", "IPYTHONDIR": "/tmp/.ipython", "MPLCONFIGDIR": "/tmp/.matplotlib",
         "JUPYTER_PLATFORM_DIRS": "1", "JUPYTER_RUNTIME_DIR": "/tmp/.jupyter",
         "DECODELAB_CACHE": str(cache_dir()),
@@ -423,6 +424,37 @@ def kernel_env(extra: dict | None = None) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- grader side
+
+# What a kernel imports of autograder/ (the hidden tests and their runner); nothing else of the
+# repository (solutions/, the grader, .git) is visible to it.
+KERNEL_MODULES = ("__init__.py", "run.py", "checks")
+
+
+def copy_kernel_modules(kit: Path) -> None:
+    """kit/autograder/: KERNEL_MODULES copied from the repository, readable by every uid."""
+    package = kit / "autograder"
+    if package.exists():
+        shutil.rmtree(kit)
+    package.mkdir(parents=True)
+    for name in KERNEL_MODULES:
+        source = ROOT / "autograder" / name
+        if source.is_dir():
+            shutil.copytree(source, package / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, package / name)
+    for folder, dirs, files in os.walk(kit):
+        os.chmod(folder, 0o755)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o644)
+
+
+def repository_hidden(readable: list[str]) -> list[str]:
+    """Every top-level entry of the repository that holds nothing the kernel reads: all but
+    lib/ and a folder that holds a readable path (a virtual environment inside the checkout).
+    Links are left alone (a mount on one would land on its target)."""
+    keep = {ROOT / "lib"} | {ROOT / Path(p).relative_to(ROOT).parts[0] for p in readable
+                              if Path(p) != ROOT and ROOT in Path(p).parents}
+    return sorted(str(p) for p in ROOT.iterdir() if p not in keep and not p.is_symlink())
 
 def share_model_cache() -> list[str]:
     """Make the prepared models readable by the kernels' uids (the converter may leave its
@@ -457,6 +489,11 @@ class Sandbox:
         self.scratch, self.ipc_dir = self.folder / "scratch", self.folder / "ipc"
         self.hide = [str(p) for p in hide]
 
+    @property
+    def kit(self) -> Path:
+        """The grader modules the kernel imports (KERNEL_MODULES), copied here for it alone."""
+        return self.folder / "kit"
+
     def prepare(self, notebook_name: str, notebook_bytes: bytes) -> None:
         if self.enabled:  # what a killed grader that held this slot before may have left running
             kill_uid(self.uid)
@@ -476,13 +513,15 @@ class Sandbox:
         target.write_bytes(notebook_bytes)
         if self.enabled:
             os.chown(target, self.uid, self.uid)
+        copy_kernel_modules(self.kit)
 
     def spec(self) -> Spec:
         from decodelab.paths import cache_dir
 
-        readable = [sys.base_prefix, sys.prefix, str(ROOT), str(cache_dir())]
+        readable = [sys.base_prefix, sys.prefix, str(ROOT / "lib"), str(self.kit), str(cache_dir())]
         return Spec(uid=self.uid, scratch=str(self.scratch), ipc_dir=str(self.ipc_dir), limits=asdict(self.limits),
-                    hide=self.hide, readable=readable, env=kernel_env(), cgroup=self.cgroup)
+                    hide=self.hide + repository_hidden(readable), readable=readable,
+                    env=kernel_env(kit=self.kit), cgroup=self.cgroup)
 
     def oom_killed(self) -> bool:
         return self.enabled and cgroup_oom_killed(self.cgroup)
@@ -568,6 +607,7 @@ def preflight(work: Path, limits: Limits, hide: list[Path], slot: int | None = N
              "assert importlib.util.find_spec('torch') and importlib.util.find_spec('decodelab'), 'no torch/decodelab'\n"
              f"for f in pathlib.Path({str(cache_dir())!r}).rglob('*.safetensors'):\n"
              "    f.open('rb').read(8)  # the prepared model is readable\n"
+             f"assert not list(pathlib.Path({str(ROOT / 'solutions')!r}).glob('*/*.ipynb')), 'solutions/ readable'\n"
              "print('sandbox ok')\n")
     spec = box.spec()
     spec.discard_stdio = False

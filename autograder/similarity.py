@@ -40,6 +40,9 @@ import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from autograder import student_files
+from autograder.cells import grade_id, is_answer_cell
+
 NEAR = 0.9
 MIN_TOKENS = 50
 MAX_SOURCE = 200_000          # characters of one cell; longer cells are not compared
@@ -197,9 +200,8 @@ def answer_cells(release) -> dict[str, str]:
     """grade_id -> the released source of each answer (solution) cell."""
     cells = {}
     for cell in release.cells:
-        meta = cell.get("metadata", {}).get("nbgrader", {}) or {}
-        if cell.get("cell_type") == "code" and meta.get("solution") and meta.get("grade_id"):
-            cells[meta["grade_id"]] = cell.source
+        if cell.get("cell_type") == "code" and is_answer_cell(cell) and grade_id(cell):
+            cells[grade_id(cell)] = cell.source
     return cells
 
 
@@ -218,11 +220,11 @@ def read_answers(path: Path, gids) -> dict[str, str]:
     import nbformat
 
     try:
-        nb = nbformat.reads(Path(path).read_text(encoding="utf-8"), as_version=4)
+        raw = student_files.read_bytes(Path(path), student_files.NOTEBOOK_MAX_BYTES)
+        nb = nbformat.reads(raw.decode("utf-8"), as_version=4)
         found = {}
         for cell in nb.cells:
-            meta = cell.get("metadata", {}).get("nbgrader", {}) or {}
-            gid = meta.get("grade_id")
+            gid = grade_id(cell)
             if cell.get("cell_type") == "code" and gid in gids and gid not in found and isinstance(cell.source, str):
                 found[gid] = cell.source
         return found

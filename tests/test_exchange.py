@@ -373,7 +373,7 @@ def test_each_student_fetches_their_own_feedback(flow):
 def test_feedback_folder_gets_the_exchange_files(tmp_path):
     """Without nbgrader or root: the two files are copied, a link is not followed, and a copy a
     regrade no longer has a source for is removed."""
-    from autograder.grade import copy_exchange_files
+    from autograder.feedback import copy_exchange_files
 
     submitted, feedback, outside = tmp_path / "submitted", tmp_path / "feedback", tmp_path / "root-only.txt"
     for folder in (submitted, feedback):

@@ -523,7 +523,7 @@ def test_regrade_replaces_rows(graded, tmp_path):
 
 
 def test_status_precedence_and_tamper_check():
-    from autograder.grade import check_tampering, worst
+    from autograder.submission import check_tampering, worst
 
     assert worst(["ok", "tampered", "timeout", "crashed"]) == "crashed"
     assert worst(["tampered", "timeout"]) == "timeout" and worst([]) == "ok"

@@ -200,7 +200,7 @@ def test_refuses_a_remote_scheduler_without_tls(tmp_path):
 
 def test_a_worker_refuses_another_version_or_no_model(tmp_path, monkeypatch):
     """grader_error, first in the precedence, with the reason; nothing is run."""
-    from autograder import cluster, grade
+    from autograder import cluster, submission as grade
     from decodelab.model.registry import SMOLLM2_DIR_NAME
 
     assert cluster.SMOLLM2_DIR == SMOLLM2_DIR_NAME

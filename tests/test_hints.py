@@ -237,7 +237,7 @@ def test_progress_shows_hints_used(tmp_path):
 
 
 def test_grader_note(tmp_path):
-    from autograder.grade import hints_note
+    from autograder.notes import hints_note
 
     assert hints_note(tmp_path, "02_sampling") is None  # no file submitted
     hints.record("02_sampling", "ex_top_p_filter", 1, tmp_path)

@@ -14,7 +14,8 @@ import pytest
 
 import decodelab
 from autograder import release
-from autograder.grade import summary, version_note
+from autograder.grade import summary
+from autograder.notes import version_note
 from notebooks import COURSE, ROOT, read, release_path
 
 NAME = "00_meet_the_model"

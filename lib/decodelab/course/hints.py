@@ -86,8 +86,16 @@ def read_counts(folder=None) -> dict[str, dict[str, int]]:
     try:
         if path.stat().st_size > MAX_COUNTER_BYTES:
             return {}
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        return counts_from_text(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return {}
+
+
+def counts_from_text(text: str) -> dict[str, dict[str, int]]:
+    """The counter file's text -> {"NN_topic": {"ex_<name>": rungs shown}}; {} when it is not ours."""
+    try:
+        data = json.loads(text)
+    except ValueError:
         return {}
     counts: dict[str, dict[str, int]] = {}
     if isinstance(data, dict):

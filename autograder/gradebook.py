@@ -1,0 +1,79 @@
+"""nbgrader's gradebook for one grading run: the private course it is generated from, the due
+date it keeps, and the grades each graded notebook puts into it."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from autograder.late import parse_due
+
+if TYPE_CHECKING:
+    from autograder.submission import Result, Settings
+
+
+def prepare_course(assignment: str, source: Path, work: Path, db_path: Path) -> tuple[str, Path]:
+    """nbgrader generate_assignment of the source notebook into a private course folder, with the
+    gradebook at db_path; returns (db_url, the released notebook)."""
+    from nbgrader.apps import NbGraderAPI
+    from nbgrader.coursedir import CourseDirectory
+
+    from autograder.release import ensure_tools_on_path, load_config
+
+    ensure_tools_on_path()
+    course = work / "course"
+    if not (source / assignment / f"{assignment}.ipynb").is_file():
+        raise SystemExit(f"no source notebook {source / assignment / (assignment + '.ipynb')}: "
+                         f"--assignment names a folder of {source}")
+    shutil.copytree(source / assignment, course / "solutions" / assignment,
+                    ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+    config = load_config()
+    config.CourseDirectory.root = str(course)
+    db_url = f"sqlite:///{db_path}"
+    config.CourseDirectory.db_url = db_url
+    api = NbGraderAPI(CourseDirectory(config=config), config=config)
+    outcome = api.generate_assignment(assignment, force=True, create=True)
+    if not outcome["success"]:
+        raise SystemExit(f"nbgrader generate_assignment {assignment} failed:\n{outcome.get('error')}\n{outcome.get('log')}")
+    os.chmod(db_path, 0o600)
+    return db_url, course / "course" / assignment / f"{assignment}.ipynb"
+
+
+def save_grades(result: Result, settings: Settings) -> tuple[float, float]:
+    """The graded notebook into the gradebook (nbgrader SaveAutoGrades); (score, max_score)."""
+    import nbformat
+    from nbgrader.api import Gradebook
+    from nbgrader.preprocessors import SaveAutoGrades
+
+    notebook_id = Path(settings.notebook).stem
+    with Gradebook(settings.db_url) as gb:
+        gb.update_or_create_student(result.student)
+        gb.update_or_create_submission(settings.assignment, result.student)
+        sub = gb.find_submission_notebook(notebook_id, settings.assignment, result.student)
+        for grade in sub.grades:  # a regrade starts from nothing
+            grade.auto_score = 0
+            grade.manual_score = None
+            grade.needs_manual_grade = False
+        sub.late_submission_penalty = None
+        gb.db.commit()
+    if result.notebook is not None:
+        nb = nbformat.reads(result.notebook, as_version=4)
+        resources = {"nbgrader": {"notebook": notebook_id, "assignment": settings.assignment,
+                                  "student": result.student, "db_url": settings.db_url}}
+        SaveAutoGrades().preprocess(nb, resources)
+    with Gradebook(settings.db_url) as gb:
+        sub = gb.find_submission_notebook(notebook_id, settings.assignment, result.student)
+        return float(sub.score), float(sub.max_score)
+
+
+
+def set_due_date(db_url: str, assignment: str, due: str | None, policy):
+    """Write `--due` (None: keep the gradebook's, "none": remove it) into nbgrader's gradebook;
+    returns the assignment's due date (naive UTC) or None."""
+    from nbgrader.api import Gradebook
+
+    with Gradebook(db_url) as gb:
+        if due is not None:
+            gb.update_or_create_assignment(assignment, duedate=parse_due(due, policy))
+        return gb.find_assignment(assignment).duedate
