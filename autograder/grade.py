@@ -56,7 +56,13 @@ nbgrader `timestamp.txt` is read, the penalty plugin nbgrader's `AssignLatePenal
 names (nbgrader_config.py, or `--Class.trait=value` here) gives the points off, and the row
 gets `submitted_at` (UTC, ISO 8601) and `late_penalty`; `score` is net of it, never below 0. A
 missing or malformed timestamp is a "late:" note and costs nothing. No due date: the two
-columns stay empty.
+columns stay empty. The policy the assignment was first graded with is kept in the gradebook
+(late.policy_of_run): a rerun without flags charges it again; a rerun under another is refused
+unless --replace-late-policy says so. A score set by hand (formgrader's manual_score) survives
+every regrade, and columns an instructor added to the CSV stay.
+
+Everything read from a submission goes through autograder/student_files.py: regular files of the
+student's own, never through a link, size-capped.
 """
 from __future__ import annotations
 
@@ -71,8 +77,8 @@ from pathlib import Path
 
 from autograder.feedback import write_feedback
 from autograder.gradebook import prepare_course, save_grades, set_due_date
-from autograder.grades_csv import read_csv, write_csv
-from autograder.late import late_columns, late_policy, nbgrader_settings, parse_due
+from autograder.grades_csv import GradesFileError, read_csv, write_csv
+from autograder.late import late_columns, nbgrader_settings, parse_due, policy_of_run, store_policy
 from autograder.notes import number, short
 from autograder.student_files import is_real_folder, listing
 from autograder.submission import STATUSES, Result, Settings, grade_one, init_worker, quiet
@@ -87,6 +93,12 @@ def roster(submissions: Path) -> list[str]:
     """The students: every folder in submissions, and every link there (graded as "missing", not followed)."""
     return sorted(p.name for p in submissions.iterdir()
                   if not p.name.startswith(".") and (p.is_symlink() or is_real_folder(p)))
+
+
+def submission_folder(submissions: Path, student: str, assignment: str) -> Path | None:
+    """submissions/student/assignment when both are folders of their own (not links), else None."""
+    folder = submissions / student / assignment
+    return folder if is_real_folder(submissions / student) and is_real_folder(folder) else None
 
 
 def find_submission(submissions: Path, student: str, assignment: str) -> tuple[Path | None, str]:
@@ -133,22 +145,30 @@ def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path
                 sandbox_on: bool = True, source: Path = ROOT / "solutions", gradebook: Path | None = None,
                 cell_timeout: float = 300, notebook_timeout: float = 1800, memory_bytes: int = 4 * 2**30,
                 max_processes: int = 128, output_limit: int = 1_000_000, progress: bool = True,
-                due: str | None = None, late_settings=None, cluster=None) -> list[dict]:
+                due: str | None = None, late_flags: list[str] | None = None, replace_late_policy: bool = False,
+                cluster=None) -> list[dict]:
     """Grade every student folder in submissions; returns the rows written for this run.
 
     `due`: a due date to write into the gradebook first ("none" removes it; None keeps what it
-    has); `late_settings`: a traitlets Config over nbgrader_config.py for the late policy;
+    has); `late_flags`: `--Class.trait=value` settings over nbgrader_config.py for the late policy
+    (none: those the assignment was first graded with, kept in the gradebook; late.policy_of_run);
     `cluster`: an autograder.cluster.Cluster to grade on Dask workers instead of a local pool."""
     from autograder import sandbox
     from autograder.release import library_version
 
-    policy = late_policy(late_settings)
-    if due is not None:
-        parse_due(due, policy)  # refused before any work
     submissions, out = submissions.resolve(), out.resolve()
     gradebook = (gradebook or out.with_name("gradebook.db")).resolve()
+    policy, late_flags = policy_of_run(gradebook, assignment, late_flags or [], replace_late_policy)
+    if due is not None:
+        parse_due(due, policy)  # refused before any work
     if not submissions.is_dir():
         raise SystemExit(f"--submissions {submissions}: no such folder")
+    if out.is_dir():
+        raise SystemExit(f"--out {out}: a folder; give the CSV file to write")
+    try:
+        read_csv(out)  # an earlier CSV that cannot be read back is refused before any work
+    except GradesFileError as exc:
+        raise SystemExit(f"autograder grade: --out {exc}") from None
     limits = sandbox.Limits(memory_bytes=memory_bytes, max_processes=max_processes,
                             cpu_seconds=int(notebook_timeout * 2) + 60)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -160,6 +180,7 @@ def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path
         if sandbox_on and cluster is None:  # on a cluster, each worker checks its own machine
             sandbox.preflight(work, limits, hide)
         db_url, release = prepare_course(assignment, source, work / "c", gradebook)
+        store_policy(gradebook, assignment, late_flags, policy)
         if set_due_date(db_url, assignment, due, policy) is None:
             policy = None  # no due date: nothing is late
         settings = Settings(assignment=assignment, notebook=f"{assignment}.ipynb", db_url=db_url, release=str(release),
@@ -181,6 +202,10 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
     rows = read_csv(out)
     written = []
     students = roster(submissions)
+    write_csv(out, rows)  # the CSV exists from the start, an empty class's included
+    if not students:
+        print(f"autograder grade: no student folders in {submissions} (nbgrader's layout: "
+              f"<student>/{settings.assignment}/{settings.notebook})", file=sys.stderr)
     results: list[Result] = []
     jobs = {}
     for student in students:
@@ -196,13 +221,14 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
         if not settings.sandbox:
             result.notes.insert(0, NO_SANDBOX_NOTE)
         score, max_score = save_grades(result, settings)
-        score, late = late_columns(result, settings, policy, submissions, score)
+        folder = submission_folder(submissions, result.student, settings.assignment)
+        score, late = late_columns(result, settings, policy, folder, score)
         if feedback is not None:
-            write_feedback(result, settings, feedback.resolve(), score, max_score,
-                           submitted=submissions / result.student / settings.assignment)
+            write_feedback(result, settings, feedback.resolve(), score, max_score, submitted=folder)
         row = {"student": result.student, "assignment": settings.assignment, "score": number(score),
                "max_score": number(max_score), "status": result.status, "notes": "; ".join(result.notes), **late}
-        rows[(result.student, settings.assignment)] = row
+        key = (result.student, settings.assignment)
+        rows[key] = row = {**rows.get(key, {}), **row}  # an instructor's own columns stay
         written.append(row)
         write_csv(out, rows)  # after every student: a crash of the grader loses nothing done
         bar.set_postfix_str(f"{result.student}: {result.status}", refresh=False)
@@ -264,9 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.epilog = ("Late penalty settings as in nbgrader_config.py, for this run: "
                      "--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay --PointsPerDay.points=1 "
                      "--PointsPerDay.cutoff_days=7 --Exchange.timezone=Europe/Berlin")
+    parser.add_argument("--replace-late-policy", action="store_true",
+                        help="grade with the late-policy settings given now although the assignment was first "
+                        "graded with others (kept in the gradebook; without this flag such a run is refused)")
     args, extra = parser.parse_known_args(argv)
     try:
-        late_settings = nbgrader_settings(extra)
+        nbgrader_settings(extra)
     except ValueError as exc:
         parser.error(str(exc))
     if args.workers < 1:
@@ -302,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                            cell_timeout=args.cell_timeout, notebook_timeout=args.notebook_timeout,
                            memory_bytes=int(args.memory * 2**30), max_processes=args.max_processes,
                            output_limit=args.output_limit, progress=not args.quiet, due=args.due,
-                           late_settings=late_settings, cluster=cluster)
+                           late_flags=extra, replace_late_policy=args.replace_late_policy,
+                           cluster=cluster)
     except sandbox.SandboxUnavailable as exc:
         print(f"autograder grade: refusing to run learners' code: {exc}", file=sys.stderr)
         return 3

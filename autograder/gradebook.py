@@ -41,7 +41,9 @@ def prepare_course(assignment: str, source: Path, work: Path, db_path: Path) -> 
 
 
 def save_grades(result: Result, settings: Settings) -> tuple[float, float]:
-    """The graded notebook into the gradebook (nbgrader SaveAutoGrades); (score, max_score)."""
+    """The graded notebook into the gradebook (nbgrader SaveAutoGrades); (score, max_score).
+    Autograding never overwrites a manual score (formgrader's): the score counts it, and a
+    "manual:" note says which cells were scored by hand."""
     import nbformat
     from nbgrader.api import Gradebook
     from nbgrader.preprocessors import SaveAutoGrades
@@ -51,12 +53,16 @@ def save_grades(result: Result, settings: Settings) -> tuple[float, float]:
         gb.update_or_create_student(result.student)
         gb.update_or_create_submission(settings.assignment, result.student)
         sub = gb.find_submission_notebook(notebook_id, settings.assignment, result.student)
-        for grade in sub.grades:  # a regrade starts from nothing
+        kept = []
+        for grade in sub.grades:  # a regrade starts from nothing, but a grade set by hand stays (nbgrader's promise)
             grade.auto_score = 0
-            grade.manual_score = None
             grade.needs_manual_grade = False
+            if grade.manual_score is not None:
+                kept.append(f"{grade.name} {grade.manual_score:g}")
         sub.late_submission_penalty = None
         gb.db.commit()
+    if kept:
+        result.notes.append(f"manual: {', '.join(kept)} (scored by hand, kept)")
     if result.notebook is not None:
         nb = nbformat.reads(result.notebook, as_version=4)
         resources = {"nbgrader": {"notebook": notebook_id, "assignment": settings.assignment,

@@ -205,9 +205,11 @@ class Lateness:
     note: str | None = None                # "late: ..." for the notes column, or None
 
 
-def read_timestamp(folder: Path, default_zone: str = "UTC") -> tuple[datetime | None, str | None]:
+def read_timestamp(folder: Path | None, default_zone: str = "UTC") -> tuple[datetime | None, str | None]:
     """(the submission time, None) from folder/timestamp.txt, or (None, why it cannot be read).
     Only a small regular file is read (a link is not followed): nothing else reaches the note."""
+    if folder is None:
+        return None, "no submission folder of the student's own (a link is not followed)"
     path = Path(folder) / TIMESTAMP_FILE
     try:
         raw = student_files.read_bytes(path, student_files.SMALL_FILE_MAX_BYTES)
@@ -326,16 +328,120 @@ def extension_text(delta: timedelta | None) -> str:
 
 def late_policy(overrides=None):
     """The late policy of nbgrader_config.py (with command-line `--Class.trait=value` settings
-    on top): SystemExit with the reason if its plugin or time zone is wrong."""
+    on top): SystemExit with the reason if its plugin or time zone is wrong, or if a setting names
+    a trait its class does not have or a plugin class that is not the one in use."""
     from autograder.release import load_config
 
     config = load_config()
     if overrides is not None:
         config.merge(overrides)
     try:
-        return policy_from_config(config)
+        policy = policy_from_config(config)
+        check_settings(overrides, policy)
     except ValueError as exc:
         raise SystemExit(f"autograder grade: {exc}") from None
+    return policy
+
+
+def _setting_classes(plugin) -> dict:
+    """Class name -> class, for every class whose settings the late policy reads."""
+    from nbgrader.exchange.abc import Exchange
+    from nbgrader.preprocessors import AssignLatePenalties
+
+    known = {"Exchange": Exchange, "AssignLatePenalties": AssignLatePenalties,
+             "LateSubmissionPlugin": LateSubmissionPlugin, "DailyPenalty": DailyPenalty,
+             "PointsPerDay": PointsPerDay, "PercentPerDay": PercentPerDay, "ZeroAfterCutoff": ZeroAfterCutoff}
+    known[type(plugin).__name__] = type(plugin)
+    return known
+
+
+def check_settings(overrides, policy: LatePolicy) -> None:
+    """ValueError for a command-line setting the run would silently ignore: a misspelt trait
+    (--PointsPerDay.point=1), or a plugin's setting while another plugin is in use
+    (--PointsPerDay.points=1 without --AssignLatePenalties.plugin_class=autograder.late.PointsPerDay)."""
+    if not overrides:
+        return
+    classes = _setting_classes(policy.plugin)
+    for section in sorted(overrides):
+        cls = classes.get(section)
+        if cls is None:
+            raise ValueError(f"--{section}.…: not a setting of the late policy")
+        traits = sorted(cls.class_trait_names(config=True))
+        for trait in sorted(overrides[section]):
+            if trait not in traits:
+                raise ValueError(f"--{section}.{trait}: {section} has no setting {trait!r} "
+                                 f"(its settings: {', '.join(traits)})")
+        plugin_like = issubclass(cls, LateSubmissionPlugin)
+        if plugin_like and not isinstance(policy.plugin, cls):
+            used = f"{type(policy.plugin).__module__}.{type(policy.plugin).__name__}"
+            raise ValueError(f"--{section}.… is given but the late penalty plugin is {used}: add "
+                             f"--AssignLatePenalties.plugin_class=autograder.late.{section} (or set it in "
+                             "nbgrader_config.py)")
+
+
+# --------------------------------------------------------------------------- the policy kept with the assignment
+
+POLICY_TABLE = "decodelab_late_policy"  # beside nbgrader's tables in its gradebook
+
+
+def fingerprint(policy: LatePolicy) -> str:
+    """What makes two late policies the same: the plugin's class, its settings, the time zone."""
+    import json
+
+    plugin = policy.plugin
+    settings = {name: getattr(plugin, name) for name in sorted(plugin.trait_names(config=True))}
+    return json.dumps({"plugin": f"{type(plugin).__module__}.{type(plugin).__name__}", "settings": settings,
+                       "timezone": policy.timezone}, sort_keys=True, default=str)
+
+
+def stored_policy(gradebook: Path, assignment: str) -> dict | None:
+    """{"flags": [...], "fingerprint": ..., "description": ...} stored with the assignment at its
+    first grading, or None (no gradebook yet, or never stored)."""
+    import json
+    import sqlite3
+
+    if not Path(gradebook).is_file():
+        return None
+    db = sqlite3.connect(f"file:{gradebook}?mode=ro", uri=True)  # a refused run changes nothing
+    try:
+        if not db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (POLICY_TABLE,)).fetchone():
+            return None
+        row = db.execute(f"SELECT policy FROM {POLICY_TABLE} WHERE assignment = ?", (assignment,)).fetchone()
+    finally:
+        db.close()
+    return json.loads(row[0]) if row else None
+
+
+def store_policy(gradebook: Path, assignment: str, flags: list[str], policy: LatePolicy) -> None:
+    import json
+    import sqlite3
+
+    record = {"flags": list(flags), "fingerprint": fingerprint(policy),
+              "description": f"{describe(policy.plugin)}, times in {policy.timezone}"}
+    with sqlite3.connect(gradebook) as db:
+        db.execute(f"CREATE TABLE IF NOT EXISTS {POLICY_TABLE} (assignment TEXT PRIMARY KEY, policy TEXT NOT NULL)")
+        db.execute(f"INSERT OR REPLACE INTO {POLICY_TABLE} VALUES (?, ?)", (assignment, json.dumps(record)))
+
+
+def policy_of_run(gradebook: Path, assignment: str, flags: list[str], replace: bool = False):
+    """(the late policy of this run, the flags it was made from): the flags given now, or, when
+    none are, those stored with the assignment at its first grading, so that a regrade charges
+    what the first grading charged. SystemExit, before anything is graded, when they disagree
+    with the stored policy (unless `replace`) or name a setting that would be ignored."""
+    stored = stored_policy(gradebook, assignment)
+    use = list(flags) if (flags or stored is None or replace) else list(stored["flags"])
+    try:
+        policy = late_policy(nbgrader_settings(use) if use else None)
+    except ValueError as exc:
+        raise SystemExit(f"autograder grade: {exc}") from None
+    if stored is not None and not replace and fingerprint(policy) != stored["fingerprint"]:
+        given = " ".join(use) or "nbgrader_config.py alone"
+        raise SystemExit(f"autograder grade: {assignment} was first graded with the late policy "
+                         f"\"{stored['description']}\" ({' '.join(stored['flags']) or 'nbgrader_config.py alone'}), "
+                         f"kept in the gradebook; this run's is \"{describe(policy.plugin)}, times in "
+                         f"{policy.timezone}\" ({given}). Pass --replace-late-policy to grade with the new one "
+                         "(later runs keep it).")
+    return policy, use
 
 
 def parse_due(due: str, policy):
@@ -347,7 +453,7 @@ def parse_due(due: str, policy):
         raise SystemExit(f"autograder grade: --due {due!r}: {exc}") from None
 
 
-def late_columns(result, settings, policy, submissions: Path, score: float) -> tuple[float, dict]:
+def late_columns(result, settings, policy, folder: Path | None, score: float) -> tuple[float, dict]:
     """result: a submission.Result, settings: its Settings. (the score net of any late penalty, the row's submitted_at and late_penalty); a "late:"
     note joins result.notes when the submission is late or its time cannot be read."""
 
@@ -356,7 +462,7 @@ def late_columns(result, settings, policy, submissions: Path, score: float) -> t
         return score, empty
     try:
         found = policy.record(settings.db_url, settings.assignment, Path(settings.notebook).stem, result.student,
-                              submissions / result.student / settings.assignment, score)
+                              folder, score)
     except Exception as exc:  # noqa: BLE001 - the grade stands; the note says why nothing was taken off
         result.notes.append(f"late: not checked ({type(exc).__name__}: {notes.short(exc, 150)}), no penalty")
         return score, empty

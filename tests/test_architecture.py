@@ -85,6 +85,8 @@ def test_engine_and_checks_import_without_ipywidgets_or_plotly():
     ("decodelab/model/_probe.py", "import decodelab.engine.llm\n"),  # a lower layer importing a higher one
     ("decodelab/engine/_probe.py", "import plotly\n"),  # the engine importing a UI package
     ("decodelab/lessons/_probe.py", "import decodelab.training.train_tiny\n"),  # training imported from below
+    ("../autograder/cells.py", "import autograder.grade\n"),  # the grader's bottom layer importing its top
+    ("../autograder/run.py", "import autograder.sandbox\n"),  # what a kernel imports reaching the grader
 ])
 def test_a_broken_contract_fails_the_lint(tmp_path, contract_breaker):
     """The contracts catch what they are for: a copy of the package with one bad import fails."""

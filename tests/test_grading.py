@@ -30,6 +30,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from autograder.grades_csv import COLUMNS
 from notebooks import ROOT, read, release_path, solution_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:Object of type .* not in session")
@@ -40,6 +41,7 @@ CELL_TIMEOUT = float(os.environ.get("DECODELAB_GRADE_CELL_TIMEOUT", "60"))
 MEMORY_GIB = 2.0
 SECRET = f"NEIGHBOUR-SECRET-{uuid.uuid4().hex}"
 MARK = f"ESCAPE-MARK-{uuid.uuid4().hex}"
+LINKED_SECRET = f"LINKED-SECRET-{uuid.uuid4().hex}"
 
 
 def _gid(cell):
@@ -121,6 +123,13 @@ attempt("course-files", lambda: _append({paths['repo_file']!r}))
 attempt("tmp", lambda: _append({paths['tmp_marker']!r}))
 attempt("shm", lambda: _append({paths['shm_marker']!r}))
 attempt("chmod-scratch", lambda: os.chmod("..", 0o777))
+def _read_all(pattern):
+    found = sorted(pathlib.Path("/").glob(pattern.lstrip("/")))
+    assert found, "nothing there"
+    print(found[0].read_text()[:200])
+attempt("read-solutions", lambda: _read_all({paths['solutions'] + '/*/*.ipynb'!r}))
+attempt("read-grader", lambda: _read_all({paths['grader']!r}))
+attempt("read-git", lambda: _read_all({paths['git'] + '/*'!r}))
 """ + SOL_COUNT
 
 
@@ -194,9 +203,11 @@ EXPECTED = {
     "socket": ("ok", 4),
     "escape": ("ok", 4),
     "silenced_tracebacks": ("ok", 2),
+    "linked_notebook": ("unreadable", 0),
+    "linked_folder": ("missing", 0),
 }
 NEEDS_SANDBOX = {"memory_bomb", "fork_bomb", "socket", "escape"}
-NOTHING_RIGHT = {"stub", "malformed_json", "empty_file", "wrong_file_name"}  # no answer of theirs is graded
+NOTHING_RIGHT = {"stub", "malformed_json", "empty_file", "wrong_file_name", "linked_notebook", "linked_folder"}  # no answer of theirs is graded
 
 
 def _expected_score(student: str) -> float:
@@ -261,7 +272,8 @@ def build_class(root: Path, port: int, out_dir: Path) -> Path:
     escape_nb = put("escape", _trimmed())
     paths = {"gradebook": str(out_dir / "gradebook.db"), "neighbour": str(neighbour), "own_submission": str(escape_nb),
              "out_dir": str(out_dir), "repo_file": str(ROOT / "autograder" / "run.py"),
-             "tmp_marker": f"/tmp/{MARK}", "shm_marker": f"/dev/shm/{MARK}"}
+             "tmp_marker": f"/tmp/{MARK}", "shm_marker": f"/dev/shm/{MARK}", "solutions": str(ROOT / "solutions"),
+             "grader": str(ROOT / "autograder" / "grade.py"), "git": str(ROOT / ".git")}
     nb = _trimmed(count=_escape_source(paths))
     nbformat.write(nb, str(escape_nb))
     for shadow in ("decodelab.py", "autograder.py"):  # sent beside the notebook: must not shadow imports
@@ -269,6 +281,15 @@ def build_class(root: Path, port: int, out_dir: Path) -> Path:
     put("silenced_tracebacks", _trimmed(count=SILENCED_SOURCE))
     for student, stamp in TIMESTAMPS.items():
         (subs / student / NAME / "timestamp.txt").write_text(stamp + "\n")
+    # Links the grader (root) must never follow: a notebook, a whole student folder, a timestamp,
+    # a hint counter, each pointing at a secret outside the class.
+    secret = root / "secret.txt"
+    secret.write_text(f"root:{LINKED_SECRET}:19000:0:99999:7:::\n" + "{}")
+    (subs / "linked_notebook" / NAME).mkdir(parents=True)
+    (subs / "linked_notebook" / NAME / f"{NAME}.ipynb").symlink_to(secret)
+    (subs / "linked_folder").symlink_to(subs / "correct")
+    (subs / "wrong" / NAME / "timestamp.txt").symlink_to(secret)
+    (subs / "wrong" / NAME / ".decodelab_hints.json").symlink_to(secret)
     return subs
 
 
@@ -356,7 +377,7 @@ def test_one_row_per_student_and_progress(graded):
                              "late_penalty"]
     assert sorted(r["student"] for r in rows) == sorted(expected)
     assert "grading 00_meet_the_model" in graded["result"].stderr  # the progress bar
-    assert "graded 18 submissions" in graded["result"].stdout or not AS_ROOT
+    assert "graded 20 submissions" in graded["result"].stdout or not AS_ROOT
 
 
 def test_notes_say_what_happened(graded):
@@ -372,6 +393,20 @@ def test_notes_say_what_happened(graded):
     assert "output cut" in notes["big_output"]
     if AS_ROOT:
         assert "killed for memory" in notes["memory_bomb"]
+
+
+def test_links_are_never_followed(graded):
+    """A notebook, a student folder, a timestamp.txt and a hint counter that are links to a file
+    outside the class: refused by name, and not a byte of the target reaches the CSV, the
+    feedback or the gradebook."""
+    notes = {s: r["notes"] for s, r in graded["rows"].items()}
+    assert "not read: 00_meet_the_model.ipynb is a link (not followed)" in notes["linked_notebook"]
+    assert "the student's folder linked_folder is a link: not followed" in notes["linked_folder"]
+    assert "late: timestamp.txt is a link (not followed): not checked, no penalty" in notes["wrong"].split("; ")
+    assert not any(n.startswith("hints:") for n in notes["wrong"].split("; "))
+    everything = graded["out"].read_bytes() + (graded["out_dir"] / "gradebook.db").read_bytes()
+    everything += b"".join(p.read_bytes() for p in graded["feedback"].rglob("*") if p.is_file())
+    assert LINKED_SECRET.encode() not in everything and b"root:" not in graded["out"].read_bytes()
 
 
 def test_integrity_flags(graded):
@@ -484,8 +519,8 @@ def test_sandbox_held(graded):
     page = next(graded["feedback"].glob("escape/*/*.html")).read_text()
     attempts = re.findall(r"ATTEMPT (\S+) (SUCCEEDED|blocked)", page)
     # its private /tmp and /dev/shm may be written (they vanish with it); nothing else
-    assert len(attempts) == 8 and all(outcome == "blocked" for name, outcome in attempts
-                                      if name not in ("tmp", "shm")), attempts
+    assert len(attempts) == 11 and all(outcome == "blocked" for name, outcome in attempts
+                                       if name not in ("tmp", "shm")), attempts
     assert SECRET not in page, "the escape student read its neighbour's notebook"
     socket_page = next(graded["feedback"].glob("socket/*/*.html")).read_text()
     # what the cell printed (its source shows the same words without the parenthesis)
@@ -520,6 +555,85 @@ def test_regrade_replaces_rows(graded, tmp_path):
         assert len(list(csv.DictReader(f))) == len(before)
     assert after["wrong_file_name"]["status"] == "unreadable" and after["empty_file"]["status"] == "unreadable"
     assert after["correct"] == before["correct"]
+
+
+def test_regrade_keeps_manual_scores_late_policy_and_columns(graded, tmp_path):
+    """A regrade run with no late flags over a copy of the graded class's CSV and gradebook: a score
+    a TA set by hand (formgrader writes manual_score) stays and counts, the late penalty of the
+    first grading is charged again (the policy is kept in the gradebook), and a column the
+    instructor added stays, for the regraded row and the others."""
+    import shutil
+
+    from nbgrader.api import Gradebook
+
+    student = "big_output"  # 1.5 days late: 2 points off under the first grading's policy
+    subs = tmp_path / "subs"
+    shutil.copytree(graded["subs"] / student, subs / student)
+    out = tmp_path / "grades.csv"
+    with open(graded["out"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*rows[0], "ta_comment"])
+        writer.writeheader()
+        writer.writerows({**r, "ta_comment": f"seen by TA ({r['student']})"} for r in rows)
+    shutil.copy(graded["out_dir"] / "gradebook.db", tmp_path / "gradebook.db")
+    with Gradebook(f"sqlite:///{tmp_path / 'gradebook.db'}") as gb:
+        gb.find_grade("test_count_parameters", NAME, NAME, student).manual_score = 1  # of 2
+        gb.db.commit()
+    result = _grade(subs, out, *([] if AS_ROOT else ["--no-sandbox"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    after = _rows(out)
+    assert float(after[student]["score"]) == _expected_score(student) - 1 - 2, after[student]
+    assert after[student]["late_penalty"] == "2"
+    assert "manual: test_count_parameters 1 (scored by hand, kept)" in after[student]["notes"].split("; ")
+    assert all(r["ta_comment"] == f"seen by TA ({s})" for s, r in after.items()), after
+    with Gradebook(f"sqlite:///{tmp_path / 'gradebook.db'}") as gb:
+        assert gb.find_grade("test_count_parameters", NAME, NAME, student).manual_score == 1
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--PointsPerDay.points=3"], "the late penalty plugin is nbgrader.plugins.latesubmission.LateSubmissionPlugin"),
+    (["--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay", "--PointsPerDay.point=1"],
+     "PointsPerDay has no setting 'point'"),
+    (["--NoSuchClass.points=1"], "only the late policy's settings can be given here"),
+])
+def test_late_flags_that_would_be_ignored_are_refused(tmp_path, flags, says):
+    subs = tmp_path / "subs"
+    (subs / "someone" / NAME).mkdir(parents=True)
+    result = _grade(subs, tmp_path / "grades.csv", "--no-sandbox", *flags, timeout=300)
+    assert result.returncode != 0 and says in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "grades.csv").exists() and not (tmp_path / "gradebook.db").exists()
+
+
+def test_a_regrade_under_another_late_policy_is_refused(graded, tmp_path):
+    import shutil
+
+    out = tmp_path / "grades.csv"
+    shutil.copy(graded["out"], out)
+    shutil.copy(graded["out_dir"] / "gradebook.db", tmp_path / "gradebook.db")
+    before = out.read_bytes()
+    other = ("--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay", "--PointsPerDay.points=3")
+    result = _grade(graded["subs"], out, "--no-sandbox", *other, timeout=300)
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "was first graded with the late policy \"PointsPerDay: 1 point(s) per day, score 0 past 7 day(s)" \
+        in result.stderr and "--replace-late-policy" in result.stderr, result.stderr[-2000:]
+    assert out.read_bytes() == before
+
+
+def test_an_empty_class_still_writes_its_csv_and_bad_outs_are_refused(tmp_path):
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    result = _grade(subs, tmp_path / "grades.csv", "--no-sandbox", timeout=300)
+    assert result.returncode == 0 and "no student folders in" in result.stderr, result.stderr[-2000:]
+    assert (tmp_path / "grades.csv").read_text().splitlines() == [",".join(COLUMNS)]
+    (tmp_path / "folder.csv").mkdir()
+    result = _grade(subs, tmp_path / "folder.csv", "--no-sandbox", timeout=300)
+    assert result.returncode != 0 and "a folder; give the CSV file to write" in result.stderr
+    garbage = tmp_path / "garbage.csv"
+    garbage.write_bytes(b"\xff\xfe not a grades file")
+    result = _grade(subs, garbage, "--no-sandbox", timeout=300)
+    assert result.returncode != 0 and "cannot be read back" in result.stderr
+    assert garbage.read_bytes() == b"\xff\xfe not a grades file"
 
 
 def test_status_precedence_and_tamper_check():
