@@ -97,7 +97,7 @@ def test_canvas_duplicate_login_matches_nobody(tmp_path, capsys):
     (["--assignment", "02_sampling", "--column", "Quiz 9 (1)"], ROSTER, GRADES, "no such assignment column"),
     (["--column", "Quiz 1 (1190)"], ROSTER, GRADES, "--column fills one assignment"),
     (["--assignment", "02_sampling"], "Name,Score\nali,3\n", GRADES, "not a Canvas gradebook export"),
-    (["--assignment", "02_sampling"], ROSTER + "short,row\n", GRADES, "row 8 has 2 cells"),
+    (["--assignment", "02_sampling"], ROSTER + "short,row\n", GRADES, "line 8 has 2 cells"),
     (["--assignment", "02_sampling"], ROSTER, "who,what\nali,3\n", "not a grades CSV"),
     (["--assignment", "02_sampling"], ROSTER.replace("Quiz 1 (1190)", "02_sampling (1300)"), GRADES,
      "several columns for assignment '02_sampling'"),
@@ -152,3 +152,80 @@ def test_long_clear_errors(tmp_path, capsys):
         assert [r[0] for r in db.execute("SELECT name FROM sqlite_master")] == ["notes"]
     with pytest.raises(SystemExit):
         export.main(["--format", "long", "--grades", "g.csv", "--out", "o.csv", "--roster", "r.csv"])
+
+
+# --------------------------------------------------------------------------- hostile input
+
+def _snapshot(folder) -> dict:
+    """Every file and folder under folder: its bytes, or "folder"."""
+    return {str(p.relative_to(folder)): "folder" if p.is_dir() else p.read_bytes() for p in sorted(folder.rglob("*"))}
+
+
+GRADED = GRADES.encode()
+HOSTILE = {  # id: (grades.csv's bytes, None: no file; the roster; --out; words of the error)
+    "quote never closed": (GRADED.replace(b"bo,02_sampling,6.5,", b'bo,02_sampling,"6.5,'), ROSTER, "out.csv",
+                           "grades.csv: line 3: not valid CSV (a quote opened here is never closed)"),
+    "text after a quote": (GRADED.replace(b"bo,02_sampling,6.5,", b'bo,02_sampling,"6.5"x,'), ROSTER, "out.csv",
+                           "line 3: not valid CSV"),
+    "row too short": (GRADED.replace(b"cy,02_sampling,10,10,ok,,,", b"cy,02_sampling,10"), ROSTER, "out.csv",
+                      "line 4 has 3 cells, the header 8"),
+    "not UTF-8": (GRADED.replace(b"ali,", "é,".encode("latin-1")), ROSTER, "out.csv", "not UTF-8 text"),
+    "no grades file": (None, ROSTER, "out.csv", "grades.csv: no such file"),
+    "roster quote never closed": (GRADED, ROSTER + '"Lamarr, Hedy,106,S-6,hlamarr,B,,,,\n', "out.csv",
+                                  "roster.csv: line 8: not valid CSV (a quote opened here is never closed)"),
+    "out a folder": (GRADED, ROSTER, "folder", "folder: a folder; give the name of the file to write"),
+    "out in no folder": (GRADED, ROSTER, "nowhere/out.csv", "/nowhere does not exist"),
+    "out the grades": (GRADED, ROSTER, "grades.csv", "the --grades file itself"),
+    "out the roster": (GRADED, ROSTER, "roster.csv", "the --roster file itself"),
+}
+
+
+@pytest.mark.parametrize("grades, roster, out, message", HOSTILE.values(), ids=HOSTILE.keys())
+def test_canvas_hostile_input_one_line_error_and_nothing_written(tmp_path, capsys, grades, roster, out, message):
+    if grades is not None:
+        (tmp_path / "grades.csv").write_bytes(grades)
+    _write(tmp_path, "roster.csv", roster, newline="")
+    _write(tmp_path, "out.csv", "an earlier export\n")
+    (tmp_path / "folder").mkdir()
+    before = _snapshot(tmp_path)
+    code = export.main(["--format", "canvas", "--assignment", "02_sampling", "--grades", str(tmp_path / "grades.csv"),
+                        "--roster", str(tmp_path / "roster.csv"), "--out", str(tmp_path / out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("autograder export: error: ") and err.count("\n") == 1, err
+    assert message in err, err
+    assert _snapshot(tmp_path) == before  # inputs byte-identical, the earlier export kept, no temporary file
+
+
+@pytest.mark.parametrize("delimiter", [",", ";", "\t"])
+def test_canvas_delimiter_inside_a_quoted_column_name(tmp_path, capsys, delimiter):
+    """A column name holding more of another delimiter than the header has cells: sniffed, not counted."""
+    name = "Sampling; top-k; top-p; min-p; temperature; repetition (1201)"
+    if delimiter == ";":
+        name = name.replace(";", ",")
+    rows = [["Student", "ID", "SIS Login ID", "Section", name], ["Lovelace, Ada", "101", "ali", "A", ""]]
+    text = io.StringIO()
+    csv.writer(text, delimiter=delimiter).writerows(rows)
+    roster, grades = _write(tmp_path, "roster.csv", text.getvalue(), newline=""), _write(tmp_path, "grades.csv", GRADES)
+    before = _snapshot(tmp_path)
+    code = export.main(["--format", "canvas", "--assignment", "02_sampling", "--column", name, "--roster", str(roster),
+                        "--grades", str(grades), "--out", str(tmp_path / "out.csv")])
+    assert code == 0, capsys.readouterr().err
+    with open(tmp_path / "out.csv", newline="") as f:
+        assert list(csv.reader(f, delimiter=delimiter)) == [rows[0], rows[1][:4] + ["8"]]
+    assert _snapshot(tmp_path) == before | {"out.csv": (tmp_path / "out.csv").read_bytes()}  # nothing else written
+
+
+@pytest.mark.parametrize("header, delimiter", [
+    ('Student,ID,"Lab; a; b; c (1)"', ","),
+    ('Student;ID;"Lab, a, b, c (1)"', ";"),
+    ('Student\tID\t"a, b; c (1)"', "\t"),
+    ("Student,ID,Section", ","),
+])
+def test_sniff_delimiter_and_its_fallback(monkeypatch, header, delimiter):
+    assert export.sniff_delimiter(f"{header}\n{delimiter.join(['Ada', '1', 'A'])}\n") == delimiter
+
+    def cannot_tell(*args, **kwargs):
+        raise csv.Error("Could not determine delimiter")
+
+    monkeypatch.setattr(csv.Sniffer, "sniff", cannot_tell)  # the fallback: counted in the header, outside quotes
+    assert export.sniff_delimiter(f"{header}\nAda,1,A\n") == delimiter
