@@ -14,19 +14,31 @@ spaces); the score (net of any late penalty) goes into the column of the matchin
 the one whose name before " (id)" is the assignment's name, or --column. Every other cell,
 row, the delimiter and a byte-order mark are kept, so the file imports back (Grades > Import).
 Students missing from either side are listed on stderr; the exit status is 1 only if no
-student matched (then nothing is written).
+student matched with a score to fill in (then nothing is written).
+
+Rows with no grade of the student's making get a blank cell, for the instructor to decide, and
+a line on stderr, "left blank: NAME (status: notes)": grader_error (the grader failed: nothing
+graded), missing (nothing submitted: nothing graded), and unreadable unless its note names the
+student's doing. The student's doing, whose 0 stands: a file that "is not a valid notebook", or
+one "not read" because it is a link, not a folder, not a regular file, or larger than the cap
+(autograder/student_files.py); any other unreadable row (the grader could not open or read a
+regular file: permissions, an I/O error) is left blank.
 
 long: one row per student x graded test cell: student, assignment, grade_id, points,
 max_points, read from the nbgrader gradebook `grade` leaves (default: gradebook.db beside
 grades.csv). Points are the test cells' own, before any late penalty (which is per notebook).
 
 Bad input is an error naming the file and line, with exit status 2 and one line on stderr,
-"autograder export: error: ...": a quote never closed, a row of another width than the header,
+"autograder export: error: ...": a score that is not a number >= 0 (grade writes nothing else,
+so the file was edited by hand), a quote never closed, a row of another width than the header,
 a file that is not UTF-8. The roster's delimiter (comma, semicolon or tab) is csv.Sniffer's,
 which reads quoted cells as cells, else the one most frequent outside quotes in its header.
 The export is written to a new file beside --out, then renamed over it: when anything fails
 nothing is written and an existing --out is left as it was. --out is a file in a folder that
-exists, and none of the inputs.
+exists, and none of the inputs. Against CSV injection, a cell this export writes (the score; in
+long, the student, assignment and grade_id) that starts with =, +, -, @, a tab or a carriage
+return gets a leading ' (OWASP's advice). Canvas's own cells are written back as they came: they
+must import back unchanged (a ' before another assignment's -2 would change that grade).
 """
 from __future__ import annotations
 
@@ -38,7 +50,10 @@ import secrets
 import sys
 import warnings
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
+
+from autograder.notes import short
 
 ASSIGNMENT_COLUMN = re.compile(r"^(?P<name>.*)\s\((?P<id>\d+)\)$")
 KEYS = ("SIS Login ID", "SIS User ID", "ID")       # how a student is found, first match wins
@@ -47,6 +62,12 @@ TEST_STUDENTS = {"student, test", "test student"}  # Canvas's Student View user
 LONG_COLUMNS = ("student", "assignment", "grade_id", "points", "max_points")
 DELIMITERS = ",;\t"                                # what Canvas writes (the locale decides)
 SNIFFED_LINES = 20
+SCORE = re.compile(r"[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?")  # as `notes.number` writes it, or by hand
+NOTHING_GRADED = ("grader_error", "missing")
+# unreadable, and the student's doing: the score 0 stands (the notes of submission.py and cluster.py)
+STUDENTS_OWN_UNREADABLE = re.compile(
+    r"is not a valid notebook: |not read: [^;]*? (is a link|is not a folder|is not a regular file|is larger than)\b")
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # what a spreadsheet may run as a formula
 
 
 class ExportError(Exception):
@@ -68,10 +89,31 @@ def read_grades(path: Path, assignment: str | None = None) -> list[dict]:
     for line, cells in records[1:]:
         row = dict(zip(header, cells))
         if row["student"] and (assignment is None or row["assignment"] == assignment):
+            where = f"--grades {path}: line {line} ({short(row['student'], 60)}, {short(row['assignment'], 60)})"
+            row["score"] = checked_score(row["score"], where)
             rows.append(row)
     if not rows:
         raise ExportError(f"--grades {path}: no rows" + (f" for assignment {assignment!r}" if assignment else ""))
     return rows
+
+
+def checked_score(text: str, where: str) -> str:
+    """The score as a plain decimal (3, 2.5, 0.00001); ExportError naming the row for anything
+    else: grade writes only numbers >= 0, so another value was typed into the file by hand."""
+    text = text.strip()
+    if not SCORE.fullmatch(text):
+        raise ExportError(f"{where}: the score {text!r} is not a number >= 0 (grade writes only numbers: "
+                          "was the file edited by hand?)")
+    return format(Decimal(text), "f") if "e" in text.lower() else text
+
+
+def why_left_blank(row: dict) -> str | None:
+    """"status: notes" when the row's score is not one the student earned, so the LMS gets a blank
+    cell for the instructor to decide; None when the score stands (see the module docstring)."""
+    status, notes = row.get("status", "").strip(), row.get("notes", "")
+    if status in NOTHING_GRADED or (status == "unreadable" and not STUDENTS_OWN_UNREADABLE.search(notes)):
+        return f"{status}: {short(notes, 150) or 'no notes'}"
+    return None
 
 
 # --------------------------------------------------------------------------- CSV files in and out
@@ -141,6 +183,12 @@ def sniff_delimiter(text: str) -> str:
             elif char in counts and not quoted:
                 counts[char] += 1
         return max(DELIMITERS, key=counts.get)  # a tie: the first, a comma
+
+
+def inert(cell: str) -> str:
+    """The cell as a spreadsheet shows it, never runs it: one that starts like a formula gets a
+    leading ' (OWASP's advice against CSV injection)."""
+    return "'" + cell if cell.startswith(FORMULA_STARTS) else cell
 
 
 def check_out(out: Path, inputs: dict[str, Path | None]) -> None:
@@ -280,9 +328,11 @@ def export_canvas(grades: list[dict], roster: Roster, column: str | None = None)
         col = find_column(roster, assignment, column)
         report += _points_warning(roster, col, assignment, rows.values())
         matched, missing, problems = match_students(roster, sorted(rows))
+        blank = {student: why for student in matched if (why := why_left_blank(rows[student]))}
         for student, i in matched.items():
-            roster.rows[i][col] = rows[student]["score"]
-        filled += len(matched)
+            roster.rows[i][col] = "" if student in blank else inert(rows[student]["score"])
+        filled += len(matched) - len(blank)
+        report += [f"{assignment}: left blank: {student} ({why})" for student, why in blank.items()]
         report += problems
         if missing:
             report.append(f"{assignment}: {len(missing)} graded student(s) not in the roster (by SIS Login ID, "
@@ -375,7 +425,8 @@ def _cell_rows(submission, row: dict) -> list[dict]:
     cells = []
     for notebook in submission.notebooks:
         for grade in sorted(notebook.grades, key=lambda g: g.name):
-            cells.append({"student": row["student"], "assignment": row["assignment"], "grade_id": grade.name,
+            cells.append({"student": inert(row["student"]), "assignment": inert(row["assignment"]),
+                          "grade_id": inert(grade.name),
                           "points": f"{float(grade.score):g}", "max_points": f"{float(grade.max_score):g}"})
     return cells
 
@@ -425,7 +476,8 @@ def _canvas(args) -> int:
     for line in report:
         print(f"autograder export: {line}", file=sys.stderr)
     if not filled:
-        print(f"autograder export: no graded student is in the roster: {args.out} not written", file=sys.stderr)
+        print(f"autograder export: no graded student is in the roster with a score to fill in: {args.out} not "
+              "written", file=sys.stderr)
         return 1
     write_roster(roster, args.out)
     print(f"filled {filled} grade(s) into {args.out}")

@@ -123,10 +123,22 @@ def test_missing_and_unreadable_files(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- long
 
-def test_long_one_row_per_student_and_test_cell(tmp_path, capsys):
-    make_gradebook(tmp_path / "gradebook.db", "02_sampling", {"test_top_k": 6, "test_top_p": 4},
-                   {"ali": {"test_top_k": 6, "test_top_p": 2}, "bo": {"test_top_k": 0, "test_top_p": 4}})
-    code, out, err = _export(tmp_path, capsys, "--format", "long", "--assignment", "02_sampling", roster=None)
+FORMULA_NAMES = ["=cmd|' /C calc'!A0", "+1", "@SUM(A1)", "-x", "\tab"]  # students a spreadsheet would run
+
+
+@pytest.fixture(scope="module")
+def gradebook(tmp_path_factory):
+    """One gradebook for the long tests (making one takes seconds): ali, bo, and FORMULA_NAMES."""
+    path = tmp_path_factory.mktemp("long") / "gradebook.db"
+    make_gradebook(path, "02_sampling", {"test_top_k": 6, "test_top_p": 4},
+                   {"ali": {"test_top_k": 6, "test_top_p": 2}, "bo": {"test_top_k": 0, "test_top_p": 4},
+                    **{name: {"test_top_k": 6, "test_top_p": 4} for name in FORMULA_NAMES}})
+    return path
+
+
+def test_long_one_row_per_student_and_test_cell(tmp_path, capsys, gradebook):
+    code, out, err = _export(tmp_path, capsys, "--format", "long", "--assignment", "02_sampling",
+                             "--gradebook", str(gradebook), roster=None)
     assert code == 0 and "wrote 4 cell grade(s) of 2 submission(s)" in out
     rows = list(csv.DictReader(open(tmp_path / "out.csv", newline="")))
     assert [tuple(r.values()) for r in rows] == [
@@ -156,13 +168,36 @@ def test_long_clear_errors(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- hostile input
 
+def _grades_csv(*rows: tuple) -> str:
+    """A grades.csv of these (student, score, status, notes) rows of 02_sampling, max 10."""
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(["student", "assignment", "score", "max_score", "status", "notes", "submitted_at", "late_penalty"])
+    writer.writerows([student, "02_sampling", score, 10, status, notes, "", ""]
+                     for student, score, status, notes in rows)
+    return text.getvalue()
+
+
 def _snapshot(folder) -> dict:
     """Every file and folder under folder: its bytes, or "folder"."""
     return {str(p.relative_to(folder)): "folder" if p.is_dir() else p.read_bytes() for p in sorted(folder.rglob("*"))}
 
 
+def _canvas_column(path, login: str) -> str:
+    rows = _rows(path)
+    return next(r for r in rows if r[3] == login)[rows[0].index("02_sampling (1201)")]
+
+
 GRADED = GRADES.encode()
 HOSTILE = {  # id: (grades.csv's bytes, None: no file; the roster; --out; words of the error)
+    "score not a number": (GRADED.replace(b"ali,02_sampling,8,", b"ali,02_sampling,abc,"), ROSTER, "out.csv",
+                           "line 2 (ali, 02_sampling): the score 'abc' is not a number >= 0"),
+    "score a formula": (GRADED.replace(b"ali,02_sampling,8,", b'ali,02_sampling,"=HYPERLINK(""http://x"",""y"")",'),
+                        ROSTER, "out.csv", "line 2 (ali, 02_sampling): the score '=HYPERLINK("),
+    "score negative": (GRADED.replace(b"cy,02_sampling,10,", b"cy,02_sampling,-3,"), ROSTER, "out.csv",
+                       "line 4 (cy, 02_sampling): the score '-3' is not a number >= 0"),
+    "score empty": (GRADED.replace(b"bo,02_sampling,6.5,", b"bo,02_sampling,,"), ROSTER, "out.csv",
+                    "line 3 (bo, 02_sampling): the score '' is not a number"),
     "quote never closed": (GRADED.replace(b"bo,02_sampling,6.5,", b'bo,02_sampling,"6.5,'), ROSTER, "out.csv",
                            "grades.csv: line 3: not valid CSV (a quote opened here is never closed)"),
     "text after a quote": (GRADED.replace(b"bo,02_sampling,6.5,", b'bo,02_sampling,"6.5"x,'), ROSTER, "out.csv",
@@ -194,6 +229,46 @@ def test_canvas_hostile_input_one_line_error_and_nothing_written(tmp_path, capsy
     assert code == 2 and err.startswith("autograder export: error: ") and err.count("\n") == 1, err
     assert message in err, err
     assert _snapshot(tmp_path) == before  # inputs byte-identical, the earlier export kept, no temporary file
+
+
+@pytest.mark.parametrize("status, notes, cell", [
+    ("grader_error", "grader: the worker was lost on each of 3 tries: KilledWorker", ""),
+    ("missing", "no 02_sampling/02_sampling.ipynb; found: nothing", ""),
+    ("unreadable", "not read: 02_sampling.ipynb cannot be opened (EACCES)", ""),
+    ("unreadable", "not read: [Errno 5] Input/output error: '02_sampling.ipynb'", ""),
+    ("unreadable", "", ""),
+    ("unreadable", "not read: 02_sampling.ipynb is a link (not followed)", "0"),
+    ("unreadable", "not read: 02_sampling is not a folder (a link or a file; not followed)", "0"),
+    ("unreadable", "not read: 02_sampling.ipynb is not a regular file", "0"),
+    ("unreadable", "not read: 02_sampling.ipynb is larger than 67,108,864 bytes", "0"),
+    ("unreadable", "02_sampling.ipynb is not a valid notebook: Expecting value: line 1 column 1 (char 0)", "0"),
+    ("crashed", "the kernel died", "0"),
+])
+def test_canvas_leaves_blank_and_lists_a_row_with_no_grade_of_the_students_making(tmp_path, capsys, status,
+                                                                                  notes, cell):
+    grades = _grades_csv(("aturing", "0", status, notes), ("ali", "8", "ok", ""))
+    code, _, err = _export(tmp_path, capsys, "--format", "canvas", grades=grades)
+    assert code == 0, err
+    assert _canvas_column(tmp_path / "out.csv", "aturing") == cell  # Turing's earlier 7 replaced either way
+    assert _canvas_column(tmp_path / "out.csv", "ALI") == "8"
+    listed = f"autograder export: 02_sampling: left blank: aturing ({status}: {notes or 'no notes'})\n"
+    assert (listed in err) == (cell == ""), err
+
+
+def test_canvas_writes_nothing_when_every_matched_student_is_left_blank(tmp_path, capsys):
+    grades = _grades_csv(("ali", "0", "missing", "found: nothing"), ("nobody", "3", "ok", ""))
+    code, _, err = _export(tmp_path, capsys, "--format", "canvas", grades=grades)
+    assert code == 1 and "left blank: ali (missing: found: nothing)" in err
+    assert "no graded student is in the roster with a score to fill in" in err
+    assert not (tmp_path / "out.csv").exists()
+
+
+def test_canvas_scores_written_as_plain_numbers(tmp_path, capsys):
+    grades = _grades_csv(("ali", " 8 ", "ok", ""), ("bo", "1e-05", "ok", ""), ("cy", "2.50", "ok", ""))
+    code, _, err = _export(tmp_path, capsys, "--format", "canvas", grades=grades)
+    assert code == 0, err
+    assert [_canvas_column(tmp_path / "out.csv", login) for login in ("ALI", "cbabbage", "ghopper")] == [
+        "8", "0.00001", "2.50"]
 
 
 @pytest.mark.parametrize("delimiter", [",", ";", "\t"])
@@ -229,3 +304,14 @@ def test_sniff_delimiter_and_its_fallback(monkeypatch, header, delimiter):
 
     monkeypatch.setattr(csv.Sniffer, "sniff", cannot_tell)  # the fallback: counted in the header, outside quotes
     assert export.sniff_delimiter(f"{header}\nAda,1,A\n") == delimiter
+
+
+def test_long_neutralises_formulas_in_names(tmp_path, capsys, gradebook):
+    grades = _grades_csv(*((name, "10", "ok", "") for name in [*FORMULA_NAMES, "ali"]))
+    code, _, err = _export(tmp_path, capsys, "--format", "long", "--gradebook", str(gradebook), grades=grades,
+                           roster=None)
+    assert code == 0, err
+    with open(tmp_path / "out.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted({r["student"] for r in rows}) == sorted(["'" + name for name in FORMULA_NAMES] + ["ali"])
+    assert {r["grade_id"] for r in rows} == {"test_top_k", "test_top_p"}
