@@ -6,11 +6,18 @@ from __future__ import annotations
 
 import csv
 import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from autograder import export
 from gradebooks import make_gradebook
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GRADES = """student,assignment,score,max_score,status,notes,submitted_at,late_penalty
 ali,02_sampling,8,10,ok,,,
@@ -315,3 +322,19 @@ def test_long_neutralises_formulas_in_names(tmp_path, capsys, gradebook):
         rows = list(csv.DictReader(f))
     assert sorted({r["student"] for r in rows}) == sorted(["'" + name for name in FORMULA_NAMES] + ["ali"])
     assert {r["grade_id"] for r in rows} == {"test_top_k", "test_top_p"}
+
+
+def test_the_command_line_lists_its_commands():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "lib")]))
+    run = [sys.executable, "-m", "autograder"]
+    helped = subprocess.run([*run, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert helped.returncode == 0 and helped.stderr == ""
+    for command in ("grade", "export"):
+        assert re.search(rf"^  {command} +\w.+$", helped.stdout, re.MULTILINE), helped.stdout
+    bogus = subprocess.run([*run, "bogus"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert bogus.returncode == 2 and bogus.stdout == ""
+    last = bogus.stderr.splitlines()[-1]
+    assert last == "autograder: error: unknown command 'bogus' (the commands: grade, export)"
+    assert re.search(r"^  export +\w.+$", bogus.stderr, re.MULTILINE), bogus.stderr
+    assert subprocess.run(run, cwd=ROOT, env=env, capture_output=True, timeout=60, check=False).returncode == 2
