@@ -1,15 +1,35 @@
-"""python -m autograder grade --assignment NAME --submissions DIR --out grades.csv [--feedback DIR] [--workers N]
-python -m autograder export --format canvas --grades grades.csv --roster canvas_export.csv --out canvas.csv
-python -m autograder export --format long --grades grades.csv --out cells.csv"""
+"""python -m autograder COMMAND [options]: the instructor's commands; `python -m autograder COMMAND
+--help` lists a command's options.
+
+    python -m autograder grade --assignment NAME --submissions DIR --out grades.csv [--feedback DIR] [--workers N]
+    python -m autograder export --format canvas --grades grades.csv --roster canvas_export.csv --out canvas.csv
+    python -m autograder export --format long --grades grades.csv --out cells.csv
+"""
 import sys
 
-COMMANDS = ("grade", "export")
+COMMANDS = {
+    "grade": "grade a class's submissions (nbgrader, sandboxed kernels) into grades.csv and the gradebook",
+    "export": "write grades.csv for an LMS: a filled Canvas gradebook import, or one row per test cell",
+}
+USAGE = "usage: python -m autograder {" + ",".join(COMMANDS) + "} ..."
+
+
+def usage() -> str:
+    """The usage line, one line per command, and where each command's options are."""
+    width = max(map(len, COMMANDS))
+    lines = [USAGE, "", "commands:", *(f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()), "",
+             "python -m autograder COMMAND --help lists the command's options."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        problem = f"unknown command {argv[0]!r}" if argv else "no command given"
+        print(f"{usage()}\nautograder: error: {problem} (the commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
     if argv[0] == "export":
         from autograder.export import main as export
 

@@ -14,11 +14,31 @@ spaces); the score (net of any late penalty) goes into the column of the matchin
 the one whose name before " (id)" is the assignment's name, or --column. Every other cell,
 row, the delimiter and a byte-order mark are kept, so the file imports back (Grades > Import).
 Students missing from either side are listed on stderr; the exit status is 1 only if no
-student matched (then nothing is written).
+student matched with a score to fill in (then nothing is written).
+
+Rows with no grade of the student's making get a blank cell, for the instructor to decide, and
+a line on stderr, "left blank: NAME (status: notes)": grader_error (the grader failed: nothing
+graded), missing (nothing submitted: nothing graded), and unreadable unless its note names the
+student's doing. The student's doing, whose 0 stands: a file that "is not a valid notebook", or
+one "not read" because it is a link, not a folder, not a regular file, or larger than the cap
+(autograder/student_files.py); any other unreadable row (the grader could not open or read a
+regular file: permissions, an I/O error) is left blank.
 
 long: one row per student x graded test cell: student, assignment, grade_id, points,
 max_points, read from the nbgrader gradebook `grade` leaves (default: gradebook.db beside
 grades.csv). Points are the test cells' own, before any late penalty (which is per notebook).
+
+Bad input is an error naming the file and line, with exit status 2 and one line on stderr,
+"autograder export: error: ...": a score that is not a number >= 0 (grade writes nothing else,
+so the file was edited by hand), a quote never closed, a row of another width than the header,
+a file that is not UTF-8. The roster's delimiter (comma, semicolon or tab) is csv.Sniffer's,
+which reads quoted cells as cells, else the one most frequent outside quotes in its header.
+The export is written to a new file beside --out, then renamed over it: when anything fails
+nothing is written and an existing --out is left as it was. --out is a file in a folder that
+exists, and none of the inputs. Against CSV injection, a cell this export writes (the score; in
+long, the student, assignment and grade_id) that starts with =, +, -, @, a tab or a carriage
+return gets a leading ' (OWASP's advice). Canvas's own cells are written back as they came: they
+must import back unchanged (a ' before another assignment's -2 would change that grade).
 """
 from __future__ import annotations
 
@@ -26,16 +46,28 @@ import csv
 import io
 import os
 import re
+import secrets
 import sys
 import warnings
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
+
+from autograder.notes import short
 
 ASSIGNMENT_COLUMN = re.compile(r"^(?P<name>.*)\s\((?P<id>\d+)\)$")
 KEYS = ("SIS Login ID", "SIS User ID", "ID")       # how a student is found, first match wins
 NOT_STUDENT = re.compile(r"^\s*(Muted|Manual Posting.*|\(read only\))?\s*$", re.I)
 TEST_STUDENTS = {"student, test", "test student"}  # Canvas's Student View user
 LONG_COLUMNS = ("student", "assignment", "grade_id", "points", "max_points")
+DELIMITERS = ",;\t"                                # what Canvas writes (the locale decides)
+SNIFFED_LINES = 20
+SCORE = re.compile(r"[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?")  # as `notes.number` writes it, or by hand
+NOTHING_GRADED = ("grader_error", "missing")
+# unreadable, and the student's doing: the score 0 stands (the notes of submission.py and cluster.py)
+STUDENTS_OWN_UNREADABLE = re.compile(
+    r"is not a valid notebook: |not read: [^;]*? (is a link|is not a folder|is not a regular file|is larger than)\b")
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # what a spreadsheet may run as a formula
 
 
 class ExportError(Exception):
@@ -46,19 +78,45 @@ class ExportError(Exception):
 
 def read_grades(path: Path, assignment: str | None = None) -> list[dict]:
     """The rows of a grades CSV (`python -m autograder grade --out`), of one assignment if given."""
-    text = _read_text(path, "--grades")
-    reader = csv.DictReader(io.StringIO(text))
-    missing = [c for c in ("student", "assignment", "score", "max_score") if c not in (reader.fieldnames or [])]
+    records = parse_csv(_read_text(path, "--grades"), path, "--grades")
+    header = records[0][1] if records else []
+    missing = [c for c in ("student", "assignment", "score", "max_score") if c not in header]
     if missing:
         raise ExportError(f"--grades {path}: not a grades CSV of `python -m autograder grade` (no column "
                           f"{', '.join(repr(c) for c in missing)})")
-    rows = [r for r in reader if r.get("student")]
-    if assignment is not None:
-        rows = [r for r in rows if r["assignment"] == assignment]
+    check_widths(records, path, "--grades")
+    rows = []
+    for line, cells in records[1:]:
+        row = dict(zip(header, cells))
+        if row["student"] and (assignment is None or row["assignment"] == assignment):
+            where = f"--grades {path}: line {line} ({short(row['student'], 60)}, {short(row['assignment'], 60)})"
+            row["score"] = checked_score(row["score"], where)
+            rows.append(row)
     if not rows:
         raise ExportError(f"--grades {path}: no rows" + (f" for assignment {assignment!r}" if assignment else ""))
     return rows
 
+
+def checked_score(text: str, where: str) -> str:
+    """The score as a plain decimal (3, 2.5, 0.00001); ExportError naming the row for anything
+    else: grade writes only numbers >= 0, so another value was typed into the file by hand."""
+    text = text.strip()
+    if not SCORE.fullmatch(text):
+        raise ExportError(f"{where}: the score {text!r} is not a number >= 0 (grade writes only numbers: "
+                          "was the file edited by hand?)")
+    return format(Decimal(text), "f") if "e" in text.lower() else text
+
+
+def why_left_blank(row: dict) -> str | None:
+    """"status: notes" when the row's score is not one the student earned, so the LMS gets a blank
+    cell for the instructor to decide; None when the score stands (see the module docstring)."""
+    status, notes = row.get("status", "").strip(), row.get("notes", "")
+    if status in NOTHING_GRADED or (status == "unreadable" and not STUDENTS_OWN_UNREADABLE.search(notes)):
+        return f"{status}: {short(notes, 150) or 'no notes'}"
+    return None
+
+
+# --------------------------------------------------------------------------- CSV files in and out
 
 def _read_bytes(path: Path, option: str) -> bytes:
     try:
@@ -80,6 +138,85 @@ def _decode(raw: bytes, path: Path, option: str) -> str:
 
 def _read_text(path: Path, option: str) -> str:
     return _decode(_read_bytes(path, option), path, option)
+
+
+def parse_csv(text: str, path: Path, option: str, delimiter: str = ",") -> list[tuple[int, list[str]]]:
+    """(line number, cells) of every record of a CSV text, blank lines left out; ExportError naming
+    the line of a malformed record (a quote never closed, text after a closing quote)."""
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
+    records = []
+    while True:
+        line = reader.line_num + 1
+        try:
+            cells = next(reader)
+        except StopIteration:
+            return records
+        except csv.Error as exc:
+            why = "a quote opened here is never closed" if "unexpected end of data" in str(exc) else str(exc)
+            raise ExportError(f"{option} {path}: line {line}: not valid CSV ({why})") from None
+        if cells:
+            records.append((line, cells))
+
+
+def check_widths(records: list[tuple[int, list[str]]], path: Path, option: str) -> None:
+    """ExportError naming the first record whose number of cells is not the header's."""
+    width = len(records[0][1])
+    for line, cells in records[1:]:
+        if len(cells) != width:
+            raise ExportError(f"{option} {path}: line {line} has {len(cells)} cells, the header {width}")
+
+
+def sniff_delimiter(text: str) -> str:
+    """The delimiter of a CSV text, one of DELIMITERS: csv.Sniffer's guess from its first lines
+    (it reads quoted cells as cells), else the one found most often outside quotes in its header."""
+    sample = "".join(text.splitlines(keepends=True)[:SNIFFED_LINES])
+    try:
+        return csv.Sniffer().sniff(sample, delimiters=DELIMITERS).delimiter
+    except csv.Error:  # no quoted cell, and no delimiter as frequent on every line
+        counts = dict.fromkeys(DELIMITERS, 0)
+        quoted = False
+        for char in text:
+            if char == '"':
+                quoted = not quoted
+            elif char == "\n" and not quoted:
+                break
+            elif char in counts and not quoted:
+                counts[char] += 1
+        return max(DELIMITERS, key=counts.get)  # a tie: the first, a comma
+
+
+def inert(cell: str) -> str:
+    """The cell as a spreadsheet shows it, never runs it: one that starts like a formula gets a
+    leading ' (OWASP's advice against CSV injection)."""
+    return "'" + cell if cell.startswith(FORMULA_STARTS) else cell
+
+
+def check_out(out: Path, inputs: dict[str, Path | None]) -> None:
+    """ExportError unless --out names a file that can be written: in a folder that exists, not
+    a folder itself, none of the input files (option -> path)."""
+    if out.is_dir():
+        raise ExportError(f"--out {out}: a folder; give the name of the file to write")
+    folder = out.parent
+    if not folder.is_dir():
+        raise ExportError(f"--out {out}: the folder {folder} " + ("is not a folder" if folder.exists()
+                                                                   else "does not exist"))
+    for option, path in inputs.items():
+        if path is not None and out.resolve() == Path(path).resolve():
+            raise ExportError(f"--out {out}: the {option} file itself; write the export to another file")
+
+
+def write_atomically(out: Path, write, encoding: str = "utf-8") -> None:
+    """write(file) into a new file beside out, then renamed over it: out is the whole export or
+    stays as it was. ExportError if it cannot be written."""
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(8)}.tmp")  # a fresh name, no one else's file
+    try:
+        with open(tmp, "x", newline="", encoding=encoding) as f:
+            write(f)
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise ExportError(f"--out {out}: cannot be written ({exc.strerror})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- Canvas
@@ -112,23 +249,18 @@ class Roster:
 
 
 def read_roster(path: Path) -> Roster:
-    """Canvas's gradebook CSV (comma or semicolon separated, with or without a BOM)."""
+    """Canvas's gradebook CSV (comma, semicolon or tab separated, with or without a BOM)."""
     raw = _read_bytes(path, "--roster")
     text = _decode(raw, path, "--roster")
-    first = text.split("\n", 1)[0]
-    delimiter = ";" if first.count(";") > first.count(",") else ","
-    try:
-        rows = list(csv.reader(io.StringIO(text, newline=""), delimiter=delimiter))
-    except csv.Error as exc:
-        raise ExportError(f"--roster {path}: not a CSV file ({exc})") from None
-    if not rows or len(rows[0]) < 3 or "Student" not in rows[0][0] or "ID" not in [h.strip() for h in rows[0]]:
+    delimiter = sniff_delimiter(text)
+    records = parse_csv(text, path, "--roster", delimiter)
+    header = records[0][1] if records else []
+    if len(header) < 3 or "Student" not in header[0] or "ID" not in [h.strip() for h in header]:
         raise ExportError(f"--roster {path}: not a Canvas gradebook export (its first columns are Student, ID, "
-                          f"SIS User ID, SIS Login ID, Section; got {', '.join(rows[0][:5]) if rows else 'nothing'})")
-    width = len(rows[0])
-    for number, row in enumerate(rows[1:], start=2):
-        if row and len(row) != width:
-            raise ExportError(f"--roster {path}: row {number} has {len(row)} cells, the header {width}")
-    return Roster(rows[0], rows[1:], delimiter, raw.startswith(b"\xef\xbb\xbf"), "\r\n" if "\r\n" in text else "\n")
+                          f"SIS User ID, SIS Login ID, Section; got {', '.join(header[:5]) or 'nothing'})")
+    check_widths(records, path, "--roster")
+    return Roster(header, [cells for _, cells in records[1:]], delimiter, raw.startswith(b"\xef\xbb\xbf"),
+                  "\r\n" if "\r\n" in text else "\n")
 
 
 def find_column(roster: Roster, assignment: str, column: str | None) -> int:
@@ -196,9 +328,11 @@ def export_canvas(grades: list[dict], roster: Roster, column: str | None = None)
         col = find_column(roster, assignment, column)
         report += _points_warning(roster, col, assignment, rows.values())
         matched, missing, problems = match_students(roster, sorted(rows))
+        blank = {student: why for student in matched if (why := why_left_blank(rows[student]))}
         for student, i in matched.items():
-            roster.rows[i][col] = rows[student]["score"]
-        filled += len(matched)
+            roster.rows[i][col] = "" if student in blank else inert(rows[student]["score"])
+        filled += len(matched) - len(blank)
+        report += [f"{assignment}: left blank: {student} ({why})" for student, why in blank.items()]
         report += problems
         if missing:
             report.append(f"{assignment}: {len(missing)} graded student(s) not in the roster (by SIS Login ID, "
@@ -236,12 +370,12 @@ def _is_test_student(row: list[str]) -> bool:
 
 def write_roster(roster: Roster, out: Path) -> None:
     """Atomically, with the roster's delimiter, line ending and byte-order mark."""
-    tmp = out.with_name(f".{out.name}.tmp")
-    with open(tmp, "w", newline="", encoding="utf-8-sig" if roster.bom else "utf-8") as f:
+    def write(f):
         writer = csv.writer(f, delimiter=roster.delimiter, lineterminator=roster.newline)
         writer.writerow(roster.header)
         writer.writerows(roster.rows)
-    os.replace(tmp, out)
+
+    write_atomically(out, write, "utf-8-sig" if roster.bom else "utf-8")
 
 
 # --------------------------------------------------------------------------- long
@@ -291,18 +425,19 @@ def _cell_rows(submission, row: dict) -> list[dict]:
     cells = []
     for notebook in submission.notebooks:
         for grade in sorted(notebook.grades, key=lambda g: g.name):
-            cells.append({"student": row["student"], "assignment": row["assignment"], "grade_id": grade.name,
+            cells.append({"student": inert(row["student"]), "assignment": inert(row["assignment"]),
+                          "grade_id": inert(grade.name),
                           "points": f"{float(grade.score):g}", "max_points": f"{float(grade.max_score):g}"})
     return cells
 
 
 def write_long(rows: list[dict], out: Path) -> None:
-    tmp = out.with_name(f".{out.name}.tmp")
-    with open(tmp, "w", newline="") as f:
+    def write(f):
         writer = csv.DictWriter(f, fieldnames=LONG_COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    os.replace(tmp, out)
+
+    write_atomically(out, write)
 
 
 # --------------------------------------------------------------------------- the command
@@ -325,10 +460,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--format canvas needs --roster (Canvas's gradebook export)")
     if args.format == "long" and (args.roster is not None or args.column is not None):
         parser.error("--roster and --column are for --format canvas")
+    if args.format == "long" and args.gradebook is None:
+        args.gradebook = args.grades.parent / "gradebook.db"
     try:
+        check_out(args.out, {"--grades": args.grades, "--roster": args.roster, "--gradebook": args.gradebook})
         return _canvas(args) if args.format == "canvas" else _long(args)
     except ExportError as exc:
-        print(f"autograder export: {exc}", file=sys.stderr)
+        print(f"autograder export: error: {exc}", file=sys.stderr)
         return 2
 
 
@@ -338,7 +476,8 @@ def _canvas(args) -> int:
     for line in report:
         print(f"autograder export: {line}", file=sys.stderr)
     if not filled:
-        print(f"autograder export: no graded student is in the roster: {args.out} not written", file=sys.stderr)
+        print(f"autograder export: no graded student is in the roster with a score to fill in: {args.out} not "
+              "written", file=sys.stderr)
         return 1
     write_roster(roster, args.out)
     print(f"filled {filled} grade(s) into {args.out}")
@@ -347,7 +486,7 @@ def _canvas(args) -> int:
 
 def _long(args) -> int:
     grades = read_grades(args.grades, args.assignment)
-    rows, report = export_long(grades, args.gradebook or args.grades.parent / "gradebook.db")
+    rows, report = export_long(grades, args.gradebook)
     for line in report:
         print(f"autograder export: {line}", file=sys.stderr)
     if not rows:
