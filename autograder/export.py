@@ -44,15 +44,14 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 import re
-import secrets
 import sys
 import warnings
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
+from autograder import grades_csv
 from autograder.notes import short
 
 ASSIGNMENT_COLUMN = re.compile(r"^(?P<name>.*)\s\((?P<id>\d+)\)$")
@@ -206,17 +205,11 @@ def check_out(out: Path, inputs: dict[str, Path | None]) -> None:
 
 
 def write_atomically(out: Path, write, encoding: str = "utf-8") -> None:
-    """write(file) into a new file beside out, then renamed over it: out is the whole export or
-    stays as it was. ExportError if it cannot be written."""
-    tmp = out.with_name(f".{out.name}.{secrets.token_hex(8)}.tmp")  # a fresh name, no one else's file
+    """grades_csv.write_atomically, with ExportError if it cannot be written."""
     try:
-        with open(tmp, "x", newline="", encoding=encoding) as f:
-            write(f)
-        os.replace(tmp, out)
+        grades_csv.write_atomically(out, write, encoding)
     except OSError as exc:
         raise ExportError(f"--out {out}: cannot be written ({exc.strerror})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- Canvas

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import secrets
 from pathlib import Path
 
 COLUMNS = ("student", "assignment", "score", "max_score", "status", "notes", "submitted_at", "late_penalty")
@@ -20,13 +21,26 @@ def write_csv(path: Path, rows: dict[tuple[str, str], dict]) -> None:
     """Atomically: every row kept, one per (student, assignment), COLUMNS then any other column
     the rows hold, in the order first seen."""
     extra = list(dict.fromkeys(k for row in rows.values() for k in row if k not in COLUMNS))
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
+
+    def write(f) -> None:
         writer = csv.DictWriter(f, fieldnames=[*COLUMNS, *extra], restval="")
         writer.writeheader()
         for key in sorted(rows, key=lambda k: (k[1], k[0])):
             writer.writerow(rows[key])
-    os.replace(tmp, path)
+
+    write_atomically(path, write)
+
+
+def write_atomically(out: Path, write, encoding: str = "utf-8") -> None:
+    """write(file) into a new file beside out, then renamed over it: out is the whole file or
+    stays as it was (OSError if it cannot be written)."""
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(8)}.tmp")  # a fresh name, no one else's file
+    try:
+        with open(tmp, "x", newline="", encoding=encoding) as f:
+            write(f)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_csv(path: Path) -> dict[tuple[str, str], dict]:
