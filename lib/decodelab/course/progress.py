@@ -32,8 +32,8 @@ Nothing else runs: not the explorers, plots and experiments between the exercise
 the hidden tests. The set-up runs again for every exercise, so one exercise's test cannot
 change what the next one sees.
 
-Each notebook runs in its own subprocess (``DECODELAB_FAST=1``, ``NBGRADER_EXECUTION`` unset,
-stdout and stderr captured, in the notebook's folder), under one time limit for the whole
+Each notebook runs in its own subprocess (`progress_worker`: ``DECODELAB_FAST=1``,
+``NBGRADER_EXECUTION`` unset, stdout and stderr captured, in the notebook's folder), under one time limit for the whole
 notebook: an endless loop or a crash of the learner's code costs that notebook's rows, never
 the command. After a crash the remaining exercises run in a fresh subprocess.
 
@@ -49,7 +49,6 @@ it names every exercise in solutions/.
 """
 from __future__ import annotations
 
-import builtins
 import hashlib
 import json
 import os
@@ -60,8 +59,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
-import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -238,7 +235,7 @@ def plan_notebook(path: Path) -> Plan:
     try:
         _pick_cells(plan, list(nbformat.read(str(path), as_version=4).cells))
     except Exception as exc:  # noqa: BLE001 - any unreadable notebook becomes its rows' status
-        plan.error = f"the notebook cannot be read: {_first_line(f'{type(exc).__name__}: {exc}')}"
+        plan.error = f"the notebook cannot be read: {first_line(f'{type(exc).__name__}: {exc}')}"
     return plan
 
 
@@ -284,7 +281,7 @@ def _exercise_names(plan: Plan) -> list[str]:
     return names + [name for name in plan.problems if name not in names]
 
 
-def _first_line(text: str, limit: int = 240) -> str:
+def first_line(text: str, limit: int = 240) -> str:
     line = next((l.strip() for l in str(text).splitlines() if l.strip()), "")
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
@@ -359,7 +356,7 @@ def run_notebook(plan: Plan, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, st
                     "changed": sorted(plan.changed), "run": pending}
             spec_path.write_text(json.dumps(spec))
             results_path.write_text("")
-            proc = subprocess.Popen([sys.executable, "-m", "decodelab.course.progress", "--worker", str(spec_path),
+            proc = subprocess.Popen([sys.executable, "-m", "decodelab.course.progress_worker", str(spec_path),
                                      str(results_path)], cwd=str(plan.path.parent), env=worker_env(),
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     start_new_session=True)
@@ -405,7 +402,7 @@ def run_notebook(plan: Plan, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, st
             death = _death(proc.returncode)
             if running is None or phase == "set-up":
                 # the set-up itself kills the kernel: every later attempt would die the same way
-                last = _first_line(tail.text().strip().splitlines()[-1]) if tail.text().strip() else ""
+                last = first_line(tail.text().strip().splitlines()[-1]) if tail.text().strip() else ""
                 why = f" ({last})" if running is None and last else ""
                 for name in pending:
                     statuses[name] = f"failing: {death}{in_setup or ' before the first exercise'}{why}"
@@ -467,118 +464,3 @@ def format_table(rows: list[Row]) -> str:
 
 def to_json(rows: list[Row]) -> str:
     return json.dumps({"exercises": [asdict(r) for r in rows]})
-
-
-# --------------------------------------------------------------------------- the subprocess
-
-
-def _compile(source: str, filename: str):
-    return compile(source, filename, "exec", dont_inherit=True)
-
-
-def _fresh_namespace() -> dict:
-    module = types.ModuleType("__main__")
-    module.__dict__["__builtins__"] = builtins
-    sys.modules["__main__"] = module
-    return module.__dict__
-
-
-def _raised_in(exc: BaseException) -> tuple[str, str]:
-    """(file name, qualified name) of the innermost frame of exc's traceback: where it was raised."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return "", ""
-    code = tb.tb_frame.f_code
-    return code.co_filename, getattr(code, "co_qualname", code.co_name)
-
-
-def _message(exc: BaseException) -> str:
-    text = _first_line(str(exc))
-    if isinstance(exc, AssertionError) and text:
-        return text
-    if isinstance(exc, SyntaxError):
-        return f"SyntaxError: {exc.msg} (line {exc.lineno})"
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _check_one(spec: dict, name: str, emit) -> str:
-    os.chdir(spec["cwd"])  # an earlier exercise may have moved away
-    ns = _fresh_namespace()
-    emit(event="phase", phase="set-up")
-    for index, source in spec["setup"]:
-        try:
-            exec(_compile(source, f"<set-up cell {index}>"), ns)
-        except BaseException as exc:  # noqa: BLE001 - the learner's code: anything may come out
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            raise _SetupFailed(f"the set-up cell {index} raised {_message(exc)}") from None
-    emit(event="phase", phase="exercise")
-    files = {}
-    for other, index, source in spec["cells"]:
-        filename = f"<exercise {other}, cell {index}>"
-        files[filename] = other
-        try:
-            exec(_compile(source, filename), ns)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001
-            if other == name:
-                return f"failing: {_message(exc)}"
-            # an earlier exercise's broken cell: its own row says so; this one goes on without it
-        if other == name:
-            break
-    try:
-        exec(_compile(spec["tests"][name], f"<test cell of {name}>"), ns)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # noqa: BLE001
-        if isinstance(exc, NotImplementedError):
-            filename, function = _raised_in(exc)
-            owner = files.get(filename)
-            if owner == name:
-                # a stub: not started, unless the cell was edited since the release (a class
-                # with some methods written): then say which piece is still missing
-                return f"failing: {function} is not written yet" if name in spec.get("changed", ()) else NOT_STARTED
-            if owner is not None:
-                return f"failing: it uses {owner}, which is not written yet"
-        return f"failing: {_message(exc)}"
-    return PASSING
-
-
-class _SetupFailed(Exception):
-    pass
-
-
-def worker(spec_path: str, results_path: str) -> int:
-    """In the notebook's subprocess: check each exercise in `run`, one JSON line per event."""
-    spec = json.loads(Path(spec_path).read_text())
-    spec["cells"] = [tuple(c) for c in spec["cells"]]
-    spec["cwd"] = os.getcwd()
-    sys.path.insert(0, spec["cwd"])  # as in a kernel: the notebook's folder is importable
-    with open(results_path, "a", buffering=1) as results:
-        def emit(**event):
-            results.write(json.dumps(event) + "\n")
-            results.flush()
-
-        for name in spec["run"]:
-            emit(event="start", exercise=name)
-            try:
-                status = _check_one(spec, name, emit)
-            except _SetupFailed as exc:
-                emit(event="setup_failed", status=str(exc))
-                return 0
-            except SystemExit as exc:
-                status = f"failing: SystemExit: {exc.code}" if exc.code not in (None, 0) else "failing: SystemExit"
-            except BaseException:  # noqa: BLE001 - whatever escapes is this exercise's failure
-                status = f"failing: {_first_line(traceback.format_exc().splitlines()[-1])}"
-            emit(event="done", exercise=name, status=status)
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        sys.exit(worker(sys.argv[2], sys.argv[3]))
-    print("usage: python -m decodelab progress --course DIR [--json]", file=sys.stderr)
-    sys.exit(2)
