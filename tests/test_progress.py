@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import nbformat
@@ -339,3 +340,42 @@ def test_root_runs_only_code_that_root_alone_can_change(tmp_path, change, refuse
         return
     with pytest.raises(progress.ProgressError, match=re.escape(refused)):
         progress.check_owner(course)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie no longer runs: the init of a container may never reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+ESCAPE = ("import subprocess; print(subprocess.Popen(['sleep', '300'], start_new_session=True, "
+          "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")  # in a session of its own, its parent gone
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: /proc and the child subreaper")
+def test_a_process_left_behind_dies_when_the_notebook_ends(tmp_path):
+    returncode, timed_out, output = progress.run_until([sys.executable, "-c", ESCAPE], tmp_path, time.monotonic() + 60)
+    assert (returncode, timed_out) == (0, False), output
+    assert not alive(int(output))
+
+
+HANGS = f"""
+import subprocess, sys, time
+def hangs():
+    left = subprocess.Popen(["sleep", "300"], start_new_session=True)  # its own session
+    orphan = int(subprocess.run([sys.executable, "-c", "{ESCAPE}"], capture_output=True, text=True).stdout)
+    with open("pids", "w") as pids:
+        print(left.pid, orphan, file=pids)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: /proc and the child subreaper")
+def test_what_a_notebook_that_times_out_started_dies_with_it(tmp_path):
+    notebook = one_exercise_course(tmp_path, "92_hangs", HANGS, "hangs()")
+    [row] = progress.check_notebook(notebook, timeout=3)
+    assert row.status == "failing: timed out after 3 s"
+    pids = [int(pid) for pid in (tmp_path / "92_hangs" / "pids").read_text().split()]
+    assert len(pids) == 2 and not [pid for pid in pids if alive(pid)]

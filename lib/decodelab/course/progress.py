@@ -33,9 +33,13 @@ the hidden tests. The set-up runs again for every exercise, so one exercise's te
 change what the next one sees.
 
 Each notebook runs in its own subprocess (`progress_worker`: ``DECODELAB_FAST=1``,
-``NBGRADER_EXECUTION`` unset, stdout and stderr captured, in the notebook's folder), under one time limit for the whole
-notebook: an endless loop or a crash of the learner's code costs that notebook's rows, never
-the command. After a crash the remaining exercises run in a fresh subprocess.
+``NBGRADER_EXECUTION`` unset, stdout and stderr captured, in the notebook's folder), under one
+time limit for the whole notebook: an endless loop or a crash of the learner's code costs that
+notebook's rows, never the command. After a crash the remaining exercises run in a fresh
+subprocess. What the learner's code starts dies with its subprocess (`run_until`): the subprocess
+leads a process group of its own, killed at the end; on Linux, progress adopts the orphans of
+that tree meanwhile (a child subreaper), so a grandchild that left the group with setsid is
+killed too; and the subprocess dies if progress itself is killed.
 
 It runs the learner's own code, as the notebook does: it is meant for the learner's own folder.
 Run as root, it runs only code that root alone can change (`check_owner`): every folder on the
@@ -52,6 +56,8 @@ it names every exercise in solutions/.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import json
 import os
@@ -390,11 +396,87 @@ class _Tail:
         return self.data.decode("utf-8", "replace")
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+# --------------------------------------------------------------------------- a subprocess that dies with progress
+
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 1, 36, 37  # linux/prctl.h
+
+
+def linux_prctl(option: int, *args) -> bool:
+    """Linux's prctl(option, *args) (ints, or ctypes pointers); False where there is none (macOS,
+    Windows) or it fails."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, OSError):
-        pass
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (AttributeError, OSError, TypeError):
+        return False
+    args = [ctypes.c_ulong(a) if isinstance(a, int) else a for a in args]
+    return prctl(ctypes.c_int(option), *args, *[ctypes.c_ulong(0)] * (4 - len(args))) == 0
+
+
+@contextlib.contextmanager
+def _adopting_orphans():
+    """Within: this process adopts the orphans of its descendants (Linux's child subreaper), so a
+    grandchild that left our child's process group with setsid is still ours to kill."""
+    was = ctypes.c_int(0)
+    known = linux_prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(was))
+    linux_prctl(PR_SET_CHILD_SUBREAPER, 1)
+    try:
+        yield
+    finally:
+        if known:
+            linux_prctl(PR_SET_CHILD_SUBREAPER, was.value)
+
+
+def _children() -> set[int]:
+    """The pids whose parent is this process (read from Linux's /proc; empty elsewhere)."""
+    me, found = os.getpid(), set()
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if entry.name.isdigit():
+            try:
+                after_name = Path(entry.path, "stat").read_text().rpartition(")")[2]  # " S PPID ..."
+            except OSError:
+                continue
+            if int(after_name.split()[1]) == me:
+                found.add(int(entry.name))
+    return found
+
+
+def _kill_strays(known: set[int]) -> None:
+    """SIGKILL and reap every child of ours not in `known`, until none is left: the orphans of a
+    killed tree come to a subreaper one generation at a time. Race-free: a child's pid cannot be
+    reused before we reap it."""
+    while strays := _children() - known:
+        for pid in strays:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in strays:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+def run_until(command: list[str], cwd: Path, deadline: float) -> tuple[int, bool, str]:
+    """Run command in the notebook's environment (worker_env) until it ends or time.monotonic()
+    passes deadline, then kill everything it started: its process group and, on Linux, the
+    processes that left the group (adopted meanwhile). (return code, timed out, the end of its
+    output). A child that this process starts meanwhile from another thread would be killed too."""
+    with _adopting_orphans():
+        known = _children()
+        proc = subprocess.Popen(command, cwd=str(cwd), env=worker_env(), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        tail = _Tail(proc.stdout)
+        timed_out = False
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            _kill_strays(known)
+    output = tail.text()
+    if not tail.thread.is_alive():  # else a ResourceWarning in the caller (the capstone's kernel shows it)
+        proc.stdout.close()
+    return proc.returncode, timed_out, output
 
 
 def _death(returncode: int) -> str:
@@ -422,25 +504,13 @@ def run_notebook(plan: Plan, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, st
         while pending:
             attempt += 1
             spec_path, results_path = Path(tmp) / f"spec{attempt}.json", Path(tmp) / f"results{attempt}.jsonl"
-            spec = {"notebook": plan.notebook, "setup": plan.setup, "cells": plan.cells, "tests": plan.tests,
+            spec = {"parent": os.getpid(), "notebook": plan.notebook, "setup": plan.setup, "cells": plan.cells, "tests": plan.tests,
                     "changed": sorted(plan.changed), "run": pending}
             spec_path.write_text(json.dumps(spec))
             results_path.write_text("")
-            proc = subprocess.Popen([sys.executable, "-m", "decodelab.course.progress_worker", str(spec_path),
-                                     str(results_path)], cwd=str(plan.path.parent), env=worker_env(),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            tail = _Tail(proc.stdout)
-            timed_out = False
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            _kill_group(proc)
-            proc.wait()
-            tail.text()  # drained
-            if not tail.thread.is_alive():  # else a ResourceWarning in the caller (the capstone's kernel shows it)
-                proc.stdout.close()
+            returncode, timed_out, output = run_until(
+                [sys.executable, "-m", "decodelab.course.progress_worker", str(spec_path), str(results_path)],
+                plan.path.parent, deadline)
             running, phase = None, None
             for line in results_path.read_text().splitlines():
                 try:
@@ -469,10 +539,10 @@ def run_notebook(plan: Plan, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, st
                         where = f" in {running}" if running else ""
                         statuses[name] = f"failing: not checked: the notebook timed out after {shown}{where}"
                 break
-            death = _death(proc.returncode)
+            death = _death(returncode)
             if running is None or phase == "set-up":
                 # the set-up itself kills the kernel: every later attempt would die the same way
-                last = first_line(tail.text().strip().splitlines()[-1]) if tail.text().strip() else ""
+                last = first_line(output.strip().splitlines()[-1]) if output.strip() else ""
                 why = f" ({last})" if running is None and last else ""
                 for name in pending:
                     statuses[name] = f"failing: {death}{in_setup or ' before the first exercise'}{why}"

@@ -10,12 +10,13 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import signal
 import sys
 import traceback
 import types
 from pathlib import Path
 
-from decodelab.course.progress import NOT_STARTED, PASSING, first_line
+from decodelab.course.progress import NOT_STARTED, PASSING, PR_SET_PDEATHSIG, first_line, linux_prctl
 
 
 def _compile(source: str, filename: str):
@@ -97,9 +98,16 @@ class _SetupFailed(Exception):
     pass
 
 
+def die_with_parent(parent: int | None) -> None:
+    """On Linux, be killed when progress is (even by SIGKILL, which leaves it no time to kill us)."""
+    if linux_prctl(PR_SET_PDEATHSIG, signal.SIGKILL) and parent is not None and os.getppid() != parent:
+        os._exit(1)  # progress died before we asked
+
+
 def worker(spec_path: str, results_path: str) -> int:
     """In the notebook's subprocess: check each exercise in `run`, one JSON line per event."""
     spec = json.loads(Path(spec_path).read_text())
+    die_with_parent(spec.get("parent"))
     spec["cells"] = [tuple(c) for c in spec["cells"]]
     spec["cwd"] = os.getcwd()
     sys.path.insert(0, spec["cwd"])  # as in a kernel: the notebook's folder is importable
