@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -15,6 +17,8 @@ from decodelab.decoding.generate import PromptTooLongError, stream_token_ids
 from decodelab.model.registry import UnknownModelError, resolve_model
 from decodelab.params import SamplingParams
 from decodelab.model.weights import WeightsError, load_model, save_model
+from decodelab.paths import PACKAGE_DATA
+from notebooks import ROOT
 from oracles import check_greedy_agreement, hf_greedy, last_logits_fn, random_model
 
 GOOD_CONFIG = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -143,8 +147,10 @@ def test_valid_sampling_edges():
 
 # --------------------------------------------------------------------------- CLI
 def run_cli(*args, timeout=240):
+    """`python -m decodelab ARGS` with this checkout's decodelab (args may be bytes: a raw argv)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "lib"), str(ROOT)]))
     return subprocess.run([sys.executable, "-m", "decodelab", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env, cwd=ROOT)
 
 
 def cli_json(*args):
@@ -185,23 +191,96 @@ def test_cli_max_new_tokens(capital_of_france, smollm2):
     assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True)
 
 
+def one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("decodelab: error: "), stderr
+    return lines[0]
+
+
+# The verbatim command, as a shell runs it: a prompt whose bytes are not UTF-8 (argv as the OS gives
+# it), and a command that does not exist. Every other bad input is checked in-process below.
 @pytest.mark.parametrize("args, message", [
-    (["--top-p", "2"], r"top_p must be in \(0, 1\], got 2.0"),
-    (["--model", "nope"], "unknown model 'nope'"),
-], ids=["top_p", "model"])
-def test_cli_bad_flags(args, message):
-    proc = run_cli("generate", "hello", *args, "--device", "cpu", "--json")
-    assert proc.returncode != 0
-    assert proc.stdout == ""
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert re.search(message, lines[0]), lines[0]
+    (["generate", b"caf\xe9 \xff", "--model", "tiny", "--device", "cpu", "--json"],
+     r"argument prompt: must be UTF-8 text, got byte 0xe9 at byte 3"),
+    (["bogus", "--json"], r"unknown command 'bogus': use one of generate, prepare, progress, hints"),
+], ids=["non_utf8_prompt", "unknown_command"])
+def test_cli_bad_input_is_one_line_and_exit_2(args, message):
+    proc = run_cli(*args)
+    assert proc.returncode == 2 and proc.stdout == "", (proc.stdout, proc.stderr)
+    assert re.search(message, one_error_line(proc.stderr))
 
 
-def test_cli_main_in_process_reports_errors(capsys):
+def tiny_folder_with(tmp_path, name: str, content: bytes) -> str:
+    """A copy of the tiny model whose file `name` holds `content` instead."""
+    folder = tmp_path / "tiny"
+    shutil.copytree(PACKAGE_DATA / "tiny", folder)
+    (folder / name).write_bytes(content)
+    return str(folder)
+
+
+NO_CUDA = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+BAD_GENERATE = [  # (flags after `generate PROMPT --model tiny --device cpu --json`, the error line's pattern)
+    (["--seed", "1e24"], r"argument --seed: must be an integer in 0\.\.18446744073709551615 .*, got '1e24'"),
+    (["--seed", "-1"], r"argument --seed: must be an integer in 0\.\.\d+ .*, got '-1'"),
+    (["--seed", str(2**64)], r"argument --seed: .*, got '18446744073709551616'"),
+    (["--seed", "1.5"], r"argument --seed: .*, got '1\.5'"),
+    (["--temperature", "inf"], r"argument --temperature: must be a finite number >= 0, got 'inf'"),
+    (["--temperature", "nan"], r"argument --temperature: must be a finite number >= 0, got 'nan'"),
+    (["--temperature", "-0.5"], r"argument --temperature: must be >= 0 .*, got -0\.5"),
+    (["--top-p", "0"], r"argument --top-p: must be in \(0, 1\], got 0\.0"),
+    (["--top-p", "1.5"], r"argument --top-p: must be in \(0, 1\], got 1\.5"),
+    (["--top-k", "-3"], r"argument --top-k: must be an integer >= 1, or 0 / -1 to disable, got -3"),
+    (["--top-k", "2.5"], r"argument --top-k: must be an integer >= 1, or 0 / -1 to disable, got '2\.5'"),
+    (["--max-new-tokens", "0"], r"argument --max-new-tokens: must be an integer >= 1, got 0"),
+    (["--max-new-tokens", "-2"], r"argument --max-new-tokens: must be an integer >= 1, got -2"),
+    (["--repetition-penalty", "inf"], r"argument --repetition-penalty: must be a finite number > 0, got 'inf'"),
+    (["--device", NO_CUDA], rf"argument --device: '{NO_CUDA}', but .*: use --device cpu"),
+    (["--device", "tpu"], r"argument --device: must be cpu, cuda, cuda:N or mps, got 'tpu'"),
+    (["--model", "nope"], r"unknown model 'nope': use one of smollm2, tiny, tiny-draft, or a folder"),
+    (["--model", "/no/such/folder"], r"unknown model '/no/such/folder'"),
+    (["--model", "{corrupt_weights}"], r"the model .*tiny cannot be loaded: SafetensorError: .*header"),
+    (["--model", "{corrupt_tokenizer}"], r"the model .*tiny cannot be loaded: Exception: EOF while parsing"),
+    (["--model", "{corrupt_config}"], r"config\.json is not valid JSON"),
+    (["--dtype", "int3"], r"unknown dtype 'int3'"),
+    (["--prompt", "word " * 1100, "--no-chat"], r"prompt of \d+ tokens does not fit the model's context of 1024"),
+    (["--prompt", "caf\udce9"], r"argument prompt: must be UTF-8 text, got byte 0xe9 at byte 3"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_GENERATE,
+                         ids=[f"{flags[0].lstrip('-')}={flags[1].strip('{}')[:16]}" for flags, _ in BAD_GENERATE])
+def test_cli_bad_generate_input(tmp_path, capsys, flags, message):
     from decodelab.cli import main
 
-    assert main(["generate", "hi", "--max-new-tokens", "0", "--device", "cpu"]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.strip() == "error: max_tokens must be an integer >= 1, got 0"
+    corrupt = {"{corrupt_weights}": ("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"),
+               "{corrupt_tokenizer}": ("tokenizer.json", b'{"model": '), "{corrupt_config}": ("config.json", b"{")}
+    flags = [tiny_folder_with(tmp_path, *corrupt[f]) if f in corrupt else f for f in flags]
+    prompt = flags.pop(flags.index("--prompt") + 1) if "--prompt" in flags else "hello"
+    flags = [f for f in flags if f != "--prompt"]
+    assert main(["generate", prompt, "--model", "tiny", "--device", "cpu", "--json", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert re.search(message, one_error_line(err))
+
+
+def test_cli_bad_commands_in_process(capsys):
+    from decodelab.cli import main
+
+    for argv, message in [([], "no command given: use one of generate, prepare, progress, hints"),
+                          (["generate"], "the following arguments are required: prompt"),
+                          (["generate", "hi", "--tempreature", "1"], "unrecognized arguments: --tempreature 1"),
+                          (["progress", "--course", ".", "--timeout", "0"],
+                           "argument --timeout: must be a number of seconds > 0, got '0'")]:
+        assert main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert out == "" and one_error_line(err).startswith(f"decodelab: error: {message}")
+    assert main(["generate", "--help"]) == 0 and "--top-p P" in capsys.readouterr().out
+
+
+def test_cli_edge_values_are_accepted(capsys):
+    from decodelab.cli import MAX_SEED, main
+
+    assert main(["generate", "hello", "--model", "tiny", "--device", "cpu", "--json", "--max-new-tokens", "3",
+                 "--seed", str(MAX_SEED), "--temperature", "0.7", "--top-k", "-1", "--top-p", "1e-6"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1 and len(json.loads(out)["output_ids"]) == 3, (out, err)

@@ -6,10 +6,13 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import pwd
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import nbformat
@@ -272,11 +275,107 @@ def test_bad_input_exits_2(tmp_path, args, message):
     assert run.returncode == 2 and message in run.stderr and run.stdout == "", (run.stdout, run.stderr)
 
 
-@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root (to chown, and to be refused)")
-def test_root_over_another_users_folder_stops(tmp_path):
-    folder = tmp_path / "someone"
-    copy_notebook(COURSE, "00_meet_the_model", folder)
-    os.chown(folder, 12345, 12345)
-    run = run_progress("--course", folder, "--json")
-    assert run.returncode == 2 and run.stdout == ""
-    assert "uid 12345" in run.stderr and "your own folder" in run.stderr
+# --------------------------------------------------------------------------- as root; what the code starts
+
+as_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root (to chown, and to be refused)")
+NOBODY = 65534  # a uid that is not root's: the student
+
+
+def one_exercise_course(folder: Path, name: str = "90_one", body: str = "def one():\n    return 1\n",
+                        test: str = "assert one() == 1") -> Path:
+    path = folder / name / f"{name}.ipynb"
+    synthetic_notebook(path, exercise(name.split("_", 1)[1], body, test))
+    return path
+
+
+@as_root
+def test_root_refuses_a_students_notebook_in_roots_folder(tmp_path):
+    notebook = one_exercise_course(tmp_path / "course")
+    os.chown(notebook, NOBODY, NOBODY)
+    run = run_progress("--course", tmp_path / "course", "--json")
+    assert run.returncode == 2 and run.stdout == "", (run.stdout, run.stderr)
+    user = pwd.getpwuid(NOBODY).pw_name
+    assert run.stderr.strip() == (
+        f"decodelab: error: {notebook} belongs to {user} (uid {NOBODY}), and progress would run the code in it as "
+        f"root. Run it as that user instead: sudo -u {user} python -m decodelab progress --course {tmp_path / 'course'}")
+
+
+def _students_module(course, notebook):
+    (notebook.parent / "helpers.py").write_text("x = 1\n")
+    os.chown(notebook.parent / "helpers.py", NOBODY, NOBODY)
+
+
+def _link_to_students_file(course, notebook):
+    (course.parent / "elsewhere.py").write_text("x = 1\n")
+    os.chown(course.parent / "elsewhere.py", NOBODY, NOBODY)
+    (notebook.parent / "helpers.py").symlink_to(course.parent / "elsewhere.py")
+
+
+def _students_subfolder(course, notebook):
+    (notebook.parent / "data" / "deeper").mkdir(parents=True)
+    (notebook.parent / "data" / "deeper" / "mod.py").write_text("x = 1\n")
+    os.chown(notebook.parent / "data" / "deeper" / "mod.py", NOBODY, NOBODY)
+
+
+@as_root
+@pytest.mark.parametrize("change, refused", [
+    (_students_module, "90_one/helpers.py belongs to"),
+    (_link_to_students_file, "elsewhere.py belongs to"),
+    (_students_subfolder, "90_one/data/deeper/mod.py belongs to"),
+    (lambda course, notebook: os.chown(course.parent, NOBODY, NOBODY), "home belongs to"),  # could swap course/
+    (lambda course, notebook: os.chmod(notebook.parent, 0o777), "90_one can be written by every user (mode 777)"),
+    (lambda course, notebook: os.chmod(notebook.parent, 0o1777), "90_one can be written by every user (mode 1777)"),
+    (lambda course, notebook: (os.chown(notebook, 0, NOBODY), os.chmod(notebook, 0o664)),
+     "90_one.ipynb can be written by the group"),
+    (lambda course, notebook: os.chmod(course.parent, 0o1777), None),  # shared like /tmp, on the way only
+    (lambda course, notebook: os.chmod(notebook, 0o664), None),  # root's own group
+], ids=["module", "symlink", "subfolder", "folder_on_the_way", "world_writable", "sticky_code_folder",
+        "group_writable", "sticky_on_the_way", "roots_group"])
+def test_root_runs_only_code_that_root_alone_can_change(tmp_path, change, refused):
+    course = tmp_path / "home" / "course"
+    notebook = one_exercise_course(course)
+    change(course, notebook)
+    if refused is None:
+        progress.check_owner(course)
+        return
+    with pytest.raises(progress.ProgressError, match=re.escape(refused)):
+        progress.check_owner(course)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie no longer runs: the init of a container may never reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+ESCAPE = ("import subprocess; print(subprocess.Popen(['sleep', '300'], start_new_session=True, "
+          "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")  # in a session of its own, its parent gone
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: /proc and the child subreaper")
+def test_a_process_left_behind_dies_when_the_notebook_ends(tmp_path):
+    returncode, timed_out, output = progress.run_until([sys.executable, "-c", ESCAPE], tmp_path, time.monotonic() + 60)
+    assert (returncode, timed_out) == (0, False), output
+    assert not alive(int(output))
+
+
+HANGS = f"""
+import subprocess, sys, time
+def hangs():
+    left = subprocess.Popen(["sleep", "300"], start_new_session=True)  # its own session
+    orphan = int(subprocess.run([sys.executable, "-c", "{ESCAPE}"], capture_output=True, text=True).stdout)
+    with open("pids", "w") as pids:
+        print(left.pid, orphan, file=pids)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: /proc and the child subreaper")
+def test_what_a_notebook_that_times_out_started_dies_with_it(tmp_path):
+    notebook = one_exercise_course(tmp_path, "92_hangs", HANGS, "hangs()")
+    [row] = progress.check_notebook(notebook, timeout=3)
+    assert row.status == "failing: timed out after 3 s"
+    pids = [int(pid) for pid in (tmp_path / "92_hangs" / "pids").read_text().split()]
+    assert len(pids) == 2 and not [pid for pid in pids if alive(pid)]

@@ -10,30 +10,116 @@
         # ... and SmolLM2 served by an engine made of your passing parts (decodelab.course.parts)
     python -m decodelab hints [--notebook 02_sampling] [--json]   # every exercise's hint ladder
 
-Text streams to stdout; with --json exactly one JSON object is printed there instead.
-Progress and errors go to stderr; a bad command line exits with 2.
+Text streams to stdout; with --json exactly one JSON object is printed there instead, and
+nothing at all when the command fails. Progress and errors go to stderr. Bad input (a flag out
+of its range, an unknown command, a model that cannot be loaded, a device this machine lacks, a
+prompt that is not UTF-8 or does not fit the model) is one line, `decodelab: error: ...`, and
+exit code 2, never a traceback.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import signal
 import sys
+
+from decodelab.params import SamplingParams
+
+COMMANDS = ("generate", "prepare", "progress", "hints")
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0..2**64-1
+DEVICES = "cpu, cuda, cuda:N or mps"
+
+
+class CommandLineError(ValueError):
+    """Bad input the command line itself finds: a device this machine lacks, a flag misused."""
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse, but an error is one line, `decodelab: error: ...`, and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"decodelab: error: {message}\n")
+
+
+# --------------------------------------------------------------------------- argument types
+
+
+def utf8_text(text: str) -> str:
+    """A prompt as given: bytes that are not UTF-8 reach Python as lone surrogates (os.fsdecode),
+    which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        what = f"byte 0x{ord(bad) - 0xDC00:02x}" if "\udc80" <= bad <= "\udcff" else f"character U+{ord(bad):04X}"
+        offset = len(text[:exc.start].encode("utf-8", "surrogateescape"))
+        raise argparse.ArgumentTypeError(f"must be UTF-8 text, got {what} at byte {offset}: "
+                                         f"is your terminal's encoding UTF-8?") from None
+    return text
+
+
+def number_or_none(parse, text: str):
+    """parse(text) for an int or a finite float; None when text is not one."""
+    try:
+        value = parse(text)
+    except ValueError:
+        return None
+    return value if parse is int or math.isfinite(value) else None
+
+
+def sampling_value(field: str, parse, allowed: str):
+    """The argparse type of a flag that sets SamplingParams.`field`: text -> parse(text), judged
+    by SamplingParams itself. Its error names the flag (argparse does), the range and the value."""
+    def convert(text: str):
+        value = number_or_none(parse, text)
+        if value is None:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        try:
+            SamplingParams(**{field: value})
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{field} ")) from None
+        return value
+    convert.__name__ = field
+    return convert
+
+
+def seed(text: str) -> int:
+    value = number_or_none(int, text)
+    if value is None or not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer in 0..{MAX_SEED} (2**64 - 1), got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    value = number_or_none(float, text)
+    if value is None or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- the parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m decodelab", description="Decode Lab inference engine")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = CommandLineParser(prog="python -m decodelab", description="Decode Lab inference engine")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", help=", ".join(COMMANDS))
     gen = commands.add_parser("generate", help="generate a completion for one prompt")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", type=utf8_text)
     gen.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, tiny-draft, or a model folder")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
+    gen.add_argument("--max-new-tokens", type=sampling_value("max_tokens", int, "an integer >= 1"), default=128,
+                     metavar="N", help="an integer >= 1 (default 128)")
+    gen.add_argument("--temperature", type=sampling_value("temperature", float, "a finite number >= 0"),
+                     default=0.0, metavar="T", help="a finite number >= 0; 0 = greedy (default)")
+    gen.add_argument("--top-k", type=sampling_value("top_k", int, "an integer >= 1, or 0 / -1 to disable"),
+                     default=0, metavar="K", help="an integer >= 1; 0 = off (default)")
+    gen.add_argument("--top-p", type=sampling_value("top_p", float, "a number in (0, 1]"), default=1.0,
+                     metavar="P", help="a number in (0, 1]; 1 = off (default)")
+    gen.add_argument("--repetition-penalty", type=sampling_value("repetition_penalty", float, "a finite number > 0"),
+                     default=1.0, metavar="R", help="a finite number > 0; 1 = off (default)")
+    gen.add_argument("--seed", type=seed, default=None, metavar="S", help=f"an integer in 0..{MAX_SEED}")
+    gen.add_argument("--device", default=None, help=f"{DEVICES} (default: best available)")
     gen.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
     gen.add_argument("--no-chat", action="store_true", help="feed the prompt as is, without the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, output_ids, text")
@@ -47,12 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the folder that holds NN_topic/NN_topic.ipynb (your course/ or your home after a fetch)")
     prog.add_argument("--notebooks", default=None, metavar="NAMES",
                       help="only these notebooks, comma-separated: 02_sampling,03_kv_cache or 02,03")
-    prog.add_argument("--timeout", type=float, default=60.0, metavar="S",
+    prog.add_argument("--timeout", type=seconds, default=60.0, metavar="S",
                       help="seconds per notebook (default 60); an exercise still running then fails")
     prog.add_argument("--json", action="store_true",
                       help='print one JSON object: {"exercises": [{notebook, exercise, part, status, hints_used}]} '
                            '(with --serve also "serve": {prompt_ids, output_ids, text, parts, why})')
-    prog.add_argument("--serve", default=None, metavar="PROMPT",
+    prog.add_argument("--serve", default=None, metavar="PROMPT", type=utf8_text,
                       help="then answer PROMPT with SmolLM2 (greedy, float32, chat template, up to 32 new tokens) "
                            "on an engine whose every stage is your passing part, the library's otherwise")
     prog.add_argument("--quantization", default=None, choices=["int8"],
@@ -66,6 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The parsed command line; an unknown or missing command is an error that lists the commands."""
+    parser = build_parser()
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    if command not in COMMANDS and not {"-h", "--help"} & set(argv):
+        given = f"unknown command {command!r}" if command is not None else "no command given"
+        parser.error(f"{given}: use one of {', '.join(COMMANDS)} (python -m decodelab COMMAND --help)")
+    return parser.parse_args(argv)
+
+
+# --------------------------------------------------------------------------- the commands
+
+
 def run_hints(args) -> int:
     from decodelab.course import hints
 
@@ -74,17 +173,50 @@ def run_hints(args) -> int:
     return 0
 
 
-def run_generate(args) -> int:
-    from decodelab.params import SamplingParams
+def check_device(name: str | None) -> None:
+    """A --device this machine has: cpu, cuda[:N] with a CUDA device N, or mps where present."""
+    if name is None:
+        return
+    import torch
 
-    # Check the sampling values before importing torch, so a typo fails at once.
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise CommandLineError(f"argument --device: must be {DEVICES}, got {name!r}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            why = "this torch was built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device here"
+            raise CommandLineError(f"argument --device: {name!r}, but {why}: use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise CommandLineError(f"argument --device: {name!r}, but this machine has cuda:0..cuda:{count - 1}")
+    elif device.type == "mps":
+        if not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
+            raise CommandLineError(f"argument --device: {name!r}, but no MPS device is available here: use --device cpu")
+    elif device.type != "cpu":
+        raise CommandLineError(f"argument --device: must be {DEVICES}, got {name!r}")
+
+
+def load_model(model: str, device: str | None, dtype: str):
+    """(model, tokenizer) from the registry; a folder whose files cannot be read says so."""
+    from decodelab.model.registry import load
+
+    try:
+        return load(model, device=device, dtype=dtype)
+    except (ValueError, OSError):
+        raise  # the library's own message names the problem
+    except Exception as exc:  # noqa: BLE001 - safetensors and tokenizers raise their own types
+        raise CommandLineError(f"the model {model} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+
+
+def run_generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             repetition_penalty=args.repetition_penalty, max_tokens=args.max_new_tokens,
                             seed=args.seed)
+    check_device(args.device)
     from decodelab.decoding.generate import Completion, encode_prompt, stream_text
-    from decodelab.model.registry import load
 
-    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_model(args.model, args.device, args.dtype)
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat)
     completion = Completion(prompt_ids)
     for piece in stream_text(model, tokenizer, prompt_ids, params, completion):
@@ -102,13 +234,13 @@ def run_generate(args) -> int:
 def run_progress(args) -> int:
     from decodelab.course import progress
 
-    if not (args.timeout > 0 and math.isfinite(args.timeout)):
-        raise ValueError(f"--timeout must be a number of seconds > 0, got {args.timeout:g}")
+    if args.quantization and args.serve is None:
+        raise CommandLineError("--quantization goes with --serve")
     names = args.notebooks.split(",") if args.notebooks else None
+
     def tell(notebook):
         print(f"checking {notebook} ...", file=sys.stderr, flush=True)
-    if args.quantization and args.serve is None:
-        raise ValueError("--quantization goes with --serve")
+
     rows = progress.check_course(args.course, names, timeout=args.timeout, progress=tell if sys.stderr.isatty() else None)
     if args.serve is None:
         print(progress.to_json(rows) if args.json else progress.format_table(rows))
@@ -125,20 +257,42 @@ def run_progress(args) -> int:
     return 0
 
 
+def run(args) -> int:
+    if args.command == "prepare":
+        from decodelab.model.registry import prepare_smollm2
+        print(prepare_smollm2(), file=sys.stderr)
+        return 0
+    if args.command == "progress":
+        return run_progress(args)
+    if args.command == "hints":
+        return run_hints(args)
+    return run_generate(args)
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (torch's and others' may span several)."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return text or type(exc).__name__
+
+
+def stop_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds: progress kills the notebook's processes on the way out
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        if args.command == "prepare":
-            from decodelab.model.registry import prepare_smollm2
-            print(prepare_smollm2(), file=sys.stderr)
-            return 0
-        if args.command == "progress":
-            return run_progress(args)
-        if args.command == "hints":
-            return run_hints(args)
-        return run_generate(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as exit:  # argparse: --help (0) or one error line already printed (2)
+        return exit.code if isinstance(exit.code, int) else 2
+    if args.command == "progress" and argv is None:
+        signal.signal(signal.SIGTERM, stop_on_sigterm)
+    try:
+        return run(args)
+    except (ValueError, TypeError, RuntimeError, OSError) as exc:
+        if isinstance(exc, BrokenPipeError):  # `... generate | head`: the reader has gone; so do we
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+        print(f"decodelab: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

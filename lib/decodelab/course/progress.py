@@ -32,13 +32,20 @@ Nothing else runs: not the explorers, plots and experiments between the exercise
 the hidden tests. The set-up runs again for every exercise, so one exercise's test cannot
 change what the next one sees.
 
-Each notebook runs in its own subprocess (``DECODELAB_FAST=1``, ``NBGRADER_EXECUTION`` unset,
-stdout and stderr captured, in the notebook's folder), under one time limit for the whole
-notebook: an endless loop or a crash of the learner's code costs that notebook's rows, never
-the command. After a crash the remaining exercises run in a fresh subprocess.
+Each notebook runs in its own subprocess (`progress_worker`: ``DECODELAB_FAST=1``,
+``NBGRADER_EXECUTION`` unset, stdout and stderr captured, in the notebook's folder), under one
+time limit for the whole notebook: an endless loop or a crash of the learner's code costs that
+notebook's rows, never the command. After a crash the remaining exercises run in a fresh
+subprocess. What the learner's code starts dies with its subprocess (`run_until`): the subprocess
+leads a process group of its own, killed at the end; on Linux, progress adopts the orphans of
+that tree meanwhile (a child subreaper), so a grandchild that left the group with setsid is
+killed too; and the subprocess dies if progress itself is killed.
 
-It runs the learner's own code, as the notebook does: it is meant for the learner's own folder,
-and refuses to run as root over a folder that root does not own (`check_owner`).
+It runs the learner's own code, as the notebook does: it is meant for the learner's own folder.
+Run as root, it runs only code that root alone can change (`check_owner`): every folder on the
+way to the course and its notebooks, and everything in each notebook's folder (the notebook, and
+what its cells can import from there), must belong to root and be writable by no one else; else
+it refuses, naming the file and its owner, and says how to run it as that user instead.
 
 Each row also says how many rungs of the exercise's hint ladder the learner has seen
 (``hints_used``: the counter file ``.decodelab_hints.json`` beside the notebook, written by the
@@ -49,19 +56,19 @@ it names every exercise in solutions/.
 """
 from __future__ import annotations
 
-import builtins
+import contextlib
+import ctypes
 import hashlib
 import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
-import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -195,16 +202,6 @@ def _folder(course_dir) -> Path:
     return folder
 
 
-def check_owner(course_dir) -> None:
-    """Root may check only a folder root owns: this runs the code in the notebooks."""
-    if hasattr(os, "getuid") and os.getuid() == 0:
-        owner = os.stat(_folder(course_dir)).st_uid
-        if owner != os.getuid():
-            raise ProgressError(
-                f"{course_dir} belongs to uid {owner}, and this runs the code in its notebooks: "
-                f"`progress` is for your own folder. Run it as that user, not as root.")
-
-
 def _nbgrader(cell) -> dict:
     meta = cell.get("metadata", {}).get("nbgrader", {})
     return meta if isinstance(meta, dict) else {}
@@ -238,7 +235,7 @@ def plan_notebook(path: Path) -> Plan:
     try:
         _pick_cells(plan, list(nbformat.read(str(path), as_version=4).cells))
     except Exception as exc:  # noqa: BLE001 - any unreadable notebook becomes its rows' status
-        plan.error = f"the notebook cannot be read: {_first_line(f'{type(exc).__name__}: {exc}')}"
+        plan.error = f"the notebook cannot be read: {first_line(f'{type(exc).__name__}: {exc}')}"
     return plan
 
 
@@ -284,9 +281,85 @@ def _exercise_names(plan: Plan) -> list[str]:
     return names + [name for name in plan.problems if name not in names]
 
 
-def _first_line(text: str, limit: int = 240) -> str:
+def first_line(text: str, limit: int = 240) -> str:
     line = next((l.strip() for l in str(text).splitlines() if l.strip()), "")
     return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------- running as root
+
+
+def check_owner(course_dir, notebooks=None) -> None:
+    """As root, refuse (ProgressError) to run code that anyone but root can change: a folder on
+    the way to the course or to one of `notebooks` (default: all of the course's), or anything in a
+    notebook's folder, that is not root's or that another user may write. Anyone else runs their
+    own code: nothing to check."""
+    if not (hasattr(os, "geteuid") and os.geteuid() == 0):
+        return
+    notebooks = find_notebooks(course_dir) if notebooks is None else notebooks
+    code = set().union(*(_everything_in(Path(nb).parent.resolve()) for nb in notebooks))
+    course = _folder(course_dir).resolve()
+    on_the_way = {course, *course.parents, *(folder for path in code for folder in path.parents)} - code
+    for path in sorted(on_the_way | code, key=lambda p: (len(p.parts), str(p))):  # the outermost first
+        problem = _why_root_must_not_run(path, shared_ok=path in on_the_way, course_dir=course_dir)
+        if problem:
+            raise ProgressError(problem)
+
+
+def _everything_in(folder: Path) -> set[Path]:
+    """folder and every file and folder below it, as real paths (a symlinked folder is followed)."""
+    found, todo = set(), [folder]
+    while todo:
+        path = todo.pop()
+        if path not in found:
+            found.add(path)
+            if path.is_dir():
+                todo.extend(child.resolve() for child in path.iterdir())
+    return found
+
+
+def _why_root_must_not_run(path: Path, shared_ok: bool, course_dir) -> str | None:
+    """Why someone other than root could change the code root would run from path, and what to do
+    instead; None when only root can. shared_ok: a sticky folder that everyone may write (like
+    /tmp) is fine on the way, where nobody can rename what root put there."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:  # a dangling link: nothing to run
+        return None
+    if info.st_uid != 0:
+        user = _user_name(info.st_uid)
+        return (f"{path} belongs to {user} (uid {info.st_uid}), and progress would run the code in it as root. "
+                f"Run it as that user instead: sudo -u {user} python -m decodelab progress --course {course_dir}")
+    if shared_ok and stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX:
+        return None
+    if info.st_mode & stat.S_IWOTH:
+        who = "every user"
+    elif info.st_mode & stat.S_IWGRP and info.st_gid != 0:
+        who = f"the group {_group_name(info.st_gid)} (gid {info.st_gid})"
+    else:
+        return None
+    return (f"{path} can be written by {who} (mode {stat.S_IMODE(info.st_mode):o}), and progress would run the "
+            f"code in it as root: make it root's alone (chmod go-w), or run progress as the learner whose "
+            f"notebooks these are")
+
+
+def _user_name(uid: int) -> str:
+    """The user's name, or sudo's '#uid' for a uid without one."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"'#{uid}'"
+
+
+def _group_name(gid: int) -> str:
+    import grp
+
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return f"#{gid}"
 
 
 # --------------------------------------------------------------------------- running one notebook
@@ -323,11 +396,87 @@ class _Tail:
         return self.data.decode("utf-8", "replace")
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+# --------------------------------------------------------------------------- a subprocess that dies with progress
+
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 1, 36, 37  # linux/prctl.h
+
+
+def linux_prctl(option: int, *args) -> bool:
+    """Linux's prctl(option, *args) (ints, or ctypes pointers); False where there is none (macOS,
+    Windows) or it fails."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, OSError):
-        pass
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (AttributeError, OSError, TypeError):
+        return False
+    args = [ctypes.c_ulong(a) if isinstance(a, int) else a for a in args]
+    return prctl(ctypes.c_int(option), *args, *[ctypes.c_ulong(0)] * (4 - len(args))) == 0
+
+
+@contextlib.contextmanager
+def _adopting_orphans():
+    """Within: this process adopts the orphans of its descendants (Linux's child subreaper), so a
+    grandchild that left our child's process group with setsid is still ours to kill."""
+    was = ctypes.c_int(0)
+    known = linux_prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(was))
+    linux_prctl(PR_SET_CHILD_SUBREAPER, 1)
+    try:
+        yield
+    finally:
+        if known:
+            linux_prctl(PR_SET_CHILD_SUBREAPER, was.value)
+
+
+def _children() -> set[int]:
+    """The pids whose parent is this process (read from Linux's /proc; empty elsewhere)."""
+    me, found = os.getpid(), set()
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if entry.name.isdigit():
+            try:
+                after_name = Path(entry.path, "stat").read_text().rpartition(")")[2]  # " S PPID ..."
+            except OSError:
+                continue
+            if int(after_name.split()[1]) == me:
+                found.add(int(entry.name))
+    return found
+
+
+def _kill_strays(known: set[int]) -> None:
+    """SIGKILL and reap every child of ours not in `known`, until none is left: the orphans of a
+    killed tree come to a subreaper one generation at a time. Race-free: a child's pid cannot be
+    reused before we reap it."""
+    while strays := _children() - known:
+        for pid in strays:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in strays:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+def run_until(command: list[str], cwd: Path, deadline: float) -> tuple[int, bool, str]:
+    """Run command in the notebook's environment (worker_env) until it ends or time.monotonic()
+    passes deadline, then kill everything it started: its process group and, on Linux, the
+    processes that left the group (adopted meanwhile). (return code, timed out, the end of its
+    output). A child that this process starts meanwhile from another thread would be killed too."""
+    with _adopting_orphans():
+        known = _children()
+        proc = subprocess.Popen(command, cwd=str(cwd), env=worker_env(), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        tail = _Tail(proc.stdout)
+        timed_out = False
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            _kill_strays(known)
+    output = tail.text()
+    if not tail.thread.is_alive():  # else a ResourceWarning in the caller (the capstone's kernel shows it)
+        proc.stdout.close()
+    return proc.returncode, timed_out, output
 
 
 def _death(returncode: int) -> str:
@@ -355,25 +504,13 @@ def run_notebook(plan: Plan, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, st
         while pending:
             attempt += 1
             spec_path, results_path = Path(tmp) / f"spec{attempt}.json", Path(tmp) / f"results{attempt}.jsonl"
-            spec = {"notebook": plan.notebook, "setup": plan.setup, "cells": plan.cells, "tests": plan.tests,
+            spec = {"parent": os.getpid(), "notebook": plan.notebook, "setup": plan.setup, "cells": plan.cells, "tests": plan.tests,
                     "changed": sorted(plan.changed), "run": pending}
             spec_path.write_text(json.dumps(spec))
             results_path.write_text("")
-            proc = subprocess.Popen([sys.executable, "-m", "decodelab.course.progress", "--worker", str(spec_path),
-                                     str(results_path)], cwd=str(plan.path.parent), env=worker_env(),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            tail = _Tail(proc.stdout)
-            timed_out = False
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            _kill_group(proc)
-            proc.wait()
-            tail.text()  # drained
-            if not tail.thread.is_alive():  # else a ResourceWarning in the caller (the capstone's kernel shows it)
-                proc.stdout.close()
+            returncode, timed_out, output = run_until(
+                [sys.executable, "-m", "decodelab.course.progress_worker", str(spec_path), str(results_path)],
+                plan.path.parent, deadline)
             running, phase = None, None
             for line in results_path.read_text().splitlines():
                 try:
@@ -402,10 +539,10 @@ def run_notebook(plan: Plan, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, st
                         where = f" in {running}" if running else ""
                         statuses[name] = f"failing: not checked: the notebook timed out after {shown}{where}"
                 break
-            death = _death(proc.returncode)
+            death = _death(returncode)
             if running is None or phase == "set-up":
                 # the set-up itself kills the kernel: every later attempt would die the same way
-                last = _first_line(tail.text().strip().splitlines()[-1]) if tail.text().strip() else ""
+                last = first_line(output.strip().splitlines()[-1]) if output.strip() else ""
                 why = f" ({last})" if running is None and last else ""
                 for name in pending:
                     statuses[name] = f"failing: {death}{in_setup or ' before the first exercise'}{why}"
@@ -441,9 +578,10 @@ def check_notebook(path: Path, timeout: float = DEFAULT_TIMEOUT_S) -> list[Row]:
 
 def check_course(course_dir, names=None, timeout: float = DEFAULT_TIMEOUT_S, progress=None) -> list[Row]:
     """Every exercise's row, notebook by notebook. `progress(notebook)` is told before each one."""
-    check_owner(course_dir)
+    notebooks = find_notebooks(course_dir, names)
+    check_owner(course_dir, notebooks)
     rows = []
-    for path in find_notebooks(course_dir, names):
+    for path in notebooks:
         if progress:
             progress(path.parent.name)
         rows.extend(check_notebook(path, timeout))
@@ -467,118 +605,3 @@ def format_table(rows: list[Row]) -> str:
 
 def to_json(rows: list[Row]) -> str:
     return json.dumps({"exercises": [asdict(r) for r in rows]})
-
-
-# --------------------------------------------------------------------------- the subprocess
-
-
-def _compile(source: str, filename: str):
-    return compile(source, filename, "exec", dont_inherit=True)
-
-
-def _fresh_namespace() -> dict:
-    module = types.ModuleType("__main__")
-    module.__dict__["__builtins__"] = builtins
-    sys.modules["__main__"] = module
-    return module.__dict__
-
-
-def _raised_in(exc: BaseException) -> tuple[str, str]:
-    """(file name, qualified name) of the innermost frame of exc's traceback: where it was raised."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return "", ""
-    code = tb.tb_frame.f_code
-    return code.co_filename, getattr(code, "co_qualname", code.co_name)
-
-
-def _message(exc: BaseException) -> str:
-    text = _first_line(str(exc))
-    if isinstance(exc, AssertionError) and text:
-        return text
-    if isinstance(exc, SyntaxError):
-        return f"SyntaxError: {exc.msg} (line {exc.lineno})"
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _check_one(spec: dict, name: str, emit) -> str:
-    os.chdir(spec["cwd"])  # an earlier exercise may have moved away
-    ns = _fresh_namespace()
-    emit(event="phase", phase="set-up")
-    for index, source in spec["setup"]:
-        try:
-            exec(_compile(source, f"<set-up cell {index}>"), ns)
-        except BaseException as exc:  # noqa: BLE001 - the learner's code: anything may come out
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            raise _SetupFailed(f"the set-up cell {index} raised {_message(exc)}") from None
-    emit(event="phase", phase="exercise")
-    files = {}
-    for other, index, source in spec["cells"]:
-        filename = f"<exercise {other}, cell {index}>"
-        files[filename] = other
-        try:
-            exec(_compile(source, filename), ns)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001
-            if other == name:
-                return f"failing: {_message(exc)}"
-            # an earlier exercise's broken cell: its own row says so; this one goes on without it
-        if other == name:
-            break
-    try:
-        exec(_compile(spec["tests"][name], f"<test cell of {name}>"), ns)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # noqa: BLE001
-        if isinstance(exc, NotImplementedError):
-            filename, function = _raised_in(exc)
-            owner = files.get(filename)
-            if owner == name:
-                # a stub: not started, unless the cell was edited since the release (a class
-                # with some methods written): then say which piece is still missing
-                return f"failing: {function} is not written yet" if name in spec.get("changed", ()) else NOT_STARTED
-            if owner is not None:
-                return f"failing: it uses {owner}, which is not written yet"
-        return f"failing: {_message(exc)}"
-    return PASSING
-
-
-class _SetupFailed(Exception):
-    pass
-
-
-def worker(spec_path: str, results_path: str) -> int:
-    """In the notebook's subprocess: check each exercise in `run`, one JSON line per event."""
-    spec = json.loads(Path(spec_path).read_text())
-    spec["cells"] = [tuple(c) for c in spec["cells"]]
-    spec["cwd"] = os.getcwd()
-    sys.path.insert(0, spec["cwd"])  # as in a kernel: the notebook's folder is importable
-    with open(results_path, "a", buffering=1) as results:
-        def emit(**event):
-            results.write(json.dumps(event) + "\n")
-            results.flush()
-
-        for name in spec["run"]:
-            emit(event="start", exercise=name)
-            try:
-                status = _check_one(spec, name, emit)
-            except _SetupFailed as exc:
-                emit(event="setup_failed", status=str(exc))
-                return 0
-            except SystemExit as exc:
-                status = f"failing: SystemExit: {exc.code}" if exc.code not in (None, 0) else "failing: SystemExit"
-            except BaseException:  # noqa: BLE001 - whatever escapes is this exercise's failure
-                status = f"failing: {_first_line(traceback.format_exc().splitlines()[-1])}"
-            emit(event="done", exercise=name, status=status)
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        sys.exit(worker(sys.argv[2], sys.argv[3]))
-    print("usage: python -m decodelab progress --course DIR [--json]", file=sys.stderr)
-    sys.exit(2)
