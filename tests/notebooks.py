@@ -15,8 +15,10 @@ Cell conventions (nbgrader `grade_id`s), checked by tests/test_notebooks.py:
   (`decodelab.course.predictions`): an answer cell that assigns the number ``q_<name>`` (the
   release holds ``q_<name> = None``) and its graded cell, whose visible part only checks that a
   number was written and whose hidden block calls ``hidden("<topic>.check_q_<name>", q_<name>)``,
-  which grades it against the answer with a stated tolerance. In the release these cells fail
-  too, with NotImplementedError. Each notebook has at least two, and a "Further reading" section.
+  which grades it against the answer with a stated tolerance. In the release these cells pass:
+  an unanswered prediction (None) is printed as such, so that Run All goes on, and the hidden
+  block, back when graded, scores it 0. Each notebook has at least two, and a "Further reading"
+  section.
 * any other graded cell (e.g. ``check_<something>``) must pass in the release as well.
 """
 from __future__ import annotations
