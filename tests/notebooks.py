@@ -112,6 +112,26 @@ def visible_part(cell_source: str) -> str:
     return cell_source.split(HIDDEN_BEGIN, 1)[0]
 
 
+def run_visible(nb, gid: str, function: str, fn) -> Exception | None:
+    """Run the visible part of a test cell with `function` bound to fn, in a namespace made by the
+    notebook's first code cell (its imports); returns the exception it raised, if any."""
+    import contextlib
+    import io
+    import warnings
+
+    setup = next(c.source for c in nb.cells if c.cell_type == "code")
+    cell = next(c for c in nb.cells if grade_id(c) == gid)
+    namespace = {"__name__": "__visible_test__"}
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(setup, "<setup cell>", "exec"), namespace)  # noqa: S102 - our own notebook
+        namespace[function] = fn
+        try:
+            exec(compile(visible_part(cell.source), f"<{gid}>", "exec"), namespace)  # noqa: S102
+        except Exception as exc:  # noqa: BLE001
+            return exc
+    return None
+
+
 def kernel_env(**extra: str) -> dict[str, str]:
     """The environment of a notebook kernel in the tests: CI fast mode, quiet, the repo importable."""
     env = dict(os.environ)

@@ -119,6 +119,22 @@ def test_checking_messages_say_what_expected_and_got():
         checking.expect_equal([0, 0], [1, 0], "ids")
 
 
+def test_expect_equal_on_long_tensors_names_the_first_difference():
+    """Two tensors too long to print read the same (their shape and dtype), so the message says where
+    they first differ (issue 34: 02's reproducibility test printed two identical-looking descriptions)."""
+    first = torch.arange(500) % 3
+    again = first.clone()
+    again[[17, 300]] += 1
+    with pytest.raises(AssertionError, match=r"seeded 42: expected <tensor of shape \[500\], dtype torch.int64>, got "
+                                             r"<tensor of shape \[500\], dtype torch.int64>; they first differ at index 17: "
+                                             r"expected 2, got 3 \(2 of 500 entries differ\)"):
+        checking.expect_equal(again, first, "seeded 42")
+    grid = torch.zeros(4, 5)
+    with pytest.raises(AssertionError, match=r"first differ at index \(1, 3\): expected 1, got 0 \(1 of 20"):
+        checking.expect_equal(grid, grid.index_put((torch.tensor(1), torch.tensor(3)), torch.tensor(1.0)), "grid")
+    checking.expect_equal(first.clone(), first, "same")
+
+
 # --------------------------------------------------------------------------- widgets
 
 

@@ -12,10 +12,8 @@ Notebooks run with nbclient in a temporary copy, in their own folder, with DECOD
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
-import io
 import json
 import os
 import re
@@ -23,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import nbformat
@@ -31,7 +28,7 @@ import pytest
 
 from notebooks import (COURSE, READY, REFERENCES, ROOT, SOLUTIONS, errors, execute, exercise_test_ids,
                        grade_id, graded_cells, hidden_calls, kernel_env, prediction_test_ids, read, release_path,
-                       solution_path, stderr_outputs, visible_part)
+                       run_visible, solution_path, stderr_outputs)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TIMINGS: dict[str, float] = {}
@@ -210,34 +207,18 @@ def _reference(function: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def _run_visible(nb, gid: str, function: str, fn) -> Exception | None:
-    """Run the visible part of a test cell with `function` bound to fn, in a namespace made by the
-    notebook's first code cell (its imports); returns the exception it raised, if any."""
-    setup = next(c.source for c in nb.cells if c.cell_type == "code")
-    cell = next(c for c in nb.cells if grade_id(c) == gid)
-    namespace = {"__name__": "__visible_test__"}
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        exec(compile(setup, "<setup cell>", "exec"), namespace)  # noqa: S102 - our own notebook
-        namespace[function] = fn
-        try:
-            exec(compile(visible_part(cell.source), f"<{gid}>", "exec"), namespace)  # noqa: S102
-        except Exception as exc:  # noqa: BLE001
-            return exc
-    return None
-
-
 @pytest.mark.parametrize("name", READY)
 def test_visible_tests_pass_on_reference_and_catch_bugs(name):
     nb = read(solution_path(name))
     bugs = _fixture_bugs()
     for gid in sorted(exercise_test_ids(nb)):
         function = gid.removeprefix("test_")
-        failure = _run_visible(nb, gid, function, _reference(function))
+        failure = run_visible(nb, gid, function, _reference(function))
         assert failure is None, f"{name}/{gid}: the visible tests fail on the library's reference: {failure!r}"
         check = hidden_calls(graded_cells(nb)[gid].source)[0][0].rpartition(".")[2]
         candidates = bugs.get(check, [])
         assert candidates, f"{name}/{gid}: no kept bug for {check} in tests/fixtures/buggy_*.py"
-        caught = [bug for bug, fn in candidates if isinstance(_run_visible(nb, gid, function, fn), AssertionError)]
+        caught = [bug for bug, fn in candidates if isinstance(run_visible(nb, gid, function, fn), AssertionError)]
         assert caught, f"{name}/{gid}: the visible tests catch none of {[b for b, _ in candidates]}"
 
 
