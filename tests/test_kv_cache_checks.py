@@ -225,4 +225,4 @@ def test_the_notebooks_figures_are_computed():
     assert int(stated.group(2)) == round(smollm2 / seed), (stated.group(0), smollm2 / seed)
     request = kv_bytes("GPT-3-175B", 2048, 1, "fp16")
     assert round(request / 1e9, 2) == 9.66 and round(32 * request / 1e9) == 309 and round(9.6 * 32) == 307
-    assert re.search(r"9\.6 GB × 32 ≈ 307 GB for a\s+batch of 32 \(a rounded figure:.*?32\s+take 309 GB\)", text, re.S)
+    assert re.search(r"9\.6 GB × 32 ≈ 307 GB for a\s+batch of 32 \(a rounded figure:.*?32\s+take 309 GB\)", text, re.DOTALL)

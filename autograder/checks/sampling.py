@@ -458,8 +458,8 @@ def check_repetition_penalty(fn) -> None:
     once = "each distinct id is penalized once, however often it occurs"
     cases = [
         ([2.0, -2.0, 0.5, 1.0, 0.0], [0, 0, 1, 1, 1, 4], 2.0,
-         f"positive logits are divided by the penalty, negative ones multiplied (the sign-aware rule of Hugging "
-         f"Face and vLLM: dividing a negative logit, as the CTRL paper's formula does, would raise it); {once}"),
+         (f"positive logits are divided by the penalty, negative ones multiplied (the sign-aware rule of Hugging "
+          f"Face and vLLM: dividing a negative logit, as the CTRL paper's formula does, would raise it); {once}")),
         ([2.0, -2.0, 0.5, 1.0, 0.0], [0, 0, 1, 1, 1, 4], 0.5, f"penalty < 1 rewards repeats; {once}"),
         ([2.0, -2.0, 0.5], [2, 1, 2], 1.0, "penalty 1 changes nothing"),
         ([2.0, -2.0, 0.5], [], 3.0, "no history: nothing changes"),
