@@ -15,8 +15,10 @@ Cell conventions (nbgrader `grade_id`s), checked by tests/test_notebooks.py:
   (`decodelab.course.predictions`): an answer cell that assigns the number ``q_<name>`` (the
   release holds ``q_<name> = None``) and its graded cell, whose visible part only checks that a
   number was written and whose hidden block calls ``hidden("<topic>.check_q_<name>", q_<name>)``,
-  which grades it against the answer with a stated tolerance. In the release these cells fail
-  too, with NotImplementedError. Each notebook has at least two, and a "Further reading" section.
+  which grades it against the answer with a stated tolerance. In the release these cells pass:
+  an unanswered prediction (None) is printed as such, so that Run All goes on, and the hidden
+  block, back when graded, scores it 0. Each notebook has at least two, and a "Further reading"
+  section.
 * any other graded cell (e.g. ``check_<something>``) must pass in the release as well.
 """
 from __future__ import annotations
@@ -108,6 +110,26 @@ def hidden_calls(cell_source: str) -> list[tuple[str, str]]:
 
 def visible_part(cell_source: str) -> str:
     return cell_source.split(HIDDEN_BEGIN, 1)[0]
+
+
+def run_visible(nb, gid: str, function: str, fn) -> Exception | None:
+    """Run the visible part of a test cell with `function` bound to fn, in a namespace made by the
+    notebook's first code cell (its imports); returns the exception it raised, if any."""
+    import contextlib
+    import io
+    import warnings
+
+    setup = next(c.source for c in nb.cells if c.cell_type == "code")
+    cell = next(c for c in nb.cells if grade_id(c) == gid)
+    namespace = {"__name__": "__visible_test__"}
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(setup, "<setup cell>", "exec"), namespace)  # noqa: S102 - our own notebook
+        namespace[function] = fn
+        try:
+            exec(compile(visible_part(cell.source), f"<{gid}>", "exec"), namespace)  # noqa: S102
+        except Exception as exc:  # noqa: BLE001
+            return exc
+    return None
 
 
 def kernel_env(**extra: str) -> dict[str, str]:

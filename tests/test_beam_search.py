@@ -81,6 +81,17 @@ def test_smollm2_matches_transformers(smollm2):
                                         length_penalty)
 
 
+def test_only_the_first_b_candidates_finish_as_in_transformers(tiny):
+    """Notebook 02's cases for the rule that only candidates ranked among the first B may finish (issue 34):
+    there a candidate ranked below them ends with the EOS, and transformers drops it as we do."""
+    model, tokenizer = tiny
+    hf_model = hf_llama("tiny")
+    comma = tokenizer.encode(",")[0]
+    for text in ("print(", "return "):
+        ids = expect_same_as_transformers(model, hf_model, tokenizer.encode(text), 2, 12, comma, 1.0)
+        assert len(ids) == 12, f"{text!r}: {ids} (the rule lets the search run to max_new_tokens here)"
+
+
 def test_one_beam_is_greedy(tiny):
     model, tokenizer = tiny
     prompt_ids = tokenizer.encode(TINY_PROMPTS[0])

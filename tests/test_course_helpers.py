@@ -119,6 +119,22 @@ def test_checking_messages_say_what_expected_and_got():
         checking.expect_equal([0, 0], [1, 0], "ids")
 
 
+def test_expect_equal_on_long_tensors_names_the_first_difference():
+    """Two tensors too long to print read the same (their shape and dtype), so the message says where
+    they first differ (issue 34: 02's reproducibility test printed two identical-looking descriptions)."""
+    first = torch.arange(500) % 3
+    again = first.clone()
+    again[[17, 300]] += 1
+    with pytest.raises(AssertionError, match=r"seeded 42: expected <tensor of shape \[500\], dtype torch.int64>, got "
+                                             r"<tensor of shape \[500\], dtype torch.int64>; they first differ at index 17: "
+                                             r"expected 2, got 3 \(2 of 500 entries differ\)"):
+        checking.expect_equal(again, first, "seeded 42")
+    grid = torch.zeros(4, 5)
+    with pytest.raises(AssertionError, match=r"first differ at index \(1, 3\): expected 1, got 0 \(1 of 20"):
+        checking.expect_equal(grid, grid.index_put((torch.tensor(1), torch.tensor(3)), torch.tensor(1.0)), "grid")
+    checking.expect_equal(first.clone(), first, "same")
+
+
 # --------------------------------------------------------------------------- widgets
 
 
@@ -217,8 +233,8 @@ def test_speculative_figures_draw_measured_beside_benchmark_and_seed():
 def test_expect_prediction_wants_a_finite_number(capsys):
     from decodelab.course.predictions import expect_prediction
 
-    with pytest.raises(NotImplementedError, match="q_x is still None"):
-        expect_prediction(None, "q_x")
+    expect_prediction(None, "q_x")  # unanswered: said, not raised, so that Run All goes on (the hidden check gives 0)
+    assert "q_x is unanswered (still None)" in capsys.readouterr().out
     for bad in ("512", True, float("nan"), [1]):
         with pytest.raises(AssertionError, match="q_x must be a finite number"):
             expect_prediction(bad, "q_x", unit="MiB")
@@ -274,3 +290,66 @@ def test_release_opens_prediction_cells(tmp_path):
     assert cells[0].metadata.nbgrader["checksum"] == compute_checksum(cells[0])
     assert stub in cells[1].source  # an exercise keeps its stub
     assert json.loads(path.read_text())["cells"][0]["source"][0] == "# predict\n"
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Object of type .* not in session")  # nbgrader's own gradebook code
+def test_an_unanswered_prediction_runs_on_and_still_grades_zero(tmp_path, monkeypatch):
+    """Issue 34 item 7, with nbgrader's own semantics (a graded cell scores 0 exactly when it raises): 03's
+    first prediction and its graded cell, released and submitted. The released cell, run on `None`, prints
+    that it is unanswered and raises nothing (Run All goes on); autograded, its hidden block comes back and
+    scores the unanswered prediction 0 and the right one full marks."""
+    import contextlib
+    import io
+
+    import nbformat
+    from nbgrader.api import Gradebook
+    from nbgrader.apps import NbGraderAPI
+    from nbgrader.coursedir import CourseDirectory
+
+    from autograder.release import ensure_tools_on_path, load_config, open_predictions
+    from notebooks import ROOT, grade_id, read, solution_path
+
+    source = read(solution_path("03_kv_cache"))
+    cells = [c for c in source.cells if grade_id(c) in ("q_rows_without_cache", "test_q_rows_without_cache")]
+    assert len(cells) == 2
+    nb = nbformat.v4.new_notebook(metadata=source.metadata)
+    nb.cells = cells
+    name = "mini"
+    (tmp_path / "solutions" / name).mkdir(parents=True)
+    nbformat.write(nb, str(tmp_path / "solutions" / name / f"{name}.ipynb"))
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}:{ROOT / 'lib'}")  # the kernels import this checkout
+    monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    ensure_tools_on_path()
+    config = load_config()
+    config.CourseDirectory.root = str(tmp_path)
+    api = NbGraderAPI(CourseDirectory(config=config), config=config)
+    assert api.generate_assignment(name)["success"]
+    released = tmp_path / "course" / name / f"{name}.ipynb"
+    open_predictions(released)
+    release = read(released)
+    assert "q_rows_without_cache = None" in release.cells[0].source
+
+    namespace: dict = {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for cell in release.cells:  # what Run All does in JupyterLab, minus the kernel
+            exec(compile(cell.source, grade_id(cell), "exec"), namespace)  # noqa: S102 - our own notebook
+    assert "q_rows_without_cache is unanswered (still None)" in out.getvalue()
+
+    answered = read(released)
+    answered.cells[0].source = "q_rows_without_cache = 1035"
+    for student, submission in (("unanswered", release), ("answered", answered)):
+        folder = tmp_path / "submitted" / student / name
+        folder.mkdir(parents=True)
+        nbformat.write(submission, str(folder / f"{name}.ipynb"))
+        result = api.autograde(name, student)
+        assert result["success"], result.get("log")
+    with Gradebook(f"sqlite:///{tmp_path / 'gradebook.db'}") as gradebook:
+        scores = {student: {g.name: (g.score, g.max_score) for g in
+                            gradebook.find_submission_notebook(name, name, student).grades}
+                  for student in ("unanswered", "answered")}
+    points = scores["answered"]["test_q_rows_without_cache"][1]
+    assert points > 0
+    assert scores["unanswered"]["test_q_rows_without_cache"] == (0, points), scores
+    assert scores["answered"]["test_q_rows_without_cache"] == (points, points), scores

@@ -174,3 +174,55 @@ def test_an_unfinished_ring_falls_back_to_the_reference(capsys):
     assert cache_class_or_reference(Unfinished, SlidingWindowKVCache, sliding_window=2) is SlidingWindowKVCache
     assert "not written yet" in capsys.readouterr().out
     assert cache_class_or_reference(buggy.RingInSlotOrder, SlidingWindowKVCache, sliding_window=2) is buggy.RingInSlotOrder
+
+
+# --------------------------------------------------------------------------- issue 34: a second blind learner
+
+
+def _notebook():
+    from notebooks import read, solution_path
+
+    return read(solution_path("03_kv_cache"))
+
+
+def test_a_ring_that_offsets_by_seq_len_is_named_by_q_offset():
+    """attend with q_offset = seq_len (positions seen) instead of the positions held: right until the ring is
+    full, then causal_attention's ValueError. The hidden check and the visible tests both fail with a message
+    naming q_offset, not with the ValueError from inside causal_attention."""
+    from notebooks import run_visible
+
+    with pytest.raises(AssertionError, match=r"attention got 9 keys for 4 queries at offset 7\. If causal_attention "
+                                             r"raised it, check attend's q_offset.*min\(S, W\) = 5 here, not seq_len"):
+        checks.check_sliding_window_kv_cache(buggy.RingOffsetCountsSeen)
+    nb = _notebook()
+    assert run_visible(nb, "test_SlidingWindowKVCache", "SlidingWindowKVCache", SlidingWindowKVCache) is None
+    failure = run_visible(nb, "test_SlidingWindowKVCache", "SlidingWindowKVCache", buggy.RingOffsetCountsSeen)
+    assert isinstance(failure, AssertionError), repr(failure)
+    assert "q_offset is how many those are (4 held), not seq_len (5 positions seen)" in str(failure), failure
+
+
+def _seed_model_parameters(vocab=96, width=96, layers=4, context=512) -> int:
+    """The seed's numpy model (4 layers, width 96, 4 heads, 96 characters, 512 positions): learned token and
+    position embeddings, pre-LN blocks (two LayerNorms with weight and bias), attention without biases, a GELU
+    MLP of 4 x width with biases, a final LayerNorm and an untied output matrix without bias."""
+    block = 2 * 2 * width + 4 * width * width + (width * 4 * width + 4 * width) + (4 * width * width + width)
+    return vocab * width + context * width + layers * block + 2 * width + width * vocab
+
+
+def test_the_notebooks_figures_are_computed():
+    """SmolLM2 against the seed model: both counts computed (the seed prints 513,600 for its model), their ratio
+    as the text states it; the seed's GPT-3 figures, 9.6 GB x 32 = 307 GB, said to be rounded (309 GB unrounded)."""
+    import re
+
+    from decodelab.lessons.kv_size import parameter_count
+
+    seed, smollm2 = _seed_model_parameters(), parameter_count("SmolLM2-135M")
+    assert seed == 513_600 and smollm2 == 134_515_008
+    text = "\n".join(c.source for c in _notebook().cells if c.cell_type == "markdown")
+    stated = re.search(r"SmolLM2's ([\d.]+) million parameters are about (\d+) times the seed model's ([\d,]+)", text)
+    assert stated, "03 no longer states SmolLM2's size against the seed model's"
+    assert float(stated.group(1)) == round(smollm2 / 1e6, 1) and int(stated.group(3).replace(",", "")) == seed
+    assert int(stated.group(2)) == round(smollm2 / seed), (stated.group(0), smollm2 / seed)
+    request = kv_bytes("GPT-3-175B", 2048, 1, "fp16")
+    assert round(request / 1e9, 2) == 9.66 and round(32 * request / 1e9) == 309 and round(9.6 * 32) == 307
+    assert re.search(r"9\.6 GB × 32 ≈ 307 GB for a\s+batch of 32 \(a rounded figure:.*?32\s+take 309 GB\)", text, re.DOTALL)

@@ -12,10 +12,8 @@ Notebooks run with nbclient in a temporary copy, in their own folder, with DECOD
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
-import io
 import json
 import os
 import re
@@ -23,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import nbformat
@@ -31,7 +28,7 @@ import pytest
 
 from notebooks import (COURSE, READY, REFERENCES, ROOT, SOLUTIONS, errors, execute, exercise_test_ids,
                        grade_id, graded_cells, hidden_calls, kernel_env, prediction_test_ids, read, release_path,
-                       solution_path, stderr_outputs, visible_part)
+                       run_visible, solution_path, stderr_outputs)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TIMINGS: dict[str, float] = {}
@@ -123,6 +120,43 @@ def test_conventions(name):
         assert not mangled, f"{name}: cell {cell.get('id')} holds control characters {mangled} (a lost backslash?)"
 
 
+# Notebooks whose exercise docstrings do not yet name every error their solution raises (issue 34 item 6
+# fixed 02, 03 and 06); each leaves this set when its docstrings do.
+DOCSTRING_ERRORS_PENDING = {"04_prefill_decode", "07_paged_kv", "09_speculative_decoding", "11_tiled_attention"}
+
+
+def _unnamed_errors(nb) -> list[str]:
+    """`ex_` cell function (or method) -> an exception its solution raises (`raise ValueError(...)`) that its
+    docstring does not name; a method without a docstring (an `__init__`) answers through its class's."""
+    import ast
+
+    found = []
+    for cell in nb.cells:
+        if not (grade_id(cell) or "").startswith("ex_"):
+            continue
+        tree = ast.parse("\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith("%")))
+        owners = {id(f): node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for f in node.body}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            raised = {r.exc.func.id for r in ast.walk(node) if isinstance(r, ast.Raise) and isinstance(r.exc, ast.Call)
+                      and isinstance(r.exc.func, ast.Name)} - {"NotImplementedError"}
+            doc = ast.get_docstring(node) or (ast.get_docstring(owners[id(node)]) if id(node) in owners else "") or ""
+            found += [f"{grade_id(cell)}: {node.name} raises {error}" for error in sorted(raised) if error not in doc]
+    return found
+
+
+@pytest.mark.parametrize("name", READY)
+def test_docstrings_name_the_errors_they_raise(name):
+    """An exercise's docstring is its contract: the errors its solution raises are in it (the markdown asks for
+    them, and the learner writes the function from the docstring)."""
+    unnamed = _unnamed_errors(read(solution_path(name)))
+    if name in DOCSTRING_ERRORS_PENDING:
+        assert unnamed, f"{name}'s docstrings name their errors: remove it from DOCSTRING_ERRORS_PENDING"
+        return
+    assert not unnamed, f"{name}: docstrings that do not name an error raised: {unnamed}"
+
+
 def test_learning_support_pending_is_honest():
     """A notebook that has its predictions and reading leaves the pending set (so the rule binds it)."""
     for name in sorted(LEARNING_SUPPORT_PENDING & set(READY)):
@@ -190,8 +224,9 @@ def test_release_in_sync(tmp_path):
 # --------------------------------------------------------------------------- visible tests vs bugs
 
 
-def _fixture_bugs() -> dict[str, list[tuple[str, object]]]:
-    """check name (e.g. check_top_k_filter) -> [(bug name, function)] from tests/fixtures/buggy_*.py."""
+def _fixture_bugs(table: str = "BUGS") -> dict[str, list[tuple[str, object]]]:
+    """check name (e.g. check_top_k_filter) -> [(bug name, function)] from tests/fixtures/buggy_*.py; with
+    table="ACCEPTED", their right answers written another way instead (which every check and visible test passes)."""
     bugs: dict[str, list] = {}
     for path in sorted(FIXTURES.glob("buggy_*.py")):
         spec = importlib.util.spec_from_file_location(f"decodelab_fixture_{path.stem}", path)
@@ -200,7 +235,7 @@ def _fixture_bugs() -> dict[str, list[tuple[str, object]]]:
             spec.loader.exec_module(module)
         except Exception:  # noqa: BLE001 - a fixture of a module still being written
             continue
-        for bug, (fn, check_name, _what) in getattr(module, "BUGS", {}).items():
+        for bug, (fn, check_name, _what) in getattr(module, table, {}).items():
             bugs.setdefault(check_name, []).append((bug, fn))
     return bugs
 
@@ -210,35 +245,35 @@ def _reference(function: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def _run_visible(nb, gid: str, function: str, fn) -> Exception | None:
-    """Run the visible part of a test cell with `function` bound to fn, in a namespace made by the
-    notebook's first code cell (its imports); returns the exception it raised, if any."""
-    setup = next(c.source for c in nb.cells if c.cell_type == "code")
-    cell = next(c for c in nb.cells if grade_id(c) == gid)
-    namespace = {"__name__": "__visible_test__"}
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        exec(compile(setup, "<setup cell>", "exec"), namespace)  # noqa: S102 - our own notebook
-        namespace[function] = fn
-        try:
-            exec(compile(visible_part(cell.source), f"<{gid}>", "exec"), namespace)  # noqa: S102
-        except Exception as exc:  # noqa: BLE001
-            return exc
-    return None
-
-
 @pytest.mark.parametrize("name", READY)
 def test_visible_tests_pass_on_reference_and_catch_bugs(name):
     nb = read(solution_path(name))
     bugs = _fixture_bugs()
     for gid in sorted(exercise_test_ids(nb)):
         function = gid.removeprefix("test_")
-        failure = _run_visible(nb, gid, function, _reference(function))
+        failure = run_visible(nb, gid, function, _reference(function))
         assert failure is None, f"{name}/{gid}: the visible tests fail on the library's reference: {failure!r}"
         check = hidden_calls(graded_cells(nb)[gid].source)[0][0].rpartition(".")[2]
         candidates = bugs.get(check, [])
         assert candidates, f"{name}/{gid}: no kept bug for {check} in tests/fixtures/buggy_*.py"
-        caught = [bug for bug, fn in candidates if isinstance(_run_visible(nb, gid, function, fn), AssertionError)]
+        caught = [bug for bug, fn in candidates if isinstance(run_visible(nb, gid, function, fn), AssertionError)]
         assert caught, f"{name}/{gid}: the visible tests catch none of {[b for b, _ in candidates]}"
+
+
+@pytest.mark.parametrize("name", READY)
+def test_visible_and_hidden_tests_pass_the_accepted_answers(name):
+    """A right answer written another way (a fixture's ACCEPTED, e.g. issue 34's int4 forward that keeps two
+    groups alive) passes its exercise's visible tests and its hidden check."""
+    from autograder.run import _run
+
+    nb = read(solution_path(name))
+    accepted = _fixture_bugs("ACCEPTED")
+    for gid in sorted(exercise_test_ids(nb)):
+        function, check = gid.removeprefix("test_"), hidden_calls(graded_cells(nb)[gid].source)[0][0]
+        for answer, fn in accepted.get(check.rpartition(".")[2], []):
+            failure = run_visible(nb, gid, function, fn)
+            assert failure is None, f"{name}/{gid}: the visible tests reject the accepted {answer}: {failure!r}"
+            assert _run(check, fn) is None, f"{name}/{gid}: {check} rejects the accepted {answer}: {_run(check, fn)}"
 
 
 # --------------------------------------------------------------------------- executions (slow)
@@ -259,15 +294,21 @@ def test_solution_runs_clean(name, autograded_solution):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", READY)
 def test_release_fails_exactly_on_exercise_tests(name):
+    """Only the exercise tests fail in the release; an unanswered prediction (`q_<name> = None`) says so
+    in its graded cell and lets Run All go on (its hidden check, back when graded, scores it 0)."""
     started = time.perf_counter()
     nb = execute(release_path(name))
     _timed(f"{name}: release run", started)
     failed = {e.label for e in errors(nb)}
-    expected = exercise_test_ids(nb) | prediction_test_ids(nb)
+    expected = exercise_test_ids(nb)
     assert failed == expected, (
-        f"course/{name}: expected exactly the exercise and prediction tests to fail.\n"
+        f"course/{name}: expected exactly the exercise tests to fail (not the unanswered predictions).\n"
         f"  unexpected failures: {sorted(failed - expected)}\n  tests that passed on a stub: {sorted(expected - failed)}\n"
         f"  errors:\n  {_report(errors(nb))}")
+    for cell in nb.cells:
+        if grade_id(cell) in prediction_test_ids(nb):
+            shown = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("name") == "stdout")
+            assert "is unanswered (still None)" in shown, f"course/{name}/{grade_id(cell)} printed {shown!r}"
     stub_failures = [e for e in errors(nb) if e.ename != "NotImplementedError"]
     assert not stub_failures, f"course/{name}: exercise tests should fail on the stub itself:\n  {_report(stub_failures)}"
     assert not stderr_outputs(nb), f"course/{name}: output on stderr:\n  {_report(stderr_outputs(nb))}"

@@ -74,7 +74,8 @@ def test_messages_name_the_case():
 
 LAYER_MESSAGES = {
     "int8_linear_scale_per_input": r"weight_scale has shape \(1, 256\).*expected float32 \(1024, 1\): one scale per output row",
-    "int8_linear_dequantizes_whole": r"took \d\.\d\d MiB at once .* at most half of it",
+    "int8_linear_dequantizes_whole": r"took 2,097,152 bytes at once .* at most 524,288 bytes, half of a float32 copy "
+                                     r"of the weight \(1,048,576 bytes\)",
     "int8_linear_scale_twice": "multiplied by its row's scale twice",
     "int8_linear_no_bias": "misses exactly the bias",
     "int8_linear_truncates": "truncates toward zero",
@@ -83,7 +84,10 @@ LAYER_MESSAGES = {
     "int4_linear_nibbles_swapped": r"unpack_group\(0\): expected the levels \[8, 32\] of inputs 0..31",
     "int4_linear_unsigned": r"two's complement: 0x8..0xF are -8..-1",
     "int4_linear_first_group_scale": "scaled by group 0's scale",
-    "int4_linear_dequantizes_whole": r"took \d\.\d\d MiB at once .* at most a quarter of it",
+    "int4_linear_dequantizes_whole": r"took [\d,]+ bytes at once .* at most 851,968 bytes, what unpacking one group "
+                                     r"of 32 inputs at a time needs: 6 groups of levels \[1024, 32\] in float32",
+    "int4_linear_unpacks_whole": r"took 4,194,304 bytes at once .* at most 851,968 bytes.* an int8 copy of the whole "
+                                 r"weight is 2,097,152 bytes",
     "replace_linears_lm_head_too": "the lm_head was replaced too",
     "replace_linears_children_only": "make_linear was called 0 times",
     "replace_linears_first_layer": r"make_linear was called 7 times .* expected once for each of the 14",
@@ -134,8 +138,33 @@ def test_the_int4_bound_and_the_memory_check_are_tight_enough():
     _, scale = checks._int4_grid(linear.weight.detach(), 64)
     bound = x.double().abs().reshape(64, 8, 64).sum(-1) @ (scale / 2).T
     assert 0.05 < float((err / bound).max()) <= 1
-    _, seen = measure_module_memory(layer, x[:4])
-    assert seen.peak_bytes <= 4 * 1024 * 512 / 5  # one group: its int8 nibbles, its levels [1024, 64] in float, the output
+    wide = Int4Linear.from_linear(checks._linear(2048, 1024, seed=35), 32)  # the memory check's layer: 64 groups a row
+    allowed = checks._int4_forward_allowance(1024, 32, 4)
+    assert allowed == 6 * 1024 * 32 * 4 + 4 * 4 * 1024 * 4
+    _, seen = measure_module_memory(wide, torch.randn(4, 2048))
+    assert seen.peak_bytes <= allowed / 4  # the reference: one group's int8 nibbles, its levels in float, the output
+    assert 1024 * 2048 >= 2 * allowed  # an int8 copy of the whole weight alone is over twice the allowance
+
+
+@pytest.mark.parametrize("answer", sorted(buggy.ACCEPTED))
+def test_accepted_answers_pass(answer):
+    """Right answers written another way (issue 34: a forward that keeps the previous group's float levels in its
+    loop variable, so two groups are alive at once, was rejected by the memory checks) pass the hidden check;
+    tests/test_notebooks.py runs the notebook's visible tests on them too."""
+    cls, check_name, _ = buggy.ACCEPTED[answer]
+    getattr(checks, check_name)(cls)
+
+
+def test_the_layer_memory_messages_print_their_limits():
+    """The visible tests print the limit itself (issue 34 item 2: the int8 message printed the whole float copy's
+    1,048,576 bytes beside "at most half"), and what the int4 limit is made of."""
+    from notebooks import read, run_visible, solution_path
+
+    nb = read(solution_path("06_quantization"))
+    failure = str(run_visible(nb, "test_Int8Linear", "Int8Linear", buggy.Int8LinearDequantizesWhole))
+    assert "it may hold at most 524,288, half of a float32 copy of the weight (1,048,576)" in failure, failure
+    failure = str(run_visible(nb, "test_Int4Linear", "Int4Linear", buggy.Int4LinearUnpacksWhole))
+    assert "needs at most 1,687,552: six groups of levels [1024, 64] in float32 (two alive at once" in failure, failure
 
 
 def _notebook_visible_tests():

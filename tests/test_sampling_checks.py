@@ -116,3 +116,65 @@ def test_tolerance_is_derived_from_n_draws():
     from statistics import NormalDist
 
     assert 2 * 8 * (1 - NormalDist().cdf(z8)) == pytest.approx(checks.ALPHA, rel=1e-6)
+
+
+# --------------------------------------------------------------------------- issue 34: a second blind learner
+
+
+def _notebook():
+    from notebooks import read, solution_path
+
+    return read(solution_path("02_sampling"))
+
+
+def test_only_the_first_b_candidates_may_finish():
+    """Dropping the rule "only candidates ranked among the first B may finish", which the text states, fails
+    the hidden check and the visible tests, and the visible message names the rule."""
+    from notebooks import run_visible
+
+    with pytest.raises(AssertionError, match=r"(?s)'print\(', num_beams=2.*only the first num_beams may finish"):
+        checks.check_beam_search(buggy.beam_any_rank_finishes)
+    nb = _notebook()
+    assert run_visible(nb, "test_beam_search", "beam_search", beam_search) is None
+    failure = run_visible(nb, "test_beam_search", "beam_search", buggy.beam_any_rank_finishes)
+    assert isinstance(failure, AssertionError) and "Only a candidate ranked among the first num_beams" in str(failure), \
+        failure
+
+
+def test_reproducibility_failures_name_the_first_difference():
+    """Two runs of a sampler that ignores its generator: the visible test and the hidden check say where
+    the draws first differ, not two identical descriptions of [500] tensors."""
+    from notebooks import run_visible
+
+    with pytest.raises(AssertionError, match=r"differ, the first at row \d+: \d, then \d\)"):
+        checks.check_sample(buggy.sample_ignores_generator)
+
+    def same_seed_differs(logits, params, generator=None):  # right draws, except that a second call moves on
+        same_seed_differs.calls += 1
+        ids = sampling.sample(logits, params, generator)
+        if logits.shape[0] == 500 and same_seed_differs.calls % 2 == 0:
+            ids[123] = (ids[123] + 1) % logits.shape[-1]
+        return ids
+
+    same_seed_differs.calls = 0
+    failure = run_visible(_notebook(), "test_sample", "sample", same_seed_differs)
+    assert isinstance(failure, AssertionError), failure
+    assert "seeded 42" in str(failure) and "first differ at index 123" in str(failure), failure
+
+
+def test_the_penalty_text_credits_the_sign_aware_rule_rightly():
+    """CTRL (Keskar et al. 2019) divides every seen token's logit by theta whatever its sign; dividing a positive
+    logit and multiplying a negative one is Hugging Face's RepetitionPenaltyLogitsProcessor and vLLM's. The
+    notebook says so where it teaches the rule, in the docstring and in its further reading."""
+    nb = _notebook()
+    section = next(c.source for c in nb.cells if c.cell_type == "markdown" and "## 4. The repetition penalty" in c.source)
+    assert "CTRL paper's repetition penalty" not in section
+    assert "whatever its sign" in section and "Hugging Face" in section and "vLLM" in section
+    exercise = next(c.source for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id")
+                    == "ex_apply_repetition_penalty")
+    assert "CTRL's rule" not in exercise
+    reading = next(c.source for c in nb.cells if c.cell_type == "markdown" and "## Further reading" in c.source)
+    assert "and why it divides the logits" not in reading
+    # the kept bug that divides negative logits too is CTRL's own formula, and the check names the sign-aware rule
+    with pytest.raises(AssertionError, match="sign"):
+        checks.check_repetition_penalty(buggy.repetition_always_divides)

@@ -28,7 +28,7 @@ import math
 import torch
 
 from autograder.checks.answers import expect_answer
-from autograder.checks.calling import call, expect_raises
+from autograder.checks.calling import call, expect_raises, failure
 from decodelab.course.checking import describe, expect_int
 from decodelab.config import ModelConfig
 from decodelab.model.kv_cache import KVCache as _ReferenceCache
@@ -378,6 +378,23 @@ def _ring_same(got, rows: torch.Tensor, first: int, end: int, what: str, why: st
         raise AssertionError(f"{what}: expected {why}; the rows held, in order: {', '.join(held)}")
 
 
+def _ring_call(what: str, start: int, window: int, fn, *args, **kwargs):
+    """`call` for a step of the ring (attend, or the model through it) whose chunk starts at position `start`:
+    once the ring is full (start > W) it holds fewer positions than it has seen, and a ValueError there, such as
+    causal_attention's "attention got ... keys for ... queries at offset ...", is named by its usual cause."""
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as exc:
+        if start <= window:
+            raise failure(what, exc) from None
+        raise AssertionError(
+            f"{what} raised ValueError: {exc}. If causal_attention raised it, check attend's q_offset: the queries "
+            f"come right after the keys append returned before the new rows, so q_offset is how many those are, "
+            f"min(S, W) = {window} here, not seq_len (the {start} positions seen)") from None
+    except Exception as exc:  # noqa: BLE001 - any other exception of the code under test fails the check
+        raise failure(what, exc) from None
+
+
 @torch.no_grad()
 def _ring_attention(cls, window: int, chunks: list[int]) -> None:
     """attend chunk by chunk equals causal_attention with the window over the full K/V."""
@@ -395,7 +412,8 @@ def _ring_attention(cls, window: int, chunks: list[int]) -> None:
         for layer in range(2):
             what = (f"{made}: attend(layer={layer}, queries and K/V of positions {start}..{end - 1}) in chunks of "
                     f"{chunks} positions")
-            got = call(what, cache.attend, layer, q[:, :, start:end], k[:, :, start:end], v[:, :, start:end])
+            got = _ring_call(what, start, window, cache.attend, layer, q[:, :, start:end], k[:, :, start:end],
+                             v[:, :, start:end])
             want = expected[:, :, start:end]
             if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
                 raise AssertionError(f"{what}: expected a tensor of shape {list(want.shape)}, got {describe(got)}")
@@ -428,8 +446,8 @@ def _ring_in_model(cls, seed: int, window: int, chunks: list[int], window_argume
     for t in chunks:
         pieces.append((start, start + t))
         start += t
-    got = torch.cat([call(f"model(tokens {s}..{e - 1}, kv_cache=your cache) on {label}", model, ids[:, s:e],
-                          kv_cache=cache) for s, e in pieces], 1)
+    got = torch.cat([_ring_call(f"model(tokens {s}..{e - 1}, kv_cache=your cache) on {label}", s, window, model,
+                                ids[:, s:e], kv_cache=cache) for s, e in pieces], 1)
     err = (got - full).abs().amax(dim=(0, 2))
     if not err.max().item() < 1e-9:
         bad = [i for i in range(total) if err[i] >= 1e-9]

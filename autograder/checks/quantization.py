@@ -25,7 +25,12 @@ sum_i x_i q_oi s_o from the levels, so |y_o - y_float_o| = |sum_i x_i (W_oi - q_
 layer under test). Float32 sums of n products add at most n eps sum_i |x_i W_oi| (the worst case of
 recursive summation), which the check allows on top. Memory is measured with
 `decodelab.lessons.tiled_attention.measure_module_memory` (`measure_tensor_memory`, the layer's own
-buffers counted as already there): the forward may not hold half a float copy of the weight.
+buffers counted as already there): the int8 forward may not hold half a float32 copy of the weight. The int4
+forward is bounded by what its method needs, in units of one group's levels [out, g] in float32: six of them,
+two alive at once (the group it multiplies and the previous one, until the loop rebinds the name: a correct
+answer) and room to unpack and convert a group (int8, int16 or int32 steps, a dequantized copy), plus four
+[N, out] float32 results; measured on a weight of 64 groups a row, where an int8 copy of the whole weight alone
+is 16 such groups.
 
 The answers of the notebook's predictions (``check_q_*``) are the library's quantizers applied to the
 question's numbers: there the library is the measuring instrument, not the thing under test.
@@ -348,21 +353,21 @@ def _forward_memory(layer, what: str, in_features: int, seed: int):
     return call(what, measure_module_memory, layer, x)
 
 
-def _expect_peak(what: str, seen, weight_bytes: int, divisor: int, share: str, advice: str) -> None:
-    """The forward's new tensors held at most weight_bytes // divisor at once (`share` of a float32
-    copy of the weight), else AssertionError with the measurement and `advice`."""
-    if seen.peak_bytes > weight_bytes // divisor:
+def _expect_peak(what: str, seen, limit: int, allowance: str, advice: str) -> None:
+    """The forward's new tensors held at most `limit` bytes at once (`allowance` says what that is), else
+    AssertionError with the measurement, the limit itself and `advice`."""
+    if seen.peak_bytes > limit:
         raise AssertionError(
-            f"{what}: the tensors the forward created took {seen.peak_bytes / MiB:.2f} MiB at once (largest "
-            f"{list(seen.largest_shape)}); a float32 copy of the weight is {weight_bytes / MiB:.2f} MiB and the "
-            f"forward may hold at most {share} of it. {advice}")
+            f"{what}: the tensors the forward created took {seen.peak_bytes:,} bytes at once (largest "
+            f"{list(seen.largest_shape)}); the forward may hold at most {limit:,} bytes, {allowance}. {advice}")
 
 
 def _check_memory(layer, name: str) -> None:
     out_features, in_features = layer.weight_q.shape
     what = f"{name}(x [4, {in_features}]) with weights [{out_features}, {in_features}]"
     _, seen = _forward_memory(layer, what, in_features, seed=8)
-    _expect_peak(what, seen, 4 * out_features * in_features, 2, "half",
+    weight = 4 * out_features * in_features
+    _expect_peak(what, seen, weight // 2, f"half of a float32 copy of the weight ({weight:,} bytes)",
                  f"Convert the levels to x's dtype one block of {getattr(layer, 'block_rows', 128)} output rows at a "
                  "time (weight_q[start:end].to(x.dtype)) and scale the output, instead of dequantizing (or converting) "
                  "the whole weight_q")
@@ -550,11 +555,30 @@ def _check_int4_forward(layer, linear: nn.Linear, group_size: int, name: str) ->
         f"{(got.double() - want).abs().max().item():.3g}, more than float32 rounding ({tol.item():.3g}).{hint}")
 
 
-def _check_int4_memory(layer, name: str) -> None:
-    out_features, in_features = layer.out_features, layer.in_features
-    what = f"{name}(x [4, {in_features}]) with weights [{out_features}, {in_features}] in groups of {layer.group_size}"
+INT4_MEMORY_GROUPS = 6  # groups of levels [out, g] in float32 an int4 forward may hold at once (module docstring)
+
+
+def _int4_forward_allowance(out_features: int, group_size: int, rows: int) -> int:
+    """Bytes of new tensors a forward that unpacks and converts one group of inputs at a time may hold at once,
+    x of `rows` rows: six groups of levels [out, g] in float32 (two alive at once, the one it multiplies and the
+    previous one until the loop rebinds its name, and room to unpack and convert a group), and four [rows, out]
+    float32 results."""
+    return INT4_MEMORY_GROUPS * out_features * group_size * 4 + 4 * rows * out_features * 4
+
+
+def _check_int4_memory(cls, name: str) -> None:
+    """A forward through a layer of 64 groups of 32 a row holds at most `_int4_forward_allowance`."""
+    out_features, in_features, group_size = 1024, 2048, 32
+    made = f"{name}.from_linear(nn.Linear({in_features}, {out_features}), {group_size})"
+    layer = call(made, cls.from_linear, _linear(in_features, out_features, seed=35), group_size)
+    what = f"{name}(x [4, {in_features}]) with weights [{out_features}, {in_features}] in groups of {group_size}"
     _, seen = _forward_memory(layer, what, in_features, seed=18)
-    _expect_peak(what, seen, 4 * out_features * in_features, 4, "a quarter",
+    _expect_peak(what, seen, _int4_forward_allowance(out_features, group_size, 4),
+                 f"what unpacking one group of {group_size} inputs at a time needs: {INT4_MEMORY_GROUPS} groups of "
+                 f"levels [{out_features}, {group_size}] in float32 (two alive at once, the one it multiplies and the "
+                 f"previous one until the loop rebinds its name: that is fine; and room to unpack and convert a group) "
+                 f"and four [4, {out_features}] float32 results; an int8 copy of the whole weight is "
+                 f"{out_features * in_features:,} bytes, a float32 one {4 * out_features * in_features:,}",
                  "Unpack and convert one group of inputs at a time (unpack_group(k)), instead of unpacking or "
                  "dequantizing the whole weight_q")
 
@@ -627,7 +651,7 @@ def check_int4_linear(cls) -> None:
         layer = _check_int4_stored(cls, linear, group_size, name)
         _check_int4_forward(layer, linear, group_size, name)
         _check_int4_bfloat16(layer, linear, group_size, name)
-    _check_int4_memory(layer, name)
+    _check_int4_memory(cls, name)
     _check_int4_models(cls, name)
 
 

@@ -452,12 +452,14 @@ def check_top_p_filter(fn) -> None:
 
 
 def check_repetition_penalty(fn) -> None:
-    """fn(logits [..., V], token_ids [..., n], penalty): CTRL's rule once per distinct id."""
+    """fn(logits [..., V], token_ids [..., n], penalty): the sign-aware repetition penalty (Hugging Face's and
+    vLLM's: a positive logit divided, a negative one multiplied) once per distinct id."""
     hf = _load_hf()
     once = "each distinct id is penalized once, however often it occurs"
     cases = [
         ([2.0, -2.0, 0.5, 1.0, 0.0], [0, 0, 1, 1, 1, 4], 2.0,
-         f"positive logits are divided by the penalty, negative ones multiplied; {once}"),
+         (f"positive logits are divided by the penalty, negative ones multiplied (the sign-aware rule of Hugging "
+          f"Face and vLLM: dividing a negative logit, as the CTRL paper's formula does, would raise it); {once}")),
         ([2.0, -2.0, 0.5, 1.0, 0.0], [0, 0, 1, 1, 1, 4], 0.5, f"penalty < 1 rewards repeats; {once}"),
         ([2.0, -2.0, 0.5], [2, 1, 2], 1.0, "penalty 1 changes nothing"),
         ([2.0, -2.0, 0.5], [], 3.0, "no history: nothing changes"),
@@ -488,7 +490,7 @@ def check_repetition_penalty(fn) -> None:
             expected = _hf_apply(hf.repetition(float(penalty)), x, token_ids)
             source = "Hugging Face RepetitionPenaltyLogitsProcessor"
         else:
-            expected, source = _ref_repetition(x, token_ids, penalty), "CTRL's rule once per id"
+            expected, source = _ref_repetition(x, token_ids, penalty), "the sign-aware rule once per id"
         _compare(desc, x, expected, got, source=source, note=once)
     x, token_ids = torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0, 1])
     for penalty in (0.0, -1.0):
@@ -692,9 +694,10 @@ def check_sample(fn) -> None:
         torch.random.set_rng_state(state)
     first, again, other = (_check_ids(desc, v, batch.shape[:-1], x.shape[-1]) for v in (first, again, other))
     if not torch.equal(first, again):
-        n = int((first != again).sum())
+        n, row = int((first != again).sum()), int((first != again).nonzero()[0, 0])
         raise AssertionError(f"{desc}: two calls with generators seeded 1234 gave different ids ({n} of 2000 rows "
-                             "differ); draw every random number from the `generator` argument "
+                             f"differ, the first at row {row}: {int(first[row])}, then {int(again[row])}); draw every "
+                             "random number from the `generator` argument "
                              "(e.g. torch.multinomial(..., generator=generator))")
     if torch.equal(first, other):
         raise AssertionError(f"{desc}: generators seeded 1234 and 4321 gave exactly the same 2000 ids; "
@@ -740,6 +743,8 @@ BEAM_CASES = [
     ("class Stack:\n    def push(self, item):\n", 3, 12, " _", 1.0),
     ("def add(a, b):\n", 2, 16, "\n", 0.6),
     ("for i in range(", 4, 10, None, 2.0),
+    ("print(", 2, 12, ",", 1.0),  # 'x,' ends ranked 4th of 4 at step 2: if it finished, the search would stop there
+    ("return ", 2, 12, ",", 1.0),  # an EOS ranked 4th of 4 at step 5
 ]
 BEAM_SCORE_TOL = 1e-4  # float32 sums of up to 16 log-probabilities, the same model
 
@@ -788,8 +793,8 @@ def check_beam_search(fn) -> None:
             continue
         lines = [f"{desc}: wrong result.",
                  f"  expected ids {want_ids} = {tokenizer.decode(want_ids)!r}, score {want_score:.5f} (the library's beam "
-                 "search: the best 2 x num_beams candidates a step, hypotheses scored sum_logprob / "
-                 "len(new ids) ** length_penalty, stop once num_beams are finished)",
+                 "search: the best 2 x num_beams candidates a step, of which only the first num_beams may finish, "
+                 "hypotheses scored sum_logprob / len(new ids) ** length_penalty, stop once num_beams are finished)",
                  f"  got      ids {ids} = {tokenizer.decode([i for i in ids if 0 <= i < model.config.vocab_size])!r}, "
                  f"score {score:.5f}"]
         if ids and all(0 <= i < model.config.vocab_size for i in ids):

@@ -42,7 +42,24 @@ def expect_equal(got, expected, what: str) -> None:
     else:
         same = got == expected
     if not same:
-        raise AssertionError(f"{what}: expected {describe(expected)}, got {describe(got)}")
+        raise AssertionError(f"{what}: expected {describe(expected)}, got {describe(got)}{_first_difference(got, expected)}")
+
+
+def _first_difference(got, expected, max_items: int = 12) -> str:
+    """For two tensors of one shape too long to print: where they first differ, and how often."""
+    if not (isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor)) or got.shape != expected.shape \
+            or expected.numel() <= max_items:
+        return ""
+    g, e = got.detach().cpu(), expected.detach().cpu()
+    differ = g != e
+    if g.is_floating_point() or e.is_floating_point():
+        differ &= ~(torch.isnan(g.double()) & torch.isnan(e.double()))
+    if not differ.any():
+        return f" (the same values, but dtype {got.dtype} where {expected.dtype} was expected)"
+    index = tuple(int(i) for i in differ.nonzero()[0])
+    at = index[0] if len(index) == 1 else index
+    return (f"; they first differ at index {at}: expected {describe(e[index].item())}, got {describe(g[index].item())} "
+            f"({int(differ.sum()):,} of {differ.numel():,} entries differ)")
 
 
 def expect_close(got, expected, what: str, atol: float = 1e-6, rtol: float = 1e-5) -> None:

@@ -11,7 +11,11 @@ A graded prediction is a pair of nbgrader cells (tests/notebooks.py has the conv
     ### BEGIN HIDDEN TESTS  (the answer, with a stated tolerance: autograder/checks/<topic>.py)
 
 `expect_prediction` only checks that a number was written: the answer itself is graded when the
-notebook is submitted, and the experiment below the question shows it. After the experiment,
+notebook is submitted, and the experiment below the question shows it. A prediction still at None
+is *unanswered*: the visible part says so and returns, so that Run All goes on to the experiment
+(nbgrader's Validate lists it as passing); the graded outcome is still 0, because the cell's
+hidden block, `hidden("<topic>.check_q_<name>", None)`, fails (`expect_answer` rejects None), and
+a graded cell scores 0 when it raises. After the experiment,
 `show_beside` puts the prediction next to what was measured. A machine-dependent question
 (how much faster is the cache *on this machine*?) is asked in a plain cell and never graded: it
 goes through `show_beside` only.
@@ -31,12 +35,14 @@ def _is_number(value) -> bool:
 def expect_prediction(value, name: str, unit: str = "") -> None:
     """The visible part of a prediction's graded cell: a finite number was written.
 
-    Raises NotImplementedError while `value` is still None (the released cell), AssertionError
-    for anything that is not a finite real number; prints the prediction otherwise.
+    While `value` is still None (the released cell) it prints that the prediction is unanswered and
+    returns, so that the notebook runs on (the hidden check grades None 0); AssertionError for
+    anything else that is not a finite real number; prints the prediction otherwise.
     """
     if value is None:
-        raise NotImplementedError(f"{name} is still None: write your prediction (a number) in the cell above, "
-                                  f"run it, then run this cell")
+        print(f"{name} is unanswered (still None): write your prediction (a number) in the cell above and run it, "
+              "then this cell. Unanswered, it scores 0 when the notebook is graded; the notebook goes on.")
+        return
     if not _is_number(value):
         raise AssertionError(f"{name} must be a finite number{f' (in {unit})' if unit else ''}, "
                              f"got {type(value).__name__} {value!r}")

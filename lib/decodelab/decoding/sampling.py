@@ -49,8 +49,9 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, token_ids: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL's rule for every distinct id in token_ids [..., n] (prompt + output so far):
-    a positive logit is divided by `penalty`, a negative one multiplied, once per id.
+    """The sign-aware repetition penalty (Hugging Face's and vLLM's; CTRL divides every logit) for every
+    distinct id in token_ids [..., n] (prompt + output so far): a positive logit is divided by `penalty`,
+    a negative one multiplied, once per id.
     penalty > 0; 1 leaves logits unchanged."""
     if not penalty > 0:
         raise ValueError(f"repetition penalty must be > 0, got {penalty}")

@@ -70,6 +70,7 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
     A row of small weights no longer shares its scale with the largest row of the matrix,
     so |w[i] - q[i] * scale[i]| <= scale[i] / 2 = max|w[i]| / 254 for every row i.
+    Raises ValueError unless w is 2-D.
     """
     if w.dim() != 2:
         raise ValueError(f"per-channel quantization needs a weight [out, in], got shape {tuple(w.shape)}")
@@ -92,6 +93,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
     Each value is stored as its 4-bit two's complement (-1 -> 0b1111). Column 2j (even)
     goes in the low nibble (bits 0-3) of byte j, column 2j + 1 (odd) in the high nibble.
+    Raises ValueError for an odd n.
     """
     if q.shape[-1] % 2:
         raise ValueError(f"int4 packing needs an even number of columns, got {q.shape[-1]}")
@@ -129,6 +131,7 @@ def quantize_int4_groupwise(w: torch.Tensor, group_size: int = 64) -> tuple[torc
     Symmetric, no zero-point: each run of `group_size` inputs in a row gets
     scale = max|w_group| / 7 and levels q = round(w / scale) in [-7, 7], so
     |w - q * scale| <= scale / 2. Packing as in `pack_int4` (even column in the low nibble).
+    Raises ValueError unless group_size is one of GROUP_SIZES (32, 64, 128) and divides in.
     """
     if w.dim() != 2:
         raise ValueError(f"int4 quantization needs a weight [out, in], got shape {tuple(w.shape)}")
