@@ -8,7 +8,8 @@ nbgrader runs in a throw-away course folder (its own gradebook), with the reposi
 nbgrader_config.py: solution regions become the `raise NotImplementedError(...)` stub, hidden
 tests and outputs are removed, test cells are locked and checksummed. A prediction's answer cell
 (``q_<name>``, see decodelab.course.predictions) gets ``q_<name> = None`` instead of the stub, so
-that the release runs past it and only the prediction's graded cell fails. Each released notebook
+that the release runs past it; its graded cell prints that the prediction is unanswered (and the
+grader, whose hidden block fails on None, scores it 0). Each released notebook
 then records the version of `decodelab` it was made for, in its metadata:
 ``{"decodelab": {"version": "0.2.0"}}`` (`decodelab.__version__`); the class grader notes a
 submission whose recorded version differs from the one grading it.
