@@ -7,8 +7,10 @@
     dataclasses.replace(args, max_num_seqs=8)   # a variant, checked again
 
 The fields are `LLM`'s keyword arguments, with the same names and defaults. Creating one checks
-the values that need no model (`quantization`, `num_speculative_tokens`); the checks that need
-the model's shape (does `kv_cache_memory` hold one KV block?) run when the engine is built.
+the values that need no model (counts and sizes in range, switches True or False, `quantization`,
+`num_speculative_tokens`): a ValueError naming the value and its range. The checks that need the
+model (does `kv_cache_memory` hold one KV block? is `max_model_len` within the context? is the
+device there?) run when the engine is built.
 """
 from __future__ import annotations
 
@@ -85,10 +87,12 @@ class EngineArgs:
         if getattr(self.hooks, "linear", None) is not None and self.quantization is None:
             raise ValueError("EngineHooks(linear=...) builds the quantized linear layers, so it needs "
                              "quantization='int8' (or 'int4') as well")
-        check_int("max_num_seqs", self.max_num_seqs, 1)
-        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        if not isinstance(self.chunked_prefill, bool):
-            raise ValueError(f"chunked_prefill must be True or False, got {self.chunked_prefill!r}")
+        self._check_sizes()
+        for name in ("enable_prefix_caching", "mix_decode_with_prefill", "chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.prepack_weights is not None and not isinstance(self.prepack_weights, bool):
+            raise ValueError(f"prepack_weights must be None, True or False, got {self.prepack_weights!r}")
         if self.chunked_prefill:
             self._check_chunked_prefill()
         if getattr(self.hooks, "forward", None) is not None:
@@ -99,8 +103,19 @@ class EngineArgs:
                 raise ValueError("EngineHooks(forward=...) reads the weights by name, and prepack_weights=True "
                                  "repacks them: leave prepack_weights at None or False")
         # Only a speculating engine uses k, so only then is a bad one an error (as before EngineArgs).
-        if self.speculative_model is not None and self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.speculative_model is not None:
+            check_int("num_speculative_tokens", self.num_speculative_tokens, 1, allowed=">= 1")
+
+    def _check_sizes(self) -> None:
+        """Every count and size is an integer in range (kv_block_size 0 would divide by zero)."""
+        check_int("kv_block_size", self.kv_block_size, 1)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.num_kv_blocks is not None:
+            check_int("num_kv_blocks", self.num_kv_blocks, 1, allowed="an integer >= 1, or None (from kv_cache_memory)")
+        check_int("kv_cache_memory", self.kv_cache_memory, 1, allowed="a number of bytes >= 1 (an integer)")
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, 1, allowed="an integer >= 1, or None (the model's context)")
 
     def _check_chunked_prefill(self) -> None:
         if self.speculative_model is not None:

@@ -222,6 +222,19 @@ class BlockAllocator:
             self._share(block_id)
         return list(block_table)
 
+    def forget_uncomputed(self, block_table: list[int], num_computed: int) -> None:
+        """Drop the prefix-cache names of the blocks past a sequence's first num_computed tokens.
+
+        A block is named as soon as its tokens are known, when it is allocated, and its K/V is
+        written in the same step's forward pass. When that step is aborted (an exception, a
+        KeyboardInterrupt) the names would point a later prompt at rows never written; unnamed,
+        the blocks are plain free blocks once released."""
+        for block_id in block_table[num_computed // self.block_size:]:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+
     def free_sequence(self, block_table: list[int]) -> None:
         for block_id in reversed(block_table):  # the tail is evicted before the shared head
             self.release(block_id)

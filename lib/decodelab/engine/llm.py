@@ -37,7 +37,9 @@ Hooks — swap a learner's function in for one stage (each notebook's closing ce
 from __future__ import annotations
 
 import os
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -48,6 +50,7 @@ from decodelab.model.registry import load
 from decodelab.model.packed_linear import can_prepack, prepack_linear_layers, prepacked_copy
 from decodelab.engine.block_allocator import BlockAllocator, blocks_needed, slot_of
 from decodelab.engine.args import DEFAULT_KV_CACHE_BYTES, EngineArgs
+from decodelab.engine.inputs import as_prompt_list, checked_prompt, params_per_prompt
 from decodelab.engine.paged_attention import PagedBatch, PagedKVStore, SequenceSlice
 from decodelab.params import SamplingParams
 from decodelab.decoding.sampling import apply_repetition_penalty, sample
@@ -109,7 +112,8 @@ def engine_step(engine: "LLM") -> list[StreamEvent]:
        prompt, and it samples once the prompt is complete); after a prefill, start its n > 1 siblings
        (`engine.start_siblings(seq, row)`, which returns their first events); then choose a
        token (`engine.choose_token`) and append it (`engine.append_token`, which retires the
-       sequence when it stops).
+       sequence when it stops). The library does both in `engine.sample_and_append`, which also
+       retires a sequence whose sampling fails (finish_reason "error") while the others go on.
     """
     seqs, is_prefill = engine.scheduler.schedule()
     if not seqs:
@@ -124,16 +128,20 @@ def engine_step(engine: "LLM") -> list[StreamEvent]:
             continue
         if is_prefill:
             events += engine.start_siblings(seq, row)
-        events.append(engine.append_token(seq, engine.choose_token(seq, row)))
+        events += engine.sample_and_append(seq, row)
     return events
 
 
 @dataclass
 class CompletionOutput:
+    """One sample of a request: its text, its token ids, why it ended ("stop", "length" or "error"),
+    and for "error" what went wrong (`error`: its prompt was refused, or its sampling failed), else None."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length" or "error"
+    error: str | None = None
 
 
 @dataclass
@@ -143,7 +151,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
-    error: str | None = None
+    error: str | None = None  # why the prompt was refused (empty, too long, ids outside the vocabulary)
     metrics: dict = field(default_factory=dict)  # ttft_s, latency_s, preemptions
 
 
@@ -157,6 +165,14 @@ class StreamEvent:
 
 
 class LLM:
+    """The serving engine. Safe to share between threads: a lock lets one call at a time run
+    (`generate`, `chat`, `stream`, `add_request`, `step`); a second thread's call waits for it, then
+    runs its own requests, so each gets exactly the tokens it would get alone.
+
+    A call that raises part-way (a KeyboardInterrupt included) first aborts every request it
+    queued and frees their KV blocks (`abort_since`), so the engine is ready for the next call.
+    """
+
     def __init__(self, model="smollm2", device=None, dtype="float32", quantization=None, kv_block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, num_kv_blocks: int | None = None,
                  kv_cache_memory: int = DEFAULT_KV_CACHE_BYTES, enable_prefix_caching: bool = True,
@@ -181,6 +197,7 @@ class LLM:
         self._build_kv_cache(self.args)
         self._start_speculator(self.args)
         self._next_seq_id = 0
+        self._lock = threading.RLock()  # one call at a time; re-entrant: generate runs step
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "LLM":
@@ -211,7 +228,10 @@ class LLM:
         classes); sets max_model_len, and max_seq_len: the longest sequence that fits both the
         model's context and the blocks."""
         context = self.config.max_position_embeddings
-        self.max_model_len = min(args.max_model_len or context, context)
+        if args.max_model_len is not None and args.max_model_len > context:
+            raise ValueError(f"max_model_len must be at most the model's context of {context} tokens "
+                             f"(max_position_embeddings), got {args.max_model_len}")
+        self.max_model_len = context if args.max_model_len is None else args.max_model_len
         num_kv_blocks, block_size = args.num_kv_blocks, args.kv_block_size
         if num_kv_blocks is None:  # the memory budget, but no more than max_num_seqs full contexts
             enough = args.max_num_seqs * blocks_needed(self.max_model_len, block_size)
@@ -239,53 +259,90 @@ class LLM:
     # ------------------------------------------------------------------ public API
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order. A prompt is a str or a list of token ids."""
-        requests = self._add_requests(prompts, params)
-        progress = self._progress(len(requests), use_tqdm)
-        done = sum(1 for request in requests if request.error is not None)
-        for _ in self._run_until_done():
-            finished = sum(1 for request in requests if request.is_done)
-            if progress is not None and finished > done:
-                progress.update(finished - done)
-            done = finished
-        if progress is not None:
-            progress.close()
-        return [self._request_output(i, request) for i, request in enumerate(requests)]
+        """One RequestOutput per prompt, in prompt order. A prompt is a str or a list of token ids.
+
+        Every prompt and SamplingParams is checked before any request is queued (a TypeError or
+        ValueError naming the prompt's index). A prompt that cannot run (empty, too long) comes back
+        with `.error` set; a sample whose sampling fails ends with finish_reason "error" and its
+        `.error` set; the other requests run on. If the call raises part-way (a KeyboardInterrupt
+        included), its requests are aborted and their KV blocks freed first. One call runs at a time
+        (the engine's lock): a call from another thread waits for this one.
+        """
+        with self._lock, self._aborted_on_failure():
+            requests = self._add_requests(prompts, params)
+            self._run_with_progress(requests, use_tqdm)
+            return [self._request_output(i, request) for i, request in enumerate(requests)]
 
     def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """messages: one conversation [{"role", "content"}, ...] or a list of them."""
+        """messages: one conversation [{"role", "content"}, ...] or a list of them. Runs as `generate`
+        does (checked first, aborted on failure, one call at a time)."""
+        if not isinstance(messages, (list, tuple)):
+            raise TypeError(f"chat takes a conversation (a list of {{'role', 'content'}} dicts) or a list of them, "
+                            f"got {type(messages).__name__}; a plain prompt goes to generate")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c)) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def stream(self, prompts, params=None) -> Iterator[StreamEvent]:
-        """Yield a StreamEvent per generated token of every sequence, as soon as it exists."""
-        self._add_requests(prompts, params)
-        for events in self._run_until_done():
-            yield from events
+        """Yield a StreamEvent per generated token of every sequence, as soon as it exists.
+
+        Holds the engine's lock from the first event until the stream ends: another thread's call
+        waits for it. Closing the stream early (`break`, `.close()`), or an exception in it, aborts
+        its requests and frees their blocks. A sample whose sampling fails ends without an event."""
+        with self._lock, self._aborted_on_failure():
+            self._add_requests(prompts, params)
+            for events in self._run_until_done():
+                yield from events
 
     def add_request(self, prompt, params: SamplingParams | None = None, index: int = 0) -> Request:
         """Queue one prompt (text or token ids) while the engine runs, as a request arriving
         mid-stream: the next `step()` may schedule it. `index` is the request_index of its
         StreamEvents. -> its Request (sequences whose output_token_ids grow as steps run;
-        .error set if the prompt was refused)."""
-        return self._add_request(index, prompt, params or SamplingParams())
+        .error set if the prompt was refused). Raises TypeError / ValueError for a prompt or
+        params of the wrong kind, before anything is queued."""
+        with self._lock:
+            [params] = params_per_prompt(params, 1)
+            return self._add_request(index, checked_prompt(index, prompt), params)
+
+    def abort_since(self, first_seq_id: int) -> None:
+        """Abort every waiting or running sequence whose seq_id >= first_seq_id (ids only grow, so
+        these are the ones queued since then): each leaves the scheduler, finished with
+        finish_reason "abort", its blocks back in the pool. A block holding tokens whose K/V was
+        never written (the interrupted step had just allocated it) also loses its prefix-cache name
+        (`forget_uncomputed`, where the allocator has it), so no later prompt reuses it."""
+        scheduler = self.scheduler
+        forget_uncomputed = getattr(self.allocator, "forget_uncomputed", None)  # a learner's allocator may lack it
+        for seq in [s for s in (*scheduler.waiting, *scheduler.running) if s.seq_id >= first_seq_id]:
+            if seq in scheduler.waiting:
+                scheduler.waiting.remove(seq)
+            if forget_uncomputed is not None:
+                forget_uncomputed(seq.block_table, seq.num_computed_tokens)
+            scheduler.finish(seq, "abort")
+
+    @contextmanager
+    def _aborted_on_failure(self):
+        """Run one call; if it raises anything (KeyboardInterrupt, GeneratorExit included), abort the
+        sequences it queued (`abort_since`) before the exception goes on."""
+        first_seq_id = self._next_seq_id
+        try:
+            yield
+        except BaseException:
+            self.abort_since(first_seq_id)
+            raise
 
     # ------------------------------------------------------------------ requests
     def _add_requests(self, prompts, params) -> list[Request]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        """Check every prompt and its params (`engine.inputs`), then queue them all -> their Requests."""
+        prompts = as_prompt_list(prompts)
+        params_list = params_per_prompt(params, len(prompts))
+        prompts = [checked_prompt(i, prompt) for i, prompt in enumerate(prompts)]
         return [self._add_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params_list))]
 
-    def _add_request(self, index: int, prompt, params: SamplingParams) -> Request:
-        """Admit prompt `index` (text or token ids): its n sequences, the first one scheduled. A prompt
-        that cannot run (empty, too long, ids outside the vocabulary) becomes a Request with an error."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params for prompt {index} must be a SamplingParams, got {type(params).__name__}")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    def _add_request(self, index: int, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Admit prompt `index` (text, or token ids as a list of ints; both checked): its n sequences,
+        the first one scheduled. A prompt that cannot run (empty, too long, ids outside the
+        vocabulary) becomes a Request with an error."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request = Request(prompt if isinstance(prompt, str) else None, ids)
         try:
             check_prompt(ids, self.max_seq_len, self.config.vocab_size)
@@ -313,10 +370,25 @@ class LLM:
         while self.scheduler.has_unfinished():
             yield self.step()
 
+    def _run_with_progress(self, requests: list[Request], use_tqdm: bool) -> None:
+        """Step until nothing is unfinished, a progress bar counting `requests` as they finish."""
+        progress = self._progress(len(requests), use_tqdm)
+        done = sum(1 for request in requests if request.error is not None)
+        try:
+            for _ in self._run_until_done():
+                finished = sum(1 for request in requests if request.is_done)
+                if progress is not None and finished > done:
+                    progress.update(finished - done)
+                done = finished
+        finally:
+            if progress is not None:
+                progress.close()
+
     def step(self) -> list[StreamEvent]:
         """One engine iteration (`engine_step`, or the `step` hook): schedule, run one packed
         forward pass, sample, retire."""
-        return (self.hooks.step or engine_step)(self)
+        with self._lock:
+            return (self.hooks.step or engine_step)(self)
 
     def drop_unschedulable(self) -> None:
         """Nothing could be scheduled: if nothing runs either, the first waiting request cannot
@@ -336,14 +408,14 @@ class LLM:
             if self.speculator is not None:
                 self.speculator.fork(seq, sibling)
             self.scheduler.running.append(sibling)
-            events.append(self.append_token(sibling, self.choose_token(sibling, logits)))
+            events += self.sample_and_append(sibling, logits)
         seq.siblings = []
         return events
 
     def plain_decode(self, seqs: list[Sequence]) -> list[StreamEvent]:
         """One token for every sequence."""
         logits = self.forward(seqs)
-        return [self.append_token(seq, self.choose_token(seq, row)) for seq, row in zip(seqs, logits)]
+        return [event for seq, row in zip(seqs, logits) for event in self.sample_and_append(seq, row)]
 
     def forward(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed every scheduled sequence's tokens for this step in one pass (all its uncomputed
@@ -414,11 +486,44 @@ class LLM:
         self.allocator.copy_on_write_log.clear()
 
     def choose_token(self, seq: Sequence, logits: torch.Tensor) -> int:
+        """The sequence's next token from its logits [V]: the repetition penalty over its history,
+        then the sampling rule (both hooks). Raises whatever they raise."""
         params = seq.params
         if params.repetition_penalty != 1:
             history = torch.tensor(seq.token_ids, device=logits.device)
             logits = self.hooks.repetition_penalty(logits, history, params.repetition_penalty)
         return int(self.hooks.sample(logits, params, seq.generator))
+
+    def sample_and_append(self, seq: Sequence, logits: torch.Tensor) -> list[StreamEvent]:
+        """Choose seq's next token from its logits [V] and append it -> [its StreamEvent].
+
+        If the library's own sampling fails for this sequence (a ValueError, or torch's
+        RuntimeError such as "probability tensor contains either inf, nan or element < 0": its
+        numbers, not the code), retire it alone (`fail_sequence`) -> []: one bad request must not
+        stop the batch. Running out of memory still raises, and so does an error in a learner's
+        sample or repetition_penalty hook: a bug in their code, which they (and `course.parts`,
+        which falls back to the reference) must see."""
+        try:
+            token = self.choose_token(seq, logits)
+        except (RuntimeError, ValueError) as exc:
+            if isinstance(exc, torch.cuda.OutOfMemoryError) or not self._samples_with_library_code():
+                raise
+            params = seq.params
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self.fail_sequence(seq, f"sampling failed ({reason}) with temperature={params.temperature}, "
+                                    f"top_k={params.top_k}, top_p={params.top_p}, "
+                                    f"repetition_penalty={params.repetition_penalty}")
+            return []
+        return [self.append_token(seq, token)]
+
+    def _samples_with_library_code(self) -> bool:
+        """Are the sample and repetition_penalty stages the library's own (no learner's hook)?"""
+        return self.hooks.sample is sample_one and self.hooks.repetition_penalty is apply_repetition_penalty
+
+    def fail_sequence(self, seq: Sequence, message: str) -> None:
+        """Retire seq with finish_reason "error" and `message` as its error; its blocks go back to the pool."""
+        seq.error, seq.finish_time = message, time.perf_counter()
+        self.scheduler.finish(seq, "error")
 
     def append_token(self, seq: Sequence, token_id: int) -> StreamEvent:
         """Add a sampled token; finish the sequence on a stop token, stop string or length."""
@@ -445,8 +550,8 @@ class LLM:
     def _request_output(self, index: int, request: Request) -> RequestOutput:
         if request.error is not None:
             return RequestOutput(index, request.prompt, request.prompt_token_ids,
-                                 [CompletionOutput(0, "", [], "error")], error=request.error)
-        outputs = [CompletionOutput(s.sample_index, s.text, list(s.output_token_ids), s.finish_reason)
+                                 [CompletionOutput(0, "", [], "error", request.error)], error=request.error)
+        outputs = [CompletionOutput(s.sample_index, s.text, list(s.output_token_ids), s.finish_reason, s.error)
                    for s in request.seqs]
         first = request.seqs[0]
         metrics = {"ttft_s": (first.first_token_time or first.arrival_time) - first.arrival_time,

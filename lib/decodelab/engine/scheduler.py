@@ -105,8 +105,9 @@ def preempt(scheduler: Scheduler, seq: Sequence) -> None:
 
 
 def finish(scheduler: Scheduler, seq: Sequence, reason: str) -> None:
-    """Retire a sequence at once: status FINISHED, finish_reason = reason ("stop" or "length"),
-    out of `running` (if it is there), its blocks back to the pool (allocator.free_sequence)."""
+    """Retire a sequence at once: status FINISHED, finish_reason = reason ("stop" or "length"; the
+    engine also retires a failed sequence with "error" and an aborted one with "abort"), out of
+    `running` (if it is there), its blocks back to the pool (allocator.free_sequence)."""
     seq.status, seq.finish_reason = Status.FINISHED, reason
     if seq in scheduler.running:
         scheduler.running.remove(seq)

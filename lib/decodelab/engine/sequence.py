@@ -29,7 +29,8 @@ class Sequence:
     num_scheduled_tokens: int = 0  # chunked prefill: tokens the next pass feeds (0: all uncomputed ones)
     draft_computed_tokens: int = 0  # the same for the draft model's cache (speculative decoding)
     draft_state: object = None  # a feature drafter's FeatureDraftSession (speculative decoding)
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop", "length", "error" (sampling failed) or "abort" (its call raised)
+    error: str | None = None  # with finish_reason "error": what went wrong
     generator: torch.Generator | None = None
     text: str = ""
     decoder: object = None  # a StreamDecoder, set by the engine

@@ -87,11 +87,36 @@ def resolve_model(model: str | os.PathLike) -> Path:
 
 def load(model: str | os.PathLike = "smollm2", device: str | torch.device | None = None,
          dtype: str | torch.dtype | None = None):
-    """(model, tokenizer) for a name or folder, on `device` (default: cuda if present, else cpu)."""
+    """(model, tokenizer) for a name or folder, on `device` (default: cuda if present, else cpu).
+    Raises ValueError naming the problem: an unknown model, a device that is not there
+    (`check_device`), a corrupt or malformed file in the folder."""
+    device = check_device(device) if device is not None else default_device()
     folder = resolve_model(model)
-    device = torch.device(device) if device is not None else default_device()
-    net = load_model(folder, device=device, dtype=dtype or "float32")
-    return net, Tokenizer.from_folder(folder)
+    tokenizer = Tokenizer.from_folder(folder)  # first: a bad tokenizer file fails before seconds of loading
+    return load_model(folder, device=device, dtype=dtype or "float32"), tokenizer
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """device as a torch.device, if this machine has it; else ValueError saying what is missing
+    ("cuda" without a usable GPU, "cuda:3" on a machine with one, "gpu", which is no device name)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a torch device name: use 'cpu', 'cuda', 'cuda:N' "
+                         "or 'mps'") from None
+    name = str(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} asked for, but CUDA is not available here (torch.cuda.is_available() "
+                             "is False): use device='cpu', or device=None for the best one present")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {name!r} asked for, but this machine has {count} CUDA device(s): "
+                             f"cuda:0 to cuda:{count - 1}")
+    if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ValueError("device 'mps' asked for, but Apple's MPS is not available here "
+                         "(torch.backends.mps.is_available() is False): use device='cpu'")
+    return device
 
 
 def default_device() -> torch.device:

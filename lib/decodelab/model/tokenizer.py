@@ -12,6 +12,10 @@ from pathlib import Path
 from tokenizers import Tokenizer as BackendTokenizer
 
 
+class TokenizerError(ValueError):
+    """A tokenizer.json or tokenizer_config.json that cannot be read."""
+
+
 class Tokenizer:
     def __init__(self, backend: BackendTokenizer, config: dict | None = None):
         self.backend = backend
@@ -23,13 +27,19 @@ class Tokenizer:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "Tokenizer":
+        """The tokenizer of an HF-layout folder. Raises FileNotFoundError without tokenizer.json,
+        TokenizerError naming the file when tokenizer.json or tokenizer_config.json is corrupt."""
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"no tokenizer.json in {folder}")
         config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        return cls(BackendTokenizer.from_file(str(path)), config)
+        config = _read_json_object(config_path) if config_path.exists() else {}
+        try:
+            backend = BackendTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception for a bad file
+            raise TokenizerError(f"{path} is not a readable tokenizer file ({exc})") from None
+        return cls(backend, config)
 
     def _id_of(self, token) -> int | None:
         if isinstance(token, dict):  # HF sometimes stores an AddedToken as a dict
@@ -76,6 +86,17 @@ class Tokenizer:
 
     def stop_token_ids(self) -> list[int]:
         return [] if self.eos_token_id is None else [self.eos_token_id]
+
+
+def _read_json_object(path: Path) -> dict:
+    """A JSON file that holds one object -> that dict; TokenizerError naming the file otherwise."""
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, OSError) as exc:
+        raise TokenizerError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path} must hold a JSON object, got a {type(value).__name__}")
+    return value
 
 
 class StreamDecoder:

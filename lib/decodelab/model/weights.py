@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from decodelab.config import ConfigError, ModelConfig
@@ -38,10 +38,15 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 
 
 def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's .safetensors files: the shards its index names, or model.safetensors."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [folder / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise WeightsError(f"{index} is not a safetensors index (JSON with a \"weight_map\" of tensor "
+                               f"name -> file name): {type(exc).__name__}: {exc}") from None
     single = folder / "model.safetensors"
     if single.exists():
         return [single]
@@ -55,10 +60,15 @@ def read_state_dict(folder: str | Path, names=None) -> dict[str, torch.Tensor]:
     for file in safetensors_files(Path(folder)):
         if not file.exists():
             raise WeightsError(f"shard {file.name} named in the index is missing from {folder}")
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if names is None or name in names:
-                    tensors[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if names is None or name in names:
+                        tensors[name] = f.get_tensor(name)
+        except (SafetensorError, OSError) as exc:  # a corrupt or truncated file, unreadable bytes
+            raise WeightsError(f"{file} is not a readable safetensors file ({exc}): it is corrupt or "
+                               "truncated; write it again (a converted model: delete its folder to convert "
+                               "it again)") from None
     return tensors
 
 
