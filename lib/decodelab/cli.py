@@ -25,10 +25,9 @@ import os
 import signal
 import sys
 
-from decodelab.params import SamplingParams
+from decodelab.params import MAX_SEED, SamplingParams
 
 COMMANDS = ("generate", "prepare", "progress", "hints")
-MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0..2**64-1
 DEVICES = "cpu, cuda, cuda:N or mps"
 
 
@@ -88,7 +87,7 @@ def sampling_value(field: str, parse, allowed: str):
 def seed(text: str) -> int:
     value = number_or_none(int, text)
     if value is None or not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be an integer in 0..{MAX_SEED} (2**64 - 1), got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be an integer in 0..{MAX_SEED} (2**63 - 1), got {text!r}")
     return value
 
 
@@ -174,27 +173,15 @@ def run_hints(args) -> int:
 
 
 def check_device(name: str | None) -> None:
-    """A --device this machine has: cpu, cuda[:N] with a CUDA device N, or mps where present."""
+    """A --device this machine has (registry.check_device, the library's own judgement)."""
     if name is None:
         return
-    import torch
+    from decodelab.model.registry import check_device as library_check
 
     try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise CommandLineError(f"argument --device: must be {DEVICES}, got {name!r}") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            why = "this torch was built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device here"
-            raise CommandLineError(f"argument --device: {name!r}, but {why}: use --device cpu")
-        if device.index is not None and device.index >= count:
-            raise CommandLineError(f"argument --device: {name!r}, but this machine has cuda:0..cuda:{count - 1}")
-    elif device.type == "mps":
-        if not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
-            raise CommandLineError(f"argument --device: {name!r}, but no MPS device is available here: use --device cpu")
-    elif device.type != "cpu":
-        raise CommandLineError(f"argument --device: must be {DEVICES}, got {name!r}")
+        library_check(name)
+    except ValueError as exc:
+        raise CommandLineError(f"argument --device: {exc}") from None
 
 
 def load_model(model: str, device: str | None, dtype: str):
