@@ -3,7 +3,7 @@ python -m autograder export --format canvas --grades grades.csv --roster canvas_
 python -m autograder export --format long --grades grades.csv --out cells.csv"""
 import sys
 
-COMMANDS = ("grade", "export")
+COMMANDS = ("grade", "export", "scheduler", "worker")
 
 
 def main(argv: list[str]) -> int:
@@ -14,6 +14,10 @@ def main(argv: list[str]) -> int:
         from autograder.export import main as export
 
         return export(argv[1:])
+    if argv[0] in ("scheduler", "worker"):
+        from autograder.dask_cli import main as dask_cli
+
+        return dask_cli(argv)
     from autograder.grade import main as grade
 
     return grade(argv[1:])
