@@ -10,9 +10,11 @@ OverwriteCells, the settings), grades in a private folder of its own on the work
 back a picklable `grade.Result` (status, notes, the graded notebook). The parent alone writes the
 gradebook, the CSV and the feedback, as with the process pool.
 
-Per machine: a worker runs as many kernels at once as its `grader` resource
-(`dask worker ADDRESS --resources grader=N --nthreads N`); each kernel takes a host-wide sandbox
-slot (autograder/slots.py), so two workers on one host never share a kernel uid.
+Per machine: `python -m autograder worker ADDRESS --nworkers N` (autograder/dask_cli.py: Dask's
+worker with the repository on its sys.path; the scheduler, which unpickles each task, is
+`python -m autograder scheduler`) runs N worker processes of one `grader` and one thread each, so N
+kernels at once; each kernel takes a host-wide sandbox slot (autograder/slots.py), so two
+workers on one host never share a kernel uid.
 
 A worker lost mid-task: the scheduler runs the task again elsewhere (its `allowed-failures`), or,
 when the scheduler gives up (KilledWorker), the parent submits it again; each task counts its
@@ -274,7 +276,7 @@ def _wait_for_graders(client, timeout: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise ClusterError(f"no worker of the scheduler offers the '{RESOURCE}' resource "
                                f"({len(workers)} worker(s)): start them with "
-                               f"`dask worker ADDRESS --resources {RESOURCE}=N --nthreads N`")
+                               "`python -m autograder worker ADDRESS --nworkers N` from the repository root")
         time.sleep(0.5)
 
 

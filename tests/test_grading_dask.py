@@ -1,14 +1,16 @@
 """The class grader on a Dask cluster (autograder/cluster.py), with real processes on 127.0.0.1:
-a LocalCluster grades a small class to the same rows as the process pool; a `dask scheduler` and
-two `dask worker --resources grader=1` grade it through `--scheduler-file`, and a worker killed
-while it grades a slow submission loses no row (graded again, and the row says so); the
-host-wide slot allocator; the refusal of a scheduler that is neither TLS nor on the loopback.
+a LocalCluster grades a small class to the same rows as the process pool; README's one-machine
+recipe, run word for word in a user's shell (no PYTHONPATH: `python -m autograder scheduler`,
+`python -m autograder worker --nworkers 2`), grades it to the same rows through
+`--scheduler-file`, and a worker killed while it grades a slow submission loses no row (graded
+again, and the row says so); the host-wide slot allocator; the refusal of a scheduler that is
+neither TLS nor on the loopback.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -26,10 +28,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:Ob
 
 SLOW_SECONDS = 15
 SANDBOX = [] if AS_ROOT else ["--no-sandbox"]
-
-
-def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "lib")]), OMP_WAIT_POLICY="PASSIVE")
 
 
 def small_class(root: Path, slow: bool = False) -> Path:
@@ -56,15 +54,22 @@ def _triples(rows: dict) -> dict:
     return {s: (r["status"], float(r["score"]), float(r["max_score"])) for s, r in rows.items()}
 
 
-@pytest.mark.slow
-def test_local_cluster_grades_like_the_pool(tmp_path):
-    subs = small_class(tmp_path)
-    pool, dask = tmp_path / "pool" / "grades.csv", tmp_path / "dask" / "grades.csv"
-    result = _grade(subs, pool, *SANDBOX, timeout=600)
+@pytest.fixture(scope="module")
+def by_pool(tmp_path_factory) -> dict:
+    """The small class graded by the process pool (`--workers 2`): the rows a cluster must give."""
+    root = tmp_path_factory.mktemp("pool")
+    result = _grade(small_class(root), root / "grades.csv", *SANDBOX, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    return _rows(root / "grades.csv")
+
+
+@pytest.mark.slow
+def test_local_cluster_grades_like_the_pool(tmp_path, by_pool):
+    subs = small_class(tmp_path)
+    dask = tmp_path / "dask" / "grades.csv"
     result = _grade(subs, dask, "--scheduler", "local", *SANDBOX, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    by_pool, by_dask = _rows(pool), _rows(dask)
+    by_dask = _rows(dask)
     assert _triples(by_dask) == _triples(by_pool)
     assert _triples(by_dask) == {"correct": ("ok", MAX, MAX), "wrong": ("ok", 2 + OTHER, MAX),
                                  "malformed": ("unreadable", 0, MAX)}
@@ -79,8 +84,31 @@ def _executing(dask_worker) -> list[str]:
     return [str(ts.key) for ts in dask_worker.state.executing]
 
 
+def users_shell() -> dict:
+    """The environment of a user's shell after `make` or an activated venv: the venv's bin first on
+    PATH, HOME, LANG (and where the model cache is, if they set it); no PYTHONPATH."""
+    env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
+           "HOME": os.environ.get("HOME", "/root"), "LANG": os.environ.get("LANG", "C.UTF-8")}
+    env.update({name: os.environ[name] for name in ("DECODELAB_CACHE", "XDG_CACHE_HOME") if name in os.environ})
+    return env
+
+
+def readme_recipe(scheduler_file: Path) -> dict[str, list[str]]:
+    """README's one-machine recipe word for word ("scheduler", "worker", "grade": each a command
+    line), `sched.json` replaced by `scheduler_file`; the grade line keeps its `...`."""
+    blocks = (ROOT / "README.md").read_text().split("```")[1::2]  # what is inside each fence
+    block = next(b for b in blocks if "python -m autograder worker --scheduler-file" in b)
+    commands = [shlex.split(line, comments=True) for line in block.splitlines()]
+    recipe = {}
+    for name in ("scheduler", "worker", "grade"):
+        start = ["python", "-m", "autograder", name]
+        words = next(words for words in commands if words[:len(start)] == start)
+        recipe[name] = [str(scheduler_file) if word == "sched.json" else word for word in words]
+    return recipe
+
+
 def _start(cmd: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+    return subprocess.Popen(cmd, cwd=ROOT, env=users_shell(), stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -93,33 +121,32 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_scheduler_file_and_a_lost_worker(tmp_path):
-    """Two workers through --scheduler-file; the one grading `slow` is killed mid-run: no row is
-    lost, `slow` is graded again elsewhere and its row says so."""
+def test_readme_recipe_and_a_lost_worker(tmp_path, by_pool):
+    """README's scheduler, workers and grading command, as written there, in a user's shell: the
+    pool's rows; the worker grading `slow` is killed mid-run: no row is lost, `slow` is graded
+    again (by the other worker or the one its nanny starts again) and its row says so."""
     import cloudpickle
     from distributed import Client
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # _executing runs on the workers
     subs = small_class(tmp_path, slow=True)
     file = tmp_path / "scheduler.json"
-    dask = [shutil.which("dask", path=str(Path(sys.executable).parent)) or "dask"]
-    processes = [_start(dask + ["scheduler", "--scheduler-file", str(file), "--host", "127.0.0.1", "--port", "0",
-                                "--no-dashboard"], tmp_path / "scheduler.log")]
+    recipe = readme_recipe(file)
+    processes = [_start(recipe["scheduler"], tmp_path / "scheduler.log")]
     try:
         for _ in range(600):
             if file.exists() and file.stat().st_size:
                 break
             time.sleep(0.1)
-        for i in range(2):
-            processes.append(_start(dask + ["worker", "--scheduler-file", str(file), "--resources", "grader=1",
-                                            "--nthreads", "1", "--no-dashboard", "--host", "127.0.0.1"],
-                                    tmp_path / f"worker{i}.log"))
+        processes.append(_start(recipe["worker"], tmp_path / "workers.log"))
         out = tmp_path / "grades.csv"
-        env = _env()
-        grader = subprocess.Popen([sys.executable, "-m", "autograder", "grade", "--assignment", NAME, "--submissions",
-                                   str(subs), "--out", str(out), "--scheduler-file", str(file), "--cell-timeout", "120",
-                                   "--notebook-timeout", "300", "--memory", "2", "--quiet", *SANDBOX], cwd=ROOT,
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        at = recipe["grade"].index("...")
+        arguments = ["--assignment", NAME, "--submissions", str(subs), "--out", str(out), "--cell-timeout", "120",
+                     "--notebook-timeout", "300", "--memory", "2", "--quiet", *SANDBOX]
+        grader = subprocess.Popen(recipe["grade"][:at] + arguments + recipe["grade"][at + 1:], cwd=ROOT,
+                                  env=users_shell(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True)
+        processes.append(grader)
         killed = None
         with Client(json.loads(file.read_text())["address"], timeout="30s") as client:
             deadline = time.monotonic() + 240
@@ -136,9 +163,9 @@ def test_scheduler_file_and_a_lost_worker(tmp_path):
         assert killed, f"the slow submission was never seen running\n{stderr[-3000:]}"
         assert grader.returncode == 0, stderr[-3000:]
         rows = _rows(out)
-        assert _triples(rows) == {"correct": ("ok", MAX, MAX), "wrong": ("ok", 2 + OTHER, MAX),
-                                  "malformed": ("unreadable", 0, MAX), "slow": ("ok", MAX, MAX)}, \
-            {s: r["notes"] for s, r in rows.items()}
+        notes = {s: r["notes"] for s, r in rows.items()}
+        assert _triples({s: r for s, r in rows.items() if s != "slow"}) == _triples(by_pool), notes
+        assert _triples(rows)["slow"] == ("ok", MAX, MAX), notes
         assert "grader: the worker was lost, graded again" in rows["slow"]["notes"].split("; "), rows["slow"]
         assert not any("grader:" in r["notes"] for s, r in rows.items() if s != "slow")
         assert "with a grader: note" in stdout
@@ -212,3 +239,19 @@ def test_a_worker_refuses_another_version_or_no_model(tmp_path, monkeypatch):
     monkeypatch.setenv("DECODELAB_CACHE", str(tmp_path / "empty-cache"))
     result = cluster.grade_task("t2", "someone", b"{}", b"", b"", settings, cluster.versions())
     assert result.status == "grader_error" and "SmolLM2 model cache is missing" in result.notes[0], result
+
+
+def test_a_grading_worker_grades_one_submission_at_a_time(capsys):
+    """`python -m autograder worker` asks Dask for grader=1 and one thread per worker process, after
+    the user's options (nothing overrides them), and refuses another --resources or --nthreads."""
+    from autograder import dask_cli
+    from autograder.cluster import RESOURCE
+
+    args = dask_cli.dask_worker_args(3, ["--scheduler-file", "s.json", "--host", "127.0.0.1"])
+    assert args[-6:] == ["--nworkers", "3", "--resources", f"{RESOURCE}=1", "--nthreads", "1"]
+    assert args.index("--host") < len(args) - 6
+    for refused in (["--resources", "grader=4"], ["--resources=grader=4"], ["--nthreads", "2"], ["--nworkers", "0"]):
+        with pytest.raises(SystemExit) as exit:
+            dask_cli.main(["worker", "--scheduler-file", "s.json", *refused])
+        assert exit.value.code == 2, refused
+    assert "--nworkers N" in capsys.readouterr().err
