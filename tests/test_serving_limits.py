@@ -11,7 +11,9 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from decodelab import SamplingParams  # noqa: E402
 from decodelab.serving.app import build_app  # noqa: E402
+from decodelab.serving.engine_loop import EngineLoop, EngineUnavailableError, Submission  # noqa: E402
 from decodelab.serving.server import ServeSettings, load_engine  # noqa: E402
 from servers import get, metric, served, wait_for  # noqa: E402
 
@@ -100,3 +102,11 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_next_are_served(ser
     assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
     assert metric(server.url, "decodelab_kv_blocks_used") == 0
     assert get(f"{server.url}/health")[0] == 200
+
+
+def test_a_stopped_engine_loop_refuses_submissions(server):
+    """Nobody would answer them: refused at once (the route turns it into a 503), never left hanging."""
+    idle = EngineLoop(server.llm)
+    with pytest.raises(EngineUnavailableError, match="the engine loop is not running"):
+        idle.submit(Submission([[1, 2]], SamplingParams(), deliver=print))
+    assert idle.num_waiting == 0

@@ -24,7 +24,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from decodelab.serving.engine_loop import ClientRequest, EngineLoop, QueueFullError
+from decodelab.serving.client_request import ClientRequest
+from decodelab.serving.engine_loop import EngineLoop, EngineUnavailableError, QueueFullError
 from decodelab.serving.metrics import ServingMetrics
 from decodelab.serving.protocol import (ApiError, GenerationRequest, ServedModel, chat_request, completion_request,
                                         error_body, parse_json_object)
@@ -137,6 +138,8 @@ async def answer(request: Request, engine_loop: EngineLoop, job: GenerationReque
     except QueueFullError as exc:
         raise ApiError(503, str(exc), type="server_error", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except EngineUnavailableError as exc:
+        raise ApiError(503, str(exc), type="server_error", code="engine_unavailable") from None
     if job.stream:
         return EventStreamResponse(stream_events(client, job, shape), on_close=client.abort)
     try:

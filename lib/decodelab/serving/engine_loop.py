@@ -16,12 +16,11 @@ whole text so far, its token count, and its finish reason once it has one (`Samp
 """
 from __future__ import annotations
 
-import asyncio
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Iterator
+from typing import Callable, Iterator
 
 from decodelab.engine.sequence import Request, Sequence, Status
 from decodelab.params import SamplingParams
@@ -32,6 +31,10 @@ _STOP, _WAKE = "stop", "wake"  # inbox messages beside ("submit" | "abort", subm
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than the server accepts (`EngineLoop.max_waiting`)."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine thread is not running (not started yet, stopped, or ended by a failure)."""
 
 
 @dataclass
@@ -118,13 +121,18 @@ class EngineLoop:
         return self._num_waiting
 
     def submit(self, submission: Submission) -> None:
-        """Queue a submission for the engine thread, unless max_waiting are already waiting."""
+        """Queue a submission for the engine thread, unless max_waiting are already waiting or the
+        thread is not running (nobody would answer)."""
+        if not self.is_alive:
+            why = f" ({type(self.failure).__name__}: {self.failure})" if self.failure is not None else ""
+            raise EngineUnavailableError(f"the engine loop is not running{why}")
         with self._waiting_lock:
             if self._num_waiting >= self.max_waiting:
                 self.metrics.observe_rejected("queue_full")
                 raise QueueFullError(f"the server is busy: {self._num_waiting} requests are already waiting "
                                      f"(--max-queue {self.max_waiting}); retry later")
-            self._change_waiting(+1)
+            self._num_waiting += 1
+            self.metrics.set_waiting(self._num_waiting)
         self._inbox.put(("submit", submission))
 
     def abort(self, submission: Submission) -> None:
@@ -140,10 +148,6 @@ class EngineLoop:
 
     def resume(self) -> None:
         self._resumed.set()
-
-    def _change_waiting(self, delta: int) -> None:
-        self._num_waiting += delta
-        self.metrics.set_waiting(self._num_waiting)
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
@@ -221,8 +225,7 @@ class EngineLoop:
         for submission in list(self._live):
             if not submission.admitted and all(r.error is not None or r.seqs[0].status is not Status.WAITING
                                                for r in submission.requests):
-                submission.admitted = True
-                self._change_waiting(-1)
+                self._mark_admitted(submission)
             updates = self._updates(submission, now)
             if updates:
                 self._deliver(submission, updates)
@@ -271,8 +274,7 @@ class EngineLoop:
             self.llm.abort(request)
         failed = [SampleUpdate(choice, "", 0, "error", message) for choice in range(submission.num_choices)
                   if choice not in submission.finished_choices]
-        for update in failed:
-            self.metrics.observe_finished("error")
+        self.metrics.observe_finished("error", len(failed))
         self._drop(submission)
         if failed:
             self._deliver(submission, failed)
@@ -281,9 +283,15 @@ class EngineLoop:
         if submission in self._live:
             self._live.remove(submission)
         if not submission.admitted:
-            submission.admitted = True
-            self._change_waiting(-1)
+            self._mark_admitted(submission)
         submission.finished_choices.update(range(submission.num_choices))
+
+    def _mark_admitted(self, submission: Submission) -> None:
+        """It no longer waits (it runs, or it has ended): one fewer in the queue --max-queue bounds."""
+        submission.admitted = True
+        with self._waiting_lock:
+            self._num_waiting -= 1
+            self.metrics.set_waiting(self._num_waiting)
 
     def _fail_everything(self, message: str) -> None:
         """The thread is ending: every submission in flight or still in the inbox ends with `message`."""
@@ -303,41 +311,3 @@ class EngineLoop:
         running = sum(1 for submission in self._live if submission.admitted)
         self.metrics.set_engine_state(running, allocator.num_blocks - allocator.num_free, allocator.num_blocks)
 
-
-class ClientRequest:
-    """The front end's side of one submission: made inside the event loop, it submits at once
-    (QueueFullError when the queue is full) and receives each step's updates on an asyncio queue."""
-
-    def __init__(self, engine_loop: EngineLoop, prompts: list[list[int]], params: SamplingParams):
-        self._event_loop = asyncio.get_running_loop()
-        self._updates: asyncio.Queue = asyncio.Queue()
-        self._engine_loop = engine_loop
-        self.submission = Submission(prompts, params, deliver=self._deliver_threadsafe)
-        self.done = False
-        engine_loop.submit(self.submission)
-
-    def _deliver_threadsafe(self, updates: list[SampleUpdate]) -> None:
-        """Called on the engine thread: hand the updates to the event loop's queue."""
-        self._event_loop.call_soon_threadsafe(self._updates.put_nowait, updates)
-
-    async def updates(self) -> AsyncIterator[list[SampleUpdate]]:
-        """Each step's updates, until every choice has finished."""
-        finished = 0
-        while finished < self.submission.num_choices:
-            batch = await self._updates.get()
-            finished += sum(update.finished for update in batch)
-            yield batch
-        self.done = True
-
-    async def final(self) -> list[SampleUpdate]:
-        """The last update of every choice, in choice order."""
-        last: dict[int, SampleUpdate] = {}
-        async for batch in self.updates():
-            last.update((update.choice, update) for update in batch)
-        return [last[choice] for choice in range(self.submission.num_choices)]
-
-    def abort(self) -> None:
-        """Withdraw the submission unless it has finished (the client went away, the response failed)."""
-        if not self.done:
-            self.done = True
-            self._engine_loop.abort(self.submission)

@@ -173,7 +173,7 @@ def finished_request(body: dict, model: ServedModel, prompts: list[list[int]],
     params = sampling_params(body, default_max_tokens)
     for i, ids in enumerate(prompts):
         if len(ids) + params.max_tokens > model.context_length:
-            where = "in the messages" if "messages" in body else "in the prompt"
+            where = "in the messages" if "messages" in body else "in the prompt" + (f" {i}" if len(prompts) > 1 else "")
             raise invalid(f"the model's context is {model.context_length} tokens, but {len(ids) + params.max_tokens} "
                           f"were asked for ({len(ids)} {where}, {params.max_tokens} for the completion): shorten "
                           f"the prompt or lower max_tokens", "max_tokens")
