@@ -93,6 +93,9 @@ def serve(settings: ServeSettings) -> int:
     server = make_server(app)
     print(f"decodelab: serving {settings.model} at {bound_address(sock)}/v1 (SIGTERM or Ctrl-C stops it)",
           file=sys.stderr, flush=True)
+    if settings.host not in (LOOPBACK, "localhost", "::1") and settings.api_key is None:
+        print(f"decodelab: warning: listening on {settings.host} without --api-key: anyone who can reach this "
+              f"machine can use the server", file=sys.stderr, flush=True)
     # uvicorn catches SIGTERM and SIGINT, shuts down, then raises the signal again for the handler it
     # found: a quiet one here, so a requested stop ends the process with 0 instead of killing it.
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
