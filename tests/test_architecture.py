@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lib" / "decodelab"
 TOP_LEVEL_MODULES = {"__init__", "__main__", "cli", "config", "params", "paths", "validation"}
-SUBPACKAGES = {"model", "decoding", "engine", "lessons", "course", "training"}
+SUBPACKAGES = {"model", "decoding", "engine", "serving", "lessons", "course", "training"}
 
 
 def test_import_contracts_are_kept():

@@ -256,6 +256,38 @@ def test_closing_a_stream_early_aborts_its_requests(llm, reference):
     assert_serves_like_a_fresh_engine(llm, reference)
 
 
+
+def run_to_the_end(llm: LLM) -> None:
+    while llm.scheduler.has_unfinished():
+        llm.step()
+
+
+def test_abort_frees_one_request_and_spares_the_others(llm, reference):
+    """A server's client goes away mid-generation: `abort` retires that request alone, its blocks go
+    back to the pool, and the request beside it gets the tokens it gets alone."""
+    kept = llm.add_request(PROMPTS[0], GREEDY, index=0)
+    gone = llm.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, n=2), index=1)
+    llm.step()  # both prefilled; gone's second sample forked from its first
+    assert len(gone.seqs[1].output_token_ids) == 1
+    llm.abort(gone)
+    assert [seq.finish_reason for seq in gone.seqs] == ["abort", "abort"] and gone.is_done
+    run_to_the_end(llm)
+    assert [kept.seqs[0].output_token_ids] == reference["greedy"][0]
+    assert_idle(llm)
+    llm.abort(gone)  # twice is harmless
+    llm.abort(kept)  # so is a finished request
+    assert kept.seqs[0].finish_reason in {"stop", "length"}
+    assert_serves_like_a_fresh_engine(llm, reference)
+
+
+def test_abort_before_the_prefill_never_starts_the_samples(llm):
+    waiting = llm.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=4, n=3), index=0)
+    llm.abort(waiting)
+    assert [seq.finish_reason for seq in waiting.seqs] == ["abort"] * 3
+    assert not llm.scheduler.has_unfinished() and llm.step() == []
+    assert_idle(llm)
+
+
 # ------------------------------------------------------------------ threads
 def test_two_threads_get_the_tokens_they_get_alone(llm):
     """Two threads call generate at once, different prompts, seeded sampling: each gets exactly the

@@ -202,7 +202,7 @@ def one_error_line(stderr: str) -> str:
 @pytest.mark.parametrize("args, message", [
     (["generate", b"caf\xe9 \xff", "--model", "tiny", "--device", "cpu", "--json"],
      r"argument prompt: must be UTF-8 text, got byte 0xe9 at byte 3"),
-    (["bogus", "--json"], r"unknown command 'bogus': use one of generate, prepare, progress, hints"),
+    (["bogus", "--json"], r"unknown command 'bogus': use one of generate, prepare, progress, hints, serve"),
 ], ids=["non_utf8_prompt", "unknown_command"])
 def test_cli_bad_input_is_one_line_and_exit_2(args, message):
     proc = run_cli(*args)
@@ -266,7 +266,7 @@ def test_cli_bad_generate_input(tmp_path, capsys, flags, message):
 def test_cli_bad_commands_in_process(capsys):
     from decodelab.cli import main
 
-    for argv, message in [([], "no command given: use one of generate, prepare, progress, hints"),
+    for argv, message in [([], "no command given: use one of generate, prepare, progress, hints, serve"),
                           (["generate"], "the following arguments are required: prompt"),
                           (["generate", "hi", "--tempreature", "1"], "unrecognized arguments: --tempreature 1"),
                           (["progress", "--course", ".", "--timeout", "0"],

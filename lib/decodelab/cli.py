@@ -9,6 +9,10 @@
     python -m decodelab progress --course DIR --serve "PROMPT" [--quantization int8] [--json]
         # ... and SmolLM2 served by an engine made of your passing parts (decodelab.course.parts)
     python -m decodelab hints [--notebook 02_sampling] [--json]   # every exercise's hint ladder
+    python -m decodelab serve [--model smollm2|tiny|DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+        [--max-queue N] [--max-num-seqs N] [--chat-template FILE] [--device D] [--dtype fp32|bf16|fp16]
+        # an OpenAI-compatible server on the engine (decodelab.serving): /v1/completions, /v1/chat/completions,
+        # /v1/models, /health, /metrics; SIGTERM or Ctrl-C stops it
 
 Text streams to stdout; with --json exactly one JSON object is printed there instead, and
 nothing at all when the command fails. Progress and errors go to stderr. Bad input (a flag out
@@ -27,7 +31,7 @@ import sys
 
 from decodelab.params import MAX_SEED, SamplingParams
 
-COMMANDS = ("generate", "prepare", "progress", "hints")
+COMMANDS = ("generate", "prepare", "progress", "hints", "serve")
 DEVICES = "cpu, cuda, cuda:N or mps"
 
 
@@ -91,6 +95,20 @@ def seed(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    value = number_or_none(int, text)
+    if value is None or not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 0..65535 (0: any free port), got {text!r}")
+    return value
+
+
+def count(text: str) -> int:
+    value = number_or_none(int, text)
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def seconds(text: str) -> float:
     value = number_or_none(float, text)
     if value is None or value <= 0:
@@ -148,7 +166,30 @@ def build_parser() -> argparse.ArgumentParser:
     hints.add_argument("--notebook", default=None, metavar="NAME", help="only this notebook: 02_sampling or 02")
     hints.add_argument("--json", action="store_true",
                        help='print one JSON object: {"NN_topic": {"ex_<name>": ["hint 1", ...]}}')
+    add_serve_parser(commands)
     return parser
+
+
+def add_serve_parser(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible server on the engine",
+        description="Serve the model with OpenAI's API: /v1/completions and /v1/chat/completions (whole or "
+                    "streamed), /v1/models, /health and /metrics (Prometheus). SIGTERM or Ctrl-C stops it.")
+    serve.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, or a model folder")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="the address to listen on (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=port, default=8000, help="the port (default 8000; 0: any free port)")
+    serve.add_argument("--api-key", default=os.environ.get("DECODELAB_API_KEY"), metavar="KEY",
+                       help="answer /v1 requests only with `Authorization: Bearer KEY` (default: "
+                            "$DECODELAB_API_KEY; none: anyone who can connect)")
+    serve.add_argument("--max-queue", type=count, default=256, metavar="N",
+                       help="answer 503 (Retry-After) while N requests wait for the engine (default 256)")
+    serve.add_argument("--max-num-seqs", type=count, default=64, metavar="N",
+                       help="sequences in the engine's batch at once (default 64)")
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template (a file, or the text) for a model without one, such as tiny")
+    serve.add_argument("--device", default=None, help=f"{DEVICES} (default: best available)")
+    serve.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -244,6 +285,17 @@ def run_progress(args) -> int:
     return 0
 
 
+def run_serve(args) -> int:
+    check_device(args.device)
+    try:
+        from decodelab.serving.server import ServeSettings, serve
+    except ImportError as exc:
+        raise CommandLineError(f"serve needs fastapi and uvicorn: pip install 'decodelab[serve]' ({exc})") from None
+    return serve(ServeSettings(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+                               max_queue=args.max_queue, chat_template=args.chat_template,
+                               engine=dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs)))
+
+
 def run(args) -> int:
     if args.command == "prepare":
         from decodelab.model.registry import prepare_smollm2
@@ -253,6 +305,8 @@ def run(args) -> int:
         return run_progress(args)
     if args.command == "hints":
         return run_hints(args)
+    if args.command == "serve":
+        return run_serve(args)
     return run_generate(args)
 
 

@@ -45,7 +45,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from decodelab.decoding.generate import check_prompt, first_stop_string, make_generator, stop_token_set
+from decodelab.decoding.generate import check_prompt, encode_prompt, first_stop_string, make_generator, stop_token_set
 from decodelab.model.registry import load
 from decodelab.model.packed_linear import can_prepack, prepack_linear_layers, prepacked_copy
 from decodelab.engine.block_allocator import BlockAllocator, blocks_needed, slot_of
@@ -280,7 +280,7 @@ class LLM:
             raise TypeError(f"chat takes a conversation (a list of {{'role', 'content'}} dicts) or a list of them, "
                             f"got {type(messages).__name__}; a plain prompt goes to generate")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c)) for c in conversations]
+        prompts = [encode_prompt(self.tokenizer, c, chat=True) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def stream(self, prompts, params=None) -> Iterator[StreamEvent]:
@@ -311,13 +311,32 @@ class LLM:
         never written (the interrupted step had just allocated it) also loses its prefix-cache name
         (`forget_uncomputed`, where the allocator has it), so no later prompt reuses it."""
         scheduler = self.scheduler
-        forget_uncomputed = getattr(self.allocator, "forget_uncomputed", None)  # a learner's allocator may lack it
         for seq in [s for s in (*scheduler.waiting, *scheduler.running) if s.seq_id >= first_seq_id]:
-            if seq in scheduler.waiting:
-                scheduler.waiting.remove(seq)
-            if forget_uncomputed is not None:
-                forget_uncomputed(seq.block_table, seq.num_computed_tokens)
-            scheduler.finish(seq, "abort")
+            self._abort_sequence(seq)
+
+    def abort(self, request: Request) -> None:
+        """Abort one request that `add_request` queued (a client gone away): each of its sequences
+        not yet finished leaves the scheduler, finished with finish_reason "abort", its blocks back in
+        the pool (as `abort_since` does); n > 1 siblings not yet forked never start. A finished or
+        refused request is left as it is, so aborting twice is harmless."""
+        with self._lock:
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self._abort_sequence(seq)
+            if request.seqs:
+                request.seqs[0].siblings = []
+
+    def _abort_sequence(self, seq: Sequence) -> None:
+        """Take seq out of the scheduler, finished with "abort", and free its blocks; blocks whose
+        K/V was never written lose their prefix-cache name first (`forget_uncomputed`, where the
+        allocator has it)."""
+        scheduler = self.scheduler
+        if seq in scheduler.waiting:
+            scheduler.waiting.remove(seq)
+        forget_uncomputed = getattr(self.allocator, "forget_uncomputed", None)  # a learner's allocator may lack it
+        if forget_uncomputed is not None:
+            forget_uncomputed(seq.block_table, seq.num_computed_tokens)
+        scheduler.finish(seq, "abort")
 
     @contextmanager
     def _aborted_on_failure(self):
