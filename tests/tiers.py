@@ -111,6 +111,8 @@ NODE_TIERS: dict[str, tuple[str, str]] = {
     "tests/test_compiled_decode.py::test_compiled_step_gives_the_eager_tokens_with_one_graph": ("slow", "torch.compile"),
     "tests/test_engine_feature_drafter.py::test_greedy_tokens_are_the_targets_whatever_the_drafter_guesses[200-3]":
         ("slow", "200 tokens of tree speculation"),
+    "tests/test_parts.py::test_a_part_that_raises_in_the_engine_falls_back_and_the_bill_says_why":
+        ("slow", "the engine again for each suspect part (1.1-1.8 s)"),
 }
 
 
