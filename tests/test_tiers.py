@@ -80,6 +80,7 @@ def test_guard_stops_loading_smollm2():
     ([sys.executable, "-m", "autograder", "export", "--format", "long"], None),
     ([sys.executable, "-c", "print(1)"], None),
     ("git status", None),
+    (f"{sys.executable} -m nbgrader collect a", "grader"),  # a shell command line
 ])
 def test_guard_knows_heavy_commands(argv, tier):
     found = tiers._command_tier(argv)
@@ -90,3 +91,10 @@ def test_guard_stops_starting_the_grader(tmp_path):
     with tiers.guard("tests/x.py::test_y"), pytest.raises(tiers.TierError, match="runs the grader"):
         subprocess.run([sys.executable, "-m", "autograder", "grade", "--assignment", "x"], cwd=tmp_path)
     assert subprocess.run([sys.executable, "-c", "pass"]).returncode == 0  # restored, and others allowed
+
+
+def test_guard_stops_transformers_loading_smollm2(smollm2_gguf):
+    transformers = pytest.importorskip("transformers")
+    gguf = smollm2_gguf
+    with tiers.guard("tests/x.py::test_y"), pytest.raises(tiers.TierError, match="SmolLM2 into transformers"):
+        transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)

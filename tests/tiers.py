@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -71,6 +72,7 @@ NODE_TIERS: dict[str, tuple[str, str]] = {
     "tests/test_forward_pass_checks.py::test_bug_is_caught[load_gguf_float16_arithmetic]":
         ("model", "dequantizes SmolLM2's GGUF tensors in float16"),
     "tests/test_meet_the_model_checks.py::test_bpe_*": ("model", "BPE over SmolLM2's 49k-token tokenizer"),
+    "tests/test_tiers.py::test_guard_stops_transformers_loading_smollm2": ("model", "imports transformers' auto classes"),
     "tests/test_meet_the_model_checks.py::test_bug_is_caught[bpe_from_characters]":
         ("model", "BPE over SmolLM2's tokenizer, from characters"),
     # grader: nbgrader (generate_assignment, its gradebook) in-process
@@ -224,7 +226,12 @@ def _is_smollm2_path(path) -> bool:
 
 # argv -> (what it starts, its tier): the commands a fast test may not start.
 def _command_tier(argv) -> tuple[str, str] | None:
-    if isinstance(argv, (str, bytes, os.PathLike)):
+    if isinstance(argv, (str, bytes)):  # a shell command line
+        try:
+            argv = shlex.split(os.fsdecode(argv))
+        except ValueError:
+            argv = [argv]
+    elif isinstance(argv, os.PathLike):
         argv = [argv]
     words = [os.fsdecode(a) if isinstance(a, (bytes, os.PathLike)) else str(a) for a in argv]
     names = [os.path.basename(w) for w in words]
@@ -293,13 +300,15 @@ def guard(nodeid: str):
         from_pretrained = modeling.PreTrainedModel.__dict__["from_pretrained"]
 
         @classmethod
-        def guarded_from_pretrained(cls, path=None, *args, **kwargs):
+        def guarded_from_pretrained(cls, *args, **kwargs):
+            path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
             gguf = kwargs.get("gguf_file")
-            if path is not None and (gguf and _is_smollm2_path(Path(path) / gguf) or _is_smollm2_path(path)
-                                     or _folder_bytes(path) > HEAVY_WEIGHTS_BYTES):
+            if isinstance(path, (str, os.PathLike)) and (
+                    gguf and _is_smollm2_path(Path(path) / gguf) or _is_smollm2_path(path)
+                    or _folder_bytes(path) > HEAVY_WEIGHTS_BYTES):
                 _fail(nodeid, f"loads SmolLM2 into transformers ({path})", "model",
                       "Give it the `hf_gguf_model` fixture")
-            return from_pretrained.__func__(cls, path, *args, **kwargs)
+            return from_pretrained.__func__(cls, *args, **kwargs)
 
         patch(modeling.PreTrainedModel, "from_pretrained", guarded_from_pretrained)
     try:
