@@ -11,7 +11,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 # Spinning OpenMP threads slow decode 5-10x on a busy machine (see lib/decodelab/__init__.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup lab test release grade gpu-check bench bench-deps clean-venv
+.PHONY: setup lab test test-fast release grade gpu-check bench bench-deps clean-venv
 
 setup: $(STAMP)
 
@@ -39,6 +39,12 @@ release: setup
 test: setup
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The fast tier (tests/tiers.py): every test that loads no SmolLM2, runs no grader, notebook or
+# browser and does no other slow work; a few minutes' feedback while you work. `make test` runs all.
+test-fast: setup
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python -m pytest -m fast $(PYTEST_ARGS)
 
 # On a CUDA machine (with its own torch): the tests marked `cuda` and three short benchmarks
 # (the tiny model; random weights of SmolLM2's shape against `transformers` on the same weights;

@@ -5,6 +5,7 @@ Everything heavy is session-scoped: the transformers GGUF load alone takes ~30 s
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 # Before torch is imported (see decodelab/__init__.py): spinning OpenMP threads make every
@@ -19,6 +20,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import tiers  # noqa: E402
 from oracles import memoized_gguf_reading, quiet_transformers  # noqa: E402
 
 # Two cores are shared with other jobs on the course machines; more threads only thrash.
@@ -26,13 +28,62 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_configure(config):
+    for name, description in tiers.MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {description}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the tiers are what `-m fast` selects on
 def pytest_collection_modifyitems(config, items):
+    table = tiers.assign(items)
+    config.stash[TIER_TABLE] = table
+    _TIERS.update(table)
+    if os.environ.get("DECODELAB_TIERS_OUT"):  # tests/test_tiers.py, on a collection of its own
+        import json
+        with open(os.environ["DECODELAB_TIERS_OUT"], "w") as out:
+            json.dump({"whole": whole_collection(config), "table": table}, out)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+TIER_TABLE = pytest.StashKey[dict]()
+
+
+def whole_collection(config) -> bool:
+    """Whether this run collected every test (so tests/test_tiers.py can check the maps in-process)."""
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    roots = {tests, tests.parent}
+    here = config.invocation_params.dir
+    return (all((here / arg.split("::", 1)[0]).resolve() in roots for arg in config.args)
+            and not any(config.getoption(name, None) for name in ("ignore", "ignore_glob", "deselect", "lf")))
+
+
+def _fast(item) -> bool:
+    return item.get_closest_marker("fast") is not None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with tiers.guard(item.nodeid) if _fast(item) else contextlib.nullcontext():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with tiers.guard(item.nodeid) if _fast(item) else contextlib.nullcontext():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    with tiers.guard(item.nodeid) if _fast(item) else contextlib.nullcontext():
+        return (yield)
 
 
 @pytest.fixture(scope="session")
@@ -88,12 +139,19 @@ def tiny_pair():
 
 # --------------------------------------------------------------------------- time per test file
 _SECONDS_PER_FILE: dict[str, float] = {}
+_SECONDS_PER_TIER: dict[str, tuple[float, set]] = {}
+_TIERS: dict[str, dict] = {}  # nodeid -> tests/tiers.py's row for it
 
 
 def pytest_runtest_logreport(report):
     """Sum setup + call + teardown seconds per test file (the issues give CI budgets per part)."""
     path = report.nodeid.split("::", 1)[0]
     _SECONDS_PER_FILE[path] = _SECONDS_PER_FILE.get(path, 0.0) + report.duration
+    row = _TIERS.get(report.nodeid)
+    if row is not None:
+        tier = "+".join(row["tiers"])
+        seconds, nodes = _SECONDS_PER_TIER.get(tier, (0.0, set()))
+        _SECONDS_PER_TIER[tier] = (seconds + report.duration, nodes | {report.nodeid})
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -102,3 +160,6 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("seconds per test file (slowest 12)")
     for path, seconds in sorted(_SECONDS_PER_FILE.items(), key=lambda item: -item[1])[:12]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+    terminalreporter.section("seconds per tier (tests/tiers.py)")
+    for tier, (seconds, nodes) in sorted(_SECONDS_PER_TIER.items(), key=lambda item: -item[1][0]):
+        terminalreporter.write_line(f"{seconds:8.1f}s  {tier} ({len(nodes)} tests)")
