@@ -67,7 +67,6 @@ FILE_TIERS: dict[str, tuple[str, str]] = {
 NODE_TIERS: dict[str, tuple[str, str]] = {
     # model: SmolLM2 (its weights, its GGUF, its tokenizer) or transformers as the oracle
     "tests/test_beam_search.py::test_tiny_matches_transformers": ("model", "transformers' beam search as the oracle"),
-    "tests/test_errors_and_cli.py::test_cli_bad_flags": ("model", "python -m decodelab generate on SmolLM2, refused"),
     "tests/test_forward_pass_checks.py::test_messages_name_the_case": ("model", "reads SmolLM2's GGUF (2 layers)"),
     "tests/test_forward_pass_checks.py::test_bug_is_caught[load_gguf_float16_arithmetic]":
         ("model", "dequantizes SmolLM2's GGUF tensors in float16"),
