@@ -45,13 +45,12 @@ from typing import Iterator
 
 from autograder import student_files
 from autograder.notes import short
-from decodelab.course.hints import COUNTER_FILE
+from decodelab.course.hints import COUNTER_FILE, MAX_COUNTER_BYTES
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 RESOURCE = "grader"
 MAX_TRIES = 3
-HINT_COUNTS_MAX_BYTES = 64 * 1024
 LOST_NOTE = "grader: the worker was lost, graded again"
 SMOLLM2_DIR = "smollm2-135m-instruct"  # decodelab.model.registry.SMOLLM2_DIR_NAME (a test checks)
 RISK = ("whoever can reach a Dask scheduler can run any code, as root, on its workers (grading workers "
@@ -190,7 +189,7 @@ def hint_counts_beside(notebook: Path) -> bytes | None:
     """The bytes of the hint counter submitted beside a notebook (a small regular file, never
     through a link), or None."""
     try:
-        return student_files.read_bytes(notebook.parent / COUNTER_FILE, HINT_COUNTS_MAX_BYTES)
+        return student_files.read_bytes(notebook.parent / COUNTER_FILE, MAX_COUNTER_BYTES)
     except (OSError, ValueError):
         return None
 

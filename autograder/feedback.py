@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 # What nbgrader's exchange writes into each submission (submit) and `release_feedback` reads beside
 # each feedback HTML: the submission time and the secret that names the released file.
 EXCHANGE_FILES = ("timestamp.txt", "submission_secret.txt")
+EXCHANGE_FILE_MAX_BYTES = 4096  # larger is not the exchange's: not copied
 
 
 def copy_exchange_files(submitted: Path | None, feedback: Path) -> list[str]:
@@ -29,7 +30,7 @@ def copy_exchange_files(submitted: Path | None, feedback: Path) -> list[str]:
         if submitted is None:
             continue
         try:
-            data = student_files.read_bytes(submitted / name, 4096)
+            data = student_files.read_bytes(submitted / name, EXCHANGE_FILE_MAX_BYTES)
         except (OSError, ValueError):  # absent, a link, a folder, too large: not copied
             continue
         target.write_bytes(data)
