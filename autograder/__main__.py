@@ -4,6 +4,7 @@
     python -m autograder grade --assignment NAME --submissions DIR --out grades.csv [--feedback DIR] [--workers N]
     python -m autograder export --format canvas --grades grades.csv --roster canvas_export.csv --out canvas.csv
     python -m autograder export --format long --grades grades.csv --out cells.csv
+    python -m autograder report --assignment NAME --grades grades.csv [--submissions DIR] [--out report.html] [--json]
     python -m autograder scheduler --scheduler-file sched.json ...   # then: python -m autograder worker --scheduler-file sched.json
 """
 import sys
@@ -11,6 +12,7 @@ import sys
 COMMANDS = {
     "grade": "grade a class's submissions (nbgrader, sandboxed kernels) into grades.csv and the gradebook",
     "export": "write grades.csv for an LMS: a filled Canvas gradebook import, or one row per test cell",
+    "report": "one HTML page (or JSON) on how the class did: scores, failures per test cell, hints, predictions",
     "scheduler": "start a Dask scheduler that can read the grader's tasks (run it from the repository root)",
     "worker": "start Dask grading workers, one submission at a time each (run it from the repository root)",
 }
@@ -37,6 +39,10 @@ def main(argv: list[str]) -> int:
         from autograder.export import main as export
 
         return export(argv[1:])
+    if argv[0] == "report":
+        from autograder.report import main as report
+
+        return report(argv[1:])
     if argv[0] in ("scheduler", "worker"):
         from autograder.dask_cli import main as dask_cli
 

@@ -5,8 +5,9 @@ from pathlib import Path
 
 
 def short(text, n: int = 120) -> str:
-    """text on one line, cut to n characters with an ellipsis."""
-    text = " ".join(str(text).split())
+    """text on one line, without "; " (the column's separator: a failure message such as "you predicted
+    2; the answer is 8" would read as two notes), cut to n characters with an ellipsis."""
+    text = " ".join(str(text).split()).replace("; ", ", ")
     return text if len(text) <= n else text[: n - 1] + "…"
 
 

@@ -15,9 +15,11 @@ check the refusal and grade the cases that do not need isolation with --no-sandb
 """
 from __future__ import annotations
 
+import collections
 import copy
 import csv
 import hashlib
+import json
 import os
 import re
 import socket
@@ -509,6 +511,45 @@ def test_exports_of_the_graded_class(graded, tmp_path):
     assert filled[2:] == [f"One,1,,correct,A,{MAX:g},90", f"Two,2,wrong,w2,A,{_expected_score('wrong'):g},80",
                           "Three,3,,nobody,A,1,70"]
     assert "not in the roster" in result.stderr and "Three (nobody)" in result.stderr
+
+
+def test_report_numbers_equal_the_gradebook(graded, tmp_path):
+    """`python -m autograder report --json` on the graded class: its per-cell counts equal those read
+    from nbgrader's gradebook directly, its statuses and flags those of the CSV, and the correct
+    student's predictions equal the solution's answers; the HTML page is written too."""
+    from nbgrader.api import Gradebook
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "lib")]))
+    out = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, "-m", "autograder", "report", "--assignment", NAME, "--grades",
+                             str(graded["out"]), "--submissions", str(graded["subs"]), "--json", "--out", str(out)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    got = json.loads(out.read_text())
+    rows = graded["rows"]
+    assert got["students"] == len(rows)
+    assert got["statuses"] == dict(collections.Counter(r["status"] for r in rows.values()))
+    expected: dict[str, list] = {}
+    with Gradebook(f"sqlite:///{graded['out_dir'] / 'gradebook.db'}") as gb:
+        for student in rows:
+            for notebook in gb.find_submission(NAME, student).notebooks:
+                for grade in notebook.grades:
+                    expected.setdefault(grade.name, []).append(grade.score == grade.max_score)
+    cells = {c["grade_id"]: c for c in got["cells"]}
+    assert {g: (c["graded"], c["full_marks"]) for g, c in cells.items()} == \
+           {g: (len(v), sum(v)) for g, v in expected.items()}
+    failing = {g for g, v in expected.items() if not all(v) and not g.startswith("test_q_")}
+    assert set(got["failed_most"]) == failing and "test_count_parameters" in failing
+    assert any(m["count"] >= 1 for m in cells["test_count_parameters"]["messages"])
+    assert set(got["integrity"]) == {s for s, r in rows.items() if "integrity:" in r["notes"]}
+    assert set(got["late"]) == {s for s, r in rows.items() if r["late_penalty"] not in ("", "0")}
+    for prediction in got["predictions"]:
+        assert prediction["answers"]["correct"] == pytest.approx(prediction["truth"]), prediction
+        assert prediction["answers"]["stub"] is None
+    page = subprocess.run([sys.executable, "-m", "autograder", "report", "--assignment", NAME, "--grades",
+                           str(graded["out"]), "--out", str(tmp_path / "report.html")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert page.returncode == 0 and "Failed most" in (tmp_path / "report.html").read_text(), page.stderr
 
 
 @pytest.mark.skipif(not AS_ROOT, reason="the sandbox needs root")

@@ -78,6 +78,10 @@ NODE_TIERS: dict[str, tuple[str, str]] = {
     "tests/test_notebooks.py::test_release_in_sync": ("grader", "nbgrader generate_assignment of every notebook"),
     "tests/test_versions.py::test_release_writes_the_version": ("grader", "nbgrader generate_assignment"),
     "tests/test_export.py::test_long_one_row_per_student_and_test_cell": ("grader", "an nbgrader gradebook (SQLAlchemy)"),
+    "tests/test_report.py::test_numbers_of_a_small_class": ("grader", "an nbgrader gradebook (SQLAlchemy)"),
+    "tests/test_report.py::test_page_escapes_student_text_and_inlines_plotly": ("grader", "an nbgrader gradebook"),
+    "tests/test_report.py::test_cli_writes_json_and_html_and_refuses_bad_input":
+        ("grader", "an nbgrader gradebook, and python -m autograder report in subprocesses"),
     "tests/test_late.py::test_recorded_in_nbgraders_gradebook_with_extensions": ("grader", "an nbgrader gradebook"),
     # notebook: a notebook's cells run
     "tests/test_notebooks.py::test_visible_tests_pass_on_reference_and_catch_bugs":
