@@ -40,3 +40,15 @@ def without_hidden_tests(source: str) -> str:
     if lines and not lines[-1].strip():
         lines = lines[:-1]
     return ("\n".join(lines) + tail.lstrip("\n")).rstrip("\n") if tail.strip() else "\n".join(lines).rstrip("\n")
+
+
+def strip_hidden_tests(nb) -> None:
+    """In place, for a graded notebook a person will read (feedback, formgrader): each cell without its
+    hidden tests, and each error output cut to its one line (a traceback quotes the hidden-test lines)."""
+    for cell in nb.cells:
+        while HIDDEN_BEGIN in cell.source:
+            stripped = without_hidden_tests(cell.source)
+            cell.source = stripped if stripped != cell.source else cell.source.split(HIDDEN_BEGIN)[0]
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "error":
+                output["traceback"] = [f"{output.get('ename', '')}: {output.get('evalue', '')}"]

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autograder import student_files
-from autograder.cells import HIDDEN_BEGIN
+from autograder.cells import strip_hidden_tests
 
 if TYPE_CHECKING:
     from autograder.submission import Result, Settings
@@ -66,12 +66,7 @@ def write_feedback(result: Result, settings: Settings, folder: Path, score: floa
                               "student": result.student, "db_url": settings.db_url}}
     nb, resources = GetGrades().preprocess(nb, resources)
     nb, resources = ClearHiddenTests().preprocess(nb, resources)
-    for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            if output.output_type == "error":  # the traceback would quote the hidden-test lines
-                output.traceback = [f"{output.get('ename', '')}: {output.get('evalue', '')}"]
-        if HIDDEN_BEGIN in cell.source:  # belt and braces
-            cell.source = cell.source.split(HIDDEN_BEGIN)[0]
+    strip_hidden_tests(nb)  # belt and braces, and the tracebacks
     LimitOutput(max_lines=200).preprocess(nb, resources)
     summary = nbformat.v4.new_markdown_cell(f"**Grader: {result.status}.** "
                                             + html.escape("; ".join(notes) or "no problems"))

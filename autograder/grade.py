@@ -42,7 +42,10 @@ the submission graded again, or why a worker refused it).
 
 Feedback (--feedback DIR) is nbgrader's layout, DIR/<student>/<assignment>/<notebook>.html with the
 submission's timestamp.txt and submission_secret.txt beside it: `nbgrader release_feedback` releases it
-as it is (README, "Through nbgrader's exchange").
+as it is (README, "Through nbgrader's exchange"). The graded notebooks themselves (hidden tests removed)
+go to nbgrader's autograded layout, AUTOGRADED/<student>/<assignment>/ (--autograded, default autograded/
+beside --out), where formgrader finds them for grading by hand; a manual score or comment set there
+survives every regrade, and a "by hand:" note names the answers still waiting for one.
 
 Where kernels run: a local process pool of --workers processes, each holding one host-wide
 sandbox slot (autograder/slots.py: a kernel uid no other grader on the host uses), or, with
@@ -75,6 +78,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 from pathlib import Path
 
+from autograder.autograded import write_autograded
 from autograder.feedback import write_feedback
 from autograder.gradebook import prepare_course, save_grades, set_due_date
 from autograder.grades_csv import GradesFileError, read_csv, write_csv
@@ -146,18 +150,20 @@ def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path
                 cell_timeout: float = 300, notebook_timeout: float = 1800, memory_bytes: int = 4 * 2**30,
                 max_processes: int = 128, output_limit: int = 1_000_000, progress: bool = True,
                 due: str | None = None, late_flags: list[str] | None = None, replace_late_policy: bool = False,
-                cluster=None) -> list[dict]:
+                cluster=None, autograded: Path | None = None) -> list[dict]:
     """Grade every student folder in submissions; returns the rows written for this run.
 
     `due`: a due date to write into the gradebook first ("none" removes it; None keeps what it
     has); `late_flags`: `--Class.trait=value` settings over nbgrader_config.py for the late policy
     (none: those the assignment was first graded with, kept in the gradebook; late.policy_of_run);
-    `cluster`: an autograder.cluster.Cluster to grade on Dask workers instead of a local pool."""
+    `cluster`: an autograder.cluster.Cluster to grade on Dask workers instead of a local pool;
+    `autograded`: where the graded notebooks go for formgrader (default autograded/ beside out)."""
     from autograder import sandbox
     from autograder.release import library_version
 
     submissions, out = submissions.resolve(), out.resolve()
     gradebook = (gradebook or out.with_name("gradebook.db")).resolve()
+    autograded = (autograded or out.with_name("autograded")).resolve()
     policy, late_flags = policy_of_run(gradebook, assignment, late_flags or [], replace_late_policy)
     if due is not None:
         parse_due(due, policy)  # refused before any work
@@ -175,7 +181,8 @@ def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path
     work = Path(tempfile.mkdtemp(prefix="decodelab-grade-"))
     os.chmod(work, 0o711)  # kernels traverse to their own folder; nothing else here is theirs
     # What no kernel may read: every path the grader owns (the repository itself: sandbox.repository_hidden).
-    hide = [submissions, work / "course", gradebook, out, source.resolve()] + ([feedback.resolve()] if feedback else [])
+    hide = [submissions, work / "course", gradebook, out, source.resolve(), autograded] + \
+        ([feedback.resolve()] if feedback else [])
     try:
         if sandbox_on and cluster is None:  # on a cluster, each worker checks its own machine
             sandbox.preflight(work, limits, hide)
@@ -187,13 +194,14 @@ def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path
                             work=str(work), cell_timeout=cell_timeout, notebook_timeout=notebook_timeout,
                             output_limit=output_limit, sandbox=sandbox_on, limits=asdict(limits),
                             hide=[str(p) for p in hide + [work / "c"]], version=library_version())
-        return _run(settings, submissions, out, feedback, workers, progress, policy, cluster, gradebook)
+        return _run(settings, submissions, out, feedback, workers, progress, policy, cluster, gradebook, autograded)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None, workers: int,
-         progress: bool, policy=None, cluster=None, gradebook: Path | None = None) -> list[dict]:
+         progress: bool, policy=None, cluster=None, gradebook: Path | None = None,
+         autograded: Path | None = None) -> list[dict]:
     import multiprocessing
 
     from tqdm import tqdm
@@ -225,6 +233,8 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
         score, late = late_columns(result, settings, policy, folder, score)
         if feedback is not None:
             write_feedback(result, settings, feedback.resolve(), score, max_score, submitted=folder)
+        if autograded is not None:
+            write_autograded(result, settings, autograded)
         row = {"student": result.student, "assignment": settings.assignment, "score": number(score),
                "max_score": number(max_score), "status": result.status, "notes": "; ".join(result.notes), **late}
         key = (result.student, settings.assignment)
@@ -266,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--feedback", type=Path, help="write HTML feedback to FEEDBACK/<student>/<assignment>/, "
                         "with the submission's timestamp.txt and submission_secret.txt (nbgrader's feedback "
                         "layout: `nbgrader release_feedback` releases it)")
+    parser.add_argument("--autograded", type=Path, help="where the graded notebooks go, in nbgrader's layout "
+                        "AUTOGRADED/<student>/<assignment>/ (hidden tests removed), for grading by hand in "
+                        "formgrader (default: autograded/ beside --out)")
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="kernels at once")
     parser.add_argument("--no-sandbox", action="store_true", help="grade without isolation (said in every row)")
     parser.add_argument("--source", type=Path, default=ROOT / "solutions", help="nbgrader source notebooks")
@@ -332,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                            memory_bytes=int(args.memory * 2**30), max_processes=args.max_processes,
                            output_limit=args.output_limit, progress=not args.quiet, due=args.due,
                            late_flags=extra, replace_late_policy=args.replace_late_policy,
-                           cluster=cluster)
+                           cluster=cluster, autograded=args.autograded)
     except sandbox.SandboxUnavailable as exc:
         print(f"autograder grade: refusing to run learners' code: {exc}", file=sys.stderr)
         return 3

@@ -70,6 +70,10 @@ def save_grades(result: Result, settings: Settings) -> tuple[float, float]:
         SaveAutoGrades().preprocess(nb, resources)
     with Gradebook(settings.db_url) as gb:
         sub = gb.find_submission_notebook(notebook_id, settings.assignment, result.student)
+        waiting = [f"{g.name} ({g.max_score:g} points)" for g in sorted(sub.grades, key=lambda g: g.name)
+                   if g.auto_score is None and g.manual_score is None and result.notebook is not None]
+        if waiting:
+            result.notes.append(f"by hand: {', '.join(waiting)} to grade in formgrader (not in the score yet)")
         return float(sub.score), float(sub.max_score)
 
 

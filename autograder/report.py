@@ -48,7 +48,8 @@ class CellStats:
     """One graded cell across the class (from the gradebook; `messages` from the notes)."""
     grade_id: str
     max_points: float
-    graded: int = 0                 # submissions with this cell in the gradebook
+    graded: int = 0                 # submissions with a score for this cell
+    waiting: int = 0                # submissions whose answer waits for a person (formgrader): not graded yet
     full_marks: int = 0
     total_points: float = 0.0
     messages: list = field(default_factory=list)  # [{"message": example, "pattern": masked, "count": n}]
@@ -126,6 +127,9 @@ def read_cells(gradebook: Path, assignment: str, students: list[str]) -> tuple[d
                 for notebook in submission.notebooks:
                     for grade in notebook.grades:
                         stats = cells.setdefault(grade.name, CellStats(grade.name, float(grade.max_score)))
+                        if grade.auto_score is None and grade.manual_score is None:
+                            stats.waiting += 1
+                            continue
                         stats.graded += 1
                         stats.total_points += float(grade.score)
                         stats.full_marks += float(grade.score) >= float(grade.max_score)

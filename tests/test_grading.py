@@ -64,7 +64,9 @@ def _points(grade_id: str | None = None) -> float:
 # every other answer cell of the notebook (its predictions, any other exercise, all of them before the bound
 # exercise) holds the solution in every _trimmed submission, so they add OTHER points wherever it runs.
 MAX = _points()
-OTHER = MAX - _points("test_count_parameters") - _points("test_decode_tokens_per_second_bound")
+BY_HAND = {_gid(c): float(c.metadata.nbgrader["points"]) for c in read(solution_path(NAME)).cells
+           if (_gid(c) or "").startswith("explain_") and c.metadata.nbgrader.get("solution")}  # written answers a person grades in formgrader: 0 until then
+OTHER = MAX - _points("test_count_parameters") - _points("test_decode_tokens_per_second_bound") - sum(BY_HAND.values())
 
 SOL_COUNT = _solution_source("ex_count_parameters")
 SOL_BOUND = _solution_source("ex_decode_tokens_per_second_bound")
@@ -224,7 +226,7 @@ TIMESTAMPS = {  # nbgrader's timestamp.txt of a few students
     "stripped_metadata": "2026-03-12 12:00:00 UTC",      # past the cut-off: the whole score
     "edited_test": "yesterday at noon",                  # malformed: a note, no penalty
 }
-LATE_PENALTY = {"big_output": 2, "stripped_metadata": MAX}
+LATE_PENALTY = {"big_output": 2, "stripped_metadata": _expected_score("stripped_metadata")}  # past the cut-off: all it earned
 
 
 def build_class(root: Path, port: int, out_dir: Path) -> Path:
@@ -452,9 +454,9 @@ def test_late_penalties(graded):
 
     rows = graded["rows"]
     got = {s: (rows[s]["submitted_at"], rows[s]["late_penalty"], float(rows[s]["score"])) for s in TIMESTAMPS}
-    assert got == {"correct": ("2026-03-01T15:59:00+00:00", "0", MAX),
+    assert got == {"correct": ("2026-03-01T15:59:00+00:00", "0", _expected_score("correct")),
                    "big_output": ("2026-03-03T04:00:00+00:00", "2", _expected_score("big_output") - 2),
-                   "stripped_metadata": ("2026-03-12T12:00:00+00:00", f"{MAX:g}", 0.0),
+                   "stripped_metadata": ("2026-03-12T12:00:00+00:00", f"{_expected_score('stripped_metadata'):g}", 0.0),
                    "edited_test": ("", "", _expected_score("edited_test"))}
     notes = {s: r["notes"].split("; ") for s, r in rows.items()}
     assert ("late: submitted 2026-03-03T04:00:00+00:00, 1.5 day(s) after the due date 2026-03-01T16:00:00+00:00: "
@@ -508,7 +510,7 @@ def test_exports_of_the_graded_class(graded, tmp_path):
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     filled = (tmp_path / "canvas.csv").read_text().splitlines()
-    assert filled[2:] == [f"One,1,,correct,A,{MAX:g},90", f"Two,2,wrong,w2,A,{_expected_score('wrong'):g},80",
+    assert filled[2:] == [f"One,1,,correct,A,{_expected_score('correct'):g},90", f"Two,2,wrong,w2,A,{_expected_score('wrong'):g},80",
                           "Three,3,,nobody,A,1,70"]
     assert "not in the roster" in result.stderr and "Three (nobody)" in result.stderr
 
@@ -534,11 +536,13 @@ def test_report_numbers_equal_the_gradebook(graded, tmp_path):
         for student in rows:
             for notebook in gb.find_submission(NAME, student).notebooks:
                 for grade in notebook.grades:
-                    expected.setdefault(grade.name, []).append(grade.score == grade.max_score)
+                    waiting = grade.auto_score is None and grade.manual_score is None
+                    expected.setdefault(grade.name, []).append(None if waiting else grade.score == grade.max_score)
     cells = {c["grade_id"]: c for c in got["cells"]}
-    assert {g: (c["graded"], c["full_marks"]) for g, c in cells.items()} == \
-           {g: (len(v), sum(v)) for g, v in expected.items()}
-    failing = {g for g, v in expected.items() if not all(v) and not g.startswith("test_q_")}
+    assert {g: (c["graded"], c["full_marks"], c["waiting"]) for g, c in cells.items()} == \
+           {g: (sum(x is not None for x in v), sum(x is True for x in v), v.count(None)) for g, v in expected.items()}
+    assert all(cells[g]["waiting"] > 0 and cells[g]["graded"] == 0 for g in BY_HAND)  # none scored by hand yet
+    failing = {g for g, v in expected.items() if False in v and not g.startswith("test_q_")}
     assert set(got["failed_most"]) == failing and "test_count_parameters" in failing
     assert any(m["count"] >= 1 for m in cells["test_count_parameters"]["messages"])
     assert set(got["integrity"]) == {s for s, r in rows.items() if "integrity:" in r["notes"]}
@@ -618,18 +622,48 @@ def test_regrade_keeps_manual_scores_late_policy_and_columns(graded, tmp_path):
         writer.writeheader()
         writer.writerows({**r, "ta_comment": f"seen by TA ({r['student']})"} for r in rows)
     shutil.copy(graded["out_dir"] / "gradebook.db", tmp_path / "gradebook.db")
+    (written,) = BY_HAND  # the written answer, graded in formgrader: what its page writes, through nbgrader's API
+    comment = "Right about the bytes per token; quote your own bandwidth next time."
     with Gradebook(f"sqlite:///{tmp_path / 'gradebook.db'}") as gb:
         gb.find_grade("test_count_parameters", NAME, NAME, student).manual_score = 1  # of 2
+        gb.find_grade(written, NAME, NAME, student).manual_score = 1.5
+        gb.find_comment(written, NAME, NAME, student).manual_comment = comment
         gb.db.commit()
-    result = _grade(subs, out, *([] if AS_ROOT else ["--no-sandbox"]))
+    assert f"by hand: {written} ({BY_HAND[written]:g} points) to grade in formgrader (not in the score yet)" in \
+        graded["rows"][student]["notes"].split("; ")
+    feedback = tmp_path / "feedback"
+    result = _grade(subs, out, "--feedback", str(feedback), *([] if AS_ROOT else ["--no-sandbox"]))
     assert result.returncode == 0, result.stderr[-3000:]
     after = _rows(out)
-    assert float(after[student]["score"]) == _expected_score(student) - 1 - 2, after[student]
+    assert float(after[student]["score"]) == _expected_score(student) - 1 - 2 + 1.5, after[student]
     assert after[student]["late_penalty"] == "2"
-    assert "manual: test_count_parameters 1 (scored by hand, kept)" in after[student]["notes"].split("; ")
+    notes = after[student]["notes"].split("; ")
+    assert f"manual: test_count_parameters 1, {written} 1.5 (scored by hand, kept)" in notes, notes
+    assert not any(n.startswith("by hand:") for n in notes), notes
     assert all(r["ta_comment"] == f"seen by TA ({s})" for s, r in after.items()), after
     with Gradebook(f"sqlite:///{tmp_path / 'gradebook.db'}") as gb:
         assert gb.find_grade("test_count_parameters", NAME, NAME, student).manual_score == 1
+        assert gb.find_grade(written, NAME, NAME, student).manual_score == 1.5
+        assert gb.find_comment(written, NAME, NAME, student).manual_comment == comment
+    page = next(feedback.glob(f"{student}/{NAME}/*.html")).read_text()
+    assert "quote your own bandwidth next time" in page
+    assert re.search(r"1\.5\s*/\s*2", page), "the manual score of the written answer is not in the feedback"
+    graded_nb = nbformat.read(tmp_path / "autograded" / student / NAME / f"{NAME}.ipynb", as_version=4)
+    assert not any("BEGIN HIDDEN TESTS" in c.source or "hidden(" in c.source for c in graded_nb.cells)
+    assert any(c.get("outputs") for c in graded_nb.cells if c.cell_type == "code")  # as graded, outputs kept
+
+
+def test_graded_notebooks_wait_for_formgrader(graded):
+    """grade writes nbgrader's autograded/<student>/<assignment>/ beside the CSV (formgrader's layout), without
+    hidden tests; a submission that never ran has none."""
+    folder = graded["out_dir"] / "autograded"
+    for student, row in graded["rows"].items():
+        path = folder / student / NAME / f"{NAME}.ipynb"
+        ran = row["status"] not in ("missing", "unreadable")
+        assert path.is_file() == ran, (student, row["status"])
+        if ran:
+            text = path.read_text()
+            assert "BEGIN HIDDEN TESTS" not in text and "autograder.run" not in text, student
 
 
 @pytest.mark.parametrize("flags, says", [

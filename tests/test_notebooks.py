@@ -77,10 +77,16 @@ def test_conventions(name):
     answers = {grade_id(c) for c in nb.cells if c.metadata.get("nbgrader", {}).get("solution")}
     solutions = {g for g in answers if g.startswith("ex_")}
     predictions = {g for g in answers if g.startswith("q_")}
+    by_hand = {g for g in answers if g.startswith("explain_")}
     tests = exercise_test_ids(nb)
     assert 2 <= len(tests) <= 7, f"{name}: {len(tests)} graded exercises; the course wants 2 to 7"
-    assert answers == solutions | predictions, \
-        f"{name}: solution cells must be named ex_<function> or q_<prediction>: {sorted(answers)}"
+    assert answers == solutions | predictions | by_hand, \
+        f"{name}: solution cells must be named ex_<function>, q_<prediction> or explain_<topic>: {sorted(answers)}"
+    for gid in sorted(by_hand):  # a written answer a person grades in formgrader (issue 32)
+        cell = next(c for c in nb.cells if grade_id(c) == gid)
+        role = cell.metadata["nbgrader"]
+        assert cell.cell_type == "markdown" and role.get("grade") and role.get("points", 0) > 0, \
+            f"{name}/{gid}: a by-hand answer is a graded markdown answer cell with points"
     assert {g.removeprefix("ex_") for g in solutions} == {g.removeprefix("test_") for g in tests}, \
         f"{name}: every ex_<function> needs a test_<function> and back: {sorted(solutions)} vs {sorted(tests)}"
     for gid in sorted(tests):
@@ -375,8 +381,12 @@ def autograded_solution(tmp_path_factory):
 def test_autograde_solution_full_marks(name, autograded_solution):
     result = autograded_solution(name)
     assert result["max_score"] > 0
-    assert result["score"] == result["max_score"], (
+    nb = read(solution_path(name))
+    by_hand = {grade_id(c): float(c.metadata["nbgrader"]["points"]) for c in nb.cells
+               if (grade_id(c) or "").startswith("explain_") and c.metadata["nbgrader"].get("solution")}  # written answers wait for a person: 0 until then
+    assert result["score"] == result["max_score"] - sum(by_hand.values()), (
         f"{name}: autograde gave {result['score']} / {result['max_score']}; cells that lost points: {result['lost']}")
+    assert set(result["lost"]) == set(by_hand), f"{name}: cells that lost points: {result['lost']}"
 
 
 @pytest.mark.slow
