@@ -261,10 +261,7 @@ def quantization_explorer(measure, fp32_row: dict, cache: dict | None = None):
     def redraw(*_):
         draw(fig)
 
-    for control in (bits, group):
-        control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.VBox([bits, group]), fig])
-    return finish_explorer(box, fig, {"bits": bits, "group_size": group}, redraw)
+    return finish_explorer(fig, {"bits": bits, "group_size": group}, redraw)
 
 
 def asymmetric_int4_error(w: torch.Tensor, block: int = 32) -> float:
