@@ -46,13 +46,11 @@ REFERENCES = {
 }
 
 __all__ = [
-    "check_apply_temperature",
     "check_top_k_filter",
     "check_top_p_filter",
     "check_repetition_penalty",
     "check_process_logits",
     "check_sample",
-    "check_probs",
     "check_beam_search",
     "check_q_top_p_uniform_kept",
     "check_q_frequency_std_error",
@@ -240,41 +238,6 @@ _NOT_MINUS_INF = "  (filtered entries must be exactly float('-inf'), not a large
 def _random_logits(shape, seed: int, scale: float = 3.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g) * scale
-
-
-# --------------------------------------------------------------------------- temperature
-
-
-def check_apply_temperature(fn) -> None:
-    """fn(logits [..., V], temperature) -> logits / temperature; ValueError for temperature <= 0."""
-    hf = _load_hf()
-    cases = [
-        ([2.0, -1.0, 0.0, 0.5], 0.5, "temperature < 1 sharpens: logits / 0.5 = 2 x logits"),
-        ([2.0, -1.0, 0.0, 0.5], 2.0, "temperature > 1 flattens: logits / 2"),
-        ([2.0, -1.0, 0.0, 0.5], 1.0, "temperature 1 changes nothing"),
-        ([1e4, -1e4, NEG_INF, 3.0], 0.5, "extreme values; -inf stays -inf"),
-        ([[1.0, -2.0, 3.0], [0.0, 4.0, NEG_INF]], 0.25, "leading dim [2]"),
-    ]
-    for values, t, note in cases:
-        x = torch.tensor(values)
-        before = x.clone()
-        desc = f"apply_temperature(logits, temperature={t})"
-        got = call(f"{desc} on logits {format_values(x)}", fn, x, t)
-        _check_unchanged(desc, before, x)
-        _compare(desc, x, _ref_temperature(x, t), got, source="logits / temperature", note=note)
-    for i, (shape, t) in enumerate([((7,), 0.7), ((3, 11), 1.8), ((2, 3, 50), 0.3), ((2, 3, 50), 1.0)]):
-        x = _random_logits(shape, seed=100 + i)
-        desc = f"apply_temperature(logits, temperature={t}) on random logits of shape {list(shape)}"
-        got = call(desc, fn, x.clone(), t)
-        if hf is not None:
-            expected, source = _hf_apply(hf.temperature(float(t)), x), "Hugging Face TemperatureLogitsWarper"
-        else:
-            expected, source = _ref_temperature(x, t), "logits / temperature"
-        _compare(desc, x, expected, got, source=source)
-    x = torch.tensor([1.0, 2.0, 3.0])
-    for t in (0.0, -1.0):
-        expect_raises(f"apply_temperature(logits, temperature={t})", ValueError,
-                      "temperature must be > 0; 0 means greedy decoding, which never divides", fn, x, t)
 
 
 # --------------------------------------------------------------------------- top-k
@@ -679,35 +642,6 @@ def check_sample(fn) -> None:
     if torch.equal(first, other):
         raise AssertionError(f"{desc}: generators seeded 1234 and 4321 gave exactly the same 2000 ids; "
                              "the draws must come from the `generator` argument")
-
-
-def check_probs(fn) -> None:
-    """fn(logits [..., V], params) -> the distribution sample draws from (one-hot when greedy)."""
-    cases = [(values, t, k, p) for values, t, k, p in _FREQUENCY_CASES]
-    cases += [
-        ([2.0, 1.0, 0.5, -1.0], 1.0, 0, 0.9),
-        ([3.0, 1.0, 2.0, 2.0, 0.5], 0.5, 2, 1.0),
-        ([[0.5, 3.0, 3.0, -1.0], [4.0, 4.0, 1.0, NEG_INF]], 0.0, 0, 1.0),
-        (_random_logits((2, 3, 12), seed=600).tolist(), 0.9, 5, 0.8),
-    ]
-    for values, t, k, p in cases:
-        x = torch.tensor(values)
-        desc = f"probs(logits, {_params_str(t, k, p)})"
-        got = call(f"{desc} on logits {format_values(x)}", fn, x.clone(), _params(t, k, p))
-        _check_tensor(desc, got, x)
-        expected = _ref_sampling_probs(x, t, k, p)
-        g = got.detach().cpu().double()
-        bad = ~torch.isclose(g, expected, rtol=1e-4, atol=1e-6) | ((expected == 0) & (g != 0))
-        if bad.any():
-            r = int(bad.reshape(-1, x.shape[-1]).any(dim=-1).nonzero()[0])
-            rows = lambda v: v.reshape(-1, x.shape[-1])[r]  # noqa: E731
-            raise AssertionError(
-                f"{desc}: wrong distribution{_row_name(r, x.shape[:-1])}"
-                + (" (temperature 0: a one-hot on the argmax, lowest id among ties)" if t == 0 else
-                   " (temperature, then top-k, then top-p, then softmax; filtered tokens get exactly 0)")
-                + f"\n  input:    {format_values(rows(x))}"
-                + f"\n  expected: {format_values([round(v, 6) for v in rows(expected).tolist()])}"
-                + f"\n  got:      {format_values([round(v, 6) for v in rows(g).tolist()])}")
 
 
 # --------------------------------------------------------------------------- beam search
