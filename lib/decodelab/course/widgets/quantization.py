@@ -318,7 +318,7 @@ def linear_input(model, layer: int, name: str, token_ids: list[int]) -> tuple[to
     """(x [T, in], W [out, in]): what the linear `name` of decoder layer `layer` multiplies on token_ids."""
     module = model.model.layers[layer].get_submodule(name)
     seen = {}
-    handle = module.register_forward_hook(lambda mod, args, out: seen.setdefault("x", args[0][0].detach().float()))
+    handle = module.register_forward_hook(lambda _module, args, out: seen.setdefault("x", args[0][0].detach().float()))
     try:
         model(torch.tensor([token_ids], device=model.device))
     finally:
