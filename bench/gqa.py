@@ -27,7 +27,6 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -38,7 +37,7 @@ from decodelab.config import ModelConfig  # noqa: E402
 from decodelab.lessons.gqa import attention_kind, pool_model_kv_heads  # noqa: E402
 from decodelab.model.kv_cache import KVCache  # noqa: E402
 from decodelab.lessons.kv_size import kv_bytes, parameter_count  # noqa: E402
-from decodelab.lessons.measure import parameter_bytes, synchronize  # noqa: E402
+from decodelab.lessons.measure import parameter_bytes, timed  # noqa: E402
 from decodelab.model.llama import LlamaForCausalLM  # noqa: E402
 from decodelab.model.registry import load  # noqa: E402
 from decodelab.paths import PACKAGE_DATA  # noqa: E402
@@ -46,14 +45,6 @@ from decodelab.paths import PACKAGE_DATA  # noqa: E402
 SEED = {8: {"cache_MB": 32, "step_ms": 5.95}, 2: {"cache_MB": 8, "step_ms": 2.06}, 1: {"cache_MB": 4, "step_ms": 1.18}}
 SEED_SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)
-
-
-def timed(fn, device) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
 
 
 @torch.inference_mode()
@@ -69,7 +60,7 @@ def decode_step_times(models: dict, ids: torch.Tensor, rounds: int, device) -> d
     for r in range(rounds + 1):  # round 0 is a warm-up
         for name in (names if r % 2 == 0 else names[::-1]):
             caches[name].truncate(held)
-            t = timed(lambda: models[name](ids[:, -1:], kv_cache=caches[name]), device)
+            t = timed(lambda: models[name](ids[:, -1:], kv_cache=caches[name]), device)[0]
             if r:
                 times[name].append(t)
     return {name: {"step_s": statistics.median(v), "cache_bytes": caches[name].nbytes(), "all_s": v}

@@ -22,7 +22,6 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -30,21 +29,13 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from decodelab.model.kv_cache import KVCache  # noqa: E402
-from decodelab.lessons.measure import synchronize  # noqa: E402
+from decodelab.lessons.measure import timed  # noqa: E402
 from decodelab.model.registry import load  # noqa: E402
 from decodelab.paths import PACKAGE_DATA  # noqa: E402
 from decodelab.lessons.perplexity import heldout_text  # noqa: E402
 
 SEED_SPEEDUP = {16: 4.2, 511: 92.0}
 SEED_MAX_LOGIT_DIFF = 3e-6
-
-
-def timed(fn, device) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
 
 
 @torch.inference_mode()
@@ -66,7 +57,7 @@ def per_token_times(model, ids: torch.Tensor, positions: list[int], rounds: int)
             for name, fn in (order if r % 2 == 0 else order[::-1]):
                 if name == "cache":
                     cache.truncate(T - 1)
-                times[T][name].append(timed(fn, device))
+                times[T][name].append(timed(fn, device)[0])
     return {T: {name: statistics.median(v) for name, v in d.items()} | {"all": d} for T, d in times.items()}
 
 

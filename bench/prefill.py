@@ -25,7 +25,6 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -33,21 +32,13 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from decodelab.model.kv_cache import KVCache  # noqa: E402
-from decodelab.lessons.measure import synchronize  # noqa: E402
+from decodelab.lessons.measure import timed  # noqa: E402
 from decodelab.model.registry import load  # noqa: E402
 from decodelab.paths import PACKAGE_DATA  # noqa: E402
 from decodelab.lessons.perplexity import heldout_text  # noqa: E402
 from decodelab.lessons.prefill_decode import clone_cache, feed_one_by_one, measure_latency, prefill  # noqa: E402
 
 SEED = {"prefill_speedup": 4.1, "recompute_ms": 96.8, "reuse_ms": 13.4}
-
-
-def timed(fn, device) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
 
 
 def run_interleaved(variants: dict, rounds: int, device) -> dict:
@@ -58,7 +49,7 @@ def run_interleaved(variants: dict, rounds: int, device) -> dict:
     names = list(variants)
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
-            times[name].append(timed(variants[name], device))
+            times[name].append(timed(variants[name], device)[0])
     return {name: statistics.median(v) for name, v in times.items()} | {"all_s": times}
 
 
@@ -83,7 +74,7 @@ def bench_model(name: str, device, args) -> dict:
     prefix, suffix = ids[:args.prefix], ids[args.prefix:args.prefix + args.suffix]
     total = args.prefix + args.suffix
     prefix_cache = new_cache(total)
-    prefix_ms = 1e3 * timed(lambda: prefill(model, prefix, prefix_cache), device)  # paid once, shared
+    prefix_ms = 1e3 * timed(lambda: prefill(model, prefix, prefix_cache), device)[0]  # paid once, shared
     t = run_interleaved({"recompute": lambda: prefill(model, prefix + suffix, new_cache(total)),
                          "reuse": lambda: prefill(model, suffix, clone_cache(prefix_cache))},
                         args.rounds, device)

@@ -35,7 +35,6 @@ import os
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -43,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from decodelab.engine.llm import LLM  # noqa: E402
+from decodelab.lessons.measure import timed  # noqa: E402
 from decodelab.model.registry import resolve_model  # noqa: E402
 from decodelab.params import SamplingParams  # noqa: E402
 
@@ -72,12 +72,6 @@ def workload(tokenizer, n: int, seed: int, kind: str = "uniform"):
             max_tokens = min(256, 8 + round(-56 * math.log(1 - rng.random())))
         params.append(SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return prompts, params
-
-
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
 
 
 def run_static(llm, prompts, params, group):

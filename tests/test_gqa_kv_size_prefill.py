@@ -2,6 +2,8 @@
 
 The `check_*` functions state what a correct implementation must do; they pass on the
 reference modules and catch the kept buggy versions in fixtures/library/buggy_gqa_kv_size_prefill.py.
+The two that notebook 05 grades (`check_broadcast_gqa_attention`, `check_pool_kv_heads`) are its
+graded checks, imported from autograder/checks/gqa.py rather than copied.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autograder.checks.gqa import check_broadcast_gqa_attention, check_pool_kv_heads  # graded (notebook 05), not copied
 from decodelab.lessons import gqa, kv_size
 from decodelab.lessons import prefill_decode as pf
 from decodelab.model.attention import causal_attention
@@ -56,36 +59,6 @@ def check_group_query_attention(fn):
                             f"q_offset={offset}: differs from causal_attention by {err:.3g}")
 
 
-def check_broadcast_gqa_attention(fn):
-    """Equal to causal_attention within 1e-5 in float32, and no tensor of a [B, H, S, D] copy of K or V."""
-    check_group_query_attention(fn)
-    torch.manual_seed(3)
-    for h, h_kv, t, s in [(8, 2, 1, 1024), (8, 1, 3, 512), (9, 3, 2, 700)]:
-        q, k, v = torch.randn(2, h, t, 32), torch.randn(2, h_kv, s, 32), torch.randn(2, h_kv, s, 32)
-        out, seen = measure_tensor_memory(fn, q, k, v, s - t)
-        assert (out - causal_attention(q, k, v, s - t)).abs().max() < 1e-5
-        copy = 2 * h * s * 32 * 4  # one of K or V repeated to all H heads, float32
-        assert seen.peak_bytes < copy // 2, (
-            f"{h} query heads over {h_kv} KV heads, {t} queries over {s} keys: held {seen.peak_bytes:,} bytes "
-            f"at once (largest {seen.largest_shape}), a [2, {h}, {s}, 32] copy of K is {copy:,}")
-
-
-def check_pool_kv_heads(fn):
-    torch.manual_seed(2)
-    head_dim, hidden = 4, 6
-    for kv_heads, new in [(4, 2), (8, 2), (6, 3)]:
-        base = torch.randn(new * head_dim, hidden)  # the heads we expect back
-        group = kv_heads // new
-        copies = base.view(new, 1, head_dim, hidden).expand(new, group, head_dim, hidden)
-        expanded = copies.reshape(kv_heads * head_dim, hidden)  # head j = base head j // group
-        err = (fn(expanded, new, head_dim) - base).abs().max().item()
-        assert err < 1e-6, (f"pooling {kv_heads} KV heads (consecutive copies of {new}) to {new} should "
-                            f"give the {new} originals back, differs by {err:.3g}")
-    weight = torch.arange(4 * head_dim * hidden, dtype=torch.float32).view(4 * head_dim, hidden)
-    want = weight.view(2, 2, head_dim, hidden).mean(1).reshape(2 * head_dim, hidden)
-    assert torch.allclose(fn(weight, 2, head_dim), want), "new head i must be the mean of old heads 2i and 2i+1"
-
-
 def check_kv_bytes(fn):
     seed = {  # (preset, tokens, batch): bytes
         ("Llama-3.1-8B", 1, 1): 128 * KiB, ("Llama-3.1-8B", 4096, 1): 512 * MiB,
@@ -122,16 +95,20 @@ REFERENCE = {
 }
 
 
+CHECKS = {check.__name__: check for check in (
+    check_group_query_attention, check_broadcast_gqa_attention, check_pool_kv_heads, check_kv_bytes, check_prefill)}
+
+
 @pytest.mark.parametrize("check_name", sorted(REFERENCE))
 def test_reference_passes(check_name):
-    globals()[check_name](REFERENCE[check_name])
+    CHECKS[check_name](REFERENCE[check_name])
 
 
 @pytest.mark.parametrize("bug", sorted(buggy.BUGS))
 def test_bug_is_caught(bug):
     fn, check_name, what = buggy.BUGS[bug]
     with pytest.raises(AssertionError) as info:
-        globals()[check_name](fn)
+        CHECKS[check_name](fn)
     assert len(str(info.value)) > 40, f"{bug} ({what}): message too terse: {info.value}"
 
 

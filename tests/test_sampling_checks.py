@@ -17,13 +17,11 @@ from oracles import load_fixture
 buggy = load_fixture("buggy_sampling")
 
 REFERENCE = {
-    "check_apply_temperature": sampling.apply_temperature,
     "check_top_k_filter": sampling.top_k_filter,
     "check_top_p_filter": sampling.top_p_filter,
     "check_repetition_penalty": sampling.apply_repetition_penalty,
     "check_process_logits": process_logits,
     "check_sample": sampling.sample,
-    "check_probs": sampling.probs,
     "check_beam_search": beam_search,
 }
 
@@ -64,7 +62,7 @@ def test_messages_give_input_expected_and_got():
     message = str(info.value)
     assert "expected" in message and "got" in message and "tied" in message
     with pytest.raises(AssertionError, match="should raise ValueError"):
-        checks.check_apply_temperature(buggy.temperature_no_validation)
+        checks.check_top_k_filter(buggy.top_k_no_validation)
     frequency_message = r"frequency 0\.\d+, but its exact probability is 0\.6225.*standard errors"
     with pytest.raises(AssertionError, match=frequency_message):
         checks.check_sample(buggy.sample_ignores_temperature)

@@ -20,9 +20,12 @@ dtype", a module without `forward`) is a crash, reported with its message.
 """
 from __future__ import annotations
 
+import math
 import sysconfig
 
-__all__ = ["call", "expect_raises", "failure"]
+import torch
+
+__all__ = ["call", "expect_raises", "failure", "format_values"]
 
 _INSTALLED = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
 
@@ -68,6 +71,25 @@ def _shown(value) -> str:
         return f"{value.tolist()!r}" if size <= 16 else f"a tensor of shape {list(shape)}"
     text = repr(value)
     return text if len(text) <= 200 else text[:199] + "…"
+
+
+def format_values(x, digits: int = 6, max_values: int = 24) -> str:
+    """A number, a tensor or a nested list for a message: [a, b, ...] with floats to `digits`
+    significant digits (nan, inf and -inf by name); a tensor of more than `max_values` values by
+    its shape only."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() > max_values:
+            return f"<tensor of shape {list(x.shape)}>"
+        x = x.detach().cpu().tolist()
+    if isinstance(x, (list, tuple)):
+        return "[" + ", ".join(format_values(v, digits, max_values) for v in x) + "]"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        if math.isinf(x):
+            return "-inf" if x < 0 else "inf"
+        return f"{x:.{digits}g}"
+    return str(x)
 
 
 def expect_raises(what: str, error: type[Exception], why: str, fn, *args, **kwargs) -> None:

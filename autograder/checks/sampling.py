@@ -33,7 +33,7 @@ from statistics import NormalDist
 import torch
 
 from autograder.checks.answers import expect_answer
-from autograder.checks.calling import call, expect_raises
+from autograder.checks.calling import call, expect_raises, format_values
 
 # exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
 REFERENCES = {
@@ -46,13 +46,11 @@ REFERENCES = {
 }
 
 __all__ = [
-    "check_apply_temperature",
     "check_top_k_filter",
     "check_top_p_filter",
     "check_repetition_penalty",
     "check_process_logits",
     "check_sample",
-    "check_probs",
     "check_beam_search",
     "check_q_top_p_uniform_kept",
     "check_q_frequency_std_error",
@@ -169,29 +167,6 @@ def _ref_sampling_probs(logits: torch.Tensor, temperature: float, top_k: int, to
 # --------------------------------------------------------------------------- message helpers
 
 
-def _fmt_num(v: float) -> str:
-    if math.isnan(v):
-        return "nan"
-    if math.isinf(v):
-        return "-inf" if v < 0 else "inf"
-    return f"{v:.6g}"
-
-
-def _fmt(x) -> str:
-    """A tensor or nested list as [a, b, ...]; large tensors by shape only."""
-    if isinstance(x, torch.Tensor):
-        if x.numel() > 24:
-            return f"<tensor of shape {list(x.shape)}>"
-        x = x.detach().cpu().tolist()
-    if isinstance(x, (list, tuple)):
-        return "[" + ", ".join(_fmt(v) for v in x) + "]"
-    if isinstance(x, bool):
-        return str(x)
-    if isinstance(x, float):
-        return _fmt_num(x)
-    return str(x)
-
-
 def _row_name(index: int, lead_shape: torch.Size) -> str:
     if len(lead_shape) == 0:
         return ""
@@ -217,7 +192,7 @@ def _check_tensor(desc: str, got, like: torch.Tensor) -> None:
 def _check_unchanged(desc: str, before: torch.Tensor, after: torch.Tensor) -> None:
     if not torch.equal(before, after):
         raise AssertionError(
-            f"{desc} modified its input logits in place: {_fmt(before)} became {_fmt(after)}; "
+            f"{desc} modified its input logits in place: {format_values(before)} became {format_values(after)}; "
             "return a new tensor instead (the caller may still need the original logits)"
         )
 
@@ -246,14 +221,14 @@ def _compare(desc: str, x: torch.Tensor, expected: torch.Tensor, got, *, source:
     if (e_removed[r] & ~g_removed[r] & (gs[r] < -1e30)).any():
         lines.append(_NOT_MINUS_INF)
     if vocab <= 16:
-        lines += [f"  input:    {_fmt(xs[r])}",
-                  f"  expected: {_fmt(es[r])}   ({source})",
-                  f"  got:      {_fmt(gs[r])}"]
+        lines += [f"  input:    {format_values(xs[r])}",
+                  f"  expected: {format_values(es[r])}   ({source})",
+                  f"  got:      {format_values(gs[r])}"]
     else:
         lines.append(f"  expected from {source}; wrong tokens:")
         for i in bad[r].nonzero().flatten()[:6].tolist():
-            lines.append(f"    token {i}: input {_fmt_num(xs[r, i].item())}, expected {_fmt_num(es[r, i].item())}, "
-                         f"got {_fmt_num(gs[r, i].item())}")
+            lines.append(f"    token {i}: input {format_values(xs[r, i].item())}, "
+                         f"expected {format_values(es[r, i].item())}, got {format_values(gs[r, i].item())}")
     raise AssertionError("\n".join(lines))
 
 
@@ -263,41 +238,6 @@ _NOT_MINUS_INF = "  (filtered entries must be exactly float('-inf'), not a large
 def _random_logits(shape, seed: int, scale: float = 3.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g) * scale
-
-
-# --------------------------------------------------------------------------- temperature
-
-
-def check_apply_temperature(fn) -> None:
-    """fn(logits [..., V], temperature) -> logits / temperature; ValueError for temperature <= 0."""
-    hf = _load_hf()
-    cases = [
-        ([2.0, -1.0, 0.0, 0.5], 0.5, "temperature < 1 sharpens: logits / 0.5 = 2 x logits"),
-        ([2.0, -1.0, 0.0, 0.5], 2.0, "temperature > 1 flattens: logits / 2"),
-        ([2.0, -1.0, 0.0, 0.5], 1.0, "temperature 1 changes nothing"),
-        ([1e4, -1e4, NEG_INF, 3.0], 0.5, "extreme values; -inf stays -inf"),
-        ([[1.0, -2.0, 3.0], [0.0, 4.0, NEG_INF]], 0.25, "leading dim [2]"),
-    ]
-    for values, t, note in cases:
-        x = torch.tensor(values)
-        before = x.clone()
-        desc = f"apply_temperature(logits, temperature={t})"
-        got = call(f"{desc} on logits {_fmt(x)}", fn, x, t)
-        _check_unchanged(desc, before, x)
-        _compare(desc, x, _ref_temperature(x, t), got, source="logits / temperature", note=note)
-    for i, (shape, t) in enumerate([((7,), 0.7), ((3, 11), 1.8), ((2, 3, 50), 0.3), ((2, 3, 50), 1.0)]):
-        x = _random_logits(shape, seed=100 + i)
-        desc = f"apply_temperature(logits, temperature={t}) on random logits of shape {list(shape)}"
-        got = call(desc, fn, x.clone(), t)
-        if hf is not None:
-            expected, source = _hf_apply(hf.temperature(float(t)), x), "Hugging Face TemperatureLogitsWarper"
-        else:
-            expected, source = _ref_temperature(x, t), "logits / temperature"
-        _compare(desc, x, expected, got, source=source)
-    x = torch.tensor([1.0, 2.0, 3.0])
-    for t in (0.0, -1.0):
-        expect_raises(f"apply_temperature(logits, temperature={t})", ValueError,
-                      "temperature must be > 0; 0 means greedy decoding, which never divides", fn, x, t)
 
 
 # --------------------------------------------------------------------------- top-k
@@ -322,7 +262,7 @@ def check_top_k_filter(fn) -> None:
         x = torch.tensor(values)
         before = x.clone()
         desc = f"top_k_filter(logits, k={k})"
-        got = call(f"{desc} on logits {_fmt(x)}", fn, x, k)
+        got = call(f"{desc} on logits {format_values(x)}", fn, x, k)
         _check_unchanged(desc, before, x)
         _compare(desc, x, _ref_top_k(x, k), got, source="keep logits >= the k-th largest", note=note)
     randoms = [((9,), 3, 2.0), ((4, 13), 1, 2.0), ((4, 13), 5, 2.0), ((2, 3, 50), 10, 2.0), ((2, 3, 50), 50, 2.0)]
@@ -362,7 +302,7 @@ def _validate_top_p(desc: str, x: torch.Tensor, p: float, got, *, note: str = ""
     for r in range(xs.shape[0]):
         row, out = xs[r], gs[r]
         where = _row_name(r, x.shape[:-1])
-        shown = f"logits {_fmt(row)}" if vocab <= 16 else f"random logits of shape {list(x.shape)}"
+        shown = f"logits {format_values(row)}" if vocab <= 16 else f"random logits of shape {list(x.shape)}"
         removed = out == NEG_INF
         kept = ~removed
         n_got = int((kept & torch.isfinite(row)).sum())
@@ -374,10 +314,10 @@ def _validate_top_p(desc: str, x: torch.Tensor, p: float, got, *, note: str = ""
                 lines.append(f"  ({note})")
             if vocab <= 16:
                 probs = row.softmax(dim=-1)
-                lines += [f"  input:         {_fmt(row)}",
-                          f"  probabilities: {_fmt([round(v, 4) for v in probs.tolist()])}",
-                          f"  expected:      {_fmt(_ref_top_p(row, p))}",
-                          f"  got:           {_fmt(out)}"]
+                lines += [f"  input:         {format_values(row)}",
+                          f"  probabilities: {format_values([round(v, 4) for v in probs.tolist()])}",
+                          f"  expected:      {format_values(_ref_top_p(row, p))}",
+                          f"  got:           {format_values(out)}"]
             raise AssertionError("\n".join(lines))
 
         if torch.isnan(out).any():
@@ -387,8 +327,8 @@ def _validate_top_p(desc: str, x: torch.Tensor, p: float, got, *, note: str = ""
         changed = kept & ~torch.isclose(out, row, rtol=1e-6, atol=0.0)
         if changed.any():
             i = int(changed.nonzero()[0])
-            fail(f"kept token {i} must keep its logit {_fmt_num(row[i].item())} unchanged, "
-                 f"got {_fmt_num(out[i].item())} "
+            fail(f"kept token {i} must keep its logit {format_values(row[i].item())} unchanged, "
+                 f"got {format_values(out[i].item())} "
                  "(filtered tokens become -inf, the others stay as they are)")
         if n_exp >= 1 and n_got == 0:
             fail(f"kept 0 tokens for p={p}; top-p always keeps at least the most likely token")
@@ -398,8 +338,8 @@ def _validate_top_p(desc: str, x: torch.Tensor, p: float, got, *, note: str = ""
         if kept.any() and removed.any() and torch.isfinite(row[removed]).any():
             lowest_kept, highest_removed = row[kept].min().item(), row[removed].max().item()
             if highest_removed > lowest_kept:
-                fail(f"removed a token with logit {_fmt_num(highest_removed)} but kept one with "
-                     f"{_fmt_num(lowest_kept)}; top-p keeps the MOST likely tokens")
+                fail(f"removed a token with logit {format_values(highest_removed)} but kept one with "
+                     f"{format_values(lowest_kept)}; top-p keeps the MOST likely tokens")
         ordered = row[torch.isfinite(row)].sort(descending=True).values
         tie_at_boundary = 0 < n_exp < ordered.numel() and ordered[n_exp - 1] == ordered[n_exp]
         if hs is not None and len(allowed) == 1 and not tie_at_boundary:
@@ -433,7 +373,7 @@ def check_top_p_filter(fn) -> None:
         x = torch.tensor(values)
         before = x.clone()
         desc = f"top_p_filter(logits, p={p})"
-        got = call(f"{desc} on logits {_fmt(x)}", fn, x, p)
+        got = call(f"{desc} on logits {format_values(x)}", fn, x, p)
         _check_unchanged(desc, before, x)
         _validate_top_p(desc, x, p, got, note=note)
     randoms = [((9,), 0.5), ((4, 13), 0.1), ((4, 13), 0.9), ((2, 3, 40), 0.97), ((2, 3, 40), 0.7)]
@@ -473,8 +413,8 @@ def check_repetition_penalty(fn) -> None:
         x = torch.tensor(values)
         token_ids = torch.tensor(ids, dtype=torch.long).reshape(*x.shape[:-1], -1)
         before = x.clone()
-        desc = f"apply_repetition_penalty(logits, token_ids={_fmt(token_ids)}, penalty={penalty})"
-        got = call(f"{desc} on logits {_fmt(x)}", fn, x, token_ids, penalty)
+        desc = f"apply_repetition_penalty(logits, token_ids={format_values(token_ids)}, penalty={penalty})"
+        got = call(f"{desc} on logits {format_values(x)}", fn, x, token_ids, penalty)
         _check_unchanged(desc, before, x)
         _compare(desc, x, _ref_repetition(x, token_ids, penalty), got,
                  source="x / penalty if x > 0 else x * penalty, for every id in token_ids", note=note)
@@ -623,12 +563,12 @@ def check_sample(fn) -> None:
     for values, want in greedy_cases:
         x, want = torch.tensor(values), torch.tensor(want)
         for top_k, top_p in ((0, 1.0), (2, 0.5)):
-            desc = f"sample(logits, {_params_str(0.0, top_k, top_p)}, generator) on logits {_fmt(x)}"
+            desc = f"sample(logits, {_params_str(0.0, top_k, top_p)}, generator) on logits {format_values(x)}"
             got = _check_ids(desc, call(desc, fn, x.clone(), _params(0.0, top_k, top_p),
                                         torch.Generator().manual_seed(0)), x.shape[:-1], x.shape[-1])
             if not torch.equal(got, want):
-                raise AssertionError(f"{desc}: expected {_fmt(want)}, got {_fmt(got)} (temperature 0 is greedy: the "
-                                     "argmax, and the lowest id among tied maxima)")
+                raise AssertionError(f"{desc}: expected {format_values(want)}, got {format_values(got)} "
+                                     "(temperature 0 is greedy: the argmax, and the lowest id among tied maxima)")
 
     # top_k = 1 leaves one token per row: each row must get its own argmax (no mixing of rows).
     x = _random_logits((2, 3, 17), seed=500)
@@ -637,8 +577,8 @@ def check_sample(fn) -> None:
                      x.shape[:-1], 17)
     want = x.argmax(dim=-1)
     if not torch.equal(got, want):
-        raise AssertionError(f"{desc}: top_k=1 leaves only each row's largest logit, so expected ids {_fmt(want)}, "
-                             f"got {_fmt(got)}")
+        raise AssertionError(f"{desc}: top_k=1 leaves only each row's largest logit, so expected ids "
+                             f"{format_values(want)}, got {format_values(got)}")
 
     # Frequencies over N draws against the exact distribution.
     exact = [_ref_sampling_probs(torch.tensor(v), t, k, p) for v, t, k, p in _FREQUENCY_CASES]
@@ -648,14 +588,14 @@ def check_sample(fn) -> None:
         if any(0 < qi and N_DRAWS * qi * (1 - qi) < 100 for qi in q.tolist()):
             raise RuntimeError("internal: a frequency case is too small for the normal approximation")
         x = torch.tensor(values)
-        desc = f"sample(logits, {_params_str(t, k, p)}, generator) on logits {_fmt(x)}, drawn {N_DRAWS} times"
+        desc = f"sample(logits, {_params_str(t, k, p)}, generator) on logits {format_values(x)}, drawn {N_DRAWS} times"
         batch = x.repeat(N_DRAWS, 1)
         ids = _check_ids(desc, call(desc, fn, batch, _params(t, k, p), torch.Generator().manual_seed(2024)),
                          batch.shape[:-1], x.shape[-1])
         counts = torch.bincount(ids, minlength=x.shape[-1]).double()
         freq = counts / N_DRAWS
-        table = (f"exact probabilities {_fmt([round(v, 4) for v in q.tolist()])}, "
-                 f"drawn frequencies {_fmt([round(v, 4) for v in freq.tolist()])}")
+        table = (f"exact probabilities {format_values([round(v, 4) for v in q.tolist()])}, "
+                 f"drawn frequencies {format_values([round(v, 4) for v in freq.tolist()])}")
         for i, qi in enumerate(q.tolist()):
             if qi == 0 and counts[i] > 0:
                 raise AssertionError(
@@ -673,7 +613,7 @@ def check_sample(fn) -> None:
     x = torch.tensor(values)
     support = set((exact[0] > 0).nonzero().flatten().tolist())
     g = torch.Generator().manual_seed(7)
-    desc = f"sample(logits, {_params_str(t, k, p)}, generator) on 1-D logits {_fmt(x)}"
+    desc = f"sample(logits, {_params_str(t, k, p)}, generator) on 1-D logits {format_values(x)}"
     for _ in range(20):
         i = int(_check_ids(desc, call(desc, fn, x.clone(), _params(t, k, p), g), torch.Size([]), x.shape[-1]))
         if i not in support:
@@ -682,7 +622,7 @@ def check_sample(fn) -> None:
     # The generator decides: same seed -> same ids (even if the global RNG moved), other seed -> other ids.
     batch = x.repeat(2000, 1)
     params = _params(t, k, p)
-    desc = f"sample(logits, {_params_str(t, k, p)}, generator) on logits {_fmt(x)} x 2000 rows"
+    desc = f"sample(logits, {_params_str(t, k, p)}, generator) on logits {format_values(x)} x 2000 rows"
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(11)
@@ -702,34 +642,6 @@ def check_sample(fn) -> None:
     if torch.equal(first, other):
         raise AssertionError(f"{desc}: generators seeded 1234 and 4321 gave exactly the same 2000 ids; "
                              "the draws must come from the `generator` argument")
-
-
-def check_probs(fn) -> None:
-    """fn(logits [..., V], params) -> the distribution sample draws from (one-hot when greedy)."""
-    cases = [(values, t, k, p) for values, t, k, p in _FREQUENCY_CASES]
-    cases += [
-        ([2.0, 1.0, 0.5, -1.0], 1.0, 0, 0.9),
-        ([3.0, 1.0, 2.0, 2.0, 0.5], 0.5, 2, 1.0),
-        ([[0.5, 3.0, 3.0, -1.0], [4.0, 4.0, 1.0, NEG_INF]], 0.0, 0, 1.0),
-        (_random_logits((2, 3, 12), seed=600).tolist(), 0.9, 5, 0.8),
-    ]
-    for values, t, k, p in cases:
-        x = torch.tensor(values)
-        desc = f"probs(logits, {_params_str(t, k, p)})"
-        got = call(f"{desc} on logits {_fmt(x)}", fn, x.clone(), _params(t, k, p))
-        _check_tensor(desc, got, x)
-        expected = _ref_sampling_probs(x, t, k, p)
-        g = got.detach().cpu().double()
-        bad = ~torch.isclose(g, expected, rtol=1e-4, atol=1e-6) | ((expected == 0) & (g != 0))
-        if bad.any():
-            r = int(bad.reshape(-1, x.shape[-1]).any(dim=-1).nonzero()[0])
-            rows = lambda v: v.reshape(-1, x.shape[-1])[r]  # noqa: E731
-            raise AssertionError(
-                f"{desc}: wrong distribution{_row_name(r, x.shape[:-1])}"
-                + (" (temperature 0: a one-hot on the argmax, lowest id among ties)" if t == 0 else
-                   " (temperature, then top-k, then top-p, then softmax; filtered tokens get exactly 0)")
-                + f"\n  input:    {_fmt(rows(x))}\n  expected: {_fmt([round(v, 6) for v in rows(expected).tolist()])}"
-                + f"\n  got:      {_fmt([round(v, 6) for v in rows(g).tolist()])}")
 
 
 # --------------------------------------------------------------------------- beam search

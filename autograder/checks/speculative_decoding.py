@@ -54,7 +54,7 @@ import math
 import torch
 
 from autograder.checks.answers import expect_answer
-from autograder.checks.calling import call
+from autograder.checks.calling import call, format_values
 from decodelab.model.toy import random_llama
 
 REFERENCES = {
@@ -76,15 +76,6 @@ def tvd_bound(p: torch.Tensor, n: int, failure_prob: float = FAILURE_PROB) -> fl
     failure_prob: 1/2 sum_x sqrt(p_x (1 - p_x) / n) + sqrt(ln(1 / failure_prob) / (2 n))."""
     p = p.double()
     return float(0.5 * (p * (1 - p) / n).sqrt().sum()) + math.sqrt(math.log(1 / failure_prob) / (2 * n))
-
-
-def _fmt(t: torch.Tensor) -> str:
-    values = t.detach().cpu().tolist()
-    if isinstance(values, float):
-        return f"{values:.4g}"
-    if t.dim() == 1:
-        return "[" + ", ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in values) + "]"
-    return "[" + ", ".join(_fmt(row) for row in t) + "]"
 
 
 def _ref_tvd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -187,7 +178,8 @@ def check_accept_draft_tokens(accept_draft_tokens) -> None:
             if distance > bound:
                 raise AssertionError(
                     f"accept_draft_tokens, k={k}, over {n} steps: the token emitted at position {j} should follow the "
-                    f"target's row p_{j} = {_fmt(P[j])}, but its {reached} draws have frequencies {_fmt(law)}: "
+                    f"target's row p_{j} = {format_values(P[j], digits=4)}, but its {reached} draws have "
+                    f"frequencies {format_values(law, digits=4)}: "
                     f"TVD {distance:.3f}, above the noise bound {bound:.3f} for {reached} draws. The output is "
                     f"not distributed as the target's (check the residual max(0, p - q) after a rejection, and "
                     f"which row the bonus token comes from)")
@@ -429,10 +421,11 @@ def _check_sampled_distribution(step) -> None:
         support = p.nonzero()[:, 0].tolist()
         raise AssertionError(
             f"speculative_step at {filters}, k={k}: over {n} steps from one prompt the first emitted token has "
-            f"frequencies {_fmt(law[support])} on tokens {support}, but the target's p there (after the filters) is "
-            f"{_fmt(p[support])}: TVD {distance:.3f}, above the noise bound {bound:.3f} for {n} draws. The output "
-            f"does not follow the target. Check that q_i, the distribution you record for draft i, is the one you "
-            f"drew d_i from: `probs(draft_logits, params)`, after the filters, not the raw softmax")
+            f"frequencies {format_values(law[support], digits=4)} on tokens {support}, but the target's p there (after "
+            f"the filters) is {format_values(p[support], digits=4)}: TVD {distance:.3f}, above the noise bound "
+            f"{bound:.3f} for {n} draws. The output does not follow the target. Check that q_i, the distribution you "
+            f"record for draft i, is the one you drew d_i from: `probs(draft_logits, params)`, after the filters, "
+            f"not the raw softmax")
 
 
 def _check_in_loop(step) -> None:

@@ -95,14 +95,33 @@ def _kv_read_and_legend(canvas: Canvas, y, start, stop, cell, previous_length, h
 
 
 # ---------------------------------------------------------------------------- paged KV
+def pool_snapshot(allocator, tables: dict[str, list[int]], label: str) -> dict:
+    """The pool at one moment, for `block_table_picture` and notebook 07's `block_table_figure`,
+    after checking it: every block's ref_count is the number of the given live tables that hold
+    it, and free + held = all (AssertionError naming `label` otherwise).
+    -> {"label", "holders": [names per block], "ref_counts", "cached": [bool per block]}."""
+    holders = [[] for _ in range(allocator.num_blocks)]
+    for name, table in tables.items():
+        for block_id in table:
+            holders[block_id].append(name)
+    refs = [allocator.ref_count(b) for b in range(allocator.num_blocks)]
+    for block_id, (ref, who) in enumerate(zip(refs, holders)):
+        if ref != len(who):
+            raise AssertionError(f"{label}: block {block_id} has ref_count {ref} but {len(who)} tables hold it "
+                                 f"({', '.join(who) or 'none'})")
+    held = sum(1 for who in holders if who)
+    if allocator.num_free + held != allocator.num_blocks:
+        raise AssertionError(f"{label}: {allocator.num_free} free + {held} held != {allocator.num_blocks} blocks")
+    cached = [not who and allocator.is_cached(b) for b, who in enumerate(holders)]
+    return {"label": label, "holders": holders, "ref_counts": refs, "cached": cached}
+
+
 def block_table_picture(allocator, block_tables: dict[str, list[int]]) -> Picture:
     """A BlockAllocator's pool (anything with its `num_blocks`, `num_free`, `ref_count(id)`,
     `is_cached(id)`) and the live sequences' block tables {name: [block ids]}: one arrow per
     table entry to its block. Pool colours: free (white), free but still named in the prefix
     cache (grey), held by one table (light blue), shared by several (dark blue, with the count).
     ValueError if a table names a block outside the pool or the counts disagree with the tables."""
-    from decodelab.course.widgets.paged_kv import pool_snapshot
-
     if not isinstance(block_tables, dict):
         raise ValueError(f"block_tables must be a dict {{name: [block ids]}}, got {type(block_tables).__name__}")
     for name, table in block_tables.items():

@@ -14,7 +14,7 @@ request with the same prefix finds it (least recently freed blocks are evicted f
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class OutOfBlocksError(RuntimeError):
@@ -37,14 +37,6 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 def block_hash(parent_hash: int | None, token_ids) -> int:
     """Chained hash: a block's name depends on every token before it, not just its own."""
     return hash((parent_hash, tuple(token_ids)))
-
-
-@dataclass
-class BlockTableEntry:
-    """What the allocator tracks per sequence."""
-
-    block_ids: list[int] = field(default_factory=list)
-    num_tokens: int = 0
 
 
 class BlockAllocator:

@@ -20,18 +20,22 @@ def synchronize(device) -> None:
         torch.mps.synchronize()
 
 
+def timed(fn, device="cpu", clock=time.perf_counter) -> tuple[float, object]:
+    """(seconds, fn()) of one call of fn(), timed between device synchronizations. `clock` is
+    time.perf_counter (wall seconds) or time.process_time (this process's CPU seconds, steadier
+    on a machine that other jobs share)."""
+    synchronize(device)
+    start = clock()
+    result = fn()
+    synchronize(device)
+    return clock() - start, result
+
+
 def time_call(fn, device="cpu", repeats: int = 5, warmup: int = 1) -> list[float]:
     """Seconds per call of fn(), each timed between device synchronizations."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times
+    return [timed(fn, device)[0] for _ in range(repeats)]
 
 
 def median(values) -> float:

@@ -143,7 +143,7 @@ def load_gguf_state_dict(tensors, config: ModelConfig, progress: bool = False) -
 
 def tokenizer_files_from_gguf(reader) -> tuple[dict, dict]:
     """(tokenizer.json as a dict, tokenizer_config.json as a dict) from GGUF metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     if _field(reader, "tokenizer.ggml.model") != "gpt2":
         raise GGUFError("only byte-level BPE ('gpt2') GGUF tokenizers are supported")

@@ -16,9 +16,13 @@ A block that is all zero gets scale 1.0 (not 0), so q = 0 and no division by zer
 `QuantizedLinear` dequantizes its whole weight on every call and then runs F.linear: simple
 and exact, but on a CPU slower than float32 (the bytes saved are spent again as a float
 copy). Real engines fuse dequantization into the matmul kernel instead. `Int8Linear` (notebook
-06's exercise) goes that way for int8: it applies each output row's scale to the output, after
-the sum, and converts the levels to float a block of rows at a time, so that no float copy of
-the whole weight is ever held.
+06's exercise) is the library's one int8 layer and goes that way: it applies each output row's
+scale to the output, after the sum, and converts the levels to float a block of rows at a time,
+so that no float copy of the whole weight is ever held; under `torch.compile` it writes the
+product as a plain sum that inductor fuses into one loop over the int8 bytes
+(`decodelab.model.fused_int8.quantize_for_decode` puts it on every linear, lm_head too, for the
+compiled decode step). `QuantizedLinear(bits=8)` stores the same levels and scales; it stays as
+the dequantize-then-multiply baseline the notebook measures `Int8Linear` against.
 
 `quantize_model` swaps the decoder layers' nn.Linear for quantized layers through
 `replace_linears(model, make_linear)`; `make_linear` may be any factory (the engine's
@@ -223,16 +227,21 @@ class Int8Linear(nn.Module):
 
     Legal because row o's scale is the same for every input i: sum_i x_i (q_oi s_o) =
     s_o sum_i x_i q_oi, so the scale multiplies the output (one multiply per output instead of
-    one per weight). The levels are converted to x's dtype `block_rows` output rows at a time,
-    so the largest float weight the forward holds is [block_rows, in], not [out, in] (a GPU
-    kernel does the same per tile, in registers). The rounding error of the weights moves
-    output o by at most weight_scale[o] / 2 * sum_i |x_i|.
+    one per weight). Eagerly the levels are converted to x's dtype `block_rows` output rows at a
+    time, so the largest float weight the forward holds is [block_rows, in], not [out, in] (a GPU
+    kernel does the same per tile, in registers). Under `torch.compile` the product is written as
+    a plain sum over the inputs, which inductor's C++ backend turns into one vectorized loop that
+    reads the int8 bytes themselves (convert, multiply, add): a batch-1 decode step then reads a
+    quarter of the float32 bytes. Both forms give the same numbers up to float rounding order.
+    The rounding error of the weights moves output o by at most weight_scale[o] / 2 * sum_i |x_i|.
     """
 
-    block_rows = 128  # output rows whose levels are in float at one time
+    block_rows = 128  # output rows whose levels are in float at one time (eager form)
 
     def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
+        if weight_q.dtype != torch.int8 or weight_q.dim() != 2:
+            raise ValueError(f"weight_q must be an int8 matrix [out, in], got {weight_q.dtype} {tuple(weight_q.shape)}")
         self.out_features, self.in_features = weight_q.shape
         self.register_buffer("weight_q", weight_q)
         self.register_buffer("weight_scale", weight_scale)
@@ -247,6 +256,10 @@ class Int8Linear(nn.Module):
         return cls(q, scale, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected inputs [..., {self.in_features}], got {tuple(x.shape)}")
+        if torch.compiler.is_compiling():
+            return self._fused_forward(x)
         rows = x.reshape(-1, self.in_features)  # [N, in]
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)  # [N, out]
         scale = self.weight_scale.to(x.dtype).T  # [1, out]
@@ -258,13 +271,20 @@ class Int8Linear(nn.Module):
             out += self.bias.to(x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The traced form: x [..., in] -> [..., out]; the conversion of the levels happens inside
+        the compiled loop, so no float weight is ever stored."""
+        out = (x[..., None, :] * self.weight_q.to(x.dtype)).sum(-1)  # [..., out]: one pass over the int8 bytes
+        out = out * self.weight_scale.reshape(-1).to(x.dtype)
+        return out if self.bias is None else out + self.bias.to(x.dtype)
+
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight [out, in] this layer stands for (for measurements, never in forward)."""
         return dequantize_int8(self.weight_q, self.weight_scale)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the int8 weight plus its scales (the bias is not counted)."""
+        """Bytes of the int8 weight plus its scales (the bias is not counted): what a call reads."""
         return self.weight_q.nbytes + self.weight_scale.nbytes
 
     def extra_repr(self) -> str:

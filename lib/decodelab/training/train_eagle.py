@@ -98,7 +98,7 @@ def make_data(cache: Path) -> None:
 
 
 @torch.inference_mode()
-def make_features(cache: Path, target, batch_tokens: int = 4096) -> None:
+def make_features(cache: Path, target) -> None:
     """features_<name>.pt: per conversation, ids [T] and the target's features [T, E] (bf16)."""
     for name in ("eval",) + TRAIN_SETS:
         path = cache / f"features_{name}.pt"

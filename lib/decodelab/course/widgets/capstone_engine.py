@@ -63,7 +63,4 @@ def batch_roofline_explorer(fraction_fn, weight_bytes: float, num_params: float,
             fig.layout.title = (f"batch {batch.value}: roofline {si(roof)} tokens/s ({bound}-bound) at "
                                 f"{gbps.value:.3g} GB/s{note}")
 
-    for control in controls.values():
-        control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.HBox([batch, gbps]), bytes_per_weight, fig])
-    return finish_explorer(box, fig, controls, redraw)
+    return finish_explorer(fig, controls, redraw, children=[widgets.HBox([batch, gbps]), bytes_per_weight, fig])

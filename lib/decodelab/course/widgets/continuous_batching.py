@@ -162,10 +162,7 @@ def batching_explorer(scheduler_cls, cost: StepCost, num_requests: int = 48, max
                 f"continuous: {c.throughput:.0f} tokens/s, mean latency {c.mean_latency:.2f} s<br>"
                 f"static: {s.throughput:.0f} tokens/s, mean latency {s.mean_latency:.2f} s")
 
-    for control in (rate, slots):
-        control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.VBox([rate, slots]), fig])
-    return finish_explorer(box, fig, {"arrival_rate": rate, "max_num_seqs": slots}, redraw)
+    return finish_explorer(fig, {"arrival_rate": rate, "max_num_seqs": slots}, redraw)
 
 
 __all__ = ["occupancy_figure", "batch_tradeoff_figure", "trace_figure", "batching_explorer", "POLICY_COLORS"]

@@ -6,7 +6,9 @@ unfinished), so the sliders run exactly the code the exercises build.
 
 Each explorer returns its box with three extra attributes, so that code (and the tests) can
 drive it without a browser: ``box.figure`` (the FigureWidget), ``box.controls`` (name ->
-widget) and ``box.redraw()``; `finish_explorer` sets them.
+widget) and ``box.redraw()``. `finish_explorer(fig, controls, redraw)` builds that box: it
+wires every control to ``redraw``, lays the controls out above the figure (or as the explorer
+says) and sets the three attributes.
 
 No explorer displays a figure into an ipywidgets.Output: under nbclient (the notebook tests,
 nbgrader's autograde, the class grader) a cell that writes into an Output widget can stall for
@@ -35,9 +37,19 @@ def bake_current_state(fig) -> None:
     fig._widget_layout = copy.deepcopy(fig._layout_obj._props)
 
 
-def finish_explorer(box, fig, controls: dict, redraw):
-    """Attach figure, controls and redraw to the box, draw once, and make that the start state
-    of the FigureWidget (a plain Figure has none: it is only redrawn)."""
+def finish_explorer(fig, controls: dict, redraw, children: list | None = None):
+    """The explorer's box, finished: every control with a value redraws when it changes, the
+    box holds `children` (by default the controls in a column above the figure), carries
+    ``figure``, ``controls`` and ``redraw``, is drawn once, and that drawing becomes the start
+    state of the FigureWidget (a plain Figure has none: it is only redrawn).
+
+    fig: the FigureWidget (or Figure) that redraw() draws into; controls: name -> widget, in
+    the order of the default column (a Button, which has no value, is kept but not observed);
+    redraw: called with the change (or nothing) and redraws fig from the controls' values."""
+    for control in controls.values():
+        if control.has_trait("value"):
+            control.observe(redraw, names="value")
+    box = widgets.VBox(children if children is not None else [widgets.VBox(list(controls.values())), fig])
     box.figure, box.controls, box.redraw = fig, controls, redraw
     redraw()
     if isinstance(fig, go.FigureWidget):

@@ -123,7 +123,4 @@ def rope_explorer(rope_fn, max_distance: int = 1024):
                                      f"wobbles with distance<br>shifting both positions by {shift.value} moves it "
                                      f"by at most {gap:.1e}")
 
-    for control in (theta, head_dim, shift):
-        control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.VBox([theta, head_dim, shift]), fig])
-    return finish_explorer(box, fig, {"theta": theta, "head_dim": head_dim, "shift": shift}, redraw)
+    return finish_explorer(fig, {"theta": theta, "head_dim": head_dim, "shift": shift}, redraw)

@@ -115,10 +115,8 @@ def program_explorer(attention, batch: dict):
     def redraw(*_):
         draw(fig)
 
-    for control in (sequence, step):
-        control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.VBox([sequence, widgets.HBox([play, step])]), fig])
-    return finish_explorer(box, fig, {"sequence": sequence, "step": step}, redraw)
+    return finish_explorer(fig, {"sequence": sequence, "step": step}, redraw,
+                           children=[widgets.VBox([sequence, widgets.HBox([play, step])]), fig])
 
 
 def timing_figure(results: dict[str, list[dict]], bandwidth: float, title: str) -> go.Figure:

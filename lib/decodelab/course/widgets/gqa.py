@@ -163,10 +163,7 @@ def kv_heads_explorer(config="Llama-3.1-8B", dtype="fp16", kv_bytes_fn=kv_bytes)
     def redraw(*_):
         draw(fig)
 
-    for control in (kv_heads, seq_len):
-        control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.VBox([kv_heads, seq_len]), fig])
-    return finish_explorer(box, fig, {"kv_heads": kv_heads, "seq_len": seq_len}, redraw)
+    return finish_explorer(fig, {"kv_heads": kv_heads, "seq_len": seq_len}, redraw)
 
 
 __all__ = ["measure_decode_attention", "kv_heads_figure", "seq_len_figure", "kv_heads_explorer",

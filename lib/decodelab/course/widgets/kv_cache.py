@@ -179,10 +179,9 @@ def kv_size_calculator(kv_bytes_fn, presets: dict[str, dict] | None = None):
                 f"({format_bytes(per_token)} per token at the start; {fields['num_key_value_heads']} KV heads for "
                 f"{fields['num_attention_heads']} query heads, {fields['num_hidden_layers']} layers)")
 
-    for control in (seq_len, batch, preset, dtype):
-        control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.HBox([widgets.VBox([seq_len, batch]), widgets.VBox([preset, dtype])]), fig])
-    return finish_explorer(box, fig, {"seq_len": seq_len, "batch": batch, "preset": preset, "dtype": dtype}, redraw)
+    controls = widgets.HBox([widgets.VBox([seq_len, batch]), widgets.VBox([preset, dtype])])
+    return finish_explorer(fig, {"seq_len": seq_len, "batch": batch, "preset": preset, "dtype": dtype}, redraw,
+                           children=[controls, fig])
 
 
 __all__ = ["SEED_MS_PER_TOKEN", "SEED_MAX_LOGIT_DIFF", "cache_class_or_reference", "per_token_ms",

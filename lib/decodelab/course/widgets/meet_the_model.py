@@ -53,7 +53,4 @@ def decode_bound_explorer(bound_fn, references: dict[str, float] | None = None):
                 f"read per token<br>at {si(bandwidth.value * 1e9, 'B/s')}: {1000 / tokens_per_s:.3g} ms per token, "
                 f"at most {tokens_per_s:.3g} tokens/s")
 
-    for control in (size, precision, bandwidth):
-        control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.VBox([size, precision, bandwidth]), fig])
-    return finish_explorer(box, fig, {"size": size, "precision": precision, "bandwidth": bandwidth}, redraw)
+    return finish_explorer(fig, {"size": size, "precision": precision, "bandwidth": bandwidth}, redraw)

@@ -18,6 +18,7 @@ import random
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
+from decodelab.course.flow_pictures import pool_snapshot
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR
 from decodelab.course.widgets.controls import SLIDER, finish_explorer
 
@@ -92,10 +93,7 @@ def waste_explorer(waste_fn, num_requests: int = 1000):
             choice.update(x=[block_size.value], y=[100 * current])
             fig.layout.title.text = title
 
-    for control in (block_size, longest):
-        control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.VBox([block_size, longest]), fig])
-    return finish_explorer(box, fig, {"block_size": block_size, "longest": longest}, redraw)
+    return finish_explorer(fig, {"block_size": block_size, "longest": longest}, redraw)
 
 
 def fragmentation_figure(results, labels: list[str], title: str) -> go.Figure:
@@ -152,26 +150,6 @@ def allocator_class_or_reference(learner_class, reference_class, drafts: bool = 
 
     chosen = course.use_or_reference(probe, reference_class, name=getattr(learner_class, "__name__", "BlockAllocator"))
     return learner_class if chosen is probe else reference_class
-
-
-def pool_snapshot(allocator, tables: dict[str, list[int]], label: str) -> dict:
-    """The pool at one moment, for `block_table_figure`, after checking it: every block's
-    ref_count is the number of the given live tables that hold it, and free + held = all.
-    -> {"label", "holders": [names per block], "ref_counts", "cached": [bool per block]}."""
-    holders = [[] for _ in range(allocator.num_blocks)]
-    for name, table in tables.items():
-        for block_id in table:
-            holders[block_id].append(name)
-    refs = [allocator.ref_count(b) for b in range(allocator.num_blocks)]
-    for block_id, (ref, who) in enumerate(zip(refs, holders)):
-        if ref != len(who):
-            raise AssertionError(f"{label}: block {block_id} has ref_count {ref} but {len(who)} tables hold it "
-                                 f"({', '.join(who) or 'none'})")
-    held = sum(1 for who in holders if who)
-    if allocator.num_free + held != allocator.num_blocks:
-        raise AssertionError(f"{label}: {allocator.num_free} free + {held} held != {allocator.num_blocks} blocks")
-    cached = [not who and allocator.is_cached(b) for b, who in enumerate(holders)]
-    return {"label": label, "holders": holders, "ref_counts": refs, "cached": cached}
 
 
 def play_block_story(allocator, events) -> list[dict]:

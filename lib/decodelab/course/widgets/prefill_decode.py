@@ -130,10 +130,7 @@ def roofline_explorer(intensity_fn, roofs: dict[str, Roofline], presets: list[st
                 f"prefill {prefill_i:.3g} FLOP/B, {_where(here, prefill_i)} \u00b7 "
                 f"decode {decode_i:.3g} FLOP/B, {_where(here, decode_i)}")
 
-    for control in (length, batch, preset, dtype):
-        control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.VBox([length, batch, preset, dtype]), fig])
-    return finish_explorer(box, fig, {"length": length, "batch": batch, "preset": preset, "dtype": dtype}, redraw)
+    return finish_explorer(fig, {"length": length, "batch": batch, "preset": preset, "dtype": dtype}, redraw)
 
 
 __all__ = ["H100_ROOF", "roofline_figure", "speedup_figure", "latency_figure", "timing_bars", "roofline_explorer"]

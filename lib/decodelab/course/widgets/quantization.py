@@ -261,10 +261,7 @@ def quantization_explorer(measure, fp32_row: dict, cache: dict | None = None):
     def redraw(*_):
         draw(fig)
 
-    for control in (bits, group):
-        control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.VBox([bits, group]), fig])
-    return finish_explorer(box, fig, {"bits": bits, "group_size": group}, redraw)
+    return finish_explorer(fig, {"bits": bits, "group_size": group}, redraw)
 
 
 def asymmetric_int4_error(w: torch.Tensor, block: int = 32) -> float:
@@ -321,7 +318,7 @@ def linear_input(model, layer: int, name: str, token_ids: list[int]) -> tuple[to
     """(x [T, in], W [out, in]): what the linear `name` of decoder layer `layer` multiplies on token_ids."""
     module = model.model.layers[layer].get_submodule(name)
     seen = {}
-    handle = module.register_forward_hook(lambda mod, args, out: seen.setdefault("x", args[0][0].detach().float()))
+    handle = module.register_forward_hook(lambda _module, args, out: seen.setdefault("x", args[0][0].detach().float()))
     try:
         model(torch.tensor([token_ids], device=model.device))
     finally:

@@ -68,8 +68,6 @@ def sampling_explorer(logits: torch.Tensor, history: torch.Tensor, tokenizer, fn
                          f"{outside:.1%} of them outside the {shown} tokens shown")
 
     controls = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "penalty": penalty}
-    for control in controls.values():
-        control.observe(redraw, names="value")
     rows = [widgets.HBox([widgets.VBox([temperature, top_k]), widgets.VBox([top_p, penalty])]), summary, fig]
     if generate_text is not None:
         button = widgets.Button(description="sample a reply", button_style="primary")
@@ -85,5 +83,4 @@ def sampling_explorer(logits: torch.Tensor, history: torch.Tensor, tokenizer, fn
         button.on_click(on_click)
         rows += [widgets.HBox([button, reply])]
         controls["sample_reply"] = button
-    box = widgets.VBox(rows)
-    return finish_explorer(box, fig, controls, redraw)
+    return finish_explorer(fig, controls, redraw, children=rows)

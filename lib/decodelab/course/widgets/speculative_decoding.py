@@ -74,10 +74,7 @@ def speculative_explorer(tokens_fn, speedup_fn, measured: dict | None = None, se
                                      f"(at most {1 / (1 - a):.3g} for any k)<br>best k = {best}: "
                                      f"speed-up at most {speedups[best]:.2f}× if verifying k+1 tokens costs one step")
 
-    for control in (alpha_slider, cost_slider, k_slider):
-        control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.VBox([alpha_slider, cost_slider, k_slider]), fig])
-    return finish_explorer(box, fig, {"alpha": alpha_slider, "draft_cost": cost_slider, "max_k": k_slider}, redraw)
+    return finish_explorer(fig, {"alpha": alpha_slider, "draft_cost": cost_slider, "max_k": k_slider}, redraw)
 
 
 def tvd_bars_figure(rows: dict[str, dict[str, float]], bounds: dict[str, float], title: str,

@@ -179,10 +179,8 @@ def tiled_explorer(update_fn, max_len: int = 96, head_dim: int = 16, seed: int =
     def redraw(*_):
         draw(fig)
 
-    for control in (tile, length, step):
-        control.observe(redraw, names="value")
-    box = widgets.VBox([widgets.VBox([tile, length, widgets.HBox([play, step])]), fig])
-    return finish_explorer(box, fig, {"tile_size": tile, "length": length, "step": step}, redraw)
+    return finish_explorer(fig, {"tile_size": tile, "length": length, "step": step}, redraw,
+                           children=[widgets.VBox([tile, length, widgets.HBox([play, step])]), fig])
 
 
 __all__ = ["tiled_cache_class", "memory_and_time", "memory_figure", "tiled_explorer"]
