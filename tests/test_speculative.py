@@ -312,7 +312,7 @@ def test_loop_bug_breaks_greedy_identity(target, prompt, reference, bug):
     for k in (1, 2, 3, 4):
         try:
             assert_same_greedy(target, truncated_draft(target, 2), prompt, k, reference, steps)
-        except AssertionError as error:
+        except AssertionError:
             caught.append(k)
     assert caught == [1, 2, 3, 4], f"{bug} ({what}) was not caught at every k: only at {caught}"
 
