@@ -94,12 +94,12 @@ def test_greedy_output_equals_target_only_whichever_row_is_accepted(tiny_pair, m
     with torch.inference_mode():
         reference = list(stream_token_ids(target, prompt, GREEDY))
     oracle = oracle_candidates(target)
-    monkeypatch.setattr("decodelab.decoding.feature_proposers.top_candidates", oracle)
+    monkeypatch.setattr("decodelab.decoding.speculative.feature_proposers.top_candidates", oracle)
     output, stats = speculative_generate(target, drafter, prompt, GREEDY, 1, tree_width=width)
     assert output == reference
     assert set(oracle.places) == set(range(width))  # every row was the accepted one at some step
     assert stats.rejected == 0 and stats.accepted == len(oracle.places) and len(oracle.places) >= 15
-    monkeypatch.setattr("decodelab.decoding.feature_proposers.keep_row",  # kept bug: the first candidate's row kept
+    monkeypatch.setattr("decodelab.decoding.speculative.feature_proposers.keep_row",  # kept bug: the first candidate's row kept
                         lambda cache, row, length: cache.truncate(length))
     buggy, _ = speculative_generate(target, drafter, prompt, GREEDY, 1, tree_width=width)
     assert buggy != reference
@@ -116,8 +116,8 @@ def drafter_input_mismatch(monkeypatch, target, drafter, prompt) -> float:
             recorded.append((len(ids) - 1, feature[0, -1].clone()))
             return feature
 
-    monkeypatch.setattr("decodelab.decoding.feature_proposers.FeatureDraftSession", Recording)
-    monkeypatch.setattr("decodelab.decoding.feature_proposers.top_candidates", oracle_candidates(target))
+    monkeypatch.setattr("decodelab.decoding.speculative.feature_proposers.FeatureDraftSession", Recording)
+    monkeypatch.setattr("decodelab.decoding.speculative.feature_proposers.top_candidates", oracle_candidates(target))
     output, _ = speculative_generate(target, drafter, prompt, GREEDY, 1, tree_width=3)
     sequence = torch.tensor([prompt + output])
     with torch.inference_mode():
@@ -129,7 +129,7 @@ def test_the_drafter_is_fed_the_accepted_paths_features(tiny_pair, monkeypatch):
     target, drafter, tokenizer = tiny_pair
     prompt = tokenizer.encode("class Stack:\n    def")
     assert drafter_input_mismatch(monkeypatch, target, drafter, prompt) < 1e-4
-    monkeypatch.setattr("decodelab.decoding.feature_proposers.path_rows",  # kept bug: the pass's first rows, as a chain's
+    monkeypatch.setattr("decodelab.decoding.speculative.feature_proposers.path_rows",  # kept bug: the pass's first rows, as a chain's
                         lambda row: list(range(2 if row else 1)))
     assert drafter_input_mismatch(monkeypatch, target, drafter, prompt) > 1e-3
 

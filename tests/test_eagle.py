@@ -55,7 +55,7 @@ def first_step_mismatch(monkeypatch, target, drafter, prompt_ids, session_class)
             recorded.append((len(ids) - 1, feature[0, -1].clone()))  # predicts f_{len(ids)-1}
             return feature
 
-    monkeypatch.setattr("decodelab.decoding.feature_proposers.FeatureDraftSession", Recording)
+    monkeypatch.setattr("decodelab.decoding.speculative.feature_proposers.FeatureDraftSession", Recording)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     output, stats = speculative_generate(target, drafter, prompt_ids, params, 3)
     monkeypatch.undo()

@@ -16,10 +16,10 @@ from decodelab.decoding.lookup import propose_from_prompt
 from decodelab.model.llama import LlamaForCausalLM
 from decodelab.model.toy import random_llama
 from decodelab.params import SamplingParams
-from decodelab.decoding.speculative import (SpeculativeStats, accept_draft_tokens, accept_draft_tokens_batched,
-                                   acceptance_rate, expected_speedup, expected_tokens_per_call,
-                                   greedy_accept, speculative_generate, stream_speculative,
-                                   truncated_draft, tvd)
+from decodelab.decoding.speculative import (SpeculativeStats, SpeculativeSteps, accept_draft_tokens,
+                                            accept_draft_tokens_batched, acceptance_rate, expected_speedup,
+                                            expected_tokens_per_call, greedy_accept, speculative_generate,
+                                            stream_speculative, truncated_draft, tvd)
 from oracles import load_fixture
 
 
@@ -273,11 +273,12 @@ def reference(target, prompt):
     return greedy_reference(target, prompt)
 
 
-def assert_same_greedy(target, drafter, prompt_ids, k, reference):
-    """Speculative greedy equals target-only greedy (`reference`) token for token; returns the stats."""
+def assert_same_greedy(target, drafter, prompt_ids, k, reference, steps=None):
+    """Speculative greedy equals target-only greedy (`reference`) token for token, the loop running
+    `steps` (None: the library's); returns the stats."""
     params = SamplingParams(temperature=0, max_tokens=len(reference), ignore_eos=True)
     stats = SpeculativeStats()
-    ours = stream_speculative(target, drafter, prompt_ids, params, k, stats=stats)
+    ours = stream_speculative(target, drafter, prompt_ids, params, k, stats=stats, steps=steps)
     for i, (mine, theirs) in enumerate(zip(ours, reference)):
         assert mine == theirs, f"k={k}: token {i} differs: speculative {mine}, target-only {theirs}"
     assert stats.generated == len(reference), f"k={k}: {stats.generated} tokens, expected {len(reference)}"
@@ -301,36 +302,63 @@ def test_greedy_equals_target_only(target, prompt, reference, drafter_name):
 
 
 @pytest.mark.parametrize("bug", sorted(buggy.LOOP_BUGS))
-def test_loop_bug_breaks_greedy_identity(target, prompt, reference, bug, monkeypatch):
+def test_loop_bug_breaks_greedy_identity(target, prompt, reference, bug):
     """Seen here: the kept target cache diverges at token 1 (k=1, 2, 4) or 2 (k=3); the unmasked
-    verify at token 1 (k=1, 2) or 0 (k=3, 4)."""
+    verify at token 1 (k=1, 2) or 0 (k=3, 4). The bug is passed as one of the loop's steps, and the
+    library's whole step for a draft model runs it."""
     step, fn, what = buggy.LOOP_BUGS[bug]
-    monkeypatch.setattr(speculative, step, fn)
+    steps = SpeculativeSteps(**{step: fn})
     caught = []
     for k in (1, 2, 3, 4):
         try:
-            assert_same_greedy(target, truncated_draft(target, 2), prompt, k, reference)
-        except AssertionError as error:
+            assert_same_greedy(target, truncated_draft(target, 2), prompt, k, reference, steps)
+        except AssertionError:
             caught.append(k)
     assert caught == [1, 2, 3, 4], f"{bug} ({what}) was not caught at every k: only at {caught}"
 
 
-def test_loop_runs_speculative_step_for_a_draft_model(target, prompt, reference, monkeypatch):
-    """A draft model's steps go through `speculative.speculative_step`, read from the module at each
-    call (notebook 09 swaps in the learner's); a function drafter's do not."""
+def test_loop_runs_the_speculative_step_it_is_given(target, prompt, reference):
+    """A draft model's steps go through `SpeculativeSteps.speculative_step` when one is given
+    (notebook 09 passes the learner's); a function drafter's do not."""
     calls = []
 
     def spy(*args):
         calls.append(args[5])  # k
-        return original(*args)
+        return speculative.speculative_step(*args)
 
-    original = speculative.speculative_step
-    monkeypatch.setattr(speculative, "speculative_step", spy)
-    assert_same_greedy(target, truncated_draft(target, 2), prompt, 3, reference)
+    steps = SpeculativeSteps(speculative_step=spy)
+    assert_same_greedy(target, truncated_draft(target, 2), prompt, 3, reference, steps)
     assert calls and set(calls) <= {0, 1, 2, 3} and calls[0] == 3
     calls.clear()
-    assert_same_greedy(target, propose_from_prompt, prompt, 3, reference)
+    assert_same_greedy(target, propose_from_prompt, prompt, 3, reference, steps)
     assert calls == []
+
+
+@pytest.mark.parametrize("drafter_name", ["truncated", "truncated, the library's step named", "lookup"])
+def test_loop_runs_the_acceptance_rule_it_is_given(target, prompt, drafter_name):
+    """Sampling, the rule in `SpeculativeSteps.accept_draft_tokens` judges every chain's drafts: a draft
+    model's (through the library's whole step, by default or named, as notebook 09's fallback names it)
+    and a function's."""
+    judged = []
+
+    def spy(draft_tokens, draft_probs, target_probs, generator=None):
+        judged.append(len(draft_tokens))
+        return accept_draft_tokens(draft_tokens, draft_probs, target_probs, generator)
+
+    drafter = propose_from_prompt if drafter_name == "lookup" else truncated_draft(target, 2)
+    steps = SpeculativeSteps(accept_draft_tokens=spy)
+    if drafter_name.endswith("named"):
+        steps = SpeculativeSteps(accept_draft_tokens=spy, speculative_step=speculative.speculative_step)
+    params = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=0)
+    _, stats = speculative_generate(target, drafter, prompt, params, 2, steps=steps)
+    assert len(judged) == stats.target_calls > 0
+
+
+def test_steps_must_be_functions(target, prompt):
+    with pytest.raises(TypeError, match="SpeculativeSteps.rollback must be a function, got 3"):
+        SpeculativeSteps(rollback=3)
+    with pytest.raises(TypeError, match="steps must be a SpeculativeSteps, got dict"):
+        speculative_generate(target, propose_from_prompt, prompt, SamplingParams(), 2, steps={})
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -359,24 +387,23 @@ def test_speculative_step_one_verify_pass_and_rollback(target, prompt, temperatu
             ids += emitted.tolist()
 
 
-def check_verify_logits(target, prompt_ids, drafts, tolerance=1e-4) -> float:
+def check_verify_logits(target, prompt_ids, drafts, verify=speculative.verify, tolerance=1e-4) -> float:
     """The verify pass over [pending, drafts] equals the logits of the full sequence."""
     cache = KVCache(target.config, 1, len(prompt_ids) + len(drafts))
     with torch.inference_mode():
         speculative.prefill(target, cache, prompt_ids[:-1])
-        logits = speculative.verify(target, cache, torch.tensor(prompt_ids[-1:]), torch.tensor(drafts))
+        logits = verify(target, cache, torch.tensor(prompt_ids[-1:]), torch.tensor(drafts))
         reference = target(torch.tensor([prompt_ids + drafts]))[0, len(prompt_ids) - 1:]
     difference = float((logits - reference).abs().max())
     assert difference <= tolerance, f"verify logits differ from full-sequence logits by {difference:.3g}"
     return difference
 
 
-def test_verify_logits_equal_full_sequence(target, prompt, monkeypatch):
+def test_verify_logits_equal_full_sequence(target, prompt):
     check_verify_logits(target, prompt, [5, 17, 3, 88])
     _, fn, _ = buggy.LOOP_BUGS["verify_without_causal_mask"]
-    monkeypatch.setattr(speculative, "verify", fn)
     with pytest.raises(AssertionError, match="differ"):
-        check_verify_logits(target, prompt, [5, 17, 3, 88])
+        check_verify_logits(target, prompt, [5, 17, 3, 88], fn)
 
 
 def test_stop_tokens_and_max_tokens(target, prompt):

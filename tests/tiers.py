@@ -93,7 +93,7 @@ NODE_TIERS: dict[str, tuple[str, str]] = {
         ("notebook", "python -m decodelab progress runs the notebooks"),
     # slow: other heavy work
     "tests/test_architecture.py::test_import_contracts_are_kept": ("slow", "lint-imports, as make test-fast runs first"),
-    "tests/test_architecture.py::test_a_broken_contract_fails_the_lint": ("slow", "lint-imports on a copy, 5 times"),
+    "tests/test_architecture.py::test_a_broken_contract_fails_the_lint": ("slow", "lint-imports on a copy, 7 times"),
     "tests/test_architecture.py::test_engine_and_checks_import_without_ipywidgets_or_plotly":
         ("slow", "imports the engine and every check in a fresh Python (~12 s)"),
     "tests/test_gpu_kernel.py::test_the_module_imports_without_triton": ("slow", "a fresh Python imports torch"),

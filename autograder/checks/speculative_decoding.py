@@ -32,8 +32,9 @@ Oracles:
      after top-k and top-p over-accepts drafts (p / q_unfiltered > p / q): TVD 0.46 there (0.29
      from the softmax without temperature), against a bound of 0.136; an unfiltered p puts 0.69
      of the first token's mass outside the filtered support;
-  4. the function in the library's loop (`stream_speculative` with it swapped in for
-     `speculative_step`): greedy output equals target-only greedy output token for token.
+  4. the function in the library's loop (`stream_speculative` with
+     `steps=SpeculativeSteps(speculative_step=fn)`): greedy output equals target-only greedy
+     output token for token.
 * ``check_verify_tree``, on the same random target after a 12-token prompt: four named trees (a
   chain of the target's own tokens, the accepted path in a second branch, no match, nodes out of
   depth order) and 12 random trees of 3 to 9 nodes in which about half the nodes carry the
@@ -437,10 +438,10 @@ def _check_in_loop(step) -> None:
     target, draft, prompt = _pair()
     params = SamplingParams(temperature=0, max_tokens=STEP_TOKENS, ignore_eos=True)
     reference = list(stream_token_ids(target, prompt, params))
+    steps = speculative.SpeculativeSteps(speculative_step=step)
     for k in (1, 3):
-        with _swapped(speculative, "speculative_step", step):
-            ours = call(f"speculative greedy decoding (k={k}) with your speculative_step in the library's loop",
-                        lambda: list(speculative.stream_speculative(target, draft, prompt, params, k)))
+        ours = call(f"speculative greedy decoding (k={k}) with your speculative_step in the library's loop",
+                    lambda: list(speculative.stream_speculative(target, draft, prompt, params, k, steps=steps)))
         if ours != reference:
             first = next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
             raise AssertionError(f"speculative greedy decoding with your speculative_step in the library's loop "
@@ -448,16 +449,6 @@ def _check_in_loop(step) -> None:
                                  f"its first 2 layers as the draft, {STEP_TOKENS} tokens) must equal target-only greedy "
                                  f"decoding token for token; it differs first at token {first}: expected "
                                  f"{reference[first:first + 4]}..., got {ours[first:first + 4]}...")
-
-
-@contextlib.contextmanager
-def _swapped(module, name, fn):
-    saved = getattr(module, name)
-    setattr(module, name, fn)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
 
 
 @contextlib.contextmanager

@@ -24,9 +24,9 @@ quarter of the rows, the largest part of a draft step. Other tokens get probabil
 which the acceptance rule handles like any other zero (the target can still emit them).
 
 Inside `decodelab.decoding.speculative.stream_speculative` the drafter's state for one generation
-is a `FeatureDraftSession` (made by its adapter, `decodelab.decoding.feature_proposers`): its KV
-cache, whose entry j holds the pair (f_j, x_{j+1}) from real target features, and the target
-features the drafter has not consumed yet.
+is a `FeatureDraftSession`, made by its adapter (`decodelab.decoding.speculative.feature_proposers`):
+its KV cache, whose entry j holds the pair (f_j, x_{j+1}) from real target features, and the
+target features the drafter has not consumed yet.
 
 Shapes: B batch, T positions, E hidden_size, V vocab_size, k drafted tokens.
 """

@@ -1,43 +1,36 @@
-"""The drafters of speculative decoding, as the loop (`decodelab.decoding.speculative.stream_speculative`)
-drives them: one protocol, `DraftProposer` (start / propose / verify / accept / observe /
-rollback), and one adapter per kind of drafter, chosen by `make_proposer`:
+"""The drafters of a chain, as the loop (`decodelab.decoding.speculative.loop`) drives them:
+one protocol, `DraftProposer` (start / propose / verify / accept / observe / rollback / step),
+and one adapter per kind of drafter (`make_proposer` in `loop` chooses):
 
     drafter                                                     adapter
     a draft model: a `LlamaForCausalLM` with the target's vocab  `DraftModelProposer`
     a function (token_ids, k) -> up to k ids, e.g. prompt lookup `FunctionProposer`
-    a feature drafter: `decodelab.decoding.eagle.FeatureDrafter` `FeatureProposer`, or `TreeProposer`
-                                                                 for tree_width > 1 (both in
-                                                                 `decodelab.decoding.feature_proposers`)
+    a feature drafter: `decodelab.decoding.eagle.FeatureDrafter` `FeatureProposer` or `TreeProposer`
+                                                                 (`feature_proposers`, one layer up)
 
-The adapters run the loop's steps (`prefill`, `propose`, `verify`, `accept_draft_tokens`,
-`rollback`, and for a draft model the whole `speculative_step`) as attributes of the
-`speculative` module, looked up at each call: notebook 09 and the kept-bug tests swap a step
-there (`mock.patch.object(speculative, "speculative_step", ...)`) and the loop must run theirs.
-The feature drafter's adapters, with `eagle` and `draft_tree`, are imported only when a feature
-drafter is used.
+Every adapter runs the steps of the `SpeculativeSteps` it is given (`steps`, one layer down),
+so a step a caller passes to the loop is the one that runs; a draft model's adapter runs the
+whole `speculative_step`. Also here: `Draft` (one step's proposal), `SpeculativeStats` (what
+the steps proposed, accepted and cost) and `truncated_draft` (an early-exit draft model that
+shares the target's weights).
 
 Shapes: k' proposed tokens, V vocab_size.
 """
 from __future__ import annotations
 
-import sys
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Union
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
-from decodelab.decoding import speculative
 from decodelab.decoding.sampling import probs
+from decodelab.decoding.speculative.steps import LIBRARY_STEPS, SpeculativeSteps
 from decodelab.model.kv_cache import KVCache
+from decodelab.model.llama import LlamaForCausalLM
 from decodelab.params import SamplingParams
-
-if TYPE_CHECKING:
-    from decodelab.decoding.eagle import FeatureDrafter
-    from decodelab.decoding.speculative import SpeculativeStats
-
-# What a caller passes as `drafter` (the table above); `make_proposer` wraps it in a `DraftProposer`.
-Drafter = Union[nn.Module, "FeatureDrafter", Callable[[list, int], list]]
+from decodelab.validation import check_int
 
 
 @dataclass
@@ -59,6 +52,48 @@ class Draft:
     def __post_init__(self) -> None:
         if self.positions is None:
             self.positions = len(self.tokens)
+
+
+@dataclass
+class SpeculativeStats:
+    """Counts over one or more generations (pass the same object to add them up)."""
+
+    proposed: int = 0  # draft tokens put to the target
+    accepted: int = 0  # of those, accepted
+    rejected: int = 0  # steps that ended in a rejection (drafts after it are never judged)
+    target_calls: int = 0  # verify forwards (the prompt's prefill not counted)
+    draft_calls: int = 0  # draft-model forwards, or drafter-function calls
+    generated: int = 0  # tokens emitted
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha, measured: of the drafts the rule judged, the fraction accepted. Not accepted /
+        proposed, which also counts the drafts after a rejection and so falls as k grows."""
+        judged = self.accepted + self.rejected
+        return self.accepted / judged if judged else float("nan")
+
+    @property
+    def accepted_per_proposed(self) -> float:
+        return self.accepted / self.proposed if self.proposed else float("nan")
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        return self.generated / self.target_calls if self.target_calls else float("nan")
+
+    def record_step(self, draft: Draft, num_emitted: int) -> None:
+        """Count one step that put `draft` to the target and emitted num_emitted tokens (its
+        accepted drafts and one more); `generated` counts the tokens as they are yielded."""
+        self.record(len(draft.tokens), draft.positions, draft.calls, num_emitted)
+
+    def record(self, proposed: int, positions: int, draft_calls: int, num_emitted: int) -> None:
+        """`record_step` in numbers: `proposed` guesses for `positions` positions (equal for a
+        chain), `draft_calls` drafter calls, num_emitted tokens emitted for one target call."""
+        num_accepted = num_emitted - 1
+        self.proposed += proposed
+        self.accepted += num_accepted
+        self.rejected += num_accepted < positions
+        self.target_calls += 1
+        self.draft_calls += draft_calls
 
 
 class DraftProposer(Protocol):
@@ -102,38 +137,39 @@ class DraftProposer(Protocol):
 class ChainProposer:
     """What drafters of a chain d_1 .. d_k' share: the target's prefill, a plain verify pass, the
     acceptance rule (greedy, or `accept_draft_tokens`), nothing to observe, and a rollback of the
-    target's cache. Subclasses give `propose` and add their own state. Every step is read from
-    the `speculative` module at call time (module docstring)."""
+    target's cache. Subclasses give `propose` and add their own state. Every step is the one
+    `steps` holds (the library's by default)."""
 
-    def __init__(self, target, params: SamplingParams, generator: torch.Generator | None):
-        self.target, self.params, self.generator = target, params, generator
+    def __init__(self, target, params: SamplingParams, generator: torch.Generator | None,
+                 steps: SpeculativeSteps = LIBRARY_STEPS):
+        self.target, self.params, self.generator, self.steps = target, params, generator, steps
         self.context = target.config.max_position_embeddings
         self.target_cache: KVCache | None = None  # set by `start`
 
     def start(self, target_cache: KVCache, prompt_ids: list[int], max_len: int) -> None:
         self.target_cache = target_cache
-        speculative.prefill(self.target, target_cache, prompt_ids[:-1])
+        self.steps.prefill(self.target, target_cache, prompt_ids[:-1])
 
     def _propose(self, drafter, state, ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`speculative.propose` (tokens [k'], probs [k', V] or None) for this drafter and state."""
+        """`steps.propose` (tokens [k'], probs [k', V] or None) for this drafter and state."""
         config = self.target.config
-        return speculative.propose(drafter, state, ids, k, self.params, self.generator, config.vocab_size,
-                                   self.target.device)
+        return self.steps.propose(drafter, state, ids, k, self.params, self.generator, config.vocab_size,
+                                  self.target.device)
 
     def verify(self, pending: torch.Tensor, draft: Draft) -> torch.Tensor:
-        return speculative.verify(self.target, self.target_cache, pending, draft.tokens)
+        return self.steps.verify(self.target, self.target_cache, pending, draft.tokens)
 
     def accept(self, draft: Draft, target_logits: torch.Tensor) -> torch.Tensor:
         if self.params.greedy:
-            return speculative.greedy_accept(draft.tokens, target_logits)
+            return self.steps.greedy_accept(draft.tokens, target_logits)
         target_probs = probs(target_logits, self.params)  # [k'+1, V]
-        return speculative.accept_draft_tokens(draft.tokens, draft.probs, target_probs, self.generator)
+        return self.steps.accept_draft_tokens(draft.tokens, draft.probs, target_probs, self.generator)
 
     def observe(self, emitted: torch.Tensor) -> None:
         pass  # a draft model or a function learns nothing from the target
 
     def rollback(self, length: int) -> None:
-        speculative.rollback(self.target_cache, None, length)
+        self.steps.rollback(self.target_cache, None, length)
 
     def step(self, ids: list[int], k: int, stats: SpeculativeStats) -> torch.Tensor:
         draft = self.propose(ids, k)
@@ -149,10 +185,12 @@ class ChainProposer:
 class DraftModelProposer(ChainProposer):
     """A draft model: any `LlamaForCausalLM` with the target's vocabulary, with its own KVCache;
     k forwards per proposal, each guess drawn from its logits (q_i recorded when sampling). Its
-    `step` is `speculative.speculative_step` (the whole step as one function, notebook 09's)."""
+    `step` is a whole `speculative_step` (`SpeculativeSteps.draft_model_step`: notebook 09 passes
+    the learner's)."""
 
-    def __init__(self, target, draft_model: nn.Module, params: SamplingParams, generator):
-        super().__init__(target, params, generator)
+    def __init__(self, target, draft_model: nn.Module, params: SamplingParams, generator,
+                 steps: SpeculativeSteps = LIBRARY_STEPS):
+        super().__init__(target, params, generator, steps)
         vocab = target.config.vocab_size
         if draft_model.config.vocab_size != vocab:
             raise ValueError(f"draft vocabulary ({draft_model.config.vocab_size}) differs from the "
@@ -164,19 +202,19 @@ class DraftModelProposer(ChainProposer):
     def start(self, target_cache: KVCache, prompt_ids: list[int], max_len: int) -> None:
         draft = self.draft_model
         self.draft_cache = KVCache(draft.config, 1, max_len, device=self.target.device, dtype=draft.dtype)
-        speculative.prefill(draft, self.draft_cache, prompt_ids[:-1])
+        self.steps.prefill(draft, self.draft_cache, prompt_ids[:-1])
         super().start(target_cache, prompt_ids, max_len)
 
     def propose(self, ids: list[int], k: int) -> Draft:
         return Draft(*self._propose(self.draft_model, self.draft_cache, ids, k), calls=k)
 
     def rollback(self, length: int) -> None:
-        speculative.rollback(self.target_cache, self.draft_cache, length)
+        self.steps.rollback(self.target_cache, self.draft_cache, length)
 
     def step(self, ids: list[int], k: int, stats: SpeculativeStats) -> torch.Tensor:
-        """`speculative.speculative_step`: the same stages as `ChainProposer.step`, as one function."""
-        emitted = speculative.speculative_step(self.target, self.draft_model, self.target_cache, self.draft_cache,
-                                               ids, k, self.params, self.generator)
+        """A whole `speculative_step`: the same stages as `ChainProposer.step`, as one function."""
+        emitted = self.steps.draft_model_step(self.target, self.draft_model, self.target_cache, self.draft_cache,
+                                              ids, k, self.params, self.generator)
         stats.record(k, k, k, len(emitted))  # k guesses for k positions, one draft forward each
         return emitted
 
@@ -185,34 +223,26 @@ class FunctionProposer(ChainProposer):
     """A function (token_ids, k) -> up to k guesses, such as prompt lookup: one call per
     proposal, deterministic guesses, so q is one-hot."""
 
-    def __init__(self, target, function: Callable[[list, int], list], params: SamplingParams, generator):
-        super().__init__(target, params, generator)
+    def __init__(self, target, function: Callable[[list, int], list], params: SamplingParams, generator,
+                 steps: SpeculativeSteps = LIBRARY_STEPS):
+        super().__init__(target, params, generator, steps)
         self.function = function
 
     def propose(self, ids: list[int], k: int) -> Draft:
         return Draft(*self._propose(self.function, None, ids, k), calls=int(k > 0))
 
 
-def is_feature_drafter(drafter) -> bool:
-    """isinstance(drafter, decodelab.decoding.eagle.FeatureDrafter), without importing eagle: until
-    something has imported it, no FeatureDrafter can exist."""
-    eagle = sys.modules.get("decodelab.decoding.eagle")
-    return eagle is not None and isinstance(drafter, eagle.FeatureDrafter)
-
-
-def make_proposer(target, drafter: Drafter, params: SamplingParams, generator: torch.Generator | None,
-                  tree_width: int = 1) -> DraftProposer:
-    """The adapter for this kind of drafter, checked against the target: a feature drafter (a
-    `TreeProposer` when tree_width > 1), a draft model, or a function. tree_width > 1 is only
-    for a feature drafter (`stream_speculative` checks it)."""
-    if is_feature_drafter(drafter):
-        from decodelab.decoding.feature_proposers import FeatureProposer, TreeProposer  # eagle is loaded already
-
-        if tree_width > 1:
-            return TreeProposer(target, drafter, params, generator, tree_width)
-        return FeatureProposer(target, drafter, params, generator)
-    if isinstance(drafter, nn.Module):
-        return DraftModelProposer(target, drafter, params, generator)
-    if callable(drafter):
-        return FunctionProposer(target, drafter, params, generator)
-    raise ValueError(f"drafter must be a draft model or a function (token_ids, k) -> ids, got {drafter!r}")
+def truncated_draft(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
+    """A draft that shares the model's weights: embeddings, the first num_layers layers, the
+    final norm and lm_head (an "early exit" model; same tokenizer, no extra memory)."""
+    total = model.config.num_hidden_layers
+    check_int("num_layers", num_layers, minimum=1, maximum=total)
+    config = dataclasses.replace(model.config, num_hidden_layers=num_layers)
+    with torch.device("meta"):  # build the skeleton without allocating weights, then share
+        draft = LlamaForCausalLM(config)
+    draft.model.embed_tokens = model.model.embed_tokens
+    draft.model.layers = nn.ModuleList(model.model.layers[:num_layers])
+    draft.model.norm = model.model.norm
+    draft.lm_head = model.lm_head
+    draft.rope_cos, draft.rope_sin = model.rope_cos, model.rope_sin
+    return draft.eval()

@@ -1,14 +1,15 @@
-"""The feature drafter's adapters to the speculative loop (`decodelab.decoding.proposers`):
+"""The feature drafter's adapters to the speculative loop, one layer above the chain's
+(`proposers`) and below the loop that chooses them (`loop.make_proposer`):
 
     FeatureProposer  a chain d_1 .. d_k from a `decodelab.decoding.eagle.FeatureDrafter`, which
                      reads the target's features (last hidden states) as well as its tokens
     TreeProposer     the drafter's top-w candidates for the next token, judged in one
                      tree-masked target pass (`decodelab.decoding.draft_tree`; greedy, k = 1)
 
-`make_proposer` imports this module only for a feature drafter, so a draft model or a function
-never loads `eagle` or `draft_tree`. The chain's steps are the `speculative` module's, read at
-call time as in `ChainProposer`; the tree's are `draft_tree`'s, named here (the tests patch them
-in this module: "decodelab.decoding.feature_proposers.keep_row").
+The chain's proposal, acceptance and rollback are its `SpeculativeSteps`', as in
+`ChainProposer`; its verify pass is `steps.verify_with_features` (the logits and the target's
+features). The tree's steps are `draft_tree`'s, named here (the tests patch them in this
+module: "decodelab.decoding.speculative.feature_proposers.keep_row").
 
 Shapes: k' proposed tokens, w candidates, V vocab_size, E hidden_size.
 """
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from decodelab.decoding import speculative
 from decodelab.decoding.draft_tree import accept_candidate, keep_row, path_rows, top_candidates, verify_candidates
 from decodelab.decoding.eagle import FeatureDrafter, FeatureDraftSession
-from decodelab.decoding.proposers import ChainProposer, Draft
+from decodelab.decoding.speculative.proposers import ChainProposer, Draft
+from decodelab.decoding.speculative.steps import LIBRARY_STEPS, SpeculativeSteps, verify_with_features
 from decodelab.model.kv_cache import KVCache
 from decodelab.params import SamplingParams
 
@@ -29,8 +30,9 @@ class FeatureProposer(ChainProposer):
     the target's passes return its features too: the prompt's at `start`, and the verify pass's,
     of which `observe` hands the accepted ones to the session."""
 
-    def __init__(self, target, drafter: FeatureDrafter, params: SamplingParams, generator):
-        super().__init__(target, params, generator)
+    def __init__(self, target, drafter: FeatureDrafter, params: SamplingParams, generator,
+                 steps: SpeculativeSteps = LIBRARY_STEPS):
+        super().__init__(target, params, generator, steps)
         if drafter.target is not target:
             raise ValueError("this FeatureDrafter is attached to another model: drafter.attach(target) first")
         self.drafter = drafter
@@ -48,8 +50,7 @@ class FeatureProposer(ChainProposer):
         return Draft(*self._propose(self.drafter, self.session, ids, k), calls=k)
 
     def verify(self, pending: torch.Tensor, draft: Draft) -> torch.Tensor:
-        target_logits, self.features = speculative.verify_with_features(self.target, self.target_cache, pending,
-                                                                        draft.tokens)
+        target_logits, self.features = verify_with_features(self.target, self.target_cache, pending, draft.tokens)
         return target_logits  # [k'+1, V]
 
     def observe(self, emitted: torch.Tensor) -> None:
@@ -60,8 +61,9 @@ class TreeProposer(FeatureProposer):
     """A feature drafter's top-`width` candidates for the next token, judged in one tree-masked
     pass (greedy, k = 1). Only the accepted candidate's cache row and features are kept."""
 
-    def __init__(self, target, drafter: FeatureDrafter, params: SamplingParams, generator, width: int):
-        super().__init__(target, drafter, params, generator)
+    def __init__(self, target, drafter: FeatureDrafter, params: SamplingParams, generator, width: int,
+                 steps: SpeculativeSteps = LIBRARY_STEPS):
+        super().__init__(target, drafter, params, generator, steps)
         self.width, self.max_len = width, 0
         self.row = 0  # the accepted candidate's row in the last verify pass (0: none was)
 
