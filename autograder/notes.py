@@ -5,9 +5,8 @@ from pathlib import Path
 
 
 def short(text, n: int = 120) -> str:
-    """text on one line, without "; " (the column's separator: a failure message such as "you predicted
-    2; the answer is 8" would read as two notes), cut to n characters with an ellipsis."""
-    text = " ".join(str(text).split()).replace("; ", ", ")
+    """text on one line, cut to n characters with an ellipsis."""
+    text = " ".join(str(text).split())
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
@@ -43,3 +42,9 @@ def hints_note(folder: Path, assignment: str) -> str | None:
     except (OSError, ValueError):  # absent, a link, too large, not text: no note
         return None
     return hints.note(counts, assignment)
+
+
+def one_note(text, n: int = 120) -> str:
+    """short(text, n) that reads as one note of the column: "; " (its separator) becomes ", ", so that a
+    failure message such as "you predicted 2; the answer is 8" is not split in two."""
+    return short(str(text).replace("; ", ", "), n)

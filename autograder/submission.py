@@ -17,7 +17,7 @@ from pathlib import Path
 
 from autograder import student_files
 from autograder.cells import is_test_cell, meta, without_hidden_tests
-from autograder.notes import hints_note, short, version_note
+from autograder.notes import hints_note, one_note, short, version_note
 
 STATUSES = ("grader_error", "unreadable", "missing", "crashed", "timeout", "tampered", "ok")
 
@@ -121,7 +121,7 @@ def settle_test_cells(nb, ex) -> list[str]:
         elif status is None:
             why = "not run (the kernel had " + ("died" if ex is not None and ex.stopped == "crashed" else "stopped") + ")"
         elif errors:
-            why = f"{errors[0].get('ename', 'error')}: {short(errors[0].get('evalue', ''), 100)}"
+            why = f"{errors[0].get('ename', 'error')}: {one_note(errors[0].get('evalue', ''), 100)}"
         else:
             why = "error"
         if not errors:

@@ -150,8 +150,8 @@ def test_cli_writes_json_and_html_and_refuses_bad_input(small_class):
 
 
 def test_a_failure_message_with_a_semicolon_stays_one_note():
-    from autograder.notes import short
+    from autograder.notes import one_note
 
-    note = f"test_q_x failed: {short('AssertionError: q_x: you predicted 2; the answer is 8 (graded within 5%)')}"
+    note = f"test_q_x failed: {one_note('AssertionError: q_x: you predicted 2; the answer is 8 (graded within 5%)')}"
     assert report.notes_of({"notes": f"{note}; hints: ex_a 1"}) == [note, "hints: ex_a 1"]
     assert report.failure_pattern(report.FAILED.match(note)["why"]).endswith("the answer is # (graded within #%)")
