@@ -330,11 +330,11 @@ def test_the_command_line_lists_its_commands():
     helped = subprocess.run([*run, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
                             check=False)
     assert helped.returncode == 0 and helped.stderr == ""
-    for command in ("grade", "export", "scheduler", "worker"):
+    for command in ("grade", "export", "report", "scheduler", "worker"):
         assert re.search(rf"^  {command} +\w.+$", helped.stdout, re.MULTILINE), helped.stdout
     bogus = subprocess.run([*run, "bogus"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
     assert bogus.returncode == 2 and bogus.stdout == ""
     last = bogus.stderr.splitlines()[-1]
-    assert last == "autograder: error: unknown command 'bogus' (the commands: grade, export, scheduler, worker)"
+    assert last == "autograder: error: unknown command 'bogus' (the commands: grade, export, report, scheduler, worker)"
     assert re.search(r"^  export +\w.+$", bogus.stderr, re.MULTILINE), bogus.stderr
     assert subprocess.run(run, cwd=ROOT, env=env, capture_output=True, timeout=60, check=False).returncode == 2
