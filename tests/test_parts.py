@@ -192,7 +192,7 @@ def planted(*stages: str) -> parts.Assembly:
     exec(compile(BROKEN_PARTS, "<02_sampling cells>", "exec"), sampling)
     # an innocent stage: 08's methods, as the library writes them
     scheduling = {"__name__": "_decodelab_yours_08", **{name: getattr(parts.Scheduler, name)
-                                                        for name in parts._scheduler_methods()}}
+                                                        for name in parts.stage_exercises("scheduler")[1]}}
     namespaces = {"02_sampling": sampling, "08_continuous_batching": scheduling}
     hooks = parts.EngineHooks()
     for entry in bill:

@@ -10,7 +10,8 @@ says which ones are yours.
                                                                 # (a stage of yours that raises falls back)
 
 **Stages.** Each `Stage` is one `EngineHooks` field, built from the exercises of one notebook whose
-code runs in it (the forward pass is 01's `forward`, which calls your `rms_norm`, `rope` and `mlp`).
+code runs in it, as the table of exercises (`course.exercises`, their `stage`) says: the forward
+pass is 01's `forward`, which calls your `rms_norm`, `rope` and `mlp`.
 A stage is ``yours`` when every one of those exercises passes its visible tests (progress's
 statuses); otherwise the library's reference runs it, and the bill says why: the notebook is not in
 the folder, an exercise is not started or failing (with progress's message), or this engine does
@@ -37,23 +38,19 @@ from pathlib import Path
 from typing import Callable
 
 from decodelab.course import progress
+from decodelab.course.exercises import stage_exercises
 from decodelab.engine.llm import EngineHooks
 from decodelab.engine.scheduler import Scheduler
 
 YOURS, REFERENCE = "yours", "reference"
 CAPSTONE = "10_capstone_engine"
-SCHEDULER_NOTEBOOK = "08_continuous_batching"
-
-
-def _scheduler_methods() -> tuple[str, ...]:
-    """08's exercises that are Scheduler methods (bound the way 08's closing cells bind them)."""
-    return tuple(name for (notebook, name) in progress.PARTS
-                 if notebook == SCHEDULER_NOTEBOOK and callable(getattr(Scheduler, name, None)))
 
 
 def _your_scheduler(namespace: dict) -> type:
-    methods = {name: namespace[name] for name in _scheduler_methods()}
-    return type("YourScheduler", (Scheduler,), {**methods, "__module__": namespace["__name__"]})
+    """A Scheduler whose step pieces are 08's exercises (bound the way 08's closing cells bind them)."""
+    _, methods = stage_exercises("scheduler")
+    return type("YourScheduler", (Scheduler,), {**{name: namespace[name] for name in methods},
+                                                "__module__": namespace["__name__"]})
 
 
 @dataclass(frozen=True)
@@ -65,20 +62,22 @@ class Stage:
     build: Callable[[dict], Callable]  # the learner's namespace -> the hook's value
 
 
+def _stage(name: str, hook: str, build: Callable[[dict], Callable]) -> Stage:
+    """The stage that fills `hook`: its notebook and exercises come from the table of exercises."""
+    notebook, names = stage_exercises(hook)
+    return Stage(name, hook, notebook, names, build)
+
+
 STAGES: tuple[Stage, ...] = (
-    Stage("forward pass", "forward", "01_forward_pass", ("rms_norm", "rope", "mlp", "forward"),
-          lambda ns: ns["forward"]),
-    Stage("attention", "attention", "01_forward_pass", ("attention",), lambda ns: ns["attention"]),
-    Stage("sampling", "sample", "02_sampling", ("process_logits", "top_k_filter", "top_p_filter", "sample"),
-          lambda ns: ns["sample"]),
-    Stage("repetition penalty", "repetition_penalty", "02_sampling", ("apply_repetition_penalty",),
-          lambda ns: ns["apply_repetition_penalty"]),
-    Stage("int8 linear layer", "linear", "06_quantization", ("Int8Linear",), lambda ns: ns["Int8Linear"].from_linear),
-    Stage("block allocator", "allocator", "07_paged_kv", ("BlockAllocator",), lambda ns: ns["BlockAllocator"]),
-    Stage("scheduler", "scheduler", SCHEDULER_NOTEBOOK, _scheduler_methods(), _your_scheduler),
-    Stage("speculative acceptance", "accept_draft_tokens", "09_speculative_decoding", ("accept_draft_tokens",),
-          lambda ns: ns["accept_draft_tokens"]),
-    Stage("engine step", "step", CAPSTONE, ("engine_step",), lambda ns: ns["engine_step"]),
+    _stage("forward pass", "forward", lambda ns: ns["forward"]),  # 01's forward, with its rms_norm, rope, mlp
+    _stage("attention", "attention", lambda ns: ns["attention"]),
+    _stage("sampling", "sample", lambda ns: ns["sample"]),
+    _stage("repetition penalty", "repetition_penalty", lambda ns: ns["apply_repetition_penalty"]),
+    _stage("int8 linear layer", "linear", lambda ns: ns["Int8Linear"].from_linear),
+    _stage("block allocator", "allocator", lambda ns: ns["BlockAllocator"]),
+    _stage("scheduler", "scheduler", _your_scheduler),
+    _stage("speculative acceptance", "accept_draft_tokens", lambda ns: ns["accept_draft_tokens"]),
+    _stage("engine step", "step", lambda ns: ns["engine_step"]),
 )
 STAGE_NOTEBOOKS: tuple[str, ...] = tuple(sorted({stage.notebook for stage in STAGES}))
 

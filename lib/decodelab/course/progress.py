@@ -51,8 +51,8 @@ Each row also says how many rungs of the exercise's hint ladder the learner has 
 (``hints_used``: the counter file ``.decodelab_hints.json`` beside the notebook, written by the
 hint buttons of course/hints.py; 0 when there is none). It is information, never a status.
 
-`PARTS` names the stage of the engine each exercise builds; tests/test_progress.py checks that
-it names every exercise in solutions/.
+`PARTS` (from the table of exercises, `course.exercises`) names the part of the engine each
+exercise builds.
 """
 from __future__ import annotations
 
@@ -73,70 +73,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from decodelab.course import hints
-
-# (notebook, exercise) -> the stage of the engine that exercise builds.
-PARTS: dict[tuple[str, str], str] = {
-    ("00_meet_the_model", "bpe_encode"): "tokenizer: byte-level BPE merges",
-    ("00_meet_the_model", "count_parameters"): "model size: parameter count",
-    ("00_meet_the_model", "decode_tokens_per_second_bound"): "decode speed: bandwidth bound",
-    ("01_forward_pass", "load_gguf_state_dict"): "forward pass: the weights read from GGUF, dequantized",
-    ("01_forward_pass", "rms_norm"): "forward pass: RMSNorm",
-    ("01_forward_pass", "rope"): "forward pass: RoPE",
-    ("01_forward_pass", "attention"): "forward pass: attention",
-    ("01_forward_pass", "mlp"): "forward pass: SwiGLU MLP",
-    ("01_forward_pass", "forward"): "forward pass: decoder layer and model loop",
-    ("02_sampling", "top_k_filter"): "sampling: top-k",
-    ("02_sampling", "top_p_filter"): "sampling: top-p",
-    ("02_sampling", "apply_repetition_penalty"): "sampling: repetition penalty",
-    ("02_sampling", "process_logits"): "sampling: a batch, each request's own settings",
-    ("02_sampling", "sample"): "sampling: drawing the token",
-    ("02_sampling", "beam_search"): "sampling: beam search, each beam with its own cache row",
-    ("03_kv_cache", "generate_without_cache"): "generation loop without a cache",
-    ("03_kv_cache", "KVCache"): "KV cache",
-    ("03_kv_cache", "generate_with_cache"): "generation loop with the KV cache",
-    ("03_kv_cache", "kv_bytes"): "KV cache size",
-    ("03_kv_cache", "SlidingWindowKVCache"): "KV cache of a sliding window: a ring of W slots",
-    ("04_prefill_decode", "timed_generate"): "prefill and decode, timed",
-    ("04_prefill_decode", "latencies_from_timestamps"): "latency: TTFT and inter-token",
-    ("04_prefill_decode", "IncrementalDetokenizer"): "detokenizer: streaming text, a few ids per token",
-    ("04_prefill_decode", "arithmetic_intensity"): "roofline: arithmetic intensity",
-    ("04_prefill_decode", "reuse_prefix"): "prefix reuse",
-    ("05_gqa", "broadcast_gqa_attention"): "GQA: attention without copying K/V",
-    ("05_gqa", "gqa_decode_step"): "GQA: one decode step over the cache, bytes read",
-    ("05_gqa", "pool_kv_heads"): "GQA: pooling K/V heads",
-    ("06_quantization", "quantize_int8_per_tensor"): "quantization: int8 per tensor",
-    ("06_quantization", "quantize_int8_per_channel"): "quantization: int8 per channel",
-    ("06_quantization", "quantize_int4_groupwise"): "quantization: int4 group-wise, packed",
-    ("06_quantization", "Int8Linear"): "int8 linear layer",
-    ("06_quantization", "replace_linears"): "quantized model: swapping the linear layers",
-    ("06_quantization", "Int4Linear"): "int4 linear layer, group by group",
-    ("06_quantization", "Int8KVCache"): "int8 KV cache, a scale per token and head",
-    ("07_paged_kv", "gather_kv"): "paged KV: gather through a block table",
-    ("07_paged_kv", "paged_decode_attention"): "paged KV: a decode batch's attention through its block tables",
-    ("07_paged_kv", "kv_waste"): "paged KV: counting the waste",
-    ("07_paged_kv", "BlockAllocator"): "block allocator",
-    ("08_continuous_batching", "preempt"): "scheduler: preempt",
-    ("08_continuous_batching", "decode_batch"): "scheduler: decode batch",
-    ("08_continuous_batching", "schedule_chunked"): "scheduler: a step with chunked prefill",
-    ("08_continuous_batching", "finish"): "scheduler: finish",
-    ("08_continuous_batching", "padded_prefill"): "static batch: padding and its attention mask",
-    ("09_speculative_decoding", "accept_draft_tokens"): "speculative decoding: acceptance rule",
-    ("09_speculative_decoding", "speculative_step"): "speculative decoding: propose, verify, roll back",
-    ("09_speculative_decoding", "propose_from_prompt"): "speculative decoding: prompt-lookup drafter",
-    ("09_speculative_decoding", "verify_tree"): "speculative decoding: a draft tree in one pass",
-    ("10_capstone_engine", "kv_blocks_for_memory"): "engine: KV block budget",
-    ("10_capstone_engine", "engine_step"): "engine: the step",
-    ("10_capstone_engine", "generate_all"): "engine: the outer loop, outputs in prompt order",
-    ("10_capstone_engine", "decode_roofline_fraction"): "engine: roofline fraction",
-    ("11_tiled_attention", "attention_memory_bytes"): "tiled attention: score memory",
-    ("11_tiled_attention", "online_softmax_update"): "tiled attention: online softmax",
-    ("11_tiled_attention", "tiled_attention"): "tiled attention: the tiled loop",
-    ("11_tiled_attention", "tiled_causal_attention"): "tiled attention: causal tiles, the future skipped",
-    ("11_tiled_attention", "combine_partial_attention"): "tiled attention: split-K merge",
-    ("12_gpu_kernel", "gather_kv_kernel"): "GPU kernel: reading KV blocks through the block table",
-    ("12_gpu_kernel", "paged_attention_kernel"): "GPU kernel: paged attention with an online softmax",
-    ("12_gpu_kernel", "paged_attention"): "GPU kernel: launching paged attention",
-}
+from decodelab.course.exercises import PARTS
 
 DEFAULT_TIMEOUT_S = 60.0
 NOTEBOOK_DIR = re.compile(r"^\d\d_\w+$")
