@@ -46,7 +46,7 @@ YOURS, REFERENCE = "yours", "reference"
 CAPSTONE = "10_capstone_engine"
 
 
-def _your_scheduler(namespace: dict) -> type:
+def your_scheduler(namespace: dict) -> type:
     """A Scheduler whose step pieces are 08's exercises (bound the way 08's closing cells bind them)."""
     _, methods = stage_exercises("scheduler")
     return type("YourScheduler", (Scheduler,), {**{name: namespace[name] for name in methods},
@@ -75,7 +75,7 @@ STAGES: tuple[Stage, ...] = (
     _stage("repetition penalty", "repetition_penalty", lambda ns: ns["apply_repetition_penalty"]),
     _stage("int8 linear layer", "linear", lambda ns: ns["Int8Linear"].from_linear),
     _stage("block allocator", "allocator", lambda ns: ns["BlockAllocator"]),
-    _stage("scheduler", "scheduler", _your_scheduler),
+    _stage("scheduler", "scheduler", your_scheduler),
     _stage("speculative acceptance", "accept_draft_tokens", lambda ns: ns["accept_draft_tokens"]),
     _stage("engine step", "step", lambda ns: ns["engine_step"]),
 )
@@ -98,6 +98,7 @@ class Assembly:
     hooks: EngineHooks
     quantization: str | None = None
     namespaces: dict[str, dict] = field(default_factory=dict)  # notebook -> the module its cells ran in
+    rows: list = field(default_factory=list)  # progress's rows the bill was made from (the bench reads them)
 
     @property
     def parts(self) -> dict[str, str]:
@@ -218,7 +219,7 @@ def assemble(course_dir, rows: list[progress.Row], quantization: str | None = No
         except Exception as exc:  # noqa: BLE001 - e.g. a name the cells no longer define
             entry.source, entry.passing = REFERENCE, False
             entry.why = f"could not load it: {type(exc).__name__}: {exc}"
-    return Assembly(bill, hooks, quantization, namespaces)
+    return Assembly(bill, hooks, quantization, namespaces, list(rows))
 
 
 def your_engine(course_dir, this_notebook: str = CAPSTONE, timeout: float = progress.DEFAULT_TIMEOUT_S) -> Assembly:
@@ -331,5 +332,5 @@ def serve(engine: Assembly, prompt: str, max_new_tokens: int = 32, model: str = 
             "parts": engine.parts, "why": {e.stage.name: e.why for e in engine.bill if e.in_engine}}
 
 
-__all__ = ["STAGES", "STAGE_NOTEBOOKS", "Stage", "Entry", "Assembly", "bill_of_materials", "reference_bill",
+__all__ = ["STAGES", "STAGE_NOTEBOOKS", "Stage", "your_scheduler", "Entry", "Assembly", "bill_of_materials", "reference_bill",
            "format_bill", "load_notebook", "assemble", "your_engine", "run_with_fallback", "serve"]
