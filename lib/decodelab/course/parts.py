@@ -39,18 +39,11 @@ from typing import Callable
 
 from decodelab.course import progress
 from decodelab.course.exercises import stage_exercises
+from decodelab.course.speed_parts import your_scheduler
 from decodelab.engine.llm import EngineHooks
-from decodelab.engine.scheduler import Scheduler
 
 YOURS, REFERENCE = "yours", "reference"
 CAPSTONE = "10_capstone_engine"
-
-
-def your_scheduler(namespace: dict) -> type:
-    """A Scheduler whose step pieces are 08's exercises (bound the way 08's closing cells bind them)."""
-    _, methods = stage_exercises("scheduler")
-    return type("YourScheduler", (Scheduler,), {**{name: namespace[name] for name in methods},
-                                                "__module__": namespace["__name__"]})
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from decodelab.course.exercises import find
+from decodelab.course.exercises import find, stage_exercises
 
 SIZES = ("small", "full")
 
@@ -214,10 +214,14 @@ def scheduler_step_workload(scheduler_class, size: str, seed: int, device="cpu")
     return Workload(ready, calls, None, lambda: _schedule_summary(_scheduler_state(scheduler_class, size, seed)))
 
 
-def _scheduler_class(namespace: dict):
-    from decodelab.course.parts import your_scheduler
+def your_scheduler(namespace: dict) -> type:
+    """A Scheduler whose step pieces are the namespace's 08 exercises (bound the way 08's closing
+    cells bind them): the scheduler step here, and the scheduler stage of `course.parts`."""
+    from decodelab.engine.scheduler import Scheduler
 
-    return your_scheduler(namespace)
+    _, methods = stage_exercises("scheduler")
+    return type("YourScheduler", (Scheduler,), {**{name: namespace[name] for name in methods},
+                                                "__module__": namespace["__name__"]})
 
 
 PARTS: tuple[TimedPart, ...] = (
@@ -228,7 +232,7 @@ PARTS: tuple[TimedPart, ...] = (
     TimedPart("decode step", "01_forward_pass", ("rms_norm", "rope", "mlp", "forward"), lambda ns: ns["forward"],
               decode_step_workload, tolerance=1e-3),
     TimedPart("scheduler step", "08_continuous_batching", ("preempt", "decode_batch", "finish", "schedule_chunked"),
-              _scheduler_class, scheduler_step_workload),
+              your_scheduler, scheduler_step_workload),
 )
 
 
@@ -268,4 +272,4 @@ def outputs_differ(got, expected, tolerance: float) -> str | None:
 
 
 __all__ = ["PARTS", "SIZES", "TimedPart", "Workload", "function_workload", "outputs_differ", "part_named",
-           "reference_namespace", "same_output"]
+           "reference_namespace", "same_output", "your_scheduler"]
