@@ -115,17 +115,17 @@ class PartResult:
     def ratio(self) -> Spread | None:
         return Spread.of(ratios(self.learner_s, self.reference_s)) if self.learner_s else None
 
-    def roofline_fraction(self, bandwidth: float, learner: bool = True) -> float | None:
+    def roofline_fraction(self, bandwidth: float | None, learner: bool = True) -> float | None:
         """The least bytes of one call / its median seconds / the machine's bytes per second."""
         times = self.learner_s if learner else self.reference_s
-        if not times or not self.bytes_moved:
+        if not times or not self.bytes_moved or not bandwidth:
             return None
         return self.bytes_moved / statistics.median(times) / bandwidth
 
 
 @dataclass
 class BenchReport:
-    bandwidth: float  # bytes per second of this machine's memory (a large tensor copy)
+    bandwidth: float | None  # bytes per second of this machine's memory (a large tensor copy); None: not measured
     size: str
     rounds: int
     pairs: int
@@ -160,7 +160,8 @@ def bench_course(course_dir, rows, size: str = "small", rounds: int = DEFAULT_RO
                  on_progress: Callable[[str], None] | None = None, timeout: float = ROUND_TIMEOUT_S) -> BenchReport:
     """Time the learner's passing parts (progress's `rows` say which pass) against the library's:
     `rounds` fresh processes, `pairs` pairs per part in each. `on_progress(line)` hears a line per
-    part as each round ends. `bandwidth` (bytes/s): measured here with a large copy when None."""
+    part as each round ends. `bandwidth` (bytes/s): measured here with a large copy when None and
+    a part is timed."""
     from decodelab.course.progress_owner import check_owner
     from decodelab.course.speed_parts import SIZES
     from decodelab.lessons.measure import memory_bandwidth
@@ -173,10 +174,10 @@ def bench_course(course_dir, rows, size: str = "small", rounds: int = DEFAULT_RO
     statuses = {(row.notebook, row.exercise): row.status for row in rows}
     results = [PartResult(p.name, p.notebook, p.exercise, why_not_timed(p, statuses) or "timed") for p in parts]
     timed = [p for p, r in zip(parts, results) if r.status == "timed"]
-    if bandwidth is None:
-        bandwidth = memory_bandwidth(device, megabytes=128 if size == "small" else 512, repeats=5, method="copy")
     if timed:
         check_owner(folder)
+        if bandwidth is None:
+            bandwidth = memory_bandwidth(device, megabytes=128 if size == "small" else 512, repeats=5, method="copy")
     for round_index in range(rounds if timed else 0):
         found = _run_round(folder, timed, statuses, size, pairs, device, round_index, timeout)
         for part in timed:
@@ -261,6 +262,9 @@ def format_report(report: BenchReport) -> str:
                       _percent(r.roofline_fraction(report.bandwidth, learner=False))))
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in table]
+    if not any(r.learner_s for r in report.results):
+        lines.append("\nNo part of yours was timed: each line says why.")
+        return "\n".join(lines)
     lines.append(f"\nA ratio is your time over the library's on the same inputs (above 1: yours is slower): the "
                  f"median of {report.rounds} fresh processes x {report.pairs} pairs, each pair run in alternating "
                  f"order ({report.size} sizes). Roofline: the least bytes a call moves per second, over this "
