@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -36,9 +37,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from decodelab.course.progress_owner import check_owner
 from decodelab.course.progress_plan import PASSING
 from decodelab.course.progress_process import run_until
-from decodelab.course.speed_parts import PARTS, TimedPart, Workload
+from decodelab.course.speed_parts import PARTS, SIZES, TimedPart, Workload
+from decodelab.lessons.measure import memory_bandwidth, time_call
 
 DEFAULT_ROUNDS, DEFAULT_PAIRS = 3, 20
 ROUND_TIMEOUT_S = 300.0
@@ -68,8 +71,6 @@ def paired_times(learner: Workload, reference: Workload, pairs: int, device="cpu
     """(learner's seconds per call, reference's), `pairs` samples each, timed in pairs whose
     order alternates (the first pair starts with the learner when learner_first). One warm-up
     sample each first."""
-    from decodelab.lessons.measure import time_call
-
     if pairs < 1:
         raise ValueError(f"pairs must be >= 1, got {pairs}")
     for workload in (learner, reference):
@@ -162,10 +163,6 @@ def bench_course(course_dir, rows, size: str = "small", rounds: int = DEFAULT_RO
     `rounds` fresh processes, `pairs` pairs per part in each. `on_progress(line)` hears a line per
     part as each round ends. `bandwidth` (bytes/s): measured here with a large copy when None and
     a part is timed."""
-    from decodelab.course.progress_owner import check_owner
-    from decodelab.course.speed_parts import SIZES
-    from decodelab.lessons.measure import memory_bandwidth
-
     if size not in SIZES:
         raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
     if rounds < 1 or pairs < 1:
@@ -182,7 +179,7 @@ def bench_course(course_dir, rows, size: str = "small", rounds: int = DEFAULT_RO
         found = _run_round(folder, timed, statuses, size, pairs, device, round_index, timeout)
         for part in timed:
             result = next(r for r in results if r.part == part.name)
-            _merge(result, found.get(part.name), round_index)
+            _merge(result, found.get(part.name))
             if on_progress:
                 on_progress(_progress_line(result, round_index, rounds))
     return BenchReport(bandwidth, size, rounds, pairs, results)
@@ -190,8 +187,6 @@ def bench_course(course_dir, rows, size: str = "small", rounds: int = DEFAULT_RO
 
 def _run_round(folder: Path, timed, statuses, size, pairs, device, round_index, timeout) -> dict[str, dict]:
     """One fresh process: part name -> {"learner": [...], "reference": [...], "bytes": n} or {"error": why}."""
-    import os
-
     spec = {"parent": os.getpid(), "course": str(folder.resolve()), "parts": [p.name for p in timed],
             "statuses": [[nb, ex, status] for (nb, ex), status in statuses.items()], "size": size, "pairs": pairs,
             "device": device, "seed": 1000 + round_index, "learner_first": round_index % 2 == 0}
@@ -217,7 +212,7 @@ def _run_round(folder: Path, timed, statuses, size, pairs, device, round_index, 
     return found
 
 
-def _merge(result: PartResult, event: dict | None, round_index: int) -> None:
+def _merge(result: PartResult, event: dict | None) -> None:
     """Add one round's pairs; an error in any round (an output unlike the reference's on that
     round's inputs, a crash) leaves the part untimed, whatever other rounds measured."""
     if result.status != "timed":
