@@ -3,34 +3,24 @@ instructor in the notes of the CSV; never scored.
 
 Two things are flagged, in the cells the learner wrote (solution cells and cells added to the
 release):
-* a call of the library's reference implementation of a graded function (each checks module
-  declares them in REFERENCES, e.g. ``count_parameters -> decodelab.lessons.kv_size:parameter_count``);
+* a call of the library's reference implementation of a graded function (the course's table of
+  exercises, `decodelab.course.exercises`, names them, e.g. ``count_parameters ->
+  decodelab.lessons.kv_size:parameter_count``);
 * any use of the grader's own package or files (``autograder``): the hidden tests live there.
 """
 from __future__ import annotations
 
 import ast
-import importlib
 import re
-from pathlib import Path
 
 from autograder.cells import meta
-
-CHECKS = Path(__file__).resolve().parent / "checks"
+from decodelab.course import exercises
 
 
 def references() -> dict[str, str]:
-    """exercise function -> "module:function" of the library's reference, from every checks module."""
-    found: dict[str, str] = {}
-    for path in sorted(CHECKS.glob("*.py")):
-        if path.stem.startswith("_"):
-            continue
-        try:
-            module = importlib.import_module(f"autograder.checks.{path.stem}")
-        except Exception:  # noqa: BLE001 - a checks module being written must not stop grading
-            continue
-        found.update(getattr(module, "REFERENCES", {}) or {})
-    return found
+    """exercise function -> "module:function" of the library's reference, for every exercise of the
+    course (the table of exercises, which each checks module's REFERENCES is read from)."""
+    return exercises.references()
 
 
 def _names_used(source: str) -> tuple[set[str], set[str], set[str]]:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import nbformat
 
+from decodelab.course.exercises import references
+
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"
 COURSE = ROOT / "course"
@@ -47,23 +49,11 @@ READY = ["00_meet_the_model", "01_forward_pass", "02_sampling", "03_kv_cache", "
 if os.environ.get("DECODELAB_NOTEBOOKS"):
     READY = [n.strip() for n in os.environ["DECODELAB_NOTEBOOKS"].split(",") if n.strip()]
 
-# Per exercise: the library's reference implementation ("module:function"). Each checks module
-# autograder/checks/<topic>.py declares its own in a module-level REFERENCES dict; the hidden cell
-# names the check, tests/fixtures/buggy_*.py hold the plausible bugs each check and visible test
-# must catch.
-def _references() -> dict[str, str]:
-    import importlib
-
-    found: dict[str, str] = {}
-    for path in sorted((ROOT / "autograder" / "checks").glob("*.py")):
-        if path.stem.startswith("_"):
-            continue
-        module = importlib.import_module(f"autograder.checks.{path.stem}")
-        found.update(getattr(module, "REFERENCES", {}))
-    return found
-
-
-REFERENCES = _references()
+# Per exercise: the library's reference implementation ("module:function"), from the course's table
+# of exercises (decodelab.course.exercises; each autograder/checks/<topic>.py reads its own from it);
+# the hidden cell names the check, tests/fixtures/buggy_*.py hold the plausible bugs each check and
+# visible test must catch.
+REFERENCES = references()
 
 HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 HIDDEN_CALL = re.compile(r'hidden\("([\w.]+)",\s*(\w+)\)')

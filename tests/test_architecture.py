@@ -51,7 +51,8 @@ def test_one_name_per_notebook():
     all named `topic` (the map's last table): no piece goes by another name."""
     topics = {p.name.split("_", 1)[1] for p in (ROOT / "solutions").iterdir() if p.is_dir() and p.name[:2].isdigit()}
     widgets = {p.stem for p in (PACKAGE / "course" / "widgets").glob("*.py")} - {"__init__", "controls"}
-    checks = {p.stem for p in (ROOT / "autograder" / "checks").glob("*.py")} - {"__init__", "calling", "answers"}
+    shared = {"__init__", "calling", "answers", "speed"}  # helpers every topic's checks may use
+    checks = {p.stem for p in (ROOT / "autograder" / "checks").glob("*.py")} - shared
     fixtures = {p.stem.removeprefix("buggy_") for p in (ROOT / "tests" / "fixtures").glob("buggy_*.py")}
     check_tests = {p.stem.removeprefix("test_").removesuffix("_checks")
                    for p in (ROOT / "tests").glob("test_*_checks.py")} - {"calling"}

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from decodelab.course import parts, progress
+from decodelab.engine.scheduler import Scheduler
 from notebooks import COURSE, ROOT, SOLUTIONS
 
 PROMPT = "What is gravity?"
@@ -191,8 +192,8 @@ def planted(*stages: str) -> parts.Assembly:
     sampling = {"__name__": "_decodelab_yours_02_sampling"}
     exec(compile(BROKEN_PARTS, "<02_sampling cells>", "exec"), sampling)
     # an innocent stage: 08's methods, as the library writes them
-    scheduling = {"__name__": "_decodelab_yours_08", **{name: getattr(parts.Scheduler, name)
-                                                        for name in parts._scheduler_methods()}}
+    scheduling = {"__name__": "_decodelab_yours_08", **{name: getattr(Scheduler, name)
+                                                        for name in parts.stage_exercises("scheduler")[1]}}
     namespaces = {"02_sampling": sampling, "08_continuous_batching": scheduling}
     hooks = parts.EngineHooks()
     for entry in bill:

@@ -61,17 +61,7 @@ def exercises_in(root: Path) -> set[tuple[str, str]]:
     return found
 
 
-# --------------------------------------------------------------------------- the table of parts
-
-
-def test_parts_name_every_exercise_in_solutions():
-    in_solutions = exercises_in(SOLUTIONS)
-    assert in_solutions, "no exercises found in solutions/"
-    assert set(progress.PARTS) == in_solutions, (
-        f"missing from PARTS: {sorted(in_solutions - set(progress.PARTS))}; "
-        f"in PARTS but not in solutions/: {sorted(set(progress.PARTS) - in_solutions)}")
-    parts = list(progress.PARTS.values())
-    assert all(p.strip() for p in parts) and len(set(parts)) == len(parts), "each exercise names its own part"
+# --------------------------------------------------------------------------- reading the notebooks
 
 
 def test_release_checksum_is_nbgraders():

@@ -32,13 +32,10 @@ import torch
 from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
 from decodelab.config import ModelConfig
+from decodelab.course.exercises import references
 
-REFERENCES = {
-    "engine_step": "decodelab.engine.llm:engine_step",
-    "generate_all": "decodelab.lessons.serving_loop:generate_all",
-    "kv_blocks_for_memory": "decodelab.engine.llm:kv_blocks_for_memory",
-    "decode_roofline_fraction": "decodelab.lessons.measure:decode_roofline_fraction",
-}
+# exercise -> the library's reference it is graded against (the course's table of exercises)
+REFERENCES = references("10_capstone_engine")
 
 __all__ = ["check_engine_step", "check_generate_all", "check_kv_blocks_for_memory", "check_decode_roofline_fraction"]
 

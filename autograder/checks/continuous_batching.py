@@ -32,6 +32,7 @@ import torch
 
 from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
+from decodelab.course.exercises import references
 from decodelab.engine.block_allocator import BlockAllocator, blocks_needed
 from decodelab.params import SamplingParams
 from decodelab.engine.scheduler import Scheduler
@@ -39,16 +40,9 @@ from decodelab.engine.sequence import Sequence, Status
 from decodelab.lessons.measure import CountingModel
 from decodelab.model.toy import random_llama, scramble_rope_
 
-# exercise function -> the library's reference it is graded against (tests/notebooks.py reads this).
-# The library's whole-prompt `admit`, no longer an exercise (schedule_chunked admits), is checked by
-# tests/test_scheduler_admit.py on this module's state builders.
-REFERENCES = {
-    "decode_batch": "decodelab.engine.scheduler:decode_batch",
-    "preempt": "decodelab.engine.scheduler:preempt",
-    "finish": "decodelab.engine.scheduler:finish",
-    "schedule_chunked": "decodelab.engine.scheduler:schedule_chunked",
-    "padded_prefill": "decodelab.lessons.padded_batch:padded_prefill",
-}
+# exercise -> the library's reference it is graded against (the course's table of exercises). The library's
+# whole-prompt `admit`, no longer an exercise (schedule_chunked admits), is tested by tests/test_scheduler_admit.py.
+REFERENCES = references("08_continuous_batching")
 
 __all__ = ["check_decode_batch", "check_preempt", "check_finish", "check_schedule_chunked",
            "check_padded_prefill"]

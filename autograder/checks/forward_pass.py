@@ -30,20 +30,15 @@ from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call
 from decodelab.config import ModelConfig
 from decodelab.course.checking import describe
+from decodelab.course.exercises import references
 from decodelab.model.attention import causal_attention
 from decodelab.model.kv_cache import KVCache
 from decodelab.model.llama import MLP, RMSNorm
 from decodelab.model.rope import apply_rope, rope_tables
 from decodelab.model.toy import random_llama, toy_config
 
-REFERENCES = {
-    "load_gguf_state_dict": "decodelab.model.gguf_import:load_gguf_state_dict",
-    "rms_norm": "decodelab.lessons.forward_pass:rms_norm",
-    "rope": "decodelab.lessons.forward_pass:rope",
-    "attention": "decodelab.lessons.forward_pass:attention",
-    "mlp": "decodelab.lessons.forward_pass:mlp",
-    "forward": "decodelab.lessons.forward_pass:forward",
-}
+# exercise -> the library's reference it is graded against (the course's table of exercises)
+REFERENCES = references("01_forward_pass")
 
 __all__ = ["check_load_gguf_state_dict", "check_rms_norm", "check_rope", "check_attention", "check_mlp", "check_forward", "check_q_layer_params",
            "check_q_rope_slowest_period"]

@@ -23,13 +23,10 @@ import torch
 
 from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, failure
+from decodelab.course.exercises import references
 
-# exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
-REFERENCES = {
-    "gather_kv_kernel": "decodelab.lessons.gpu_kernel:gather_kv_kernel",
-    "paged_attention_kernel": "decodelab.lessons.gpu_kernel:paged_attention_kernel",
-    "paged_attention": "decodelab.lessons.gpu_kernel:paged_attention",
-}
+# exercise -> the library's reference it is graded against (the course's table of exercises)
+REFERENCES = references("12_gpu_kernel")
 
 __all__ = ["check_gather_kv_kernel", "check_paged_attention_kernel", "check_paged_attention"]
 

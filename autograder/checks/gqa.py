@@ -27,16 +27,13 @@ import torch
 
 from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
+from decodelab.course.exercises import references
 from decodelab.lessons import kv_size
 from decodelab.lessons.tiled_attention import measure_tensor_memory
 from decodelab.model.attention import repeat_kv
 
-# exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
-REFERENCES = {
-    "broadcast_gqa_attention": "decodelab.lessons.gqa:broadcast_gqa_attention",
-    "pool_kv_heads": "decodelab.lessons.gqa:pool_kv_heads",
-    "gqa_decode_step": "decodelab.lessons.gqa:gqa_decode_step",
-}
+# exercise -> the library's reference it is graded against (the course's table of exercises)
+REFERENCES = references("05_gqa")
 
 __all__ = ["check_broadcast_gqa_attention", "check_pool_kv_heads", "check_gqa_decode_step"]
 

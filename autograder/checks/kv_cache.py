@@ -31,6 +31,7 @@ from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises, failure
 from decodelab.course.checking import describe, expect_int
 from decodelab.config import ModelConfig
+from decodelab.course.exercises import references
 from decodelab.model.kv_cache import KVCache as _ReferenceCache
 from decodelab.lessons import kv_size
 from decodelab.lessons.kv_size import tensor_bytes_held
@@ -38,13 +39,8 @@ from decodelab.lessons.measure import CountingModel
 from decodelab.model.attention import causal_attention
 from decodelab.model.toy import tiny_model
 
-REFERENCES = {
-    "generate_without_cache": "decodelab.decoding.generate:generate_without_cache",
-    "KVCache": "decodelab.model.kv_cache:KVCache",
-    "generate_with_cache": "decodelab.decoding.generate:generate_with_cache",
-    "kv_bytes": "decodelab.lessons.kv_size:kv_bytes",
-    "SlidingWindowKVCache": "decodelab.model.kv_cache:SlidingWindowKVCache",
-}
+# exercise -> the library's reference it is graded against (the course's table of exercises)
+REFERENCES = references("03_kv_cache")
 
 __all__ = ["check_generate_without_cache", "check_kv_cache_class", "check_generate_with_cache",
            "check_kv_cache_bytes", "check_sliding_window_kv_cache"]

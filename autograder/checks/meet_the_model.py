@@ -28,14 +28,11 @@ import random
 
 from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
+from decodelab.course.exercises import references
 
 
-# exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
-REFERENCES = {
-    "bpe_encode": "decodelab.lessons.bpe:bpe_encode",
-    "count_parameters": "decodelab.lessons.kv_size:parameter_count",
-    "decode_tokens_per_second_bound": "decodelab.lessons.measure:decode_tokens_per_second_bound",
-}
+# exercise -> the library's reference it is graded against (the course's table of exercises)
+REFERENCES = references("00_meet_the_model")
 
 __all__ = ["check_bpe_encode", "check_count_parameters", "check_decode_tokens_per_second_bound", "check_q_embedding_share_percent",
            "check_q_llama8b_tokens_per_s"]

@@ -32,16 +32,11 @@ import torch
 
 from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
+from decodelab.course.exercises import references
 from decodelab.model.toy import random_llama
 
-# exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
-REFERENCES = {
-    "timed_generate": "decodelab.lessons.prefill_decode:timed_generate",
-    "latencies_from_timestamps": "decodelab.lessons.prefill_decode:latencies_from_timestamps",
-    "arithmetic_intensity": "decodelab.lessons.prefill_decode:arithmetic_intensity",
-    "reuse_prefix": "decodelab.lessons.prefill_decode:reuse_prefix",
-    "IncrementalDetokenizer": "decodelab.model.tokenizer:StreamDecoder",
-}
+# exercise -> the library's reference it is graded against (the course's table of exercises)
+REFERENCES = references("04_prefill_decode")
 
 __all__ = ["check_timed_generate", "check_latencies_from_timestamps", "check_arithmetic_intensity",
            "check_reuse_prefix", "check_incremental_detokenizer", "check_q_kv_share_percent",

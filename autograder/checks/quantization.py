@@ -45,17 +45,10 @@ from torch import nn
 
 from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
+from decodelab.course.exercises import references
 
-# exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
-REFERENCES = {
-    "quantize_int8_per_tensor": "decodelab.model.quantization:quantize_int8_per_tensor",
-    "quantize_int8_per_channel": "decodelab.model.quantization:quantize_int8_per_channel",
-    "quantize_int4_groupwise": "decodelab.model.quantization:quantize_int4_groupwise",
-    "Int8Linear": "decodelab.model.quantization:Int8Linear",
-    "Int4Linear": "decodelab.model.quantization:Int4Linear",
-    "replace_linears": "decodelab.model.quantization:replace_linears",
-    "Int8KVCache": "decodelab.model.quantization:Int8KVCache",
-}
+# exercise -> the library's reference it is graded against (the course's table of exercises)
+REFERENCES = references("06_quantization")
 
 __all__ = [
     "check_quantize_int8_per_tensor",

@@ -34,16 +34,10 @@ import torch
 
 from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises, format_values
+from decodelab.course.exercises import references
 
-# exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
-REFERENCES = {
-    "top_k_filter": "decodelab.decoding.sampling:top_k_filter",
-    "top_p_filter": "decodelab.decoding.sampling:top_p_filter",
-    "apply_repetition_penalty": "decodelab.decoding.sampling:apply_repetition_penalty",
-    "process_logits": "decodelab.lessons.sampling:process_logits",
-    "sample": "decodelab.decoding.sampling:sample",
-    "beam_search": "decodelab.lessons.beam_search:beam_search",
-}
+# exercise -> the library's reference it is graded against (the course's table of exercises)
+REFERENCES = references("02_sampling")
 
 __all__ = [
     "check_top_k_filter",

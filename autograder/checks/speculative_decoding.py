@@ -56,14 +56,11 @@ import torch
 
 from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, format_values
+from decodelab.course.exercises import references
 from decodelab.model.toy import random_llama
 
-REFERENCES = {
-    "accept_draft_tokens": "decodelab.decoding.speculative:accept_draft_tokens",
-    "speculative_step": "decodelab.decoding.speculative:speculative_step",
-    "propose_from_prompt": "decodelab.decoding.lookup:propose_from_prompt",
-    "verify_tree": "decodelab.lessons.speculative_decoding:verify_tree",
-}
+# exercise -> the library's reference it is graded against (the course's table of exercises)
+REFERENCES = references("09_speculative_decoding")
 
 __all__ = ["check_accept_draft_tokens", "check_speculative_step", "check_propose_from_prompt", "check_verify_tree",
            "tvd_bound"]

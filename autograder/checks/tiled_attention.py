@@ -29,15 +29,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
+from decodelab.course.exercises import references
 
-# exercise function -> the library's reference it is graded against (tests/notebooks.py reads this)
-REFERENCES = {
-    "online_softmax_update": "decodelab.lessons.tiled_attention:online_softmax_update",
-    "tiled_attention": "decodelab.lessons.tiled_attention:tiled_attention",
-    "attention_memory_bytes": "decodelab.lessons.tiled_attention:attention_memory_bytes",
-    "combine_partial_attention": "decodelab.lessons.tiled_attention:combine_partial_attention",
-    "tiled_causal_attention": "decodelab.lessons.tiled_attention:tiled_causal_attention",
-}
+# exercise -> the library's reference it is graded against (the course's table of exercises)
+REFERENCES = references("11_tiled_attention")
 
 __all__ = ["check_online_softmax_update", "check_tiled_attention", "check_tiled_causal_attention",
            "check_attention_memory_bytes", "check_combine_partial_attention"]

@@ -8,6 +8,8 @@
         # your notebooks' exercises: passing, failing (and why), not started, hints used
     python -m decodelab progress --course DIR --serve "PROMPT" [--quantization int8] [--json]
         # ... and SmolLM2 served by an engine made of your passing parts (decodelab.course.parts)
+    python -m decodelab progress --course DIR --bench [--json]
+        # ... and your engine's timed parts beside the library's: time ratios, roofline (course.speed_credit)
     python -m decodelab hints [--notebook 02_sampling] [--json]   # every exercise's hint ladder
     python -m decodelab serve [--model smollm2|tiny|DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
         [--max-queue N] [--max-num-seqs N] [--chat-template FILE] [--device D] [--dtype fp32|bf16|fp16]
@@ -154,12 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds per notebook (default 60); an exercise still running then fails")
     prog.add_argument("--json", action="store_true",
                       help='print one JSON object: {"exercises": [{notebook, exercise, part, status, hints_used}]} '
-                           '(with --serve also "serve": {prompt_ids, output_ids, text, parts, why})')
+                           '(with --serve also "serve": {prompt_ids, output_ids, text, parts, why}; with --bench '
+                           'also "bench": {bandwidth_bytes_per_s, parts: [{part, status, ratio, roofline_fraction, '
+                           '...}]})')
     prog.add_argument("--serve", default=None, metavar="PROMPT", type=utf8_text,
                       help="then answer PROMPT with SmolLM2 (greedy, float32, chat template, up to 32 new tokens) "
                            "on an engine whose every stage is your passing part, the library's otherwise")
     prog.add_argument("--quantization", default=None, choices=["int8"],
                       help="with --serve: int8 weights, built by your Int8Linear when it passes")
+    prog.add_argument("--bench", action="store_true",
+                      help="then time your passing engine parts (paged attention, int8 linear, decode step, scheduler "
+                           "step) against the library's, in order-alternated pairs in fresh processes: the median "
+                           "time ratio, its spread, and each part's fraction of this machine's memory roofline "
+                           "(small sizes when DECODELAB_FAST=1)")
     hints = commands.add_parser(
         "hints", help="print every exercise's hints, from a nudge to a sketch",
         description="The hints behind the notebooks' hint buttons, for every exercise, gentlest first.")
@@ -266,22 +275,29 @@ def run_progress(args) -> int:
         raise CommandLineError("--quantization goes with --serve")
     names = args.notebooks.split(",") if args.notebooks else None
 
-    def tell(notebook):
-        print(f"checking {notebook} ...", file=sys.stderr, flush=True)
+    def tell(line):
+        print(line, file=sys.stderr, flush=True)
 
-    rows = progress.check_course(args.course, names, timeout=args.timeout, progress=tell if sys.stderr.isatty() else None)
-    if args.serve is None:
-        print(progress.to_json(rows) if args.json else progress.format_table(rows))
-        return 0
-    from decodelab.course import parts
+    told = tell if sys.stderr.isatty() else None
+    rows = progress.check_course(args.course, names, timeout=args.timeout,
+                                 progress=(lambda notebook: tell(f"checking {notebook} ...")) if told else None)
+    found, texts = json.loads(progress.to_json(rows)), [progress.format_table(rows)]
+    if args.serve is not None:
+        from decodelab.course import parts
 
-    engine = parts.assemble(args.course, rows, quantization=args.quantization)
-    served = parts.serve(engine, args.serve)
-    if args.json:
-        print(json.dumps({**json.loads(progress.to_json(rows)), "serve": served}))
-    else:
-        print(progress.format_table(rows) + "\n\n" + parts.format_bill(engine.bill) + "\n")
-        print(f"> {args.serve}\n{served['text']}")
+        engine = parts.assemble(args.course, rows, quantization=args.quantization)
+        served = parts.serve(engine, args.serve)
+        found["serve"] = served
+        texts += [parts.format_bill(engine.bill), f"> {args.serve}\n{served['text']}"]
+    if args.bench:
+        from decodelab.course import speed_credit
+        from decodelab.course.notebook import fast_mode
+
+        report = speed_credit.bench_course(args.course, rows, size="small" if fast_mode() else "full",
+                                           on_progress=told)
+        found["bench"] = report.to_dict()
+        texts.append(speed_credit.format_report(report))
+    print(json.dumps(found) if args.json else "\n\n".join(texts))
     return 0
 
 

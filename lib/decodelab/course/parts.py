@@ -10,7 +10,8 @@ says which ones are yours.
                                                                 # (a stage of yours that raises falls back)
 
 **Stages.** Each `Stage` is one `EngineHooks` field, built from the exercises of one notebook whose
-code runs in it (the forward pass is 01's `forward`, which calls your `rms_norm`, `rope` and `mlp`).
+code runs in it, as the table of exercises (`course.exercises`, their `stage`) says: the forward
+pass is 01's `forward`, which calls your `rms_norm`, `rope` and `mlp`.
 A stage is ``yours`` when every one of those exercises passes its visible tests (progress's
 statuses); otherwise the library's reference runs it, and the bill says why: the notebook is not in
 the folder, an exercise is not started or failing (with progress's message), or this engine does
@@ -37,23 +38,12 @@ from pathlib import Path
 from typing import Callable
 
 from decodelab.course import progress
+from decodelab.course.exercises import stage_exercises
+from decodelab.course.speed_parts import your_scheduler
 from decodelab.engine.llm import EngineHooks
-from decodelab.engine.scheduler import Scheduler
 
 YOURS, REFERENCE = "yours", "reference"
 CAPSTONE = "10_capstone_engine"
-SCHEDULER_NOTEBOOK = "08_continuous_batching"
-
-
-def _scheduler_methods() -> tuple[str, ...]:
-    """08's exercises that are Scheduler methods (bound the way 08's closing cells bind them)."""
-    return tuple(name for (notebook, name) in progress.PARTS
-                 if notebook == SCHEDULER_NOTEBOOK and callable(getattr(Scheduler, name, None)))
-
-
-def _your_scheduler(namespace: dict) -> type:
-    methods = {name: namespace[name] for name in _scheduler_methods()}
-    return type("YourScheduler", (Scheduler,), {**methods, "__module__": namespace["__name__"]})
 
 
 @dataclass(frozen=True)
@@ -65,20 +55,22 @@ class Stage:
     build: Callable[[dict], Callable]  # the learner's namespace -> the hook's value
 
 
+def _stage(name: str, hook: str, build: Callable[[dict], Callable]) -> Stage:
+    """The stage that fills `hook`: its notebook and exercises come from the table of exercises."""
+    notebook, names = stage_exercises(hook)
+    return Stage(name, hook, notebook, names, build)
+
+
 STAGES: tuple[Stage, ...] = (
-    Stage("forward pass", "forward", "01_forward_pass", ("rms_norm", "rope", "mlp", "forward"),
-          lambda ns: ns["forward"]),
-    Stage("attention", "attention", "01_forward_pass", ("attention",), lambda ns: ns["attention"]),
-    Stage("sampling", "sample", "02_sampling", ("process_logits", "top_k_filter", "top_p_filter", "sample"),
-          lambda ns: ns["sample"]),
-    Stage("repetition penalty", "repetition_penalty", "02_sampling", ("apply_repetition_penalty",),
-          lambda ns: ns["apply_repetition_penalty"]),
-    Stage("int8 linear layer", "linear", "06_quantization", ("Int8Linear",), lambda ns: ns["Int8Linear"].from_linear),
-    Stage("block allocator", "allocator", "07_paged_kv", ("BlockAllocator",), lambda ns: ns["BlockAllocator"]),
-    Stage("scheduler", "scheduler", SCHEDULER_NOTEBOOK, _scheduler_methods(), _your_scheduler),
-    Stage("speculative acceptance", "accept_draft_tokens", "09_speculative_decoding", ("accept_draft_tokens",),
-          lambda ns: ns["accept_draft_tokens"]),
-    Stage("engine step", "step", CAPSTONE, ("engine_step",), lambda ns: ns["engine_step"]),
+    _stage("forward pass", "forward", lambda ns: ns["forward"]),  # 01's forward, with its rms_norm, rope, mlp
+    _stage("attention", "attention", lambda ns: ns["attention"]),
+    _stage("sampling", "sample", lambda ns: ns["sample"]),
+    _stage("repetition penalty", "repetition_penalty", lambda ns: ns["apply_repetition_penalty"]),
+    _stage("int8 linear layer", "linear", lambda ns: ns["Int8Linear"].from_linear),
+    _stage("block allocator", "allocator", lambda ns: ns["BlockAllocator"]),
+    _stage("scheduler", "scheduler", your_scheduler),
+    _stage("speculative acceptance", "accept_draft_tokens", lambda ns: ns["accept_draft_tokens"]),
+    _stage("engine step", "step", lambda ns: ns["engine_step"]),
 )
 STAGE_NOTEBOOKS: tuple[str, ...] = tuple(sorted({stage.notebook for stage in STAGES}))
 
@@ -99,6 +91,7 @@ class Assembly:
     hooks: EngineHooks
     quantization: str | None = None
     namespaces: dict[str, dict] = field(default_factory=dict)  # notebook -> the module its cells ran in
+    rows: list = field(default_factory=list)  # progress's rows the bill was made from (the bench reads them)
 
     @property
     def parts(self) -> dict[str, str]:
@@ -219,7 +212,7 @@ def assemble(course_dir, rows: list[progress.Row], quantization: str | None = No
         except Exception as exc:  # noqa: BLE001 - e.g. a name the cells no longer define
             entry.source, entry.passing = REFERENCE, False
             entry.why = f"could not load it: {type(exc).__name__}: {exc}"
-    return Assembly(bill, hooks, quantization, namespaces)
+    return Assembly(bill, hooks, quantization, namespaces, list(rows))
 
 
 def your_engine(course_dir, this_notebook: str = CAPSTONE, timeout: float = progress.DEFAULT_TIMEOUT_S) -> Assembly:
@@ -332,5 +325,5 @@ def serve(engine: Assembly, prompt: str, max_new_tokens: int = 32, model: str = 
             "parts": engine.parts, "why": {e.stage.name: e.why for e in engine.bill if e.in_engine}}
 
 
-__all__ = ["STAGES", "STAGE_NOTEBOOKS", "Stage", "Entry", "Assembly", "bill_of_materials", "reference_bill",
+__all__ = ["STAGES", "STAGE_NOTEBOOKS", "Stage", "your_scheduler", "Entry", "Assembly", "bill_of_materials", "reference_bill",
            "format_bill", "load_notebook", "assemble", "your_engine", "run_with_fallback", "serve"]

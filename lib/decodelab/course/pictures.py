@@ -9,7 +9,7 @@ highlighted, and the flows the notebooks explain, drawn from a real object's sta
 
 Each returns a `decodelab.course.svg.Picture`: `.svg` is the SVG text, and a notebook cell
 shows it. The engine map is built from the library itself: its boxes are the parts of
-`progress.PARTS` (which notebook builds what), placed on the engine's stages in serving order,
+`exercises.PARTS` (which notebook builds what), placed on the engine's stages in serving order,
 each stage naming the code that runs it and its `EngineHooks` field; a new notebook's part or a
 new hook shows up without editing this file (a part whose words match no stage lands in an
 "other" row, a hook no stage claims gets its own stage). The flow pictures live in
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from decodelab.course.flow_pictures import (SpeculativeTrace, block_table_picture, draft_verify_picture,
                                             kv_cache_flow, trace_speculative_step)
-from decodelab.course.progress import PARTS
+from decodelab.course.exercises import PARTS
 from decodelab.course.svg import Canvas, Picture, text_width
 
 HIGHLIGHT_FILL, HIGHLIGHT_STROKE = "#fde68a", "#d97706"
@@ -84,7 +84,7 @@ OTHER = Stage("other", "also built in the course")
 
 
 def notebooks() -> list[str]:
-    """The notebooks that build a part of the engine, in course order (from `progress.PARTS`)."""
+    """The notebooks that build a part of the engine, in course order (from `exercises.PARTS`)."""
     return sorted({notebook for notebook, _ in PARTS})
 
 
@@ -158,7 +158,7 @@ def _draw_stage(canvas: Canvas, stage: Stage, parts, y: float, highlight: str | 
 
 def engine_map(highlight: str | None = None) -> Picture:
     """The engine's stages in serving order, each with the parts the notebooks build there
-    (a chip "03 · KV cache" per exercise, from `progress.PARTS`); `highlight`, a notebook name
+    (a chip "03 · KV cache" per exercise, from `exercises.PARTS`); `highlight`, a notebook name
     such as "03_kv_cache", colours that notebook's parts and their stages. ValueError for a
     notebook that builds no part of the engine."""
     if highlight is not None and highlight not in notebooks():

@@ -1,6 +1,6 @@
 """The notebook's subprocess of `python -m decodelab progress` (progress.py starts it, one per
 notebook, in the notebook's folder): it runs each exercise's cells by the cell-selection rule of
-progress.py's docstring, in a fresh module namespace, and writes one JSON line per event to the
+progress_plan.py's docstring, in a fresh module namespace, and writes one JSON line per event to the
 results file (start, phase, done, setup_failed), which progress reads back even after a crash.
 
     python -m decodelab.course.progress_worker SPEC.json RESULTS.jsonl
@@ -10,13 +10,13 @@ from __future__ import annotations
 import builtins
 import json
 import os
-import signal
 import sys
 import traceback
 import types
 from pathlib import Path
 
-from decodelab.course.progress import NOT_STARTED, PASSING, PR_SET_PDEATHSIG, first_line, linux_prctl
+from decodelab.course.progress_plan import NOT_STARTED, PASSING, first_line
+from decodelab.course.progress_process import die_with_parent
 
 
 def _compile(source: str, filename: str):
@@ -96,12 +96,6 @@ def _check_one(spec: dict, name: str, emit) -> str:
 
 class _SetupFailed(Exception):
     pass
-
-
-def die_with_parent(parent: int | None) -> None:
-    """On Linux, be killed when progress is (even by SIGKILL, which leaves it no time to kill us)."""
-    if linux_prctl(PR_SET_PDEATHSIG, signal.SIGKILL) and parent is not None and os.getppid() != parent:
-        os._exit(1)  # progress died before we asked
 
 
 def worker(spec_path: str, results_path: str) -> int:
