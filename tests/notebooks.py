@@ -85,6 +85,13 @@ def exercise_test_ids(nb) -> set[str]:
     return {g for g in graded_cells(nb) if g.startswith("test_") and not g.startswith("test_q_")}
 
 
+def by_hand_points(nb) -> dict[str, float]:
+    """grade_id -> points of the written answers a person grades in formgrader (explain_<name>):
+    the autograder scores them 0 until a TA does."""
+    return {g: float(c.metadata.nbgrader["points"]) for g, c in graded_cells(nb).items()
+            if g.startswith("explain_") and c.metadata.nbgrader.get("solution")}
+
+
 def prediction_test_ids(nb) -> set[str]:
     """The graded cells of the predictions: test_q_<name>."""
     return {g for g in graded_cells(nb) if g.startswith("test_q_")}

@@ -37,7 +37,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from notebooks import ROOT, grade_id, read, solution_path
+from notebooks import ROOT, by_hand_points, grade_id, read, solution_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -55,6 +55,8 @@ def _max_points() -> float:
 
 
 MAX = _max_points()
+# A full solution earns every point but the written answers, which wait for a TA in formgrader.
+AUTOGRADED = MAX - sum(by_hand_points(read(solution_path(NAME))).values())
 
 
 def in_ci() -> bool:
@@ -317,7 +319,7 @@ def test_collect_keeps_the_exchange_files_and_the_hint_counter(flow):
 @pytest.mark.slow
 def test_scores_in_the_csv(flow):
     solver, idle, late = (_row(flow, role) for role in ROLES)
-    assert (solver["status"], solver["score"], solver["max_score"]) == ("ok", f"{MAX:g}", f"{MAX:g}"), solver
+    assert (solver["status"], solver["score"], solver["max_score"]) == ("ok", f"{AUTOGRADED:g}", f"{MAX:g}"), solver
     assert (idle["status"], idle["score"], idle["max_score"]) == ("ok", "0", f"{MAX:g}"), idle
     assert "test_count_parameters failed: NotImplementedError" in idle["notes"], idle
     assert "test_decode_tokens_per_second_bound failed: NotImplementedError" in idle["notes"], idle
@@ -333,7 +335,7 @@ def test_the_late_student_is_graded_on_the_latest_submission(flow):
     submitted = c.course / "submitted" / c.students["late"] / NAME
     assert (submitted / "timestamp.txt").read_text() == (second / "timestamp.txt").read_text()
     row = _row(flow, "late")
-    assert (row["status"], row["score"], row["late_penalty"]) == ("ok", f"{MAX - 1:g}", "1"), row
+    assert (row["status"], row["score"], row["late_penalty"]) == ("ok", f"{AUTOGRADED - 1:g}", "1"), row
     on_time = _row(flow, "solver")
     assert on_time["late_penalty"] == "0" and on_time["submitted_at"] < flow["due"].isoformat() < row["submitted_at"]
 
@@ -356,7 +358,7 @@ def test_feedback_in_nbgrader_layout(flow):
 @pytest.mark.slow
 def test_each_student_fetches_their_own_feedback(flow):
     c = flow["course"]
-    for role, score in (("solver", MAX), ("idle", 0.0), ("late", MAX - 1)):  # net of the late penalty
+    for role, score in (("solver", AUTOGRADED), ("idle", 0.0), ("late", AUTOGRADED - 1)):  # net of the late penalty
         feedback = c.home(role) / NAME / "feedback"
         stamps = [p.name for p in feedback.iterdir()]
         newest = c.submissions_in_cache(role)[-1]

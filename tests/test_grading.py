@@ -33,7 +33,7 @@ import nbformat
 import pytest
 
 from autograder.grades_csv import COLUMNS
-from notebooks import ROOT, read, release_path, solution_path
+from notebooks import ROOT, by_hand_points, read, release_path, solution_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:Object of type .* not in session")
 
@@ -64,8 +64,8 @@ def _points(grade_id: str | None = None) -> float:
 # every other answer cell of the notebook (its predictions, any other exercise, all of them before the bound
 # exercise) holds the solution in every _trimmed submission, so they add OTHER points wherever it runs.
 MAX = _points()
-BY_HAND = {_gid(c): float(c.metadata.nbgrader["points"]) for c in read(solution_path(NAME)).cells
-           if (_gid(c) or "").startswith("explain_") and c.metadata.nbgrader.get("solution")}  # written answers a person grades in formgrader: 0 until then
+BY_HAND = by_hand_points(read(solution_path(NAME)))  # written answers a person grades in formgrader: 0 until then
+AUTOGRADED = MAX - sum(BY_HAND.values())  # what a full solution scores before a TA grades the written answers
 OTHER = MAX - _points("test_count_parameters") - _points("test_decode_tokens_per_second_bound") - sum(BY_HAND.values())
 
 SOL_COUNT = _solution_source("ex_count_parameters")

@@ -21,7 +21,7 @@ import nbformat
 import pytest
 
 from notebooks import ROOT
-from test_grading import AS_ROOT, MAX, NAME, OTHER, SOL_BOUND, WRONG_COUNT, _grade, _rows, _trimmed
+from test_grading import AS_ROOT, AUTOGRADED, MAX, NAME, OTHER, SOL_BOUND, WRONG_COUNT, _grade, _rows, _trimmed
 
 pytest.importorskip("distributed")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:Object of type .* not in session")
@@ -71,7 +71,7 @@ def test_local_cluster_grades_like_the_pool(tmp_path, by_pool):
     assert result.returncode == 0, result.stderr[-3000:]
     by_dask = _rows(dask)
     assert _triples(by_dask) == _triples(by_pool)
-    assert _triples(by_dask) == {"correct": ("ok", MAX, MAX), "wrong": ("ok", 2 + OTHER, MAX),
+    assert _triples(by_dask) == {"correct": ("ok", AUTOGRADED, MAX), "wrong": ("ok", 2 + OTHER, MAX),
                                  "malformed": ("unreadable", 0, MAX)}
     assert not any("grader:" in r["notes"] for r in by_dask.values()), by_dask
     assert list(by_dask) == list(by_pool)  # the same row order
@@ -165,7 +165,7 @@ def test_readme_recipe_and_a_lost_worker(tmp_path, by_pool):
         rows = _rows(out)
         notes = {s: r["notes"] for s, r in rows.items()}
         assert _triples({s: r for s, r in rows.items() if s != "slow"}) == _triples(by_pool), notes
-        assert _triples(rows)["slow"] == ("ok", MAX, MAX), notes
+        assert _triples(rows)["slow"] == ("ok", AUTOGRADED, MAX), notes
         assert "grader: the worker was lost, graded again" in rows["slow"]["notes"].split("; "), rows["slow"]
         assert not any("grader:" in r["notes"] for s, r in rows.items() if s != "slow")
         assert "with a grader: note" in stdout

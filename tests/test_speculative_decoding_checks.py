@@ -30,8 +30,8 @@ def test_written_out_step_passes():
 
 
 def test_references_name_the_library_functions():
-    assert checks.REFERENCES == {"accept_draft_tokens": "decodelab.decoding.speculative:accept_draft_tokens",
-                                 "speculative_step": "decodelab.decoding.speculative:speculative_step",
+    assert checks.REFERENCES == {"accept_draft_tokens": "decodelab.decoding.speculative.steps:accept_draft_tokens",
+                                 "speculative_step": "decodelab.decoding.speculative.steps:speculative_step",
                                  "propose_from_prompt": "decodelab.decoding.lookup:propose_from_prompt",
                                  "verify_tree": "decodelab.lessons.speculative_decoding:verify_tree"}
 

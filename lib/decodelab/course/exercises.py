@@ -121,9 +121,9 @@ EXERCISES: tuple[Exercise, ...] = (
              "decodelab.lessons.padded_batch:padded_prefill"),
     # 09_speculative_decoding
     Exercise("09_speculative_decoding", "accept_draft_tokens", "speculative decoding: acceptance rule",
-             "decodelab.decoding.speculative:accept_draft_tokens", "accept_draft_tokens"),
+             "decodelab.decoding.speculative.steps:accept_draft_tokens", "accept_draft_tokens"),
     Exercise("09_speculative_decoding", "speculative_step", "speculative decoding: propose, verify, roll back",
-             "decodelab.decoding.speculative:speculative_step"),
+             "decodelab.decoding.speculative.steps:speculative_step"),
     Exercise("09_speculative_decoding", "propose_from_prompt", "speculative decoding: prompt-lookup drafter",
              "decodelab.decoding.lookup:propose_from_prompt"),
     Exercise("09_speculative_decoding", "verify_tree", "speculative decoding: a draft tree in one pass",

@@ -62,7 +62,7 @@ STAGES = (
     Stage("lm_head", "final RMSNorm and LM head: logits", ("decodelab.model.llama:LlamaForCausalLM",), depth=1),
     Stage("sampling", "sampling", ("decodelab.decoding.sampling:sample",), "sample"),
     Stage("speculative", "speculative: draft, verify, roll back",
-          ("decodelab.decoding.speculative:speculative_step", "decodelab.engine.speculative:BatchSpeculator"),
+          ("decodelab.decoding.speculative.steps:speculative_step", "decodelab.engine.speculative:BatchSpeculator"),
           "accept_draft_tokens"),
     Stage("stream", "detokenize and stream", ("decodelab.model.tokenizer:StreamDecoder",
                                               "decodelab.engine.llm:StreamEvent")),
