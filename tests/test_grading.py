@@ -497,6 +497,7 @@ def test_exports_of_the_graded_class(graded, tmp_path):
     wrong = {r["grade_id"]: (r["points"], r["max_points"]) for r in cells if r["student"] == "wrong"}
     assert (wrong.pop("test_count_parameters"), wrong.pop("test_decode_tokens_per_second_bound")) == (("0", "2"),
                                                                                                      ("2", "2"))
+    assert {g: wrong.pop(g) for g in BY_HAND} == {g: ("0", f"{p:g}") for g, p in BY_HAND.items()}  # for a TA
     assert all(points == max_points for points, max_points in wrong.values()), wrong  # the solution's answers
     for student, row in graded["rows"].items():  # per-cell points add up to the score before the penalty
         raw = float(row["score"]) + float(row["late_penalty"] or 0)
@@ -541,7 +542,8 @@ def test_report_numbers_equal_the_gradebook(graded, tmp_path):
     cells = {c["grade_id"]: c for c in got["cells"]}
     assert {g: (c["graded"], c["full_marks"], c["waiting"]) for g, c in cells.items()} == \
            {g: (sum(x is not None for x in v), sum(x is True for x in v), v.count(None)) for g, v in expected.items()}
-    assert all(cells[g]["waiting"] > 0 and cells[g]["graded"] == 0 for g in BY_HAND)  # none scored by hand yet
+    # none scored by hand yet: no full marks; a submission that lost the cell scores 0 (graded), not waiting
+    assert all(cells[g]["waiting"] > 0 and cells[g]["full_marks"] == 0 for g in BY_HAND), {g: cells[g] for g in BY_HAND}
     failing = {g for g, v in expected.items() if False in v and not g.startswith("test_q_")}
     assert set(got["failed_most"]) == failing and "test_count_parameters" in failing
     assert any(m["count"] >= 1 for m in cells["test_count_parameters"]["messages"])
@@ -663,7 +665,8 @@ def test_graded_notebooks_wait_for_formgrader(graded):
         assert path.is_file() == ran, (student, row["status"])
         if ran:
             text = path.read_text()
-            assert "BEGIN HIDDEN TESTS" not in text and "autograder.run" not in text, student
+            # (a hostile submission may name autograder.run in its own code; the hidden cells' calls never show)
+            assert "BEGIN HIDDEN TESTS" not in text and 'hidden("meet_the_model.' not in text, student
 
 
 @pytest.mark.parametrize("flags, says", [
