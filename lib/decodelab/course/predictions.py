@@ -37,7 +37,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
-__all__ = ["QUESTIONS", "Question", "expect_prediction", "passes", "show_answer", "show_beside", "show_measured"]
+__all__ = ["QUESTIONS", "Question", "answer_line", "expect_prediction", "passes", "question", "show_answer", "show_beside",
+           "show_measured"]
 
 
 @dataclass(frozen=True)
