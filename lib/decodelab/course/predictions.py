@@ -100,25 +100,25 @@ QUESTIONS: dict[str, Question] = {
                                     "the ridge, by your arithmetic_intensity"),
     "q_mha_kv_mib": _q("05_gqa", "MiB", "kv_bytes for Llama-3.1-8B with 32 KV heads"),
     "q_repeat_kv_mib": _q("05_gqa", "MiB", "the bytes of the tensor repeat_kv returned"),
-    "q_int8_max_error": _q("06_quantization", "", "half of the scale your quantizer chose (half a step)"),
+    "q_int8_max_error": _q("06_quantization", "", "half a step: half of the scale your quantizer chose"),
     "q_int4_group_bytes": _q("06_quantization", "bytes", "the bytes your quantize_int4_groupwise returned for "
                              "one group", rel_tol=0.0, abs_tol=0.5),
     "q_reservation_mib": _q("07_paged_kv", "MiB", "2,048 tokens of SmolLM2's K and V in float32"),
-    "q_waste_pct_blocks_32": _q("07_paged_kv", "%", "your kv_waste over every length from 50 to 2,047 once "
-                                "(the expected waste)", rel_tol=0.1, unit_words=PERCENT),
+    "q_waste_pct_blocks_32": _q("07_paged_kv", "%", "your kv_waste over every length from 50 to 2,047 once: "
+                                "the expected waste", rel_tol=0.1, unit_words=PERCENT),
     "q_throughput_gain_b32": _q("08_continuous_batching", "x", "the cost model 20 ms + 1 ms a sequence, "
-                                "computed (not measured)", unit_words=RATIO),
+                                "computed, not measured", unit_words=RATIO),
     "q_chunked_steps": _q("08_continuous_batching", "steps", "the library's chunked step, counted", rel_tol=0.0,
                           abs_tol=0.5),
-    "q_alpha": _q("09_speculative_decoding", "", "1 - TVD(p, q)", rel_tol=0.02),
-    "q_tokens_per_call": _q("09_speculative_decoding", "tokens", "(1 - alpha^(k+1)) / (1 - alpha)", rel_tol=0.02),
+    "q_alpha": _q("09_speculative_decoding", "", "1 - TVD of p and q", rel_tol=0.02),
+    "q_tokens_per_call": _q("09_speculative_decoding", "tokens", "the formula, 1 + alpha + ... + alpha^k", rel_tol=0.02),
     "q_llama_blocks_in_40_gib": _q("10_capstone_engine", "blocks", "the engine's kv_blocks_for_memory",
                                    rel_tol=0.01),
     "q_memory_roof_tokens_per_s": _q("10_capstone_engine", "tokens/s", "the speed your decode_roofline_fraction "
                                      "puts at 100% of the roof"),
     "q_llama_scores_gib": _q("11_tiled_attention", "GiB", "your attention_memory_bytes, plain"),
-    "q_smollm2_scores_mib": _q("11_tiled_attention", "MiB", "your attention_memory_bytes, plain (the score "
-                               "matrix alone)"),
+    "q_smollm2_scores_mib": _q("11_tiled_attention", "MiB", "your attention_memory_bytes, plain: the score "
+                               "matrix alone"),
     "q_programs_batch32": _q("12_gpu_kernel", "programs", "the launcher's grid, read off a batch of 32", rel_tol=0.0,
                              abs_tol=0.5),
     "q_min_read_mib": _q("12_gpu_kernel", "MiB", "kv_bytes_read for 32 x 2,048 tokens"),
@@ -178,7 +178,7 @@ def answer_line(name: str, prediction, answer: float) -> str:
     if not _is_number(prediction):
         return f"{head}; your prediction {prediction!r} is not a number: it scores 0"
     verdict = "it passes" if passes(name, prediction, answer) else "outside, so it scores 0"
-    off = f", off by {abs(prediction - answer) / abs(answer):.1%}" if answer else ""
+    off = f", off by {abs(prediction - answer) / abs(answer):.1%} of the answer" if answer else ""
     return f"{head}; you predicted {_with_unit(prediction, q.unit)}{off}; graded {q.tolerance_text}: {verdict}"
 
 
