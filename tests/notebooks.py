@@ -12,8 +12,9 @@ Cell conventions (nbgrader `grade_id`s), checked by tests/test_notebooks.py:
   ``### BEGIN HIDDEN TESTS`` block that only calls ``autograder.run.hidden(check, <function>)``.
   In the release exactly these cells fail, and nothing else.
 * ``q_<name>`` and ``test_q_<name>``: a prediction the learner makes before an experiment
-  (`decodelab.course.predictions`): an answer cell that assigns the number ``q_<name>`` (the
-  release holds ``q_<name> = None``) and its graded cell, whose visible part only checks that a
+  (`decodelab.course.predictions`, whose QUESTIONS row gives its unit and tolerance): an answer
+  cell that states them and assigns the number ``q_<name>`` (the release holds ``q_<name> = None``)
+  and its graded cell, whose visible part only checks that a
   number was written and whose hidden block calls ``hidden("<topic>.check_q_<name>", q_<name>)``,
   which grades it against the answer with a stated tolerance. In the release these cells pass:
   an unanswered prediction (None) is printed as such, so that Run All goes on, and the hidden

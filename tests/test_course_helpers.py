@@ -233,36 +233,39 @@ def test_speculative_figures_draw_measured_beside_benchmark_and_seed():
 def test_expect_prediction_wants_a_finite_number(capsys):
     from decodelab.course.predictions import expect_prediction
 
-    expect_prediction(None, "q_x")  # unanswered: said, not raised, so that Run All goes on (the hidden check gives 0)
-    assert "q_x is unanswered (still None)" in capsys.readouterr().out
+    expect_prediction(None, "q_mha_kv_mib")  # unanswered: said, not raised, so that Run All goes on (graded 0)
+    assert "q_mha_kv_mib is unanswered (still None)" in capsys.readouterr().out
     for bad in ("512", True, float("nan"), [1]):
-        with pytest.raises(AssertionError, match="q_x must be a finite number"):
-            expect_prediction(bad, "q_x", unit="MiB")
-    expect_prediction(512, "q_x", unit="MiB")
-    assert "q_x = 512 MiB" in capsys.readouterr().out
+        with pytest.raises(AssertionError, match=r"q_mha_kv_mib must be a finite number \(in MiB\)"):
+            expect_prediction(bad, "q_mha_kv_mib")
+    expect_prediction(512, "q_mha_kv_mib")
+    assert "q_mha_kv_mib = 512 MiB" in capsys.readouterr().out
 
 
-def test_show_beside_states_the_ratio():
+def test_show_beside_states_the_ratio(capsys):
     from decodelab.course.predictions import show_beside
 
-    assert "measured / predicted = 2: more than you said" in show_beside("rows", 100, 200)
-    assert "close" in show_beside("rows", 100, 105)
-    assert "no prediction" in show_beside("rows", None, 3.0)
-    assert "is not a number" in show_beside("rows", "lots", 3.0)
+    for args in (("rows", 100, 200), ("rows", 100, 105), ("rows", None, 3.0), ("rows", "lots", 3.0)):
+        assert show_beside(*args) is None  # printed once: a returned line would show again as the cell's value
+    lines = capsys.readouterr().out.splitlines()
+    assert "measured / predicted = 2: more than you said" in lines[0] and "close" in lines[1]
+    assert "no prediction" in lines[2] and "is not a number" in lines[3]
 
 
 def test_expect_answer_states_the_tolerance():
     from autograder.checks.answers import expect_answer
 
-    expect_answer(73.0, 72.0, "q", rel_tol=0.05)
-    with pytest.raises(AssertionError, match=r"you predicted 80; the answer is 72 \(graded within 5%\)"):
-        expect_answer(80, 72.0, "q", rel_tol=0.05)
+    expect_answer("q_mha_kv_mib", 2100.0, 2048.0, "why")  # within 5%
+    with pytest.raises(AssertionError, match=r"you predicted 2,200; the answer is 2,048 MiB \(graded within 5% of "
+                                             r"the answer\): why"):
+        expect_answer("q_mha_kv_mib", 2200, 2048.0, "why")
     with pytest.raises(AssertionError, match="no prediction"):
-        expect_answer(None, 72.0, "q")
+        expect_answer("q_mha_kv_mib", None, 2048.0, "why")
     with pytest.raises(AssertionError, match="got bool"):
-        expect_answer(True, 1.0, "q")
-    with pytest.raises(AssertionError, match="within 0.5"):
-        expect_answer(2.0, 1.0, "q", rel_tol=0.0, abs_tol=0.5)
+        expect_answer("q_mha_kv_mib", True, 1.0, "why")
+    with pytest.raises(AssertionError, match="within 0.5 of the answer"):
+        expect_answer("q_chunked_steps", 5, 4, "why")
+    expect_answer("q_chunked_steps", 4, 4, "why")
 
 
 def test_release_opens_prediction_cells(tmp_path):

@@ -3,8 +3,10 @@ least two rungs and none gives its solution away; `python -m decodelab hints`; t
 driven without a browser; the counter file; progress's `hints_used`; the grader's note."""
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -14,8 +16,27 @@ import pytest
 from decodelab.course import hints, progress
 from notebooks import COURSE, ROOT, SOLUTIONS, grade_id, read
 
-MIN_LEAK = 25  # a solution line this long (stripped) must not appear in a hint of its exercise
+MIN_LEAK = 15  # a solution line (or its right-hand side) this long, normalised, must not appear in a hint
+NEAR_COPY = 0.9  # a hint's code this similar (difflib's ratio) to such a line is a near-copy of it
+MIN_EXPRESSION = 25  # an assignment's right-hand side this long in a hint's code gives the line away too
 NO_BUTTONS_YET: set[str] = set()  # a notebook being rewritten may wait for its buttons here
+# Rungs that the stricter rule (issue 28: lines of 15+ characters, code near-copies) catches, in
+# notebooks whose ladders are being rewritten elsewhere: (notebook, exercise, rung number) -> why it
+# waits. test_pending_leaks_are_honest fails once one of them no longer leaks.
+LEAKS_PENDING: dict[tuple[str, str, int], str] = {
+    ("00_meet_the_model", "ex_count_parameters", 2): "`if config.has_qkv_bias:`",
+    ("02_sampling", "ex_top_k_filter", 2): "the k-th largest value's whole expression",
+    ("02_sampling", "ex_apply_repetition_penalty", 2): "the gather and the torch.where lines",
+    ("03_kv_cache", "ex_generate_without_cache", 2): "the model call with last_only",
+    ("04_prefill_decode", "ex_latencies_from_timestamps", 3): "`if later < earlier:`",
+    ("08_continuous_batching", "ex_decode_batch", 3): "`batch.append(seq)`",
+    ("08_continuous_batching", "ex_schedule_chunked", 3): "`budget -= len(batch)`",
+    ("09_speculative_decoding", "ex_accept_draft_tokens", 3): "`for i in range(k):`",
+    ("09_speculative_decoding", "ex_verify_tree", 3): "`depth = [0] * (n + 1)`",
+    ("10_capstone_engine", "ex_kv_blocks_for_memory", 2): "the element size's whole expression",
+    ("10_capstone_engine", "ex_engine_step", 2): "the schedule, speculator and start_siblings calls",
+    ("10_capstone_engine", "ex_generate_all", 3): "`on_event(event)`",
+}
 
 
 def solution_exercises() -> dict[str, dict[str, list[str]]]:
@@ -53,24 +74,100 @@ def test_every_exercise_has_a_ladder_and_every_ladder_an_exercise():
             assert exercise in EXERCISES.get(notebook, {}), f"hints.json names {notebook}/{exercise}: no such exercise"
 
 
+def normalised(text: str) -> str:
+    """Code compared without its whitespace: `x @ w.T` and `x@w.T` are the same line."""
+    return re.sub(r"\s+", "", text)
+
+
+def solution_pieces(lines: list[str]) -> tuple[list[str], list[str]]:
+    """(the normalised code of each solution line of MIN_LEAK characters or more, comments dropped;
+    the right-hand sides of its assignments of MIN_EXPRESSION characters or more)."""
+    whole, right = [], []
+    for line in lines:
+        code = "" if line.lstrip().startswith("#") else re.split(r"\s#\s|\s\s#", line)[0]
+        if len(normalised(code)) >= MIN_LEAK:
+            whole.append(normalised(code))
+        assigned = re.match(r"^[\w\[\]., ]+?\s*[-+*/]?=(?!=)(.+)$", code)
+        if assigned and len(normalised(assigned.group(1))) >= MIN_EXPRESSION:
+            right.append(normalised(assigned.group(1)))
+    return whole, right
+
+
+def code_in(rung: str) -> list[str]:
+    """The code a hint holds: its fenced blocks and `backticked` spans, one statement at a time."""
+    blocks = re.findall(r"```(?:\w*\n)?(.*?)```", rung, re.S)
+    blocks += re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", rung, flags=re.S))
+    return [normalised(s) for block in blocks for s in re.split(r"[;\n]", block) if len(normalised(s)) >= MIN_LEAK]
+
+
+def leaks(rung: str, pieces: tuple[list[str], list[str]]) -> list[str]:
+    """What of the solution a rung holds: a whole line anywhere in it (whitespace aside); in its code,
+    a near-copy of a line or an assignment's whole right-hand side."""
+    whole, right = pieces
+    text = normalised(rung)
+    found = [line for line in whole if line in text]
+    for code in code_in(rung):
+        found += [line for line in whole if line not in found
+                  and difflib.SequenceMatcher(None, code, line).ratio() >= NEAR_COPY]
+        found += [expression for expression in right if expression not in found and expression in code]
+    return found
+
+
 @pytest.mark.parametrize("notebook", sorted(EXERCISES))
 def test_no_hint_gives_the_solution_away(notebook):
-    """No line of an exercise's solution, MIN_LEAK characters or longer once stripped, appears
-    in any hint of that exercise."""
+    """No rung holds a line of its exercise's solution, or that line's right-hand side, MIN_LEAK
+    characters or longer once whitespace is removed, nor code (backticks or a fenced block) that is a
+    near-copy of one."""
     for exercise, lines in EXERCISES[notebook].items():
-        long_lines = [line for line in lines if len(line) >= MIN_LEAK]
-        for rung in HINTS.get(notebook, {}).get(exercise, []):
-            leaked = [line for line in long_lines if line in rung]
-            assert not leaked, f"{notebook}/{exercise}: a hint holds solution lines {leaked}"
+        pieces = solution_pieces(lines)
+        for number, rung in enumerate(HINTS.get(notebook, {}).get(exercise, []), 1):
+            if (notebook, exercise, number) in LEAKS_PENDING:
+                continue
+            leaked = leaks(rung, pieces)
+            assert not leaked, f"{notebook}/{exercise}: hint {number} holds solution lines {leaked}"
+
+
+def test_pending_leaks_are_honest():
+    for (notebook, exercise, number), why in LEAKS_PENDING.items():
+        rung = HINTS[notebook][exercise][number - 1]
+        assert leaks(rung, solution_pieces(EXERCISES[notebook][exercise])), \
+            f"{notebook}/{exercise} hint {number} no longer leaks ({why}): remove it from LEAKS_PENDING"
 
 
 def test_the_leak_rule_catches_a_copied_line(monkeypatch):
-    line = next(line for line in EXERCISES["02_sampling"]["ex_top_p_filter"] if len(line) >= MIN_LEAK)
+    line = next(line for line in EXERCISES["02_sampling"]["ex_top_p_filter"] if len(line) >= 25)
     leaky = {nb: {ex: list(r) for ex, r in exs.items()} for nb, exs in HINTS.items()}
     leaky["02_sampling"]["ex_top_p_filter"].append(f"just write `{line}`")
     monkeypatch.setattr(sys.modules[__name__], "HINTS", leaky)
     with pytest.raises(AssertionError, match="solution lines"):
         test_no_hint_gives_the_solution_away("02_sampling")
+
+
+@pytest.mark.parametrize("hint", [
+    "`gate = x @ gate_weight.T`",  # a short line, whitespace aside
+    "then `gate * torch.sigmoid(gate) * up` is hidden",  # a right-hand side
+    "`gate=x @ gate_weights.T`",  # a near-copy in code
+    "`(x32 * torch.rsqrt(mean_square + eps))`",  # an assignment's right-hand side, in code
+    "```\nup = x @ up_weight.T\n```",  # a fenced block
+])
+def test_the_leak_rule_catches_short_lines_and_near_copies(hint):
+    pieces = [solution_pieces(EXERCISES["01_forward_pass"][ex]) for ex in ("ex_mlp", "ex_rms_norm")]
+    assert any(leaks(hint, p) for p in pieces)
+
+
+def test_the_leak_rule_lets_a_named_function_through():
+    pieces = solution_pieces(EXERCISES["01_forward_pass"]["ex_rms_norm"])
+    assert not leaks("`torch.rsqrt(a)` is 1/sqrt(a); keep the dimension with `keepdim=True`", pieces)
+
+
+def test_no_notebook_hides_hints_in_markdown():
+    """Hints are the counted ladder's rungs, not <details> in the text (09's answers to its
+    questions may stay: their summary is not a hint)."""
+    for folder in (SOLUTIONS, COURSE):
+        for path in sorted(folder.glob("*/*.ipynb")):
+            for cell in read(path).cells:
+                inline = re.findall(r"<details>\s*<summary>([^<]*hint[^<]*)</summary>", cell.source, re.I)
+                assert not inline, f"{folder.name}/{path.parent.name}: inline hints {inline}; put them in hints.json"
 
 
 def test_package_data_ships_the_hints():

@@ -389,6 +389,40 @@ def test_autograde_solution_full_marks(name, autograded_solution):
     assert set(result["lost"]) == set(by_hand), f"{name}: cells that lost points: {result['lost']}"
 
 
+ANSWER_LINE = re.compile(r"^(q_\w+): the answer is (-?[\d,.]+(?:e[+-]?\d+)?)\b.*$", re.M)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Object of type .* not in session")  # nbgrader's own gradebook code
+@pytest.mark.parametrize("name", READY)
+def test_solution_feedback_agrees_with_its_grade(name, autograded_solution):
+    """In the autograded solution, each prediction's feedback is printed once (no second copy as the
+    cell's value), names the grader's own answer (answer_q_<name>(), to its 4 printed digits) and
+    says "it passes", and its graded cell kept its points."""
+    from decodelab.course.predictions import QUESTIONS
+
+    result = autograded_solution(name)
+    nb = result["notebook"]
+    printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stdout")
+    shown_again = [c.source[:60] for c in nb.cells for o in c.get("outputs", [])
+                   if o.get("output_type") == "execute_result" and ": the answer is" in str(o.get("data", {}))]
+    assert not shown_again, f"{name}: feedback shown twice (as a cell's value too): {shown_again}"
+    lines = {}
+    for match in ANSWER_LINE.finditer(printed):
+        assert match.group(1) not in lines, f"{name}: {match.group(1)}'s feedback printed twice"
+        lines[match.group(1)] = match
+    asked = {g.removeprefix("test_") for g in prediction_test_ids(nb)}
+    assert set(lines) == asked, f"{name}: feedback lines for {sorted(lines)}, questions {sorted(asked)}"
+    for q, match in lines.items():
+        check = hidden_calls(graded_cells(read(solution_path(name)))[f"test_{q}"].source)[0][0]
+        topic = importlib.import_module(f"autograder.checks.{check.rpartition('.')[0]}")
+        answer = getattr(topic, f"answer_{q}")()
+        assert float(match.group(2).replace(",", "")) == pytest.approx(answer, rel=1e-3), \
+            f"{name}/{q}: the notebook's answer differs from the grader's {answer}: {match.group(0)}"
+        assert match.group(0).endswith("it passes"), f"{name}/{q}: {match.group(0)}"
+        assert f"test_{q}" not in result["lost"] and QUESTIONS[q].notebook == name, f"{name}/{q}: {result['lost']}"
+
+
 @pytest.mark.slow
 def test_nbgrader_finds_the_config_from_any_folder(tmp_path):
     """`nbgrader validate` from another folder, with the repository on JUPYTER_CONFIG_PATH (as

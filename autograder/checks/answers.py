@@ -1,31 +1,37 @@
 """How the hidden checks grade a prediction (a notebook's ``q_<name>`` answer cell).
 
-Not a check module (it has no ``check_*``). A topic's check module states each answer, computed
-from the library rather than typed in, and its tolerance:
+Not a check module (it has no ``check_*``). A topic's check module computes each answer from the
+library rather than typing it in, in ``answer_q_<name>()``, and grades with it:
+
+    def answer_q_kv_mib() -> float:
+        return kv_size.kv_bytes("Llama-3.1-8B", 4096, 1, "fp16") / 2**20
 
     def check_q_kv_mib(value):
-        expect_answer(value, kv_size.kv_bytes("Llama-3.1-8B", 4096, 1, "fp16") / 2**20, "q_kv_mib: ...", rel_tol=0.05)
+        expect_answer("q_kv_mib", value, answer_q_kv_mib(), "Llama-3.1-8B's K and V for 4,096 tokens in fp16")
 
-The failure message gives the prediction, the answer and the tolerance: a prediction is graded
-once, after the learner has seen the experiment, so the answer is no secret in the feedback.
+The tolerance is the question's row in ``decodelab.course.predictions.QUESTIONS`` (one home: the
+answer cell states it, the notebook's feedback applies it through the same ``passes``). The
+failure message gives the prediction, the answer and the tolerance: a prediction is graded once,
+after the learner has seen the experiment, so the answer is no secret in the feedback.
 """
 from __future__ import annotations
 
 import math
 import numbers
 
+from decodelab.course.predictions import passes, question
+
 __all__ = ["expect_answer"]
 
 
-def expect_answer(value, expected: float, what: str, rel_tol: float = 0.05, abs_tol: float = 0.0) -> None:
-    """value within max(rel_tol * |expected|, abs_tol) of expected, else AssertionError."""
-    tolerance = max(rel_tol * abs(expected), abs_tol)
-    stated = f"within {rel_tol:.0%}" if tolerance == rel_tol * abs(expected) else f"within {abs_tol:g}"
+def expect_answer(name: str, value, expected: float, why: str) -> None:
+    """value passes question `name` (QUESTIONS' tolerance around expected), else AssertionError."""
+    q = question(name)
+    answer = f"the answer is {expected:,.6g}{' ' + q.unit if q.unit else ''}"
     if value is None:
-        raise AssertionError(f"{what}: no prediction (the cell still says None); the answer is {expected:,.6g}")
+        raise AssertionError(f"{name}: no prediction (the cell still says None); {answer} ({why})")
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-        raise AssertionError(f"{what}: expected a number {stated} of {expected:,.6g}, got {type(value).__name__} "
-                             f"{value!r}")
-    if abs(value - expected) > tolerance:
-        raise AssertionError(f"{what}: you predicted {value:,.6g}; the answer is {expected:,.6g} "
-                             f"(graded {stated})")
+        raise AssertionError(f"{name}: expected a number {q.tolerance_text} {expected:,.6g}, got "
+                             f"{type(value).__name__} {value!r}".replace("of the answer ", "of "))
+    if not passes(name, value, expected):
+        raise AssertionError(f"{name}: you predicted {value:,.6g}; {answer} (graded {q.tolerance_text}): {why}")

@@ -396,24 +396,33 @@ def check_forward(fn) -> None:
             held += num_new
 
 
-def check_q_layer_params(value) -> None:
+def answer_q_layer_params() -> float:
     """Parameters of one SmolLM2-135M decoder layer, counted on the library's DecoderLayer built from its config."""
     from decodelab.lessons.kv_size import config_fields
     from decodelab.model.llama import DecoderLayer
 
     with torch.device("meta"):  # shapes only: nothing is allocated
         layer = DecoderLayer(ModelConfig.from_dict(config_fields("SmolLM2-135M")), 0)
-    expected = sum(p.numel() for p in layer.parameters())
-    expect_answer(value, expected, "q_layer_params: one SmolLM2 decoder layer, q and o 576 x 576, k and v 192 x 576, "
-                  "gate, up and down 1,536 x 576, two norms of 576", rel_tol=0.02)
+    return sum(p.numel() for p in layer.parameters())
 
 
-def check_q_rope_slowest_period(value) -> None:
+def check_q_layer_params(value) -> None:
+    """Graded q_layer_params (its tolerance: predictions.QUESTIONS)."""
+    expect_answer("q_layer_params", value, answer_q_layer_params(),
+                  "one SmolLM2 decoder layer, q and o 576 x 576, k and v 192 x 576, gate, up and down 1,536 x 576, "
+                  "two norms of 576")
+
+
+def answer_q_rope_slowest_period() -> float:
     """Tokens for the slowest RoPE pair of SmolLM2 (theta 100,000, D = 64) to turn 2 pi."""
     import math
 
     from decodelab.model.rope import plain_inverse_frequencies
 
-    expected = 2 * math.pi / plain_inverse_frequencies(64, 100000.0).min().item()
-    expect_answer(value, expected, "q_rope_slowest_period: 2 pi / 100,000^(-62/64) tokens for SmolLM2's slowest "
-                  "RoPE pair", rel_tol=0.05)
+    return 2 * math.pi / plain_inverse_frequencies(64, 100000.0).min().item()
+
+
+def check_q_rope_slowest_period(value) -> None:
+    """Graded q_rope_slowest_period (its tolerance: predictions.QUESTIONS)."""
+    expect_answer("q_rope_slowest_period", value, answer_q_rope_slowest_period(),
+                  "2 pi / 100,000^(-62/64) tokens for SmolLM2's slowest RoPE pair")

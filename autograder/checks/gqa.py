@@ -317,16 +317,26 @@ def check_gqa_decode_step(fn) -> None:
 # --------------------------------------------------------------------------- predictions (q_ cells)
 
 
-def check_q_mha_kv_mib(value) -> None:
+def answer_q_mha_kv_mib() -> float:
     """MiB of K and V for one 4,096-token sequence of Llama-3.1-8B in fp16, were it MHA (32 KV heads)."""
     mha = dict(kv_size.PRESETS["Llama-3.1-8B"], num_key_value_heads=32)
-    expected = kv_size.kv_bytes(mha, 4096, 1, "fp16") / MiB
-    expect_answer(value, expected, "q_mha_kv_mib: Llama-3.1-8B with 32 KV heads instead of 8, one sequence of 4,096 "
-                  "tokens in fp16, in MiB (2 x 32 layers x 32 KV heads x 128 x 2 bytes per token)", rel_tol=0.05)
+    return kv_size.kv_bytes(mha, 4096, 1, "fp16") / MiB
+
+
+def check_q_mha_kv_mib(value) -> None:
+    """Graded q_mha_kv_mib (its tolerance: predictions.QUESTIONS)."""
+    expect_answer("q_mha_kv_mib", value, answer_q_mha_kv_mib(),
+                  "Llama-3.1-8B with 32 KV heads instead of 8, one sequence of 4,096 tokens in fp16, in MiB (2 x 32 "
+                  "layers x 32 KV heads x 128 x 2 bytes per token)")
+
+
+def answer_q_repeat_kv_mib() -> float:
+    """MiB of the tensor repeat_kv(K, 4) creates from one layer's K [1, 2, 4096, 128] in float32."""
+    return repeat_kv(torch.zeros(1, 2, 4096, 128), 4).nbytes / MiB
 
 
 def check_q_repeat_kv_mib(value) -> None:
-    """MiB of the tensor repeat_kv(K, 4) creates from one layer's K [1, 2, 4096, 128] in float32."""
-    expected = repeat_kv(torch.zeros(1, 2, 4096, 128), 4).nbytes / MiB
-    expect_answer(value, expected, "q_repeat_kv_mib: the new tensor of repeat_kv(K [1, 2 KV heads, 4,096, 128] "
-                  "float32, 4), in MiB (8 heads x 4,096 x 128 x 4 bytes)", rel_tol=0.05)
+    """Graded q_repeat_kv_mib (its tolerance: predictions.QUESTIONS)."""
+    expect_answer("q_repeat_kv_mib", value, answer_q_repeat_kv_mib(),
+                  "the new tensor of repeat_kv(K [1, 2 KV heads, 4,096, 128] float32, 4), in MiB (8 heads x 4,096 x "
+                  "128 x 4 bytes)")

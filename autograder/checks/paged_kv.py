@@ -732,21 +732,30 @@ def check_block_allocator(cls) -> None:
 # --------------------------------------------------------------------------- predictions (q_ cells)
 
 
-def check_q_reservation_mib(value) -> None:
+def answer_q_reservation_mib() -> float:
     """MiB of SmolLM2-135M's K and V for a 2,048-token reservation, float32 (the library's kv_bytes)."""
     from decodelab.lessons import kv_size
 
-    expected = kv_size.kv_bytes("SmolLM2-135M", 2048, 1, "fp32") / 2**20
-    expect_answer(value, expected, "q_reservation_mib: SmolLM2's K and V for 2,048 tokens in float32, in MiB "
-                  "(30 layers x 2 x 3 KV heads x 64 x 4 bytes per token)", rel_tol=0.05)
+    return kv_size.kv_bytes("SmolLM2-135M", 2048, 1, "fp32") / 2**20
+
+
+def check_q_reservation_mib(value) -> None:
+    """Graded q_reservation_mib (its tolerance: predictions.QUESTIONS)."""
+    expect_answer("q_reservation_mib", value, answer_q_reservation_mib(),
+                  "SmolLM2's K and V for 2,048 tokens in float32, in MiB (30 layers x 2 x 3 KV heads x 64 x 4 bytes "
+                  "per token)")
+
+
+def answer_q_waste_pct_blocks_32() -> float:
+    """Percent of slots wasted by blocks of 32 on lengths uniform in 50..2,047: the library's kv_waste over
+every length once (the expectation over the uniform draw; a sample of 1,000 lands within 0.1 point)."""
+    from decodelab.engine.block_allocator import kv_waste
+
+    return 100 * kv_waste(list(range(50, 2048)), 32)
 
 
 def check_q_waste_pct_blocks_32(value) -> None:
-    """Percent of slots wasted by blocks of 32 on lengths uniform in 50..2,047: the library's kv_waste over
-    every length once (the expectation over the uniform draw; a sample of 1,000 lands within 0.1 point)."""
-    from decodelab.engine.block_allocator import kv_waste
-
-    expected = 100 * kv_waste(list(range(50, 2048)), 32)
-    expect_answer(value, expected, "q_waste_pct_blocks_32: percent of reserved slots left empty by blocks of 32, "
-                  "lengths uniform in 50..2,047 (about (32 - 1) / 2 slots per request of 1,048.5 tokens on average)",
-                  rel_tol=0.1)
+    """Graded q_waste_pct_blocks_32 (its tolerance: predictions.QUESTIONS)."""
+    expect_answer("q_waste_pct_blocks_32", value, answer_q_waste_pct_blocks_32(),
+                  "percent of reserved slots left empty by blocks of 32, lengths uniform in 50..2,047 (about (32 - "
+                  "1) / 2 slots per request of 1,048.5 tokens on average)")

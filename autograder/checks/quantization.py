@@ -903,19 +903,29 @@ def check_int8_kv_cache(cls) -> None:
 # --------------------------------------------------------------------------- predictions (q_ cells)
 
 
-def check_q_int8_max_error(value) -> None:
+def answer_q_int8_max_error() -> float:
     """The largest rounding error of absmax int8 with one scale, for a tensor whose max|w| is 0.508."""
     from decodelab.model import quantization as _quant
 
     _, scale = _quant.quantize_int8_per_tensor(torch.tensor([0.508, -0.2]))
-    expect_answer(value, scale.item() / 2, "q_int8_max_error: the largest |w - q * scale| for max|w| = 0.508 "
-                  "(half a step, scale = 0.508 / 127)", rel_tol=0.05)
+    return scale.item() / 2
 
 
-def check_q_int4_group_bytes(value) -> None:
+def check_q_int8_max_error(value) -> None:
+    """Graded q_int8_max_error (its tolerance: predictions.QUESTIONS)."""
+    expect_answer("q_int8_max_error", value, answer_q_int8_max_error(),
+                  "the largest |w - q * scale| for max|w| = 0.508 (half a step, scale = 0.508 / 127)")
+
+
+def answer_q_int4_group_bytes() -> float:
     """Bytes of one int4 group of 64 weights: packed levels plus its float32 scale."""
     from decodelab.model import quantization as _quant
 
     packed, scale = _quant.quantize_int4_groupwise(torch.ones(1, 64), 64)
-    expect_answer(value, packed.nbytes + scale.nbytes, "q_int4_group_bytes: one group of 64 int4 weights, two "
-                  "levels a byte, plus one float32 scale", rel_tol=0.0, abs_tol=0.5)
+    return packed.nbytes + scale.nbytes
+
+
+def check_q_int4_group_bytes(value) -> None:
+    """Graded q_int4_group_bytes (its tolerance: predictions.QUESTIONS)."""
+    expect_answer("q_int4_group_bytes", value, answer_q_int4_group_bytes(),
+                  "one group of 64 int4 weights, two levels a byte, plus one float32 scale")

@@ -724,17 +724,27 @@ def check_beam_search(fn) -> None:
 # --------------------------------------------------------------------------- predictions
 
 
-def check_q_top_p_uniform_kept(value) -> None:
+def answer_q_top_p_uniform_kept() -> float:
     """Tokens top-p 0.9 keeps from 1,000 equally likely ones (the library's top_p_filter counts them)."""
     from decodelab.decoding.sampling import top_p_filter
 
-    expected = int(torch.isfinite(top_p_filter(torch.zeros(1000), 0.9)).sum())
-    expect_answer(value, expected, "q_top_p_uniform_kept: top-p 0.9 over 1,000 tokens of probability 0.001 each "
-                  "keeps the smallest set with mass >= 0.9", rel_tol=0.02)
+    return int(torch.isfinite(top_p_filter(torch.zeros(1000), 0.9)).sum())
+
+
+def check_q_top_p_uniform_kept(value) -> None:
+    """Graded q_top_p_uniform_kept (its tolerance: predictions.QUESTIONS)."""
+    expect_answer("q_top_p_uniform_kept", value, answer_q_top_p_uniform_kept(),
+                  "top-p 0.9 over 1,000 tokens of probability 0.001 each keeps the smallest set with mass >= 0.9")
+
+
+def answer_q_frequency_std_error() -> float:
+    """Standard deviation of a drawn frequency: p = 0.1, n = 10,000 draws, sqrt(p (1 - p) / n)."""
+    p, n = 0.1, 10_000
+    return math.sqrt(p * (1 - p) / n)
 
 
 def check_q_frequency_std_error(value) -> None:
-    """Standard deviation of a drawn frequency: p = 0.1, n = 10,000 draws, sqrt(p (1 - p) / n)."""
-    p, n = 0.1, 10_000
-    expect_answer(value, math.sqrt(p * (1 - p) / n), "q_frequency_std_error: the standard deviation of the frequency "
-                  "of a token of probability 0.1 over 10,000 draws, sqrt(0.1 x 0.9 / 10,000)", rel_tol=0.05)
+    """Graded q_frequency_std_error (its tolerance: predictions.QUESTIONS)."""
+    expect_answer("q_frequency_std_error", value, answer_q_frequency_std_error(),
+                  "the standard deviation of the frequency of a token of probability 0.1 over 10,000 draws, "
+                  "sqrt(0.1 x 0.9 / 10,000)")
