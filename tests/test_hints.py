@@ -20,23 +20,6 @@ MIN_LEAK = 15  # a solution line (or its right-hand side) this long, normalised,
 NEAR_COPY = 0.9  # a hint's code this similar (difflib's ratio) to such a line is a near-copy of it
 MIN_EXPRESSION = 25  # an assignment's right-hand side this long in a hint's code gives the line away too
 NO_BUTTONS_YET: set[str] = set()  # a notebook being rewritten may wait for its buttons here
-# Rungs that the stricter rule (issue 28: lines of 15+ characters, code near-copies) catches, in
-# notebooks whose ladders are being rewritten elsewhere: (notebook, exercise, rung number) -> why it
-# waits. test_pending_leaks_are_honest fails once one of them no longer leaks.
-LEAKS_PENDING: dict[tuple[str, str, int], str] = {
-    ("00_meet_the_model", "ex_count_parameters", 2): "`if config.has_qkv_bias:`",
-    ("02_sampling", "ex_top_k_filter", 2): "the k-th largest value's whole expression",
-    ("02_sampling", "ex_apply_repetition_penalty", 2): "the gather and the torch.where lines",
-    ("03_kv_cache", "ex_generate_without_cache", 2): "the model call with last_only",
-    ("04_prefill_decode", "ex_latencies_from_timestamps", 3): "`if later < earlier:`",
-    ("08_continuous_batching", "ex_decode_batch", 3): "`batch.append(seq)`",
-    ("08_continuous_batching", "ex_schedule_chunked", 3): "`budget -= len(batch)`",
-    ("09_speculative_decoding", "ex_accept_draft_tokens", 3): "`for i in range(k):`",
-    ("09_speculative_decoding", "ex_verify_tree", 3): "`depth = [0] * (n + 1)`",
-    ("10_capstone_engine", "ex_kv_blocks_for_memory", 2): "the element size's whole expression",
-    ("10_capstone_engine", "ex_engine_step", 2): "the schedule, speculator and start_siblings calls",
-    ("10_capstone_engine", "ex_generate_all", 3): "`on_event(event)`",
-}
 
 
 def solution_exercises() -> dict[str, dict[str, list[str]]]:
@@ -121,17 +104,8 @@ def test_no_hint_gives_the_solution_away(notebook):
     for exercise, lines in EXERCISES[notebook].items():
         pieces = solution_pieces(lines)
         for number, rung in enumerate(HINTS.get(notebook, {}).get(exercise, []), 1):
-            if (notebook, exercise, number) in LEAKS_PENDING:
-                continue
             leaked = leaks(rung, pieces)
             assert not leaked, f"{notebook}/{exercise}: hint {number} holds solution lines {leaked}"
-
-
-def test_pending_leaks_are_honest():
-    for (notebook, exercise, number), why in LEAKS_PENDING.items():
-        rung = HINTS[notebook][exercise][number - 1]
-        assert leaks(rung, solution_pieces(EXERCISES[notebook][exercise])), \
-            f"{notebook}/{exercise} hint {number} no longer leaks ({why}): remove it from LEAKS_PENDING"
 
 
 def test_the_leak_rule_catches_a_copied_line(monkeypatch):
