@@ -390,6 +390,19 @@ def test_autograde_solution_full_marks(name, autograded_solution):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Object of type .* not in session")  # nbgrader's own gradebook code
+@pytest.mark.parametrize("name", READY)
+def test_claims_hold_in_the_run(name, autograded_solution):
+    """What the markdown says this run shows (tests/claims.py) is what the solution's run printed, in fast mode
+    (nbgrader's autograde of the solution, the execution test_solution_runs_clean reads too)."""
+    from claims import CLAIMS, check
+
+    nb = autograded_solution(name)["notebook"]
+    wrong = [f"{claim.cell}: {why}" for claim in CLAIMS[name] if (why := check(claim, nb)) is not None]
+    assert not wrong, f"solutions/{name}: claims the run contradicts:\n  " + _report(wrong)
+
+
+@pytest.mark.slow
 def test_nbgrader_finds_the_config_from_any_folder(tmp_path):
     """`nbgrader validate` from another folder, with the repository on JUPYTER_CONFIG_PATH (as
     `make lab` sets it), loads nbgrader_config.py: its PYTHONPATH makes autograder importable."""
