@@ -120,8 +120,6 @@ CLAIMS: dict[str, list[Claim]] = {
     "03_kv_cache": [
         Claim("a difference of $10^{-5}$ here is the same kind of thing", "bc434b91",
               r"max \|logit difference\| ([\d.e+-]+)", lambda v: v[0] < 1e-3, "a logit difference under 1e-3"),
-        Claim("The ratio grows\nwith the position as in the seed", "57958816", r"= ([\d.]+)x",
-              lambda v: len(v) >= 3 and v[-1] > v[0], "the last position's speed-up above the first's"),
         Claim("Until position $W - 1$ every query's window still reaches the first token, and the ring gives exactly\n"
               "the logits of full attention", "a644a3ab", r"at most ([\d.e+-]+) before position",
               lambda v: v[0] < 1e-6, "ring and full attention equal before position W"),
@@ -129,13 +127,11 @@ CLAIMS: dict[str, list[Claim]] = {
               r"the tokens agree for (\d+) and part", lambda v: 1 <= v[0] <= 10, "1 to 10 tokens in common"),
     ],
     "04_prefill_decode": [
-        Claim("it tends to grow with the prompt", "code-08", r"one by one\s+[\d.]+ ms \(\s*\d+ tok/s\)\s+([\d.]+)x",
-              lambda v: len(v) >= 2 and v[-1] > v[0], "the longest prompt's speed-up above the shortest's"),
         Claim("The long prompt\nwaits longer for its first token", "code-13", r"TTFT (\d+) ms",
               lambda v: len(v) == 2 and v[1] > v[0], "the long prompt's TTFT above the chat prompt's"),
         Claim("the saving shrinks toward 1, as in fast mode here", "code-25",
               r"prefix (\d+) \+ suffix (\d+): recompute [\d.]+ ms\s+reuse [\d.]+ ms \(([\d.]+)x\)",
-              lambda v: 1 <= v[2] < (v[0] + v[1]) / v[1], "a reuse speed-up between 1 and the token ratio"),
+              lambda v: v[2] < 0.6 * (v[0] + v[1]) / v[1], "a reuse speed-up well under the token ratio"),
         Claim("Either way the logits agree to float\nrounding", "code-25", r"\(\d[\d.]*x\)\s+max\|logit diff\| ([\d.e+-]+)",
               lambda v: v[0] < 1e-3, "a logit difference under 1e-3"),
         Claim("the same tokens.", "code-27", r"same tokens as generating from the full prompt: (True|False)", all_true, SAME),
@@ -195,9 +191,8 @@ CLAIMS: dict[str, list[Claim]] = {
               lambda v: v[1] < v[0], "fewer measured steps for continuous than for static"),
         Claim("The greedy tokens are\nidentical under both policies", "8859f3b3", r"same tokens from both policies: (True|False)",
               all_true, SAME),
-        Claim("so the longest gap shrinks roughly by the number of slices, while the newcomer's first\n"
-              "token comes a little later", "98eda6a8", r"p99\s+([\d.]+) ms, max\s+[\d.]+ ms \| newcomer TTFT\s+([\d.]+) ms",
-              lambda v: len(v) == 4 and v[2] < v[0] and v[3] > v[1], "a shorter p99 gap and a later first token, chunked"),
+        Claim("so the longest gap shrinks roughly by the number of slices", "98eda6a8", r"p99\s+([\d.]+) ms",
+              lambda v: len(v) == 2 and v[1] < v[0] / 2, "chunked prefill's p99 gap under half of whole-prompt's"),
         Claim("so that your `decode_batch` has to preempt", "e80d2185", r"(\d+) preemptions in a pool of",
               lambda v: v[0] >= 1, "at least one preemption"),
         Claim("Every block is back in the pool at the end: nothing leaked.", "e80d2185",
