@@ -1,6 +1,7 @@
 """The course notebooks, end to end (the ones in tests/notebooks.py READY):
 
-* a solution notebook runs top to bottom with every test cell passing, nothing on stderr;
+* a solution notebook runs top to bottom with every test cell passing, nothing on stderr, and what its
+  markdown says the run shows is what the run printed (tests/claims.py);
 * its student release runs with exactly the exercise test cells failing (`test_*`), the
   cells that use an unfinished exercise falling back to the library's reference;
 * nbgrader autograde of the solution, submitted as a student, gives full marks;
