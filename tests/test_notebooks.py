@@ -1,6 +1,7 @@
 """The course notebooks, end to end (the ones in tests/notebooks.py READY):
 
-* a solution notebook runs top to bottom with every test cell passing, nothing on stderr;
+* a solution notebook runs top to bottom with every test cell passing, nothing on stderr, and what its
+  markdown says the run shows is what the run printed (tests/claims.py);
 * its student release runs with exactly the exercise test cells failing (`test_*`), the
   cells that use an unfinished exercise falling back to the library's reference;
 * nbgrader autograde of the solution, submitted as a student, gives full marks;
@@ -421,6 +422,19 @@ def test_solution_feedback_agrees_with_its_grade(name, autograded_solution):
             f"{name}/{q}: the notebook's answer differs from the grader's {answer}: {match.group(0)}"
         assert match.group(0).endswith("it passes"), f"{name}/{q}: {match.group(0)}"
         assert f"test_{q}" not in result["lost"] and QUESTIONS[q].notebook == name, f"{name}/{q}: {result['lost']}"
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Object of type .* not in session")  # nbgrader's own gradebook code
+@pytest.mark.parametrize("name", READY)
+def test_claims_hold_in_the_run(name, autograded_solution):
+    """What the markdown says this run shows (tests/claims.py) is what the solution's run printed, in fast mode
+    (nbgrader's autograde of the solution, the execution test_solution_runs_clean reads too)."""
+    from claims import CLAIMS, check
+
+    nb = autograded_solution(name)["notebook"]
+    wrong = [f"{claim.cell}: {why}" for claim in CLAIMS[name] if (why := check(claim, nb)) is not None]
+    assert not wrong, f"solutions/{name}: claims the run contradicts:\n  " + _report(wrong)
 
 
 @pytest.mark.slow
