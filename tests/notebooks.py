@@ -110,9 +110,24 @@ def visible_part(cell_source: str) -> str:
     return cell_source.split(HIDDEN_BEGIN, 1)[0]
 
 
+def reference(function: str):
+    """The library's reference implementation of an exercise (REFERENCES: "module:attribute")."""
+    import importlib
+
+    module, _, attr = REFERENCES[function].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def exercise_functions(nb) -> list[str]:
+    """The functions (or classes) the notebook's exercises define: ex_<function> cells."""
+    return [g.removeprefix("ex_") for c in nb.cells if (g := grade_id(c) or "").startswith("ex_")]
+
+
 def run_visible(nb, gid: str, function: str, fn) -> Exception | None:
     """Run the visible part of a test cell with `function` bound to fn, in a namespace made by the
-    notebook's first code cell (its imports); returns the exception it raised, if any."""
+    notebook's first code cell (its imports); returns the exception it raised, if any. The notebook's
+    other exercises are bound to the library's references, as if the learner had solved them (a
+    test cell may use an earlier exercise: 08's schedule_chunked test runs the learner's decode_batch)."""
     import contextlib
     import io
     import warnings
@@ -122,6 +137,9 @@ def run_visible(nb, gid: str, function: str, fn) -> Exception | None:
     namespace = {"__name__": "__visible_test__"}
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         exec(compile(setup, "<setup cell>", "exec"), namespace)  # noqa: S102 - our own notebook
+        for other in exercise_functions(nb):
+            if other != function and other in REFERENCES:
+                namespace[other] = reference(other)
         namespace[function] = fn
         try:
             exec(compile(visible_part(cell.source), f"<{gid}>", "exec"), namespace)  # noqa: S102

@@ -86,6 +86,8 @@ NODE_TIERS: dict[str, tuple[str, str]] = {
     # notebook: a notebook's cells run
     "tests/test_notebooks.py::test_visible_tests_pass_on_reference_and_catch_bugs":
         ("notebook", "runs each notebook's visible test cells on the reference and on every bug"),
+    "tests/test_kept_bugs.py::test_visible_tests_catch_what_the_hidden_checks_catch":
+        ("notebook", "runs each notebook's visible test cells and hidden checks on every kept bug"),
     "tests/test_progress.py::test_released_*": ("notebook", "python -m decodelab progress runs the notebooks"),
     "tests/test_progress.py::test_a_malformed_notebook_says_so_and_the_rest_still_run":
         ("notebook", "python -m decodelab progress runs the notebooks"),

@@ -173,8 +173,10 @@ def speculative_step(target, draft, target_cache: KVCache, draft_cache: KVCache,
     propose: k draft forwards, the first over the 1 or 2 tokens the draft cache lacks, each
         guess d_i drawn from q_i = `probs(draft logits, params)` (after temperature, top-k, top-p);
     verify: ONE target forward over [pending, d_1 .. d_k] -> p_1 .. p_{k+1} = `probs(logits, params)`;
-    accept: `accept_draft_tokens` (at temperature 0 its one-hot case, `greedy_accept`);
-    rollback: the target cache keeps len(ids) + n positions, the text but the new pending token;
+    accept: `accept_draft_tokens`; at temperature 0, where p and q are one-hot, `greedy_accept`
+        (the same rule read off the target's argmax);
+    rollback: the target cache keeps len(ids) + len(emitted) - 1 positions (= len(ids) + n), the
+        text but the new pending token;
         the draft cache min(what it holds, that) (one fewer when all k were accepted: it never
         saw d_k).
     steps: whose propose, verify, accept and rollback to run (None: the library's).
