@@ -94,7 +94,7 @@ SAME = "every printed check True"
 
 CLAIMS: dict[str, list[Claim]] = {
     "00_meet_the_model": [
-        Claim("A fifth of a small model is its vocabulary", "3b2e8fb1", r"measured ([\d.]+) %",
+        Claim("A fifth of a small model is its vocabulary", "3b2e8fb1", r"the answer is ([\d.]+) %",
               lambda v: 17 <= v[0] <= 23, "an embedding share of about 20%"),
         Claim("Your measured SmolLM2 point lies below this machine's line", "code-19",
               r"measured ([\d.]+) tokens/s, bound ([\d.]+) tokens/s", every_pair(lambda a, b: a < b),
@@ -215,8 +215,8 @@ CLAIMS: dict[str, list[Claim]] = {
         Claim("The measured tokens per call follow the formula closely", "233abd91",
               r"tokens per target call ([\d.]+) \(formula ([\d.]+)\)", every_pair(within(0.15)),
               "each measured tokens per call within 15% of the formula"),
-        Claim("one pass over 9 tokens\ncosts clearly more than one decode step", "7f9b6f8d", r"n=9: ([\d.]+)",
-              lambda v: v[0] > 1.1, "a 9-token pass over 1.1 decode steps"),
+        Claim("one pass over 9 tokens\ncosts more than one decode step", "7f9b6f8d", r"n=9: ([\d.]+)",
+              lambda v: v[0] > 1.0, "a 9-token pass costing more than one decode step"),
         Claim("The text is the target's own, token for token at temperature 0.", "8bb023b7",
               r"identical to the engine without speculation: (True|False)", all_true, SAME),
         Claim("an early exit agrees with the full model only rarely", "8bb023b7", r"\(alpha ([\d.]+),",

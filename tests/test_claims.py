@@ -31,7 +31,7 @@ def test_claims_are_in_the_markdown_and_name_a_printing_cell(name):
         assert cell is not None, f"{name}: no cell {claim.cell!r} (the evidence of {claim.text!r})"
         assert cell.cell_type == "code" and grade_id(cell) is None, \
             f"{name}/{claim.cell}: evidence comes from an ungraded code cell"
-        assert any(call in cell.source for call in ("print(", "show_beside(", ".summary()")), f"{name}/{claim.cell}: the cell prints nothing"
+        assert any(call in cell.source for call in ("print(", "show_beside(", "show_answer(", "show_measured(", ".summary()")), f"{name}/{claim.cell}: the cell prints nothing"
         assert re.compile(claim.pattern).groups >= 1, f"{name}: {claim.pattern!r} captures no number"
         assert claim.means, f"{name}: say in words what {claim.text!r} needs"
 
