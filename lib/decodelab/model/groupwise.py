@@ -39,7 +39,7 @@ def group_params(w: torch.Tensor, bits: int, symmetric: bool = False) -> tuple[t
     See the module docstring for the grid. A row that is all zero gets scale 1.0 (`absmax_scale`).
     """
     check_bits(bits)
-    w = w.float()
+    w = w if w.dtype == torch.float64 else w.float()
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
         scale = absmax_scale(w.abs().amax(dim=1, keepdim=True), qmax)  # [out, 1]
@@ -51,12 +51,13 @@ def group_params(w: torch.Tensor, bits: int, symmetric: bool = False) -> tuple[t
 
 
 def to_levels(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """w [out, c], scale and zero broadcastable to it -> integer levels in [0, 2^b - 1], as float32."""
-    return torch.clamp(torch.round(w.float() / scale) + zero, 0, 2 ** bits - 1)
+    """w [out, c] (float32 or float64: kept, so that GPTQ's float64 columns round as they are), scale and
+    zero broadcastable to it -> integer levels in [0, 2^b - 1], in w's dtype."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, 2 ** bits - 1)
 
 
 def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """w [out, c] -> its nearest grid values (level - zero) * scale, float32 [out, c]."""
+    """w [out, c] -> its nearest grid values (level - zero) * scale [out, c]."""
     return (to_levels(w, scale, zero, bits) - zero) * scale
 
 

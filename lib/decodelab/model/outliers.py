@@ -73,7 +73,10 @@ class Decomposition:
         keep = torch.zeros(w.shape[1], dtype=torch.bool)
         keep[float_dims] = True
         int8_dims = torch.nonzero(~keep).flatten()
-        q, scale = quantize_int8_per_channel(w[:, int8_dims])
+        if int8_dims.numel():
+            q, scale = quantize_int8_per_channel(w[:, int8_dims])
+        else:  # every input dim in float: no int8 weights and no scales
+            q, scale = torch.empty(w.shape[0], 0, dtype=torch.int8), torch.empty(w.shape[0], 0)
         return cls(torch.nonzero(keep).flatten(), int8_dims, w[:, keep].float().clone(), q, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
