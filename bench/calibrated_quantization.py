@@ -1,7 +1,7 @@
 """Calibrated quantization: round-to-nearest vs AWQ vs GPTQ vs AWQ+GPTQ, on held-out text.
 
     nice -n 10 .venv/bin/python bench/calibrated_quantization.py [--models tiny,smollm2] [--settings 4:128,3:128]
-        [--sequences N] [--length T] [--ppl-tokens N] [--gen-tokens 32] [--prompts 3]
+        [--sequences N] [--length T] [--ppl-tokens N] [--window 256] [--stride 128] [--gen-tokens 32] [--prompts 3]
 
 For each model and each setting (bits : group size) every decoder-layer linear is quantized by each
 method (`decodelab.model.calibration.calibrate_model`, layer by layer; the tied embedding / lm_head
@@ -68,8 +68,9 @@ def bench_model(name, args):
     calib = calibration_ids(tokenizer, split.calibration, sizes["sequences"], sizes["length"])
     heldout = tokenizer.encode(split.heldout)[:sizes["ppl_tokens"]]
     window = min(args.window, model.config.max_position_embeddings)
+    stride = args.stride or window // 2
     prompts = [tokenizer.encode(p) for p in PROMPTS[name][:args.prompts]]
-    base_ppl = perplexity(model, heldout, window=window, stride=window // 2)
+    base_ppl = perplexity(model, heldout, window=window, stride=stride)
     reference = greedy(model, prompts, args.gen_tokens)
     result = {"model": name, "calibration": split.calibration_name, "heldout": split.heldout_name,
               "calibration_tokens": list(calib.shape), "heldout_tokens": len(heldout),
@@ -82,7 +83,7 @@ def bench_model(name, args):
         for method in METHODS:
             made = calibrate_model(model, calib, method, bits, group_size, awq_rows=args.awq_rows)
             quantized = apply_layers(copy.deepcopy(model), made.layers)
-            ppl = perplexity(quantized, heldout, window=window, stride=window // 2)
+            ppl = perplexity(quantized, heldout, window=window, stride=stride)
             prefix = [same_prefix(a, b) for a, b in zip(greedy(quantized, prompts, args.gen_tokens), reference)]
             groups = sorted({f"{m.in_features} inputs -> g{m.group_size}" for m in made.layers.values()
                              if m.group_size != group_size})
@@ -138,6 +139,7 @@ def main():
     parser.add_argument("--ppl-tokens", type=int, default=None, help="held-out tokens scored")
     parser.add_argument("--awq-rows", type=int, default=512, help="calibration rows AWQ's alpha search uses")
     parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--stride", type=int, default=None, help="perplexity window stride (default window / 2)")
     parser.add_argument("--gen-tokens", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))

@@ -240,6 +240,20 @@ def test_outlier_stats_find_the_planted_dims():
     torch.testing.assert_close(stats.frequency, torch.tensor([0.3, 0.05]))
 
 
+def test_model_outliers_find_a_dim_a_norm_blows_up():
+    """A norm weight of 200 on hidden dim 5 of layer 1's input norm: the q/k/v inputs of layer 1 carry it,
+    those of layer 0 do not."""
+    model = random_model(seed=2)
+    with torch.no_grad():
+        model.model.layers[1].input_layernorm.weight[5] = 200.0
+    found = outliers.model_outliers(model, random_ids(32, model.config.vocab_size, seed=2), threshold=20.0)
+    assert set(found) == set(decoder_linears(model))
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        assert found[f"model.layers.1.self_attn.{proj}"].dims.tolist()[:1] == [5]
+        assert 5 not in found[f"model.layers.0.self_attn.{proj}"].dims.tolist()
+    assert found["model.layers.1.self_attn.q_proj"].frequency[0] > 0.5
+
+
 def test_decomposition_with_threshold_zero_is_the_float_product():
     w, x = random_weight(32, 64, 1), outlier_inputs()
     parts = outliers.decompose(w, x, threshold=0.0)

@@ -1,5 +1,8 @@
 """Activation outliers and LLM.int8()-style mixed-precision decomposition (Dettmers et al., 2022).
 
+`outlier_stats` measures one layer's inputs (which dims exceed the threshold, how large, in how many
+tokens); `model_outliers` measures every decoder linear of a model in one pass.
+
 In trained transformers a few hidden dimensions carry activations far larger than the rest, in
 most tokens. Quantizing activations to int8 with one absmax scale per token then spends the
 scale on those few values, and every other input of that token is rounded on a coarse grid.
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decodelab.model.calibration import decoder_linears
 from decodelab.model.quantization import INT8_MAX, absmax_scale, dequantize_int8, quantize_int8_per_channel
 
 THRESHOLD = 6.0  # the LLM.int8() paper's
@@ -48,6 +52,25 @@ def outlier_stats(x: torch.Tensor, threshold: float = THRESHOLD) -> OutlierStats
     max_abs = rows.amax(dim=0)[dims]
     order = torch.argsort(max_abs, descending=True)
     return OutlierStats(threshold, dims[order], max_abs[order], above.float().mean(dim=0)[dims][order], rows.shape[0])
+
+
+@torch.inference_mode()
+def model_outliers(model, ids: torch.Tensor, threshold: float = THRESHOLD) -> dict[str, OutlierStats]:
+    """Run the model on ids [B, T]; {decoder linear's name: `outlier_stats` of its inputs}. Each layer's
+    statistics are taken as its inputs pass (a forward pre-hook), so no input is kept."""
+    found: dict[str, OutlierStats] = {}
+
+    def hook_for(name):
+        def hook(module, args):
+            found[name] = outlier_stats(args[0], threshold)
+        return hook
+    handles = [m.register_forward_pre_hook(hook_for(name)) for name, m in decoder_linears(model).items()]
+    try:
+        model(torch.as_tensor(ids, dtype=torch.long, device=model.device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,5 +133,5 @@ def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
     return float((reference.float() - approx.float()).norm() / reference.float().norm().clamp(min=1e-30))
 
 
-__all__ = ["THRESHOLD", "OutlierStats", "outlier_stats", "quantize_rows_int8", "Decomposition", "decompose",
+__all__ = ["THRESHOLD", "OutlierStats", "outlier_stats", "model_outliers", "quantize_rows_int8", "Decomposition", "decompose",
            "relative_error"]
