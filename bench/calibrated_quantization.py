@@ -46,10 +46,6 @@ DEFAULTS = {  # calibration sequences x length, held-out tokens scored
     "tiny": {"sequences": 32, "length": 256, "ppl_tokens": 4096},
     "smollm2": {"sequences": 16, "length": 256, "ppl_tokens": 2048},
 }
-EARLIER = {  # an earlier attempt's perplexity change vs float (%), RTN / AWQ / GPTQ / AWQ+GPTQ: for comparison
-    "tiny": {"int4-g128": (0.9, 1.3, 1.0, 0.6), "int3-g128": (5.7, 6.0, 4.2, 3.0)},
-    "smollm2": {"int4-g128": (57.7, 24.0, 24.9, 22.4), "int3-g128": (1057, 513, 587, 600)},
-}
 
 
 def float_linear_bytes(model) -> int:
@@ -104,14 +100,12 @@ def print_table(r):
           f"{r['heldout']}; calibration {r['calibration_tokens'][0]} x {r['calibration_tokens'][1]} tokens of "
           f"{r['calibration']} ==")
     print(f"float32: perplexity {r['float32']['perplexity']:.3f}, {r['float32']['linear_bytes'] / 1e6:.2f} MB")
-    print(f"{'setting':<10} {'method':<9} {'ppl':>9} {'d.ppl':>8} {'earlier':>8} {'greedy':>8} {'MB':>7} "
+    print(f"{'setting':<10} {'method':<9} {'ppl':>9} {'d.ppl':>8} {'greedy':>8} {'MB':>7} "
           f"{'vs fp32':>7} {'calib s':>8}")
     for row in r["rows"]:
-        earlier = EARLIER.get(r["model"], {}).get(row["setting"])
-        before = f"{earlier[METHODS.index(row['method'])]:+.1f}%" if earlier else ""
         greedy = f"{sum(row['greedy_same_prefix'])}/{len(row['greedy_same_prefix']) * row['greedy_tokens_each']}"
         print(f"{row['setting']:<10} {row['method']:<9} {row['perplexity']:9.3f} {row['ppl_change_pct']:+7.1f}% "
-              f"{before:>8} {greedy:>8} {row['linear_bytes'] / 1e6:7.2f} {row['bytes_vs_fp32']:7.3f} "
+              f"{greedy:>8} {row['linear_bytes'] / 1e6:7.2f} {row['bytes_vs_fp32']:7.3f} "
               f"{row['calibration_seconds']:8.1f}")
     fallbacks = sorted({g for row in r["rows"] for g in row["group_size_fallbacks"]})
     if fallbacks:
@@ -156,8 +150,7 @@ def main():
         record = {"command": command.strip(),
                   "settings": {k: (v if not isinstance(v, Path) else str(v)) for k, v in vars(args).items()},
                   "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": args.threads,
-                              "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None},
-                  "earlier_attempt_ppl_change_pct": EARLIER.get(name), "result": result}
+                              "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}, "result": result}
         out = args.out_dir / f"calibrated_quantization_{name}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=2) + "\n")
