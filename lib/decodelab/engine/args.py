@@ -23,8 +23,8 @@ from torch import nn
 
 from decodelab.validation import check_int
 
-if TYPE_CHECKING:  # llm.py imports this module: name the hooks' type without importing it back
-    from decodelab.engine.llm import EngineHooks
+if TYPE_CHECKING:  # name the hooks' type only: a dataclass field needs no import at run time
+    from decodelab.engine.hooks import EngineHooks
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 QUANTIZATIONS = (None, "int8", "int4")
