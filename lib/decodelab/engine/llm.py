@@ -157,7 +157,8 @@ class LLM:
                  kv_cache_memory: int = DEFAULT_KV_CACHE_BYTES, enable_prefix_caching: bool = True,
                  speculative_model=None, num_speculative_tokens: int = 4, max_model_len: int | None = None,
                  mix_decode_with_prefill: bool = True, chunked_prefill: bool = False,
-                 prepack_weights: bool | None = None, hooks: EngineHooks | None = None):
+                 prepack_weights: bool | None = None, compile_decode: bool | None = None,
+                 hooks: EngineHooks | None = None):
         """Load the model, build the paged KV cache, its allocator and the scheduler, and with a
         speculative_model the speculator. Every argument is an `EngineArgs` field (documented
         there); `self.args` holds them, and `LLM.from_args(args)` builds the same engine."""
@@ -167,7 +168,8 @@ class LLM:
                                kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
                                speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
                                max_model_len=max_model_len, mix_decode_with_prefill=mix_decode_with_prefill,
-                               chunked_prefill=chunked_prefill, prepack_weights=prepack_weights, hooks=hooks)
+                               chunked_prefill=chunked_prefill, prepack_weights=prepack_weights,
+                               compile_decode=compile_decode, hooks=hooks)
         self.model, self.tokenizer = self._load_model(self.args)
         self.config, self.device = self.model.config, self.model.device
         self.hooks = self.args.hooks or EngineHooks()
@@ -187,9 +189,13 @@ class LLM:
         """-> (model, tokenizer): loaded when args.model names one, else the caller's pair; then
         quantized and prepacked as args ask."""
         model, tokenizer = load(args.model, device=args.device, dtype=args.dtype) if args.loads_model else args.model
+        self.compiles_decode = args.compiles_decode(model)
         if args.quantization is not None:
             from decodelab.model.quantization import quantize_model
             linear = getattr(args.hooks, "linear", None)  # None: the library's QuantizedLinear
+            if self.compiles_decode:  # the same int8 levels; one-row products compiled
+                from decodelab.model.fused_int8 import RowCompiledInt8Linear
+                linear = RowCompiledInt8Linear.from_linear
             quantize_model(model, bits=8 if args.quantization == "int8" else 4, linear=linear)
         # prepack_weights: None packs where it helps (CPU, bfloat16) and no forward hook reads the
         # weights by name; True insists; False never
