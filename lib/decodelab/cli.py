@@ -3,7 +3,7 @@
     python -m decodelab generate "What is gravity?" [--model smollm2|tiny|tiny-draft|DIR]
         [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
         [--repetition-penalty R] [--device D] [--dtype fp32|bf16|fp16] [--no-chat] [--json]
-        [--int8 [--no-compile]]     # int8 weights, decoded by a compiled step (about 2x float32 on a CPU)
+        [--int8 [--no-compile]]     # int8 weights, decoded by a compiled step (about 1.8x float32 on a CPU)
     python -m decodelab prepare        # convert SmolLM2 into the cache once
     python -m decodelab progress --course DIR [--notebooks 02_sampling,03] [--timeout S] [--json]
         # your notebooks' exercises: passing, failing (and why), not started, hints used
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true", help="feed the prompt as is, without the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, output_ids, text")
     gen.add_argument("--int8", action="store_true",
-                     help="int8 weights (every linear, lm_head too), decoded by a compiled step: about twice the "
+                     help="int8 weights (every linear, lm_head too), decoded by a compiled step: about 1.8x the "
                           "tokens/s of float32 on a CPU; the first run compiles (tens of seconds, then cached)")
     gen.add_argument("--no-compile", action="store_true",
                      help="with --int8: run the int8 model eagerly (no compile wait, slower tokens; "

@@ -66,7 +66,9 @@ class EngineArgs:
         None compiles where it pays: quantization="int8" with the library's layers, on a CPU, for a
         model whose decoder layers hold at least COMPILE_MIN_LAYER_BYTES of float weights (SmolLM2,
         not `tiny`, whose few megabytes stay in cache: a compile there costs more than it saves),
-        unless DECODELAB_COMPILE=0 (compiling the float model gained nothing through the engine); True
+        unless DECODELAB_COMPILE=0 (compiling the float model gained nothing through the engine; with
+        SmolLM2 int8, compiled runs 2.25x eager int8 end to end, about float32's speed: its lm_head stays
+        float, bench/results/decode_speed_smollm2_cpu_end_to_end.json); True
         insists (it needs quantization="int8" and no `linear` or `forward` hook); False never. The
         first decode step compiles (tens of seconds on a small CPU; inductor caches it on disk).
     hooks: an `EngineHooks` swapping a learner's function in for one stage; None: the library's.
