@@ -19,6 +19,18 @@ shared machine. The compile time (first call minus a compiled call of the same l
 inductor's on-disk cache when it holds the graph, cold with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1)
 is reported apart, as is the number of graphs compiled over all runs (1 means no recompiles as
 the context grows). Writes bench/results/decode_speed_<model>_<device>.json, with the load average.
+
+    .venv/bin/python bench/decode_speed.py --end-to-end [--model smollm2] [--rounds 2] [--no-cli]
+
+`--end-to-end` measures what a user calling the public API gets instead, for every contender side by
+side in one run (interleaved, best of the rounds): tokens/s = 64 / (t(72 new) - t(8 new)), each t the
+wall time of one whole call (prefill, sampling, stop checks, detokenizing, the cache included; for
+the CLI a fresh process each, so loading cancels out), beside the median gap between token arrivals
+of the same path's streaming form (`stream_text` for `generate`, `LLM.stream` for `LLM.generate`,
+stdout chunks for the CLI). Contenders: `generate` float32 and over
+`CompiledDecoder(quantize_for_decode(model))`; `LLM.generate` float32, int8 eager and int8 with
+`compile_decode=True`; `python -m decodelab generate` and `... --int8`; llama.cpp when llama-cpp-python
+is installed. Writes bench/results/decode_speed_<model>_<device>_end_to_end.json.
 """
 from __future__ import annotations
 
@@ -136,7 +148,12 @@ def main():
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--end-to-end", action="store_true",
+                        help="time whole calls of the public API (t(72) - t(8)) / 64, every contender")
+    parser.add_argument("--no-cli", action="store_true", help="with --end-to-end: leave out the CLI's processes")
     args = parser.parse_args()
+    if args.end_to_end:
+        return end_to_end(args)
 
     device = torch.device(args.device)
     load_average_before = os.getloadavg()
@@ -233,6 +250,169 @@ def main():
         print(f"{name}: compile {seconds:.1f} s, graphs compiled {decoders[name].compiles}")
     for name, ratio in result.get("slowdown_vs_llama_cpp", {}).items():
         print(f"llama.cpp / {name} = {ratio:.2f}x")
+    print(f"wrote {out}")
+
+
+# --------------------------------------------------------------------------- end to end
+SHORT, LONG = 8, 72
+E2E_PROMPT = "Explain in detail how gravity keeps the planets in orbit around the sun."
+
+
+def e2e_generate(model, tokenizer, prompt_ids):
+    """`decoding.generate.generate` (timed) and `stream_text`, its streaming form (gaps)."""
+    from decodelab.decoding.generate import Completion, generate, stream_text
+
+    def whole(n):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        out = generate(model, tokenizer, E2E_PROMPT, params)  # chat=True: the same prompt_ids
+        return time.perf_counter() - start, out.output_ids
+
+    def stream(n):
+        completion = Completion(list(prompt_ids))
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        times, _ = arrival_times(0 for _ in stream_text(model, tokenizer, prompt_ids, params, completion))
+        return times
+    return whole, stream
+
+
+def e2e_llm(llm, prompt_ids):
+    """`LLM.generate` (timed) and `LLM.stream` (gaps)."""
+    def whole(n):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        [out] = llm.generate([prompt_ids], params, use_tqdm=False)
+        return time.perf_counter() - start, out.outputs[0].token_ids
+
+    def stream(n):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        times, _ = arrival_times(event.token_id for event in llm.stream([prompt_ids], params))
+        return times
+    return whole, stream
+
+
+def e2e_cli(model_name, extra, env):
+    """`python -m decodelab generate` in a fresh process: (wall time, output ids) of a --json run, and
+    the arrival times of a text run's stdout chunks (the text streams token by token). The CLI has no
+    ignore-EOS switch: the prompt asks for a long answer, and the ids it returned are counted."""
+    import subprocess
+
+    def stream(n):
+        argv = [sys.executable, "-m", "decodelab", "generate", E2E_PROMPT, "--model", model_name, "--device", "cpu",
+                "--max-new-tokens", str(n), *extra]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        times = []
+        while os.read(proc.stdout.fileno(), 65536):
+            times.append(time.perf_counter())
+        if proc.wait() != 0:
+            raise RuntimeError(f"{' '.join(argv)} exited with {proc.returncode}")
+        return times
+
+    def whole(n):
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "decodelab", "generate", E2E_PROMPT, "--model", model_name,
+                               "--device", "cpu", "--max-new-tokens", str(n), "--json", *extra],
+                              capture_output=True, text=True, env=env)
+        elapsed = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise RuntimeError(f"the CLI failed: {proc.stderr[-500:]}")
+        return elapsed, json.loads(proc.stdout)["output_ids"]
+    return whole, stream
+
+
+def e2e_llama_cpp(llm, prompt_ids):
+    def whole(n):
+        start = time.perf_counter()
+        _, tokens = time_llama_cpp(llm, prompt_ids, n)
+        return time.perf_counter() - start, tokens
+
+    def stream(n):
+        return time_llama_cpp(llm, prompt_ids, n)[0]
+    return whole, stream
+
+
+def end_to_end(args):
+    from decodelab.decoding.generate import encode_prompt
+    from decodelab.engine.llm import LLM
+
+    device = torch.device(args.device)
+    load_average_before = os.getloadavg()
+    model, tokenizer = load(args.model, device=device, dtype="float32")
+    prompt_ids = encode_prompt(tokenizer, E2E_PROMPT, chat=True)
+    int8_decoder = CompiledDecoder(quantize_for_decode(copy.deepcopy(model)))
+    contenders = {
+        "generate": e2e_generate(model, tokenizer, prompt_ids),
+        "generate int8 compiled": e2e_generate(int8_decoder, tokenizer, prompt_ids),
+        "LLM.generate": e2e_llm(LLM((model, tokenizer)), prompt_ids),
+        "LLM.generate int8 eager": e2e_llm(LLM(args.model, device=device, quantization="int8",
+                                               compile_decode=False), prompt_ids),
+        "LLM.generate int8 compiled": e2e_llm(LLM(args.model, device=device, quantization="int8",
+                                                  compile_decode=True), prompt_ids),
+    }
+    if not args.no_cli and device.type == "cpu":
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1] / "lib"),
+                                                            os.environ.get("PYTHONPATH", "")]))
+        env.pop("DECODELAB_COMPILE", None)
+        contenders["CLI generate"] = e2e_cli(args.model, [], env)
+        contenders["CLI generate --int8"] = e2e_cli(args.model, ["--int8"], env)
+    llama = None if args.no_llama_cpp or args.model != "smollm2" or device.type != "cpu" else \
+        load_llama_cpp(torch.get_num_threads())
+    if llama is not None:
+        contenders["llama.cpp"] = e2e_llama_cpp(llama, prompt_ids)
+    skipped = {} if llama is not None or args.no_llama_cpp else {"llama.cpp": "llama-cpp-python is not installed"}
+
+    warm_up = {}
+    for name, (whole, _) in contenders.items():  # a compiled path compiles here (or reads inductor's cache)
+        start = time.perf_counter()
+        whole(SHORT)
+        warm_up[name] = time.perf_counter() - start
+    best = {name: {SHORT: float("inf"), LONG: float("inf")} for name in contenders}
+    gaps, tokens = {name: [] for name in contenders}, {}
+    for _ in range(args.rounds):
+        for name, (whole, stream) in contenders.items():  # interleaved: the same noise for all
+            for n in (SHORT, LONG):
+                seconds, ids = whole(n)
+                best[name][n] = min(best[name][n], seconds)
+                if n == LONG:
+                    tokens[name] = ids
+            times = stream(LONG)
+            gaps[name] += [b - a for a, b in zip(times, times[1:])]
+    per_token = {name: (t[LONG] - t[SHORT]) / (LONG - SHORT) for name, t in best.items()}
+    tokens_per_s = {name: 1 / s for name, s in per_token.items()}
+    gap_tokens_per_s = {name: 1 / statistics.median(g) for name, g in gaps.items() if g}
+    reference = tokens["generate"]
+    result = {
+        "command": "python bench/decode_speed.py " + " ".join(sys.argv[1:]),
+        "what": "end to end through the public API: tokens/s = (LONG - SHORT) / (t(LONG new) - t(SHORT new)), "
+                "each t the best over the rounds of one whole call; beside it 1 / the median gap between token "
+                "arrivals of the same path's streaming form",
+        "model": args.model, "device": str(device), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "load_average_1_5_15_min": {"before": load_average_before, "after": os.getloadavg()},
+        "prompt": E2E_PROMPT, "prompt_tokens": len(prompt_ids), "short_long_new_tokens": [SHORT, LONG],
+        "rounds": args.rounds,
+        "end_to_end_tokens_per_s": tokens_per_s,
+        "median_gap_tokens_per_s": gap_tokens_per_s,
+        "best_call_seconds": {name: {str(n): s for n, s in t.items()} for name, t in best.items()},
+        "first_call_seconds (compile or cache read included)": warm_up,
+        "end_to_end_vs_generate": {name: tps / tokens_per_s["generate"] for name, tps in tokens_per_s.items()},
+        "new_tokens_returned": {name: len(ids) for name, ids in tokens.items()},
+        "greedy_tokens_same_as_generate_float32": {name: agreement(ids, reference) for name, ids in tokens.items()},
+        "skipped": skipped,
+    }
+    if "llama.cpp" in tokens_per_s:
+        result["end_to_end_vs_llama_cpp"] = {name: tps / tokens_per_s["llama.cpp"] for name, tps in tokens_per_s.items()}
+    out = Path(__file__).parent / "results" / f"decode_speed_{args.model}_{device.type}_end_to_end.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"load average {result['load_average_1_5_15_min']}; {args.rounds} rounds, best of each")
+    print(f"{'contender':>28}  end-to-end tok/s  median-gap tok/s  x generate  same greedy tokens")
+    for name, tps in tokens_per_s.items():
+        print(f"{name:>28}  {tps:16.1f}  {gap_tokens_per_s.get(name, float('nan')):16.1f}  "
+              f"{result['end_to_end_vs_generate'][name]:10.2f}  "
+              f"{result['greedy_tokens_same_as_generate_float32'][name]}/{len(tokens[name])}")
+    for name, why in skipped.items():
+        print(f"{name}: skipped ({why})")
     print(f"wrote {out}")
 
 

@@ -11,6 +11,9 @@ import os
 # Before torch is imported (see decodelab/__init__.py): spinning OpenMP threads make every
 # step 5-10x slower when other processes share the two cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch.compile costs tens of seconds on two cores: paths that compile where it pays (LLM's int8
+# decode, `generate --int8`) run eagerly in the tests, unless a test asks by name (compile_decode=True).
+os.environ.setdefault("DECODELAB_COMPILE", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

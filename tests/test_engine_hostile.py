@@ -224,7 +224,7 @@ def interrupt_inside_the_first_forward_pass(engine, monkeypatch):
     before its K/V is written: a later prompt must not reuse those blocks."""
     def packed_forward(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(engine, "packed_forward", packed_forward)
+    monkeypatch.setattr(engine.runner, "packed_forward", packed_forward)
 
 
 def fail_in_the_sampling_hook(engine, monkeypatch):

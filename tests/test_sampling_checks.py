@@ -11,7 +11,7 @@ import torch
 from autograder.checks import sampling as checks
 from decodelab.decoding import sampling
 from decodelab.lessons.beam_search import beam_search
-from decodelab.lessons.sampling import process_logits
+from decodelab.decoding.sampling import process_logits
 from oracles import load_fixture
 
 buggy = load_fixture("buggy_sampling")

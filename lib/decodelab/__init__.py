@@ -17,7 +17,7 @@ __version__ = "0.2.0"  # the one place the version is written: pyproject.toml re
 __all__ = ["LLM", "SamplingParams", "ModelConfig", "EngineArgs", "EngineHooks", "RequestOutput", "CompletionOutput",
            "load", "__version__"]
 
-_LAZY = {"LLM": "engine.llm", "EngineArgs": "engine.args", "EngineHooks": "engine.llm", "RequestOutput": "engine.llm",
+_LAZY = {"LLM": "engine.llm", "EngineArgs": "engine.args", "EngineHooks": "engine.hooks", "RequestOutput": "engine.llm",
          "CompletionOutput": "engine.llm", "load": "model.registry"}
 
 

@@ -58,7 +58,7 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise("02_sampling", "apply_repetition_penalty", "sampling: repetition penalty",
              "decodelab.decoding.sampling:apply_repetition_penalty", "repetition_penalty"),
     Exercise("02_sampling", "process_logits", "sampling: a batch, each request's own settings",
-             "decodelab.lessons.sampling:process_logits", "sample"),
+             "decodelab.decoding.sampling:process_logits", "sample"),
     Exercise("02_sampling", "sample", "sampling: drawing the token", "decodelab.decoding.sampling:sample", "sample"),
     Exercise("02_sampling", "beam_search", "sampling: beam search, each beam with its own cache row",
              "decodelab.lessons.beam_search:beam_search"),

@@ -100,7 +100,7 @@ def stages() -> list[Stage]:
     from decodelab.engine.llm import EngineHooks
 
     claimed = {stage.hook for stage in STAGES}
-    extra = [Stage(f"hook_{f.name}", f"hook: {f.name}", ("decodelab.engine.llm:EngineHooks",), f.name)
+    extra = [Stage(f"hook_{f.name}", f"hook: {f.name}", ("decodelab.engine.hooks:EngineHooks",), f.name)
              for f in dataclasses.fields(EngineHooks) if f.name not in claimed]
     at = [stage.key for stage in STAGES].index("stream")
     rows = list(STAGES[:at]) + extra + list(STAGES[at:])

@@ -19,14 +19,16 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from decodelab.validation import check_int
 
-if TYPE_CHECKING:  # llm.py imports this module: name the hooks' type without importing it back
-    from decodelab.engine.llm import EngineHooks
+if TYPE_CHECKING:  # name the hooks' type only: a dataclass field needs no import at run time
+    from decodelab.engine.hooks import EngineHooks
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+COMPILE_MIN_LAYER_BYTES = 64 << 20  # compile_decode=None: float bytes of the decoder layers from which it pays
 QUANTIZATIONS = (None, "int8", "int4")
 
 
@@ -59,6 +61,16 @@ class EngineArgs:
         no speculative_model, and max_num_batched_tokens >= max_num_seqs (room for every decode).
     prepack_weights: None packs the linear layers where it helps (CPU, bfloat16), True always,
         False never (`decodelab.model.packed_linear`).
+    compile_decode: run the one-row products of int8 weights compiled (`RowCompiledInt8Linear`,
+        `decodelab.model.fused_int8`): a batch-1 decode step then reads the int8 bytes themselves.
+        None compiles where it pays: quantization="int8" with the library's layers, on a CPU, for a
+        model whose decoder layers hold at least COMPILE_MIN_LAYER_BYTES of float weights (SmolLM2,
+        not `tiny`, whose few megabytes stay in cache: a compile there costs more than it saves),
+        unless DECODELAB_COMPILE=0 (compiling the float model gained nothing through the engine; with
+        SmolLM2 int8, compiled runs 2.25x eager int8 end to end, about float32's speed: its lm_head stays
+        float, bench/results/decode_speed_smollm2_cpu_end_to_end.json); True
+        insists (it needs quantization="int8" and no `linear` or `forward` hook); False never. The
+        first decode step compiles (tens of seconds on a small CPU; inductor caches it on disk).
     hooks: an `EngineHooks` swapping a learner's function in for one stage; None: the library's.
         Its `linear` factory builds the quantized layers, so it needs `quantization` set.
     """
@@ -79,6 +91,7 @@ class EngineArgs:
     mix_decode_with_prefill: bool = True
     chunked_prefill: bool = False
     prepack_weights: bool | None = None
+    compile_decode: bool | None = None
     hooks: EngineHooks | None = None
 
     def __post_init__(self) -> None:
@@ -95,6 +108,11 @@ class EngineArgs:
             raise ValueError(f"prepack_weights must be None, True or False, got {self.prepack_weights!r}")
         if self.chunked_prefill:
             self._check_chunked_prefill()
+        if self.compile_decode is not None and not isinstance(self.compile_decode, bool):
+            raise ValueError(f"compile_decode must be None, True or False, got {self.compile_decode!r}")
+        if self.compile_decode and (self.quantization != "int8" or getattr(self.hooks, "linear", None) is not None):
+            raise ValueError("compile_decode=True compiles the library's int8 products, so it needs "
+                             "quantization='int8' and no EngineHooks(linear=...)")
         if getattr(self.hooks, "forward", None) is not None:
             if self.quantization is not None:
                 raise ValueError(f"EngineHooks(forward=...) reads the float weights by name, and quantization="
@@ -128,6 +146,19 @@ class EngineArgs:
             raise ValueError(f"with chunked_prefill=True every step decodes each running sequence within the "
                              f"token budget, so max_num_batched_tokens must be >= max_num_seqs "
                              f"({self.max_num_seqs}), got {self.max_num_batched_tokens}")
+
+    def compiles_decode(self, model) -> bool:
+        """Will the engine compile the int8 one-row products of `model` (float, before quantization)?
+        compile_decode resolved: None -> int8 weights of the library's own layers, on a CPU, decoder
+        layers of at least COMPILE_MIN_LAYER_BYTES, and DECODELAB_COMPILE not 0."""
+        if self.compile_decode is not None:
+            return self.compile_decode
+        from decodelab.model.fused_int8 import compile_by_default
+        plain = getattr(self.hooks, "linear", None) is None and getattr(self.hooks, "forward", None) is None
+        if not (self.quantization == "int8" and plain and torch.device(model.device).type == "cpu"):
+            return False
+        layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+        return layer_bytes >= COMPILE_MIN_LAYER_BYTES and compile_by_default()
 
     @property
     def loads_model(self) -> bool:

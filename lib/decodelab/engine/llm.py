@@ -17,22 +17,13 @@ newly admitted ones, as vLLM's scheduler does, instead of pausing for it. With
 tokens per step (decodes included), so it no longer stalls the running sequences for a whole
 prefill; a sequence samples its first token in the step that completes its prompt.
 
-Hooks — swap a learner's function in for one stage (each notebook's closing cell does):
-    llm = LLM(model="smollm2", hooks=EngineHooks(sample=my_sample))
-    sample(logits [V], params, generator) -> int           the sampling rule
-    repetition_penalty(logits [V], token_ids [L], penalty) -> logits [V]   before `sample`, when penalty != 1
-    accept_draft_tokens(draft_tokens, draft_probs, target_probs, generator) -> LongTensor
-    allocator(num_blocks, block_size, enable_prefix_caching) -> a BlockAllocator-like object
-    scheduler(allocator, max_num_seqs, max_num_batched_tokens) -> a Scheduler-like object
-    step(engine) -> list[StreamEvent]                     one iteration of the loop (`engine_step`)
-    linear(nn.Linear) -> a quantized layer                 each decoder-layer linear, with quantization set
-        llm = LLM(model="smollm2", quantization="int8", hooks=EngineHooks(linear=Int8Linear.from_linear))
-    forward(weights, config, input_ids [1, N], attend, positions [N]) -> logits [1, N, V]
-        the model as a function of its state dict (notebook 01's `forward`), run on every packed batch
-        in place of the model's modules; `attend` is the paged batch's (or the attention hook's)
-    attention(cache, layer_index, q, k, v) -> out          attention over a cache with `append`
-        (notebook 01's `attention`), run for each sequence over its paged blocks
-        (`decodelab.engine.paged_attention.PagedSequenceCache`), inside the library's model or `forward`
+Where things live: this module is the front (`LLM`: requests in, outputs out) and the step
+(`engine_step`); `engine.model_runner.ModelRunner` runs the model (the packed forward pass over the
+paged KV store, copy-on-write of shared blocks); `engine.hooks.EngineHooks` names the stages a
+learner's function can replace, e.g. `LLM(model="smollm2", hooks=EngineHooks(sample=my_sample))`.
+Each step samples every sequence's token at once (`decoding.sampling.sample_batch`: the
+batch's logits processors in vLLM's order, each row with its own settings and generator), or row
+by row through a learner's `sample` / `repetition_penalty` hook.
 """
 from __future__ import annotations
 
@@ -41,40 +32,26 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
 from decodelab.decoding.generate import check_prompt, encode_prompt, first_stop_string, make_generator, stop_token_set
 from decodelab.model.registry import load
 from decodelab.model.packed_linear import can_prepack, prepack_linear_layers, prepacked_copy
-from decodelab.engine.block_allocator import BlockAllocator, blocks_needed, slot_of
+from decodelab.engine.block_allocator import blocks_needed
 from decodelab.engine.args import DEFAULT_KV_CACHE_BYTES, EngineArgs
+from decodelab.engine.hooks import EngineHooks, sample_one
 from decodelab.engine.inputs import as_prompt_list, checked_prompt, params_per_prompt
-from decodelab.engine.paged_attention import PagedBatch, PagedKVStore, SequenceSlice
+from decodelab.engine.model_runner import ModelRunner
+from decodelab.engine.paged_attention import PagedKVStore
 from decodelab.params import SamplingParams
-from decodelab.decoding.sampling import apply_repetition_penalty, sample
-from decodelab.engine.scheduler import Scheduler
+from decodelab.decoding.sampling import sample_batch
 from decodelab.engine.sequence import Request, Sequence, Status
 from decodelab.model.tokenizer import StreamDecoder
 
-
-def sample_one(logits: torch.Tensor, params: SamplingParams, generator) -> int:
-    """The default sampling hook: logits [V] -> token id."""
-    return int(sample(logits, params, generator))
-
-
-@dataclass
-class EngineHooks:
-    sample: Callable = sample_one
-    accept_draft_tokens: Callable | None = None
-    allocator: Callable = BlockAllocator
-    scheduler: Callable = Scheduler
-    step: Callable | None = None  # None: engine_step
-    linear: Callable | None = None  # None: the library's QuantizedLinear (used only with quantization)
-    repetition_penalty: Callable = apply_repetition_penalty
-    forward: Callable | None = None  # None: the model's own modules
-    attention: Callable | None = None  # None: PagedBatch's attention
+__all__ = ["LLM", "EngineHooks", "engine_step", "kv_blocks_for_memory", "CompletionOutput", "RequestOutput",
+           "StreamEvent", "sample_one"]  # EngineHooks and sample_one live in engine.hooks
 
 
 def kv_blocks_for_memory(config, memory_bytes: int, block_size: int, dtype=torch.float32) -> int:
@@ -112,8 +89,10 @@ def engine_step(engine: "LLM") -> list[StreamEvent]:
        prompt, and it samples once the prompt is complete); after a prefill, start its n > 1 siblings
        (`engine.start_siblings(seq, row)`, which returns their first events); then choose a
        token (`engine.choose_token`) and append it (`engine.append_token`, which retires the
-       sequence when it stops). The library does both in `engine.sample_and_append`, which also
-       retires a sequence whose sampling fails (finish_reason "error") while the others go on.
+       sequence when it stops). The library does both for every ready sequence at once in
+       `engine.sample_and_append_all` (one batched sampling call), which also retires a sequence
+       whose sampling fails (finish_reason "error") while the others go on; its siblings join
+       that batch (`engine.fork_siblings`).
     """
     seqs, is_prefill = engine.scheduler.schedule()
     if not seqs:
@@ -122,14 +101,14 @@ def engine_step(engine: "LLM") -> list[StreamEvent]:
     if engine.speculator is not None and not is_prefill:
         return engine.speculator.step(seqs)
     logits = engine.forward(seqs)
-    events = []
-    for seq, row in zip(seqs, logits):
+    ready, rows = [], []
+    for i, seq in enumerate(seqs):
         if seq.num_new_tokens:  # a slice of its prompt: no token until the prompt is complete
             continue
-        if is_prefill:
-            events += engine.start_siblings(seq, row)
-        events += engine.sample_and_append(seq, row)
-    return events
+        family = engine.fork_siblings(seq) + [seq] if is_prefill else [seq]  # siblings sample from its row
+        ready += family
+        rows += [i] * len(family)
+    return engine.sample_and_append_all(ready, logits[rows])
 
 
 @dataclass
@@ -178,7 +157,8 @@ class LLM:
                  kv_cache_memory: int = DEFAULT_KV_CACHE_BYTES, enable_prefix_caching: bool = True,
                  speculative_model=None, num_speculative_tokens: int = 4, max_model_len: int | None = None,
                  mix_decode_with_prefill: bool = True, chunked_prefill: bool = False,
-                 prepack_weights: bool | None = None, hooks: EngineHooks | None = None):
+                 prepack_weights: bool | None = None, compile_decode: bool | None = None,
+                 hooks: EngineHooks | None = None):
         """Load the model, build the paged KV cache, its allocator and the scheduler, and with a
         speculative_model the speculator. Every argument is an `EngineArgs` field (documented
         there); `self.args` holds them, and `LLM.from_args(args)` builds the same engine."""
@@ -188,13 +168,13 @@ class LLM:
                                kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
                                speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
                                max_model_len=max_model_len, mix_decode_with_prefill=mix_decode_with_prefill,
-                               chunked_prefill=chunked_prefill, prepack_weights=prepack_weights, hooks=hooks)
+                               chunked_prefill=chunked_prefill, prepack_weights=prepack_weights,
+                               compile_decode=compile_decode, hooks=hooks)
         self.model, self.tokenizer = self._load_model(self.args)
         self.config, self.device = self.model.config, self.model.device
         self.hooks = self.args.hooks or EngineHooks()
-        # the forward hook reads the weights by their names (the tensors themselves, not copies)
-        self.weights = dict(self.model.state_dict()) if self.hooks.forward is not None else None
         self._build_kv_cache(self.args)
+        self.runner = ModelRunner(self.model, self.store, self.allocator, self.hooks)
         self._start_speculator(self.args)
         self._next_seq_id = 0
         self._lock = threading.RLock()  # one call at a time; re-entrant: generate runs step
@@ -209,9 +189,13 @@ class LLM:
         """-> (model, tokenizer): loaded when args.model names one, else the caller's pair; then
         quantized and prepacked as args ask."""
         model, tokenizer = load(args.model, device=args.device, dtype=args.dtype) if args.loads_model else args.model
+        self.compiles_decode = args.compiles_decode(model)
         if args.quantization is not None:
             from decodelab.model.quantization import quantize_model
             linear = getattr(args.hooks, "linear", None)  # None: the library's QuantizedLinear
+            if self.compiles_decode:  # the same int8 levels; one-row products compiled
+                from decodelab.model.fused_int8 import RowCompiledInt8Linear
+                linear = RowCompiledInt8Linear.from_linear
             quantize_model(model, bits=8 if args.quantization == "int8" else 4, linear=linear)
         # prepack_weights: None packs where it helps (CPU, bfloat16) and no forward hook reads the
         # weights by name; True insists; False never
@@ -248,6 +232,7 @@ class LLM:
         if args.speculative_model is not None:
             from decodelab.engine.speculative import make_speculator
             self.speculator = make_speculator(self, args.speculative_model, args.num_speculative_tokens)
+        self.runner.speculator = self.speculator
         if hasattr(self.scheduler, "mix_decode_with_prefill"):  # speculative decode steps stay apart
             self.scheduler.mix_decode_with_prefill = args.mix_decode_with_prefill and self.speculator is None
         if args.chunked_prefill and not hasattr(self.scheduler, "schedule_chunked"):
@@ -416,93 +401,34 @@ class LLM:
             seq = self.scheduler.waiting.popleft()
             seq.status, seq.finish_reason = Status.FINISHED, "length"
 
-    def start_siblings(self, seq: Sequence, logits: torch.Tensor) -> list[StreamEvent]:
-        """After `seq`'s prefill: its n > 1 siblings share the prompt's blocks (copy-on-write),
-        join the running sequences and sample their first tokens from the same logits [V]."""
-        events = []
-        for sibling in seq.siblings:
+    def fork_siblings(self, seq: Sequence) -> list[Sequence]:
+        """After `seq`'s prefill: its n > 1 siblings share the prompt's blocks (copy-on-write) and
+        join the running sequences -> the siblings, to sample their first tokens from seq's logits."""
+        siblings, seq.siblings = seq.siblings, []
+        for sibling in siblings:
             sibling.block_table = self.allocator.fork(seq.block_table)
             sibling.num_computed_tokens, sibling.status = seq.num_computed_tokens, Status.RUNNING
             sibling.draft_computed_tokens = seq.draft_computed_tokens
             if self.speculator is not None:
                 self.speculator.fork(seq, sibling)
             self.scheduler.running.append(sibling)
-            events += self.sample_and_append(sibling, logits)
-        seq.siblings = []
-        return events
+        return siblings
+
+    def start_siblings(self, seq: Sequence, logits: torch.Tensor) -> list[StreamEvent]:
+        """After `seq`'s prefill: fork its n > 1 siblings (`fork_siblings`) and sample their first
+        tokens from the same logits [V] -> their StreamEvents."""
+        siblings = self.fork_siblings(seq)
+        return self.sample_and_append_all(siblings, logits.expand(len(siblings), -1)) if siblings else []
 
     def plain_decode(self, seqs: list[Sequence]) -> list[StreamEvent]:
         """One token for every sequence."""
-        logits = self.forward(seqs)
-        return [event for seq, row in zip(seqs, logits) for event in self.sample_and_append(seq, row)]
+        return self.sample_and_append_all(seqs, self.forward(seqs))
 
     def forward(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed every scheduled sequence's tokens for this step in one pass (all its uncomputed
+        """Feed every scheduled sequence's tokens for this step in one packed pass (all its uncomputed
         ones, or the slice a chunking scheduler chose: `seq.num_tokens_this_step`) -> the logits
-        of each one's last fed token [B, V]."""
-        items = []
-        for seq in seqs:
-            start = seq.num_computed_tokens
-            items.append((seq.token_ids[start:start + seq.num_tokens_this_step], start, seq.block_table))
-        if self.speculator is not None and self.speculator.reads_features:  # a feature drafter reads them
-            logits, features = self.packed_forward(self.model, self.store, items, features=True)
-            self.speculator.prefill(seqs, items, features)
-        else:
-            logits = self.packed_forward(self.model, self.store, items)
-            if self.speculator is not None:  # the draft model keeps its own cache of the same tokens
-                self.speculator.prefill(seqs, items)
-        for seq, (tokens, start, _) in zip(seqs, items):
-            seq.num_computed_tokens, seq.num_scheduled_tokens = start + len(tokens), 0
-        return torch.stack(logits)
-
-    @torch.inference_mode()
-    def packed_forward(self, model, store: PagedKVStore, items, all_logits: bool = False, features: bool = False):
-        """One forward pass of `model` over several sequences' new tokens laid end to end.
-
-        items: (new token ids, position of the first, block table) per sequence. Returns per
-        item the logits of its last token [V], or of all its new tokens [T, V] (all_logits);
-        with `features`, also per item the target's features (last hidden states) of all its new
-        tokens [T, E]: (logits list, features list), for a feature drafter.
-        """
-        self.apply_copy_on_write()
-        ids, positions, slots, slices, wanted = [], [], [], [], []
-        block_size = store.block_size
-        for tokens, start, table in items:
-            end = start + len(tokens)
-            slices.append(SequenceSlice(len(ids), len(tokens), end, table))
-            wanted += range(len(ids), len(ids) + len(tokens)) if all_logits else [len(ids) + len(tokens) - 1]
-            ids += tokens
-            positions += range(start, end)
-            slots += [slot_of(table, p, block_size) for p in range(start, end)]
-        device = self.device
-        hooked = model is self.model  # the hooks are the target's; a draft model runs as it is
-        batch = PagedBatch(store, slices, torch.tensor(slots, device=device), model.config.sliding_window,
-                           attention_fn=self.hooks.attention if hooked else None)
-        input_ids, positions = torch.tensor([ids], device=device), torch.tensor(positions, device=device)
-        wanted = torch.tensor(wanted, device=device)
-        if features:
-            hidden = model.features(input_ids, positions=positions, kv_cache=batch)[0]  # [T_all, E]
-            logits = model.lm_head(hidden[wanted]).float()
-            sizes = [len(tokens) for tokens, _, _ in items]
-            rows = list(torch.split(hidden, sizes))
-            return (list(torch.split(logits, sizes)) if all_logits else list(logits)), rows
-        if hooked and self.hooks.forward is not None:
-            logits = self.hooks.forward(self.weights, model.config, input_ids, batch.attend, positions)[0, wanted]
-            logits = logits.float()  # [M, V]
-        else:
-            logits = model(input_ids, positions=positions, kv_cache=batch, logits_indices=wanted)[0]
-        if not all_logits:
-            return list(logits)
-        sizes = [len(tokens) for tokens, _, _ in items]
-        return list(torch.split(logits, sizes))
-
-    def apply_copy_on_write(self) -> None:
-        """Copy the blocks the allocator duplicated, in every KV store (target and draft)."""
-        for src, dst in self.allocator.copy_on_write_log:
-            self.store.copy_block(src, dst)
-            if self.speculator is not None and self.speculator.store is not None:
-                self.speculator.store.copy_block(src, dst)
-        self.allocator.copy_on_write_log.clear()
+        of each one's last fed token [B, V]. The model runner's (`ModelRunner.forward`)."""
+        return self.runner.forward(seqs)
 
     def choose_token(self, seq: Sequence, logits: torch.Tensor) -> int:
         """The sequence's next token from its logits [V]: the repetition penalty over its history,
@@ -514,30 +440,54 @@ class LLM:
         return int(self.hooks.sample(logits, params, seq.generator))
 
     def sample_and_append(self, seq: Sequence, logits: torch.Tensor) -> list[StreamEvent]:
-        """Choose seq's next token from its logits [V] and append it -> [its StreamEvent].
+        """Choose seq's next token from its logits [V] and append it -> [its StreamEvent], or []
+        if its sampling failed (`sample_and_append_all` for one sequence)."""
+        return self.sample_and_append_all([seq], logits[None])
 
-        If the library's own sampling fails for this sequence (a ValueError, or torch's
-        RuntimeError such as "probability tensor contains either inf, nan or element < 0": its
-        numbers, not the code), retire it alone (`fail_sequence`) -> []: one bad request must not
-        stop the batch. Running out of memory still raises, and so does an error in a learner's
-        sample or repetition_penalty hook: a bug in their code, which they (and `course.parts`,
-        which falls back to the reference) must see."""
-        try:
-            token = self.choose_token(seq, logits)
-        except (RuntimeError, ValueError) as exc:
-            if isinstance(exc, torch.cuda.OutOfMemoryError) or not self._samples_with_library_code():
-                raise
-            params = seq.params
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            self.fail_sequence(seq, f"sampling failed ({reason}) with temperature={params.temperature}, "
-                                    f"top_k={params.top_k}, top_p={params.top_p}, "
-                                    f"repetition_penalty={params.repetition_penalty}")
+    def sample_and_append_all(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StreamEvent]:
+        """Choose every sequence's next token, row i of logits [B, V] for seqs[i], and append them
+        -> their StreamEvents, in the order of seqs.
+
+        With the library's sampling (no learner's `sample` / `repetition_penalty` hook) one batched
+        call chooses them all (`sample_batch`: each row its own settings and generator, so the
+        tokens equal `choose_token` row by row); otherwise `choose_token` runs row by row.
+        If the library's sampling fails for a sequence (a ValueError, or torch's RuntimeError such
+        as "probability tensor contains either inf, nan or element < 0": its numbers, not the
+        code), that sequence alone is retired (`fail_sequence`, no event): the batch is retried
+        row by row, which `sample_batch` allows by checking every row before drawing any.
+        Running out of memory still raises, and so does an error in a learner's sample or
+        repetition_penalty hook: a bug in their code, which they (and `course.parts`, which falls
+        back to the reference) must see."""
+        if not seqs:
             return []
-        return [self.append_token(seq, token)]
+        library = self.hooks.samples_with_library_code
+        if library:
+            try:
+                tokens = sample_batch(logits, [seq.params for seq in seqs], [seq.generator for seq in seqs],
+                                      [seq.token_ids for seq in seqs]).tolist()
+            except (RuntimeError, ValueError) as exc:
+                if isinstance(exc, torch.cuda.OutOfMemoryError):
+                    raise
+            else:
+                return [self.append_token(seq, token) for seq, token in zip(seqs, tokens)]
+        events = []
+        for seq, row in zip(seqs, logits):
+            try:
+                token = self.choose_token(seq, row)
+            except (RuntimeError, ValueError) as exc:
+                if isinstance(exc, torch.cuda.OutOfMemoryError) or not library:
+                    raise
+                self._fail_sampling(seq, exc)
+                continue
+            events.append(self.append_token(seq, token))
+        return events
 
-    def _samples_with_library_code(self) -> bool:
-        """Are the sample and repetition_penalty stages the library's own (no learner's hook)?"""
-        return self.hooks.sample is sample_one and self.hooks.repetition_penalty is apply_repetition_penalty
+    def _fail_sampling(self, seq: Sequence, exc: Exception) -> None:
+        params = seq.params
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        self.fail_sequence(seq, f"sampling failed ({reason}) with temperature={params.temperature}, "
+                                f"top_k={params.top_k}, top_p={params.top_p}, "
+                                f"repetition_penalty={params.repetition_penalty}")
 
     def fail_sequence(self, seq: Sequence, message: str) -> None:
         """Retire seq with finish_reason "error" and `message` as its error; its blocks go back to the pool."""

@@ -77,7 +77,7 @@ class BatchSpeculator:
 
     def prefill(self, seqs: list[Sequence], items, features=None) -> None:
         """Mirror a target pass in the draft cache (same tokens, same slots)."""
-        self.engine.packed_forward(self.draft, self.store, items)
+        self.engine.runner.packed_forward(self.draft, self.store, items)
         self.draft_calls += 1
         for seq in seqs:
             seq.draft_computed_tokens = len(seq)
@@ -94,7 +94,7 @@ class BatchSpeculator:
         drafts, draft_probs = self.propose(seqs)  # [B, k], [B, k, V]
         items = [([seq.token_ids[-1]] + drafts[i].tolist(), len(seq) - 1, seq.block_table)
                  for i, seq in enumerate(seqs)]
-        target_logits = engine.packed_forward(engine.model, engine.store, items, all_logits=True)
+        target_logits = engine.runner.packed_forward(engine.model, engine.store, items, all_logits=True)
         self.target_calls += 1
         events = []
         for i, seq in enumerate(seqs):
@@ -115,7 +115,7 @@ class BatchSpeculator:
                  for seq in seqs]
         tokens, dists = [], []
         for j in range(self.k):
-            logits = engine.packed_forward(self.draft, self.store, items)  # list of [V]
+            logits = engine.runner.packed_forward(self.draft, self.store, items)  # list of [V]
             self.draft_calls += 1
             q = torch.stack([probs(row, seq.params) for row, seq in zip(logits, seqs)])  # [B, V]
             chosen = [int(q_row.argmax()) if seq.params.greedy
@@ -190,7 +190,7 @@ class FeatureBatchSpeculator:
         self.draft_calls += k * len(seqs)
         items = [([seq.token_ids[-1]] + tokens.tolist(), len(seq) - 1, seq.block_table)
                  for (tokens, _), seq in zip(drafted, seqs)]
-        target_logits, features = engine.packed_forward(engine.model, engine.store, items, all_logits=True,
+        target_logits, features = engine.runner.packed_forward(engine.model, engine.store, items, all_logits=True,
                                                         features=True)
         self.target_calls += 1
         events = []

@@ -272,11 +272,8 @@ class Int8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The traced form: x [..., in] -> [..., out]; the conversion of the levels happens inside
-        the compiled loop, so no float weight is ever stored."""
-        out = (x[..., None, :] * self.weight_q.to(x.dtype)).sum(-1)  # [..., out]: one pass over the int8 bytes
-        out = out * self.weight_scale.reshape(-1).to(x.dtype)
-        return out if self.bias is None else out + self.bias.to(x.dtype)
+        """The traced form: x [..., in] -> [..., out] (`fused_int8_product`)."""
+        return fused_int8_product(x, self.weight_q, self.weight_scale, self.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight [out, in] this layer stands for (for measurements, never in forward)."""
@@ -289,6 +286,16 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8, scale on the output"
+
+
+def fused_int8_product(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """`Int8Linear`'s product as a plain sum, the form to trace: x [..., in], weight_q int8 [out, in],
+    weight_scale [out, 1], bias [out] or None -> [..., out] in x's dtype. Under `torch.compile` the
+    conversion of the levels happens inside the compiled loop, so no float weight is ever stored."""
+    out = (x[..., None, :] * weight_q.to(x.dtype)).sum(-1)  # [..., out]: one pass over the int8 bytes
+    out = out * weight_scale.reshape(-1).to(x.dtype)
+    return out if bias is None else out + bias.to(x.dtype)
 
 
 class Int4Linear(nn.Module):
@@ -516,7 +523,7 @@ class Int8KVCache(QuantizedKVCache):
 __all__ = [
     "quantize_int8_per_tensor", "quantize_int8_per_channel", "dequantize_int8",
     "pack_int4", "unpack_int4", "quantize_int4_groupwise", "dequantize_int4",
-    "QuantizedLinear", "Int8Linear", "Int4Linear", "replace_linears", "quantize_model", "QuantizedKVCache",
+    "QuantizedLinear", "Int8Linear", "fused_int8_product", "Int4Linear", "replace_linears", "quantize_model", "QuantizedKVCache",
     "Int8KVCache",
     "GROUP_SIZES", "KV_DTYPES",
 ]
