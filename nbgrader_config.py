@@ -9,6 +9,7 @@ puts the root on JUPYTER_CONFIG_PATH, so `nbgrader validate` finds this file fro
 Course layout: the source notebooks (solutions, visible and hidden tests) are solutions/NAME/,
 the student release that nbgrader generates is course/NAME/.
 """
+
 import os
 
 c = get_config()  # noqa: F821 - provided by traitlets when it loads this file

@@ -7,6 +7,7 @@
     python -m autograder report --assignment NAME --grades grades.csv [--submissions DIR] [--out report.html] [--json]
     python -m autograder scheduler --scheduler-file sched.json ...   # then: python -m autograder worker --scheduler-file sched.json
 """
+
 import sys
 
 COMMANDS = {
@@ -22,8 +23,14 @@ USAGE = "usage: python -m autograder {" + ",".join(COMMANDS) + "} ..."
 def usage() -> str:
     """The usage line, one line per command, and where each command's options are."""
     width = max(map(len, COMMANDS))
-    lines = [USAGE, "", "commands:", *(f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()), "",
-             "python -m autograder COMMAND --help lists the command's options."]
+    lines = [
+        USAGE,
+        "",
+        "commands:",
+        *(f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()),
+        "",
+        "python -m autograder COMMAND --help lists the command's options.",
+    ]
     return "\n".join(lines)
 
 

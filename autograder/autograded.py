@@ -7,6 +7,7 @@ and the gradebook beside it shows every submission. Each notebook is written as 
 included) without its hidden tests; a submission that no longer has a graded notebook (now
 missing, unreadable) loses the one an earlier grading wrote, so formgrader never shows stale work.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

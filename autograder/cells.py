@@ -5,6 +5,7 @@ A cell's role lives in ``cell.metadata.nbgrader`` (nbgrader's schema 3): ``grade
 an answer graded by hand). A test cell of a solution notebook holds its hidden tests between
 HIDDEN_BEGIN and HIDDEN_END; nbgrader's release and feedback strip them.
 """
+
 from __future__ import annotations
 
 HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"

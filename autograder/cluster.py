@@ -29,6 +29,7 @@ run as root (the sandbox needs it). So an address off the loopback must be tls:/
 certificates (`--tls-ca-file/--tls-cert/--tls-key`, or Dask's `distributed.comm.tls.*` config);
 anything else is refused (`check_address`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -53,8 +54,10 @@ RESOURCE = "grader"
 MAX_TRIES = 3
 LOST_NOTE = "grader: the worker was lost, graded again"
 SMOLLM2_DIR = "smollm2-135m-instruct"  # decodelab.model.registry.SMOLLM2_DIR_NAME (a test checks)
-RISK = ("whoever can reach a Dask scheduler can run any code, as root, on its workers (grading workers "
-        "run as root for the sandbox)")
+RISK = (
+    "whoever can reach a Dask scheduler can run any code, as root, on its workers (grading workers "
+    "run as root for the sandbox)"
+)
 
 
 class ClusterError(RuntimeError):
@@ -64,6 +67,7 @@ class ClusterError(RuntimeError):
 @dataclass
 class Cluster:
     """Where to grade: one of scheduler (an address, or "local") and scheduler_file, and TLS files."""
+
     scheduler: str | None = None
     scheduler_file: str | None = None
     tls_ca_file: str | None = None
@@ -73,6 +77,7 @@ class Cluster:
 
 
 # --------------------------------------------------------------------------- the address and TLS
+
 
 def _host(address: str) -> tuple[str, str]:
     """(scheme, host) of a Dask address: tcp://h:p, tls://h:p, h:p, [::1]:p."""
@@ -94,8 +99,9 @@ def address_of(cluster: Cluster) -> str:
         try:
             return json.loads(Path(cluster.scheduler_file).read_text())["address"]
         except (OSError, ValueError, KeyError) as exc:
-            raise ClusterError(f"--scheduler-file {cluster.scheduler_file}: no scheduler address in it "
-                               f"({type(exc).__name__}: {exc})") from None
+            raise ClusterError(
+                f"--scheduler-file {cluster.scheduler_file}: no scheduler address in it ({type(exc).__name__}: {exc})"
+            ) from None
     return cluster.scheduler or ""
 
 
@@ -111,20 +117,27 @@ def security_of(cluster: Cluster, address: str):
             raise ClusterError(
                 f"refusing the scheduler {address}: it is neither TLS nor on this machine's loopback, and "
                 f"{RISK}. Use a tls:// address with client certificates (--tls-ca-file, --tls-cert, "
-                f"--tls-key; README: Grading on a cluster), or a scheduler on 127.0.0.1")
+                f"--tls-key; README: Grading on a cluster), or a scheduler on 127.0.0.1"
+            )
         return None
     from distributed.security import Security
 
     if any(files):
         if not all(files):
             raise ClusterError("TLS needs all three of --tls-ca-file, --tls-cert and --tls-key")
-        return Security(tls_ca_file=cluster.tls_ca_file, tls_client_cert=cluster.tls_cert,
-                        tls_client_key=cluster.tls_key, require_encryption=True)
+        return Security(
+            tls_ca_file=cluster.tls_ca_file,
+            tls_client_cert=cluster.tls_cert,
+            tls_client_key=cluster.tls_key,
+            require_encryption=True,
+        )
     security = Security()  # Dask's config: distributed.comm.tls.{ca-file, client.cert, client.key}
     if not (security.tls_ca_file and security.tls_client_cert):
-        raise ClusterError(f"the tls:// scheduler {address} needs a CA and a client certificate: pass --tls-ca-file, "
-                           "--tls-cert and --tls-key, or set distributed.comm.tls.ca-file and "
-                           "distributed.comm.tls.client.{cert,key} in Dask's config")
+        raise ClusterError(
+            f"the tls:// scheduler {address} needs a CA and a client certificate: pass --tls-ca-file, "
+            "--tls-cert and --tls-key, or set distributed.comm.tls.ca-file and "
+            "distributed.comm.tls.client.{cert,key} in Dask's config"
+        )
     return security
 
 
@@ -136,6 +149,7 @@ def check(cluster: Cluster):
 
 
 # --------------------------------------------------------------------------- what a worker must match
+
 
 def versions() -> dict[str, str]:
     """decodelab.__version__ and a digest of autograder's sources: a worker must have the same."""
@@ -157,12 +171,16 @@ def worker_problem(expected: dict[str, str]) -> str | None:
     for what in ("decodelab", "autograder"):
         if mine.get(what) != expected.get(what):
             kind = "version" if what == "decodelab" else "source digest"
-            return (f"its {what} {kind} {mine.get(what)} differs from the grader's {expected.get(what)}: "
-                    "install the same Decode Lab on every worker")
+            return (
+                f"its {what} {kind} {mine.get(what)} differs from the grader's {expected.get(what)}: "
+                "install the same Decode Lab on every worker"
+            )
     model = cache_dir() / SMOLLM2_DIR / "model.safetensors"
     if not model.is_file():
-        return (f"its SmolLM2 model cache is missing ({model}): run `python -m decodelab` once on that machine "
-                "(or set DECODELAB_CACHE) before grading")
+        return (
+            f"its SmolLM2 model cache is missing ({model}): run `python -m decodelab` once on that machine "
+            "(or set DECODELAB_CACHE) before grading"
+        )
     return None
 
 
@@ -194,8 +212,16 @@ def hint_counts_beside(notebook: Path) -> bytes | None:
         return None
 
 
-def grade_task(tag: str, student: str, notebook: bytes, release: bytes, gradebook: bytes, settings,
-               expected: dict[str, str], hint_counts: bytes | None = None):
+def grade_task(
+    tag: str,
+    student: str,
+    notebook: bytes,
+    release: bytes,
+    gradebook: bytes,
+    settings,
+    expected: dict[str, str],
+    hint_counts: bytes | None = None,
+):
     """One submission on a worker: its own folder and slot, then `grade.grade_one`; a Result.
     `hint_counts`: the submitted `.decodelab_hints.json` beside the notebook, if any (its note)."""
     from autograder import sandbox, slots, submission
@@ -204,14 +230,19 @@ def grade_task(tag: str, student: str, notebook: bytes, release: bytes, gradeboo
     where = socket.gethostname()
     tries = _count_try(tag)
     if tries > MAX_TRIES:
-        return submission.Result(student, "grader_error", [f"grader: the worker was lost on each of {MAX_TRIES} tries: "
-                                                      "not graded"], tries=tries)
+        return submission.Result(
+            student,
+            "grader_error",
+            [f"grader: the worker was lost on each of {MAX_TRIES} tries: not graded"],
+            tries=tries,
+        )
     problem = worker_problem(expected)
     if problem is None and settings.sandbox:
         problem = sandbox.unavailable_reason()
     if problem:
-        return submission.Result(student, "grader_error", [f"grader: the worker on {where} refused the task: {problem}"],
-                            tries=tries)
+        return submission.Result(
+            student, "grader_error", [f"grader: the worker on {where} refused the task: {problem}"], tries=tries
+        )
     slot = slots.acquire()
     work = Path(tempfile.mkdtemp(prefix="decodelab-grade-task-"))
     try:
@@ -226,21 +257,28 @@ def grade_task(tag: str, student: str, notebook: bytes, release: bytes, gradeboo
         path.write_bytes(notebook)
         if hint_counts is not None:
             (path.parent / COUNTER_FILE).write_bytes(hint_counts)
-        local = replace(settings, release=str(course / "release.ipynb"), work=str(work),
-                        db_url=f"sqlite:///{course / 'gradebook.db'}", hide=list(settings.hide) + [str(course)])
+        local = replace(
+            settings,
+            release=str(course / "release.ipynb"),
+            work=str(work),
+            db_url=f"sqlite:///{course / 'gradebook.db'}",
+            hide=list(settings.hide) + [str(course)],
+        )
         if local.sandbox:
             with _preflight_lock:
                 if "reason" not in _preflight:
                     try:
-                        sandbox.preflight(work, sandbox.Limits(**local.limits), [Path(p) for p in local.hide],
-                                          slot.number)
+                        sandbox.preflight(
+                            work, sandbox.Limits(**local.limits), [Path(p) for p in local.hide], slot.number
+                        )
                         _preflight["reason"] = ""
                     except sandbox.SandboxUnavailable as exc:
                         _preflight["reason"] = str(exc)
             if _preflight["reason"]:
                 why = short(_preflight["reason"], 300)
-                return submission.Result(student, "grader_error", [f"grader: the worker on {where} refused the task: {why}"],
-                                    tries=tries)
+                return submission.Result(
+                    student, "grader_error", [f"grader: the worker on {where} refused the task: {why}"], tries=tries
+                )
         result = submission.grade_one(student, str(path), local, slot=slot.number)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -251,13 +289,22 @@ def grade_task(tag: str, student: str, notebook: bytes, release: bytes, gradeboo
 
 # --------------------------------------------------------------------------- the parent
 
+
 def _client(cluster: Cluster, stack):
     from distributed import Client, LocalCluster
 
     if cluster.scheduler == "local":
-        local = stack.enter_context(LocalCluster(n_workers=cluster.local_workers, threads_per_worker=1, processes=True,
-                                                 host="127.0.0.1", dashboard_address=None,
-                                                 resources={RESOURCE: 1}, silence_logs=50))
+        local = stack.enter_context(
+            LocalCluster(
+                n_workers=cluster.local_workers,
+                threads_per_worker=1,
+                processes=True,
+                host="127.0.0.1",
+                dashboard_address=None,
+                resources={RESOURCE: 1},
+                silence_logs=50,
+            )
+        )
         return stack.enter_context(Client(local))
     address = address_of(cluster)
     return stack.enter_context(Client(address, security=security_of(cluster, address), timeout="60s"))
@@ -268,14 +315,19 @@ def _wait_for_graders(client, timeout: float = 120.0) -> None:
 
     deadline = time.monotonic() + timeout
     while True:
-        workers = client.scheduler_info(n_workers=-1).get("workers", {}) if _takes_n(client) \
+        workers = (
+            client.scheduler_info(n_workers=-1).get("workers", {})
+            if _takes_n(client)
             else client.scheduler_info().get("workers", {})
+        )
         if any((w.get("resources") or {}).get(RESOURCE) for w in workers.values()):
             return
         if time.monotonic() > deadline:
-            raise ClusterError(f"no worker of the scheduler offers the '{RESOURCE}' resource "
-                               f"({len(workers)} worker(s)): start them with "
-                               "`python -m autograder worker ADDRESS --nworkers N` from the repository root")
+            raise ClusterError(
+                f"no worker of the scheduler offers the '{RESOURCE}' resource "
+                f"({len(workers)} worker(s)): start them with "
+                "`python -m autograder worker ADDRESS --nworkers N` from the repository root"
+            )
         time.sleep(0.5)
 
 
@@ -309,9 +361,20 @@ def grade_on_cluster(cluster: Cluster, settings, jobs: dict[str, Path], gradeboo
         book = gradebook.read_bytes()  # after the due date is written
 
         def submit(student: str):
-            return client.submit(grade_task, f"{run}-{student}", student, notebooks[student], release, book,
-                                 settings, expected, hint_counts_beside(jobs[student]),
-                                 key=f"grade-{student}-{run}-{uuid.uuid4().hex[:6]}", resources={RESOURCE: 1}, pure=False)
+            return client.submit(
+                grade_task,
+                f"{run}-{student}",
+                student,
+                notebooks[student],
+                release,
+                book,
+                settings,
+                expected,
+                hint_counts_beside(jobs[student]),
+                key=f"grade-{student}-{run}-{uuid.uuid4().hex[:6]}",
+                resources={RESOURCE: 1},
+                pure=False,
+            )
 
         owner, futures = {}, []
         for student in notebooks:
@@ -331,11 +394,18 @@ def grade_on_cluster(cluster: Cluster, settings, jobs: dict[str, Path], gradeboo
                     owner[again.key] = student
                     done.add(again)
                     continue
-                result = Result(student, "grader_error", [f"grader: the worker was lost on each of {tries} tries: "
-                                                          "not graded"], tries=tries)
+                result = Result(
+                    student,
+                    "grader_error",
+                    [f"grader: the worker was lost on each of {tries} tries: not graded"],
+                    tries=tries,
+                )
             except Exception as exc:  # noqa: BLE001 - the task never ran its grading: not the student's fault
-                result = Result(student, "grader_error", [f"grader: the task failed on the cluster: "
-                                                          f"{type(exc).__name__}: {short(exc, 200)}"])
+                result = Result(
+                    student,
+                    "grader_error",
+                    [f"grader: the task failed on the cluster: {type(exc).__name__}: {short(exc, 200)}"],
+                )
             finally:
                 future.release()
             if result.tries > 1 and result.status != "grader_error":

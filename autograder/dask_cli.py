@@ -16,6 +16,7 @@ own, its HTTP endpoints (health, metrics) on the loopback only, unless `--dashbo
 Dask's (`dask worker --help`, `dask scheduler --help`): the scheduler address, --scheduler-file,
 --tls-ca-file, --tls-cert, --tls-key, --host, ...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,15 +38,26 @@ def _positive(text: str) -> int:
 
 def worker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=f"{PROG} worker", allow_abbrev=False,
+        prog=f"{PROG} worker",
+        allow_abbrev=False,
         description=f"A Dask worker that grades: one submission at a time per worker process ({RESOURCE}=1, "
-                    "one thread), the repository root on every worker process's sys.path.",
+        "one thread), the repository root on every worker process's sys.path.",
         epilog="Any other option is `dask worker`'s (`dask worker --help`): the scheduler address, "
-               "--scheduler-file, --tls-ca-file, --tls-cert, --tls-key, --host, --local-directory, --dashboard, ...")
-    p.add_argument("--nworkers", type=_positive, default=1,
-                   help="worker processes: the submissions this machine grades at once (README: N)")
-    p.add_argument("--nthreads", type=int, choices=[1], default=1,
-                   help="threads per worker process: 1, one submission at a time (the default)")
+        "--scheduler-file, --tls-ca-file, --tls-cert, --tls-key, --host, --local-directory, --dashboard, ...",
+    )
+    p.add_argument(
+        "--nworkers",
+        type=_positive,
+        default=1,
+        help="worker processes: the submissions this machine grades at once (README: N)",
+    )
+    p.add_argument(
+        "--nthreads",
+        type=int,
+        choices=[1],
+        default=1,
+        help="threads per worker process: 1, one submission at a time (the default)",
+    )
     return p
 
 
@@ -53,8 +65,18 @@ def dask_worker_args(nworkers: int, dask_args: list[str]) -> list[str]:
     """`dask worker`'s command line: no dashboard and HTTP on the loopback unless the user's options,
     next, say otherwise, then the grading worker's processes, resource and thread (last: nothing
     overrides them)."""
-    return ["--no-dashboard", "--dashboard-address", "127.0.0.1:0", *dask_args, "--nworkers", str(nworkers),
-            "--resources", f"{RESOURCE}=1", "--nthreads", "1"]
+    return [
+        "--no-dashboard",
+        "--dashboard-address",
+        "127.0.0.1:0",
+        *dask_args,
+        "--nworkers",
+        str(nworkers),
+        "--resources",
+        f"{RESOURCE}=1",
+        "--nthreads",
+        "1",
+    ]
 
 
 def put_root_on_path() -> None:
@@ -76,8 +98,10 @@ def worker(argv: list[str]) -> int:
     p = worker_parser()
     options, dask_args = p.parse_known_args(argv)
     if any(arg.partition("=")[0] == "--resources" for arg in dask_args):
-        p.error(f"--resources is set by this command ({RESOURCE}=1 per worker process): use --nworkers N to "
-                "grade N submissions at once")
+        p.error(
+            f"--resources is set by this command ({RESOURCE}=1 per worker process): use --nworkers N to "
+            "grade N submissions at once"
+        )
     put_root_on_path()
     from distributed.cli.dask_worker import main as dask_worker
 

@@ -13,6 +13,7 @@ What it records for the grader, after `preprocess`:
 Before each test cell it drops the kernel's imported test helpers (`RESET_HELPERS`), so that an
 answer cell cannot patch them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,11 +30,13 @@ from autograder import sandbox
 from autograder.cells import is_test_cell, meta
 
 # Dropped from the kernel before each test cell, so that the test imports them afresh.
-RESET_HELPERS = ("import sys as _grader_sys\n"
-                 "for _grader_m in [m for m in _grader_sys.modules if m == 'autograder' or m.startswith('autograder.')"
-                 " or m == 'decodelab.course.checking']:\n"
-                 "    del _grader_sys.modules[_grader_m]\n"
-                 "del _grader_sys\n")
+RESET_HELPERS = (
+    "import sys as _grader_sys\n"
+    "for _grader_m in [m for m in _grader_sys.modules if m == 'autograder' or m.startswith('autograder.')"
+    " or m == 'decodelab.course.checking']:\n"
+    "    del _grader_sys.modules[_grader_m]\n"
+    "del _grader_sys\n"
+)
 
 
 class SandboxedExecute(Execute):
@@ -48,10 +51,10 @@ class SandboxedExecute(Execute):
         self.timeout = int(settings.cell_timeout)
         self.startup_timeout = 120
         self.iopub_timeout = 10  # after an interrupt, the grace before the kernel is stopped
-        self.replies: dict[int, str] = {}      # cell index -> execute reply status
+        self.replies: dict[int, str] = {}  # cell index -> execute reply status
         self.timed_out: set[int] = set()
-        self.not_run: dict[int, str] = {}      # cell index -> why
-        self.stopped: str | None = None        # "crashed" / "timeout" once the kernel is gone
+        self.not_run: dict[int, str] = {}  # cell index -> why
+        self.stopped: str | None = None  # "crashed" / "timeout" once the kernel is gone
         self.events: list[str] = []
         self.truncated: set[int] = set()
         self.deadline = monotonic() + settings.notebook_timeout
@@ -104,8 +107,13 @@ class SandboxedExecute(Execute):
         if self._bytes[cell_index] > self.settings.output_limit and msg["msg_type"] != "error":
             if cell_index not in self.truncated:
                 self.truncated.add(cell_index)
-                outs.append(NotebookNode(output_type="stream", name="stdout", text=(
-                    f"\n[the grader cut this cell's output at {self.settings.output_limit:,} bytes]\n")))
+                outs.append(
+                    NotebookNode(
+                        output_type="stream",
+                        name="stdout",
+                        text=(f"\n[the grader cut this cell's output at {self.settings.output_limit:,} bytes]\n"),
+                    )
+                )
             return None
         return super().output(outs, msg, display_id, cell_index)
 
@@ -137,8 +145,9 @@ class SandboxedExecute(Execute):
             return True
         if self.deadline - monotonic() < 1:
             self.stopped = "timeout"
-            self.events.append(f"the notebook ran past its {self.settings.notebook_timeout:g} s limit "
-                               f"before {self._label(cell_index)}")
+            self.events.append(
+                f"the notebook ran past its {self.settings.notebook_timeout:g} s limit before {self._label(cell_index)}"
+            )
             self.not_run[cell_index] = "timeout"
             return True
         return False
@@ -171,8 +180,9 @@ class SandboxedExecute(Execute):
         """The cell ignored the interrupt at its time limit: stop the kernel."""
         self.timed_out.add(cell_index)
         self.stopped = "timeout"
-        self.events.append(f"{self._label(cell_index)} ran past {self.timeout} s and ignored the "
-                           "interrupt: the kernel was stopped")
+        self.events.append(
+            f"{self._label(cell_index)} ran past {self.timeout} s and ignored the interrupt: the kernel was stopped"
+        )
         await self._stop_kernel()
         return self._failed(cell, cell_index, "CellTimeoutError")
 
@@ -184,8 +194,9 @@ class SandboxedExecute(Execute):
 
     def _note_interrupt(self, cell_index: int) -> None:
         """A cell interrupted at its time limit that still replied: say so once."""
-        if cell_index in self.timed_out and not any("ran past" in e and self._label(cell_index) in e
-                                                    for e in self.events):
+        if cell_index in self.timed_out and not any(
+            "ran past" in e and self._label(cell_index) in e for e in self.events
+        ):
             self.events.append(f"{self._label(cell_index)} ran past {self.timeout} s: interrupted")
 
     def _label(self, index: int) -> str:

@@ -40,6 +40,7 @@ long, the student, assignment and grade_id) that starts with =, +, -, @, a tab o
 return gets a leading ' (OWASP's advice). Canvas's own cells are written back as they came: they
 must import back unchanged (a ' before another assignment's -2 would change that grade).
 """
+
 from __future__ import annotations
 
 import csv
@@ -55,17 +56,18 @@ from autograder import grades_csv
 from autograder.notes import short
 
 ASSIGNMENT_COLUMN = re.compile(r"^(?P<name>.*)\s\((?P<id>\d+)\)$")
-KEYS = ("SIS Login ID", "SIS User ID", "ID")       # how a student is found, first match wins
+KEYS = ("SIS Login ID", "SIS User ID", "ID")  # how a student is found, first match wins
 NOT_STUDENT = re.compile(r"^\s*(Muted|Manual Posting.*|\(read only\))?\s*$", re.I)
 TEST_STUDENTS = {"student, test", "test student"}  # Canvas's Student View user
 LONG_COLUMNS = ("student", "assignment", "grade_id", "points", "max_points")
-DELIMITERS = ",;\t"                                # what Canvas writes (the locale decides)
+DELIMITERS = ",;\t"  # what Canvas writes (the locale decides)
 SNIFFED_LINES = 20
 SCORE = re.compile(r"[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?")  # as `notes.number` writes it, or by hand
 NOTHING_GRADED = ("grader_error", "missing")
 # unreadable, and the student's doing: the score 0 stands (the notes of submission.py and cluster.py)
 STUDENTS_OWN_UNREADABLE = re.compile(
-    r"is not a valid notebook: |not read: [^;]*? (is a link|is not a folder|is not a regular file|is larger than)\b")
+    r"is not a valid notebook: |not read: [^;]*? (is a link|is not a folder|is not a regular file|is larger than)\b"
+)
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # what a spreadsheet may run as a formula
 
 
@@ -75,14 +77,17 @@ class ExportError(Exception):
 
 # --------------------------------------------------------------------------- grades.csv
 
+
 def read_grades(path: Path, assignment: str | None = None) -> list[dict]:
     """The rows of a grades CSV (`python -m autograder grade --out`), of one assignment if given."""
     records = parse_csv(_read_text(path, "--grades"), path, "--grades")
     header = records[0][1] if records else []
     missing = [c for c in ("student", "assignment", "score", "max_score") if c not in header]
     if missing:
-        raise ExportError(f"--grades {path}: not a grades CSV of `python -m autograder grade` (no column "
-                          f"{', '.join(repr(c) for c in missing)})")
+        raise ExportError(
+            f"--grades {path}: not a grades CSV of `python -m autograder grade` (no column "
+            f"{', '.join(repr(c) for c in missing)})"
+        )
     check_widths(records, path, "--grades")
     rows = []
     for line, cells in records[1:]:
@@ -101,13 +106,15 @@ def checked_score(text: str, where: str) -> str:
     else: grade writes only numbers >= 0, so another value was typed into the file by hand."""
     text = text.strip()
     if not SCORE.fullmatch(text):
-        raise ExportError(f"{where}: the score {text!r} is not a number >= 0 (grade writes only numbers: "
-                          "was the file edited by hand?)")
+        raise ExportError(
+            f"{where}: the score {text!r} is not a number >= 0 (grade writes only numbers: "
+            "was the file edited by hand?)"
+        )
     return format(Decimal(text), "f") if "e" in text.lower() else text
 
 
 def why_left_blank(row: dict) -> str | None:
-    """"status: notes" when the row's score is not one the student earned, so the LMS gets a blank
+    """ "status: notes" when the row's score is not one the student earned, so the LMS gets a blank
     cell for the instructor to decide; None when the score stands (see the module docstring)."""
     status, notes = row.get("status", "").strip(), row.get("notes", "")
     if status in NOTHING_GRADED or (status == "unreadable" and not STUDENTS_OWN_UNREADABLE.search(notes)):
@@ -116,6 +123,7 @@ def why_left_blank(row: dict) -> str | None:
 
 
 # --------------------------------------------------------------------------- CSV files in and out
+
 
 def _read_bytes(path: Path, option: str) -> bytes:
     try:
@@ -197,8 +205,9 @@ def check_out(out: Path, inputs: dict[str, Path | None]) -> None:
         raise ExportError(f"--out {out}: a folder; give the name of the file to write")
     folder = out.parent
     if not folder.is_dir():
-        raise ExportError(f"--out {out}: the folder {folder} " + ("is not a folder" if folder.exists()
-                                                                   else "does not exist"))
+        raise ExportError(
+            f"--out {out}: the folder {folder} " + ("is not a folder" if folder.exists() else "does not exist")
+        )
     for option, path in inputs.items():
         if path is not None and out.resolve() == Path(path).resolve():
             raise ExportError(f"--out {out}: the {option} file itself; write the export to another file")
@@ -214,9 +223,11 @@ def write_atomically(out: Path, write, encoding: str = "utf-8") -> None:
 
 # --------------------------------------------------------------------------- Canvas
 
+
 @dataclass
 class Roster:
     """A Canvas gradebook export, kept cell for cell."""
+
     header: list[str]
     rows: list[list[str]]
     delimiter: str = ","
@@ -233,7 +244,7 @@ class Roster:
         return names.index(name) if name in names else None
 
     def assignment_columns(self) -> dict[str, int]:
-        """"Name (id)" -> its index, for every assignment column."""
+        """ "Name (id)" -> its index, for every assignment column."""
         return {h.strip(): i for i, h in enumerate(self.header) if ASSIGNMENT_COLUMN.match(h.strip())}
 
     def points_possible(self, index: int) -> str:
@@ -249,11 +260,18 @@ def read_roster(path: Path) -> Roster:
     records = parse_csv(text, path, "--roster", delimiter)
     header = records[0][1] if records else []
     if len(header) < 3 or "Student" not in header[0] or "ID" not in [h.strip() for h in header]:
-        raise ExportError(f"--roster {path}: not a Canvas gradebook export (its first columns are Student, ID, "
-                          f"SIS User ID, SIS Login ID, Section; got {', '.join(header[:5]) or 'nothing'})")
+        raise ExportError(
+            f"--roster {path}: not a Canvas gradebook export (its first columns are Student, ID, "
+            f"SIS User ID, SIS Login ID, Section; got {', '.join(header[:5]) or 'nothing'})"
+        )
     check_widths(records, path, "--roster")
-    return Roster(header, [cells for _, cells in records[1:]], delimiter, raw.startswith(b"\xef\xbb\xbf"),
-                  "\r\n" if "\r\n" in text else "\n")
+    return Roster(
+        header,
+        [cells for _, cells in records[1:]],
+        delimiter,
+        raw.startswith(b"\xef\xbb\xbf"),
+        "\r\n" if "\r\n" in text else "\n",
+    )
 
 
 def find_column(roster: Roster, assignment: str, column: str | None) -> int:
@@ -263,19 +281,24 @@ def find_column(roster: Roster, assignment: str, column: str | None) -> int:
     choices = "; ".join(columns) or "none"
     if column is not None:
         if column.strip() not in columns:
-            raise ExportError(f"--column {column!r}: the roster has no such assignment column (its assignment "
-                              f"columns: {choices})")
+            raise ExportError(
+                f"--column {column!r}: the roster has no such assignment column (its assignment columns: {choices})"
+            )
         return columns[column.strip()]
     key = " ".join(assignment.split()).casefold()
-    found = [i for name, i in columns.items()
-             if " ".join(ASSIGNMENT_COLUMN.match(name)["name"].split()).casefold() == key]
+    found = [
+        i for name, i in columns.items() if " ".join(ASSIGNMENT_COLUMN.match(name)["name"].split()).casefold() == key
+    ]
     if len(found) == 1:
         return found[0]
     if not found:
-        raise ExportError(f"no column for assignment {assignment!r} in the roster (its assignment columns: "
-                          f"{choices}): name the Canvas assignment {assignment!r}, or give --column \"Name (id)\"")
-    raise ExportError(f"several columns for assignment {assignment!r}: "
-                      f"{'; '.join(roster.header[i] for i in found)}: give --column")
+        raise ExportError(
+            f"no column for assignment {assignment!r} in the roster (its assignment columns: "
+            f'{choices}): name the Canvas assignment {assignment!r}, or give --column "Name (id)"'
+        )
+    raise ExportError(
+        f"several columns for assignment {assignment!r}: {'; '.join(roster.header[i] for i in found)}: give --column"
+    )
 
 
 def match_students(roster: Roster, students: list[str]) -> tuple[dict[str, int], list[str], list[str]]:
@@ -328,13 +351,20 @@ def export_canvas(grades: list[dict], roster: Roster, column: str | None = None)
         report += [f"{assignment}: left blank: {student} ({why})" for student, why in blank.items()]
         report += problems
         if missing:
-            report.append(f"{assignment}: {len(missing)} graded student(s) not in the roster (by SIS Login ID, "
-                          f"SIS User ID or ID): {', '.join(missing)}")
-        ungraded = [_who(roster, row) for i, row in enumerate(roster.rows)
-                    if roster.is_student(row) and i not in matched.values() and not _is_test_student(row)]
+            report.append(
+                f"{assignment}: {len(missing)} graded student(s) not in the roster (by SIS Login ID, "
+                f"SIS User ID or ID): {', '.join(missing)}"
+            )
+        ungraded = [
+            _who(roster, row)
+            for i, row in enumerate(roster.rows)
+            if roster.is_student(row) and i not in matched.values() and not _is_test_student(row)
+        ]
         if ungraded:
-            report.append(f"{assignment}: {len(ungraded)} roster student(s) not in the grades (left as they were): "
-                          f"{', '.join(ungraded)}")
+            report.append(
+                f"{assignment}: {len(ungraded)} roster student(s) not in the grades (left as they were): "
+                f"{', '.join(ungraded)}"
+            )
     return roster, report, filled
 
 
@@ -346,8 +376,10 @@ def _points_warning(roster: Roster, col: int, assignment: str, rows) -> list[str
     except ValueError:
         differs = False
     if differs:
-        return [f"{assignment}: the Canvas column is worth {possible} points, the grades' max_score is "
-                f"{next(iter(maxima))}: scores written as graded, not scaled"]
+        return [
+            f"{assignment}: the Canvas column is worth {possible} points, the grades' max_score is "
+            f"{next(iter(maxima))}: scores written as graded, not scaled"
+        ]
     return []
 
 
@@ -363,6 +395,7 @@ def _is_test_student(row: list[str]) -> bool:
 
 def write_roster(roster: Roster, out: Path) -> None:
     """Atomically, with the roster's delimiter, line ending and byte-order mark."""
+
     def write(f):
         writer = csv.writer(f, delimiter=roster.delimiter, lineterminator=roster.newline)
         writer.writerow(roster.header)
@@ -372,6 +405,7 @@ def write_roster(roster: Roster, out: Path) -> None:
 
 
 # --------------------------------------------------------------------------- long
+
 
 def export_long(grades: list[dict], gradebook: Path) -> tuple[list[dict], list[str]]:
     """(one row per student x graded cell, report lines) from nbgrader's gradebook."""
@@ -393,8 +427,10 @@ def export_long(grades: list[dict], gradebook: Path) -> tuple[list[dict], list[s
         except ExportError:
             raise
         except Exception as exc:  # noqa: BLE001 - not a gradebook, or another nbgrader's
-            raise ExportError(f"--gradebook {gradebook}: not an nbgrader gradebook ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
+            raise ExportError(
+                f"--gradebook {gradebook}: not an nbgrader gradebook ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200] if str(exc) else ''})"
+            ) from None
     return out, report
 
 
@@ -418,9 +454,15 @@ def _cell_rows(submission, row: dict) -> list[dict]:
     cells = []
     for notebook in submission.notebooks:
         for grade in sorted(notebook.grades, key=lambda g: g.name):
-            cells.append({"student": inert(row["student"]), "assignment": inert(row["assignment"]),
-                          "grade_id": inert(grade.name),
-                          "points": f"{float(grade.score):g}", "max_points": f"{float(grade.max_score):g}"})
+            cells.append(
+                {
+                    "student": inert(row["student"]),
+                    "assignment": inert(row["assignment"]),
+                    "grade_id": inert(grade.name),
+                    "points": f"{float(grade.score):g}",
+                    "max_points": f"{float(grade.max_score):g}",
+                }
+            )
     return cells
 
 
@@ -435,19 +477,24 @@ def write_long(rows: list[dict], out: Path) -> None:
 
 # --------------------------------------------------------------------------- the command
 
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m autograder export", description=__doc__.splitlines()[0],
-                                     epilog="canvas matches students by SIS Login ID, then SIS User ID, then ID.")
+    parser = argparse.ArgumentParser(
+        prog="python -m autograder export",
+        description=__doc__.splitlines()[0],
+        epilog="canvas matches students by SIS Login ID, then SIS User ID, then ID.",
+    )
     parser.add_argument("--format", required=True, choices=("canvas", "long"), help="what to write")
     parser.add_argument("--grades", required=True, type=Path, help="the CSV `python -m autograder grade` wrote")
     parser.add_argument("--out", required=True, type=Path, help="the file to write")
     parser.add_argument("--roster", type=Path, help="canvas: Canvas's gradebook export (Grades > Export)")
     parser.add_argument("--column", help='canvas: the assignment column to fill, "Name (id)" as in the roster')
     parser.add_argument("--assignment", help="only this assignment's rows of --grades")
-    parser.add_argument("--gradebook", type=Path,
-                        help="long: nbgrader's gradebook (default: gradebook.db beside --grades)")
+    parser.add_argument(
+        "--gradebook", type=Path, help="long: nbgrader's gradebook (default: gradebook.db beside --grades)"
+    )
     args = parser.parse_args(argv)
     if args.format == "canvas" and args.roster is None:
         parser.error("--format canvas needs --roster (Canvas's gradebook export)")
@@ -469,8 +516,10 @@ def _canvas(args) -> int:
     for line in report:
         print(f"autograder export: {line}", file=sys.stderr)
     if not filled:
-        print(f"autograder export: no graded student is in the roster with a score to fill in: {args.out} not "
-              "written", file=sys.stderr)
+        print(
+            f"autograder export: no graded student is in the roster with a score to fill in: {args.out} not written",
+            file=sys.stderr,
+        )
         return 1
     write_roster(roster, args.out)
     print(f"filled {filled} grade(s) into {args.out}")
@@ -486,6 +535,8 @@ def _long(args) -> int:
         print(f"autograder export: no graded cells found: {args.out} not written", file=sys.stderr)
         return 1
     write_long(rows, args.out)
-    print(f"wrote {len(rows)} cell grade(s) of {len({(r['student'], r['assignment']) for r in rows})} "
-          f"submission(s) to {args.out}")
+    print(
+        f"wrote {len(rows)} cell grade(s) of {len({(r['student'], r['assignment']) for r in rows})} "
+        f"submission(s) to {args.out}"
+    )
     return 0

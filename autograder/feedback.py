@@ -1,6 +1,7 @@
 """The student's feedback: nbgrader's feedback HTML (no hidden test code anywhere) in nbgrader's
 feedback layout, with the exchange's files beside it so that `nbgrader release_feedback` releases
 the folder as it is."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,8 +39,9 @@ def copy_exchange_files(submitted: Path | None, feedback: Path) -> list[str]:
     return copied
 
 
-def write_feedback(result: Result, settings: Settings, folder: Path, score: float, max_score: float,
-                   submitted: Path | None = None) -> Path:
+def write_feedback(
+    result: Result, settings: Settings, folder: Path, score: float, max_score: float, submitted: Path | None = None
+) -> Path:
     """HTML for the student, nbgrader's feedback template, no hidden test code anywhere, in
     nbgrader's feedback layout folder/<student>/<assignment>/<notebook>.html; beside it the
     exchange's files from the submission folder `submitted` (copy_exchange_files), so that
@@ -56,20 +58,30 @@ def write_feedback(result: Result, settings: Settings, folder: Path, score: floa
     copy_exchange_files(submitted, target.parent)
     notes = [n for n in result.notes if not n.startswith("integrity:")]
     if result.notebook is None:
-        body = (f"<html><body><h1>{html.escape(settings.assignment)}: {html.escape(result.status)}</h1>"
-                f"<p>Score: {score:g} / {max_score:g}</p><ul>"
-                + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul></body></html>")
+        body = (
+            f"<html><body><h1>{html.escape(settings.assignment)}: {html.escape(result.status)}</h1>"
+            f"<p>Score: {score:g} / {max_score:g}</p><ul>"
+            + "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+            + "</ul></body></html>"
+        )
         target.write_text(body)
         return target
     nb = nbformat.reads(result.notebook, as_version=4)
-    resources = {"nbgrader": {"notebook": Path(settings.notebook).stem, "assignment": settings.assignment,
-                              "student": result.student, "db_url": settings.db_url}}
+    resources = {
+        "nbgrader": {
+            "notebook": Path(settings.notebook).stem,
+            "assignment": settings.assignment,
+            "student": result.student,
+            "db_url": settings.db_url,
+        }
+    }
     nb, resources = GetGrades().preprocess(nb, resources)
     nb, resources = ClearHiddenTests().preprocess(nb, resources)
     strip_hidden_tests(nb)  # belt and braces, and the tracebacks
     LimitOutput(max_lines=200).preprocess(nb, resources)
-    summary = nbformat.v4.new_markdown_cell(f"**Grader: {result.status}.** "
-                                            + html.escape("; ".join(notes) or "no problems"))
+    summary = nbformat.v4.new_markdown_cell(
+        f"**Grader: {result.status}.** " + html.escape("; ".join(notes) or "no problems")
+    )
     nb.cells.insert(0, summary)
     c = Config()
     c.HTMLExporter.template_name = "feedback"

@@ -67,6 +67,7 @@ every regrade, and columns an instructor added to the CSV stay.
 Everything read from a submission goes through autograder/student_files.py: regular files of the
 student's own, never through a link, size-capped.
 """
+
 from __future__ import annotations
 
 import os
@@ -93,10 +94,12 @@ NO_SANDBOX_NOTE = "graded WITHOUT the sandbox (--no-sandbox): the kernel ran as 
 
 # --------------------------------------------------------------------------- the class
 
+
 def roster(submissions: Path) -> list[str]:
     """The students: every folder in submissions, and every link there (graded as "missing", not followed)."""
-    return sorted(p.name for p in submissions.iterdir()
-                  if not p.name.startswith(".") and (p.is_symlink() or is_real_folder(p)))
+    return sorted(
+        p.name for p in submissions.iterdir() if not p.name.startswith(".") and (p.is_symlink() or is_real_folder(p))
+    )
 
 
 def submission_folder(submissions: Path, student: str, assignment: str) -> Path | None:
@@ -123,6 +126,7 @@ def find_submission(submissions: Path, student: str, assignment: str) -> tuple[P
 
 # --------------------------------------------------------------------------- answer similarity
 
+
 def add_similarity_notes(settings: Settings, jobs: dict[str, Path], rows: dict, out: Path) -> None:
     """The class-wide comparison of answer cells (autograder/similarity.py), once every row is
     graded: its "similarity:" notes join those rows and the CSV is written again. Unreadable and
@@ -131,8 +135,11 @@ def add_similarity_notes(settings: Settings, jobs: dict[str, Path], rows: dict, 
 
     from autograder import similarity
 
-    graded = {s: p for s, p in jobs.items()
-              if rows.get((s, settings.assignment), {}).get("status") not in ("unreadable", "missing", None)}
+    graded = {
+        s: p
+        for s, p in jobs.items()
+        if rows.get((s, settings.assignment), {}).get("status") not in ("unreadable", "missing", None)
+    }
     if not graded:
         return
     try:
@@ -145,12 +152,28 @@ def add_similarity_notes(settings: Settings, jobs: dict[str, Path], rows: dict, 
     write_csv(out, rows)
 
 
-def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path | None = None, workers: int = 2,
-                sandbox_on: bool = True, source: Path = ROOT / "solutions", gradebook: Path | None = None,
-                cell_timeout: float = 300, notebook_timeout: float = 1800, memory_bytes: int = 4 * 2**30,
-                max_processes: int = 128, output_limit: int = 1_000_000, progress: bool = True,
-                due: str | None = None, late_flags: list[str] | None = None, replace_late_policy: bool = False,
-                cluster=None, autograded: Path | None = None) -> list[dict]:
+def grade_class(
+    assignment: str,
+    submissions: Path,
+    out: Path,
+    *,
+    feedback: Path | None = None,
+    workers: int = 2,
+    sandbox_on: bool = True,
+    source: Path = ROOT / "solutions",
+    gradebook: Path | None = None,
+    cell_timeout: float = 300,
+    notebook_timeout: float = 1800,
+    memory_bytes: int = 4 * 2**30,
+    max_processes: int = 128,
+    output_limit: int = 1_000_000,
+    progress: bool = True,
+    due: str | None = None,
+    late_flags: list[str] | None = None,
+    replace_late_policy: bool = False,
+    cluster=None,
+    autograded: Path | None = None,
+) -> list[dict]:
     """Grade every student folder in submissions; returns the rows written for this run.
 
     `due`: a due date to write into the gradebook first ("none" removes it; None keeps what it
@@ -175,14 +198,16 @@ def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path
         read_csv(out)  # an earlier CSV that cannot be read back is refused before any work
     except GradesFileError as exc:
         raise SystemExit(f"autograder grade: --out {exc}") from None
-    limits = sandbox.Limits(memory_bytes=memory_bytes, max_processes=max_processes,
-                            cpu_seconds=int(notebook_timeout * 2) + 60)
+    limits = sandbox.Limits(
+        memory_bytes=memory_bytes, max_processes=max_processes, cpu_seconds=int(notebook_timeout * 2) + 60
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="decodelab-grade-"))
     os.chmod(work, 0o711)  # kernels traverse to their own folder; nothing else here is theirs
     # What no kernel may read: every path the grader owns (the repository itself: sandbox.repository_hidden).
-    hide = [submissions, work / "course", gradebook, out, source.resolve(), autograded] + \
-        ([feedback.resolve()] if feedback else [])
+    hide = [submissions, work / "course", gradebook, out, source.resolve(), autograded] + (
+        [feedback.resolve()] if feedback else []
+    )
     try:
         if sandbox_on and cluster is None:  # on a cluster, each worker checks its own machine
             sandbox.preflight(work, limits, hide)
@@ -190,18 +215,37 @@ def grade_class(assignment: str, submissions: Path, out: Path, *, feedback: Path
         store_policy(gradebook, assignment, late_flags, policy)
         if set_due_date(db_url, assignment, due, policy) is None:
             policy = None  # no due date: nothing is late
-        settings = Settings(assignment=assignment, notebook=f"{assignment}.ipynb", db_url=db_url, release=str(release),
-                            work=str(work), cell_timeout=cell_timeout, notebook_timeout=notebook_timeout,
-                            output_limit=output_limit, sandbox=sandbox_on, limits=asdict(limits),
-                            hide=[str(p) for p in hide + [work / "c"]], version=library_version())
+        settings = Settings(
+            assignment=assignment,
+            notebook=f"{assignment}.ipynb",
+            db_url=db_url,
+            release=str(release),
+            work=str(work),
+            cell_timeout=cell_timeout,
+            notebook_timeout=notebook_timeout,
+            output_limit=output_limit,
+            sandbox=sandbox_on,
+            limits=asdict(limits),
+            hide=[str(p) for p in hide + [work / "c"]],
+            version=library_version(),
+        )
         return _run(settings, submissions, out, feedback, workers, progress, policy, cluster, gradebook, autograded)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None, workers: int,
-         progress: bool, policy=None, cluster=None, gradebook: Path | None = None,
-         autograded: Path | None = None) -> list[dict]:
+def _run(
+    settings: Settings,
+    submissions: Path,
+    out: Path,
+    feedback: Path | None,
+    workers: int,
+    progress: bool,
+    policy=None,
+    cluster=None,
+    gradebook: Path | None = None,
+    autograded: Path | None = None,
+) -> list[dict]:
     import multiprocessing
 
     from tqdm import tqdm
@@ -212,8 +256,11 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
     students = roster(submissions)
     write_csv(out, rows)  # the CSV exists from the start, an empty class's included
     if not students:
-        print(f"autograder grade: no student folders in {submissions} (nbgrader's layout: "
-              f"<student>/{settings.assignment}/{settings.notebook})", file=sys.stderr)
+        print(
+            f"autograder grade: no student folders in {submissions} (nbgrader's layout: "
+            f"<student>/{settings.assignment}/{settings.notebook})",
+            file=sys.stderr,
+        )
     results: list[Result] = []
     jobs = {}
     for student in students:
@@ -222,8 +269,14 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
             results.append(Result(student, "missing", [why]))
         else:
             jobs[student] = path
-    bar = tqdm(total=len(students), desc=f"grading {settings.assignment}", unit="student", file=sys.stderr,
-               disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(students),
+        desc=f"grading {settings.assignment}",
+        unit="student",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
 
     def finish(result: Result) -> None:
         if not settings.sandbox:
@@ -235,8 +288,15 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
             write_feedback(result, settings, feedback.resolve(), score, max_score, submitted=folder)
         if autograded is not None:
             write_autograded(result, settings, autograded)
-        row = {"student": result.student, "assignment": settings.assignment, "score": number(score),
-               "max_score": number(max_score), "status": result.status, "notes": "; ".join(result.notes), **late}
+        row = {
+            "student": result.student,
+            "assignment": settings.assignment,
+            "score": number(score),
+            "max_score": number(max_score),
+            "status": result.status,
+            "notes": "; ".join(result.notes),
+            **late,
+        }
         key = (result.student, settings.assignment)
         rows[key] = row = {**rows.get(key, {}), **row}  # an instructor's own columns stay
         written.append(row)
@@ -249,7 +309,9 @@ def _run(settings: Settings, submissions: Path, out: Path, feedback: Path | None
     if jobs and cluster is not None:
         from autograder.cluster import grade_on_cluster
 
-        for result in grade_on_cluster(cluster, settings, jobs, gradebook or Path(settings.db_url[len("sqlite:///"):])):
+        for result in grade_on_cluster(
+            cluster, settings, jobs, gradebook or Path(settings.db_url[len("sqlite:///") :])
+        ):
             finish(result)
     elif jobs:
         ctx = multiprocessing.get_context("spawn")
@@ -273,12 +335,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--assignment", required=True, help="the assignment (a folder of the source directory)")
     parser.add_argument("--submissions", required=True, type=Path, help="DIR/<student>/<assignment>/<assignment>.ipynb")
     parser.add_argument("--out", required=True, type=Path, help="the CSV to write (rows of this assignment replaced)")
-    parser.add_argument("--feedback", type=Path, help="write HTML feedback to FEEDBACK/<student>/<assignment>/, "
-                        "with the submission's timestamp.txt and submission_secret.txt (nbgrader's feedback "
-                        "layout: `nbgrader release_feedback` releases it)")
-    parser.add_argument("--autograded", type=Path, help="where the graded notebooks go, in nbgrader's layout "
-                        "AUTOGRADED/<student>/<assignment>/ (hidden tests removed), for grading by hand in "
-                        "formgrader (default: autograded/ beside --out)")
+    parser.add_argument(
+        "--feedback",
+        type=Path,
+        help="write HTML feedback to FEEDBACK/<student>/<assignment>/, "
+        "with the submission's timestamp.txt and submission_secret.txt (nbgrader's feedback "
+        "layout: `nbgrader release_feedback` releases it)",
+    )
+    parser.add_argument(
+        "--autograded",
+        type=Path,
+        help="where the graded notebooks go, in nbgrader's layout "
+        "AUTOGRADED/<student>/<assignment>/ (hidden tests removed), for grading by hand in "
+        "formgrader (default: autograded/ beside --out)",
+    )
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="kernels at once")
     parser.add_argument("--no-sandbox", action="store_true", help="grade without isolation (said in every row)")
     parser.add_argument("--source", type=Path, default=ROOT / "solutions", help="nbgrader source notebooks")
@@ -290,22 +360,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-limit", type=int, default=1_000_000, help="bytes of output kept per cell")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--scheduler", help="grade on a Dask cluster: the scheduler's address (tls:// off the "
-                       "loopback), or 'local' for a LocalCluster of --workers processes on 127.0.0.1")
-    where.add_argument("--scheduler-file", type=Path, help="grade on a Dask cluster: the scheduler's file "
-                       "(dask scheduler --scheduler-file FILE)")
+    where.add_argument(
+        "--scheduler",
+        help="grade on a Dask cluster: the scheduler's address (tls:// off the "
+        "loopback), or 'local' for a LocalCluster of --workers processes on 127.0.0.1",
+    )
+    where.add_argument(
+        "--scheduler-file",
+        type=Path,
+        help="grade on a Dask cluster: the scheduler's file (dask scheduler --scheduler-file FILE)",
+    )
     parser.add_argument("--tls-ca-file", help="TLS: the CA that signed the scheduler's and workers' certificates")
     parser.add_argument("--tls-cert", help="TLS: this client's certificate")
     parser.add_argument("--tls-key", help="TLS: this client's private key")
-    parser.add_argument("--due", help='the due date, written into the gradebook as nbgrader\'s duedate and kept '
-                        'for later runs: "YYYY-MM-DD HH:MM[:SS] [ZONE]" (no zone: Exchange.timezone, default UTC); '
-                        '"none" removes it. Default: the gradebook\'s')
-    parser.epilog = ("Late penalty settings as in nbgrader_config.py, for this run: "
-                     "--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay --PointsPerDay.points=1 "
-                     "--PointsPerDay.cutoff_days=7 --Exchange.timezone=Europe/Berlin")
-    parser.add_argument("--replace-late-policy", action="store_true",
-                        help="grade with the late-policy settings given now although the assignment was first "
-                        "graded with others (kept in the gradebook; without this flag such a run is refused)")
+    parser.add_argument(
+        "--due",
+        help="the due date, written into the gradebook as nbgrader's duedate and kept "
+        'for later runs: "YYYY-MM-DD HH:MM[:SS] [ZONE]" (no zone: Exchange.timezone, default UTC); '
+        '"none" removes it. Default: the gradebook\'s',
+    )
+    parser.epilog = (
+        "Late penalty settings as in nbgrader_config.py, for this run: "
+        "--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay --PointsPerDay.points=1 "
+        "--PointsPerDay.cutoff_days=7 --Exchange.timezone=Europe/Berlin"
+    )
+    parser.add_argument(
+        "--replace-late-policy",
+        action="store_true",
+        help="grade with the late-policy settings given now although the assignment was first "
+        "graded with others (kept in the gradebook; without this flag such a run is refused)",
+    )
     args, extra = parser.parse_known_args(argv)
     try:
         nbgrader_settings(extra)
@@ -322,9 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.scheduler or args.scheduler_file:
         from autograder.cluster import Cluster, check
 
-        cluster = Cluster(scheduler=args.scheduler, scheduler_file=str(args.scheduler_file or "") or None,
-                          tls_ca_file=args.tls_ca_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                          local_workers=args.workers)
+        cluster = Cluster(
+            scheduler=args.scheduler,
+            scheduler_file=str(args.scheduler_file or "") or None,
+            tls_ca_file=args.tls_ca_file,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            local_workers=args.workers,
+        )
         try:
             check(cluster)
         except ClusterError as exc:
@@ -339,13 +428,27 @@ def main(argv: list[str] | None = None) -> int:
             return 3
     started = time.perf_counter()
     try:
-        rows = grade_class(args.assignment, args.submissions, args.out, feedback=args.feedback, workers=args.workers,
-                           sandbox_on=not args.no_sandbox, source=args.source, gradebook=args.gradebook,
-                           cell_timeout=args.cell_timeout, notebook_timeout=args.notebook_timeout,
-                           memory_bytes=int(args.memory * 2**30), max_processes=args.max_processes,
-                           output_limit=args.output_limit, progress=not args.quiet, due=args.due,
-                           late_flags=extra, replace_late_policy=args.replace_late_policy,
-                           cluster=cluster, autograded=args.autograded)
+        rows = grade_class(
+            args.assignment,
+            args.submissions,
+            args.out,
+            feedback=args.feedback,
+            workers=args.workers,
+            sandbox_on=not args.no_sandbox,
+            source=args.source,
+            gradebook=args.gradebook,
+            cell_timeout=args.cell_timeout,
+            notebook_timeout=args.notebook_timeout,
+            memory_bytes=int(args.memory * 2**30),
+            max_processes=args.max_processes,
+            output_limit=args.output_limit,
+            progress=not args.quiet,
+            due=args.due,
+            late_flags=extra,
+            replace_late_policy=args.replace_late_policy,
+            cluster=cluster,
+            autograded=args.autograded,
+        )
     except sandbox.SandboxUnavailable as exc:
         print(f"autograder grade: refusing to run learners' code: {exc}", file=sys.stderr)
         return 3
@@ -363,28 +466,39 @@ def summary(rows: list[dict], assignment: str, seconds: float, out: Path, versio
     submissions, the similarity flags, and which submissions were released for another
     decodelab version than the one grading them."""
     counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
-    lines = [f"graded {len(rows)} submissions of {assignment} in {seconds:.0f} s: "
-             + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" -> {out}"]
+    lines = [
+        f"graded {len(rows)} submissions of {assignment} in {seconds:.0f} s: "
+        + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        + f" -> {out}"
+    ]
     for row in rows:
         lines += [f"  {row['student']}: {flag}" for flag in row["notes"].split("; ") if flag.startswith("integrity:")]
     late = [r["student"] for r in rows if r.get("late_penalty") not in ("", "0", None)]
     if late:
-        lines.append(f"  {len(late)} late submission(s) with points off (late_penalty; score is net): "
-                     f"{', '.join(late)}")
-    unknown = [r["student"] for r in rows if any(n.startswith("late:") and "not checked" in n
-                                                 for n in r["notes"].split("; "))]
+        lines.append(
+            f"  {len(late)} late submission(s) with points off (late_penalty; score is net): {', '.join(late)}"
+        )
+    unknown = [
+        r["student"] for r in rows if any(n.startswith("late:") and "not checked" in n for n in r["notes"].split("; "))
+    ]
     if unknown:
         lines.append(f"  {len(unknown)} submission time(s) not read (a late: note; no penalty): {', '.join(unknown)}")
     similar = [r["student"] for r in rows if any(n.startswith("similarity:") for n in r["notes"].split("; "))]
     if similar:
-        lines.append(f"  {len(similar)} submission(s) with answers like another's or the library's "
-                     f"(a similarity: note; scores unchanged): {', '.join(similar)}")
+        lines.append(
+            f"  {len(similar)} submission(s) with answers like another's or the library's "
+            f"(a similarity: note; scores unchanged): {', '.join(similar)}"
+        )
     again = [r["student"] for r in rows if any(n.startswith("grader:") for n in r["notes"].split("; "))]
     if again:
-        lines.append(f"  {len(again)} submission(s) with a grader: note (a lost Dask worker, or a worker that "
-                     f"refused): {', '.join(again)}")
+        lines.append(
+            f"  {len(again)} submission(s) with a grader: note (a lost Dask worker, or a worker that "
+            f"refused): {', '.join(again)}"
+        )
     other = [row["student"] for row in rows if any(n.startswith("version:") for n in row["notes"].split("; "))]
     if other:
-        lines.append(f"  {len(other)} submission(s) not released for decodelab {version}, the version grading them "
-                     f"(a note in their row; scores unchanged): {', '.join(other)}")
+        lines.append(
+            f"  {len(other)} submission(s) not released for decodelab {version}, the version grading them "
+            f"(a note in their row; scores unchanged): {', '.join(other)}"
+        )
     return lines

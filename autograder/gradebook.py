@@ -1,5 +1,6 @@
 """nbgrader's gradebook for one grading run: the private course it is generated from, the due
 date it keeps, and the grades each graded notebook puts into it."""
+
 from __future__ import annotations
 
 import os
@@ -24,10 +25,15 @@ def prepare_course(assignment: str, source: Path, work: Path, db_path: Path) -> 
     ensure_tools_on_path()
     course = work / "course"
     if not (source / assignment / f"{assignment}.ipynb").is_file():
-        raise SystemExit(f"no source notebook {source / assignment / (assignment + '.ipynb')}: "
-                         f"--assignment names a folder of {source}")
-    shutil.copytree(source / assignment, course / "solutions" / assignment,
-                    ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+        raise SystemExit(
+            f"no source notebook {source / assignment / (assignment + '.ipynb')}: "
+            f"--assignment names a folder of {source}"
+        )
+    shutil.copytree(
+        source / assignment,
+        course / "solutions" / assignment,
+        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"),
+    )
     config = load_config()
     config.CourseDirectory.root = str(course)
     db_url = f"sqlite:///{db_path}"
@@ -35,7 +41,9 @@ def prepare_course(assignment: str, source: Path, work: Path, db_path: Path) -> 
     api = NbGraderAPI(CourseDirectory(config=config), config=config)
     outcome = api.generate_assignment(assignment, force=True, create=True)
     if not outcome["success"]:
-        raise SystemExit(f"nbgrader generate_assignment {assignment} failed:\n{outcome.get('error')}\n{outcome.get('log')}")
+        raise SystemExit(
+            f"nbgrader generate_assignment {assignment} failed:\n{outcome.get('error')}\n{outcome.get('log')}"
+        )
     os.chmod(db_path, 0o600)
     return db_url, course / "course" / assignment / f"{assignment}.ipynb"
 
@@ -65,17 +73,25 @@ def save_grades(result: Result, settings: Settings) -> tuple[float, float]:
         result.notes.append(f"manual: {', '.join(kept)} (scored by hand, kept)")
     if result.notebook is not None:
         nb = nbformat.reads(result.notebook, as_version=4)
-        resources = {"nbgrader": {"notebook": notebook_id, "assignment": settings.assignment,
-                                  "student": result.student, "db_url": settings.db_url}}
+        resources = {
+            "nbgrader": {
+                "notebook": notebook_id,
+                "assignment": settings.assignment,
+                "student": result.student,
+                "db_url": settings.db_url,
+            }
+        }
         SaveAutoGrades().preprocess(nb, resources)
     with Gradebook(settings.db_url) as gb:
         sub = gb.find_submission_notebook(notebook_id, settings.assignment, result.student)
-        waiting = [f"{g.name} ({g.max_score:g} points)" for g in sorted(sub.grades, key=lambda g: g.name)
-                   if g.auto_score is None and g.manual_score is None and result.notebook is not None]
+        waiting = [
+            f"{g.name} ({g.max_score:g} points)"
+            for g in sorted(sub.grades, key=lambda g: g.name)
+            if g.auto_score is None and g.manual_score is None and result.notebook is not None
+        ]
         if waiting:
             result.notes.append(f"by hand: {', '.join(waiting)} to grade in formgrader (not in the score yet)")
         return float(sub.score), float(sub.max_score)
-
 
 
 def set_due_date(db_url: str, assignment: str, due: str | None, policy):

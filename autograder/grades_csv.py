@@ -3,6 +3,7 @@
 Columns an instructor added (a "comment" column, a curve) are kept, in their place after ours,
 for every row, across regrades: grading only ever writes COLUMNS.
 """
+
 from __future__ import annotations
 
 import csv
@@ -54,14 +55,18 @@ def read_csv(path: Path) -> dict[tuple[str, str], dict]:
             header = reader.fieldnames or []
             missing = [c for c in ("student", "assignment") if c not in header]
             if missing:
-                raise GradesFileError(f"{path}: not a grades CSV (no {', '.join(missing)} column); "
-                                      "give another --out or move it away")
+                raise GradesFileError(
+                    f"{path}: not a grades CSV (no {', '.join(missing)} column); give another --out or move it away"
+                )
             rows = {}
             for row in reader:
                 row.pop(None, None)  # cells beyond the header
-                rows[(row["student"], row["assignment"])] = {**{k: "" for k in COLUMNS},
-                                                             **{k: v or "" for k, v in row.items()}}
+                rows[(row["student"], row["assignment"])] = {
+                    **{k: "" for k in COLUMNS},
+                    **{k: v or "" for k, v in row.items()},
+                }
             return rows
     except (UnicodeDecodeError, csv.Error, OSError) as exc:
-        raise GradesFileError(f"{path}: cannot be read back ({type(exc).__name__}: {exc}); "
-                              "give another --out or mend it") from None
+        raise GradesFileError(
+            f"{path}: cannot be read back ({type(exc).__name__}: {exc}); give another --out or mend it"
+        ) from None

@@ -8,6 +8,7 @@ release):
   decodelab.lessons.kv_size:parameter_count``);
 * any use of the grader's own package or files (``autograder``): the hidden tests live there.
 """
+
 from __future__ import annotations
 
 import ast
@@ -69,8 +70,11 @@ def scan(nb, release) -> list[str]:
                 used = ref_name in names
             if f"{module}:{ref_name}" in imported or used or ref_name in strings:
                 flags.append(f"{label} uses the reference {module}.{ref_name}")
-        if any(name == "autograder" or name.startswith("autograder.") for name in imported) \
-                or "autograder" in names or any("autograder" in s for s in strings):
+        if (
+            any(name == "autograder" or name.startswith("autograder.") for name in imported)
+            or "autograder" in names
+            or any("autograder" in s for s in strings)
+        ):
             flags.append(f"{label} touches the grader's files (autograder/)")
     return sorted(set(flags))
 

@@ -22,6 +22,7 @@ nbgrader's own plugin (``penalty_method = 'zero'``: any late submission scores 0
 ours work inside nbgrader's own ``nbgrader autograde``. The penalty is clipped to [0, score], as
 nbgrader's `AssignLatePenalties` does.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,14 +45,18 @@ _OFFSET = re.compile(r"[+-]\d{2}:?\d{2}")
 
 # --------------------------------------------------------------------------- the plugins
 
+
 class DailyPenalty(LateSubmissionPlugin):
     """A penalty for each day late (`per_day`), and the whole score past `cutoff_days`."""
 
-    cutoff_days = Float(None, allow_none=True, help="Late by more than this many days: the score is 0. "
-                        "None: no cut-off.").tag(config=True)
-    partial_days = Enum(("whole", "fraction"), default_value="whole",
-                        help="'whole': a started day counts as a day (1.5 days late is 2); "
-                             "'fraction': days are prorated (1.5 is 1.5).").tag(config=True)
+    cutoff_days = Float(
+        None, allow_none=True, help="Late by more than this many days: the score is 0. None: no cut-off."
+    ).tag(config=True)
+    partial_days = Enum(
+        ("whole", "fraction"),
+        default_value="whole",
+        help="'whole': a started day counts as a day (1.5 days late is 2); 'fraction': days are prorated (1.5 is 1.5).",
+    ).tag(config=True)
 
     def per_day(self, score: float) -> float:
         """Points taken for one day late, for a submission that earned `score`."""
@@ -97,8 +102,9 @@ class PercentPerDay(DailyPenalty):
     """`percent` of the score earned off for each day late (nbgrader's plugins see the score
     earned, not the maximum: ours do the same, so they work inside nbgrader too)."""
 
-    percent = Float(10.0, min=0.0, max=100.0,
-                    help="Percent of the score earned taken off per day late.").tag(config=True)
+    percent = Float(10.0, min=0.0, max=100.0, help="Percent of the score earned taken off per day late.").tag(
+        config=True
+    )
 
     def per_day(self, score: float) -> float:
         return score * self.percent / 100.0
@@ -122,6 +128,7 @@ def describe(plugin) -> str:
 
 
 # --------------------------------------------------------------------------- times
+
 
 def parse_time(text: str, default_zone: str = "UTC") -> datetime:
     """A date and time as nbgrader writes them -> an aware UTC datetime; ValueError if it is not one.
@@ -196,13 +203,15 @@ def _quote(text: str, n: int = 60) -> str:
 
 # --------------------------------------------------------------------------- one submission
 
+
 @dataclass
 class Lateness:
     """What the late policy found for one submission."""
-    submitted_at: datetime | None = None   # aware, UTC; None when unknown
+
+    submitted_at: datetime | None = None  # aware, UTC; None when unknown
     seconds_late: float = 0.0
-    penalty: float | None = None           # points off; None when not assessed
-    note: str | None = None                # "late: ..." for the notes column, or None
+    penalty: float | None = None  # points off; None when not assessed
+    note: str | None = None  # "late: ..." for the notes column, or None
 
 
 def read_timestamp(folder: Path | None, default_zone: str = "UTC") -> tuple[datetime | None, str | None]:
@@ -231,8 +240,15 @@ def read_timestamp(folder: Path | None, default_zone: str = "UTC") -> tuple[date
         return None, f"{TIMESTAMP_FILE} is malformed: {exc}"
 
 
-def assess(submitted_at: datetime | None, problem: str | None, due: datetime, score: float, plugin,
-           student: str = "", extension: timedelta | None = None) -> Lateness:
+def assess(
+    submitted_at: datetime | None,
+    problem: str | None,
+    due: datetime,
+    score: float,
+    plugin,
+    student: str = "",
+    extension: timedelta | None = None,
+) -> Lateness:
     """The penalty for a submission that earned `score`, due at `due` (aware or naive UTC; a
     student's extension already added, and named in the note)."""
     if submitted_at is None:
@@ -243,9 +259,11 @@ def assess(submitted_at: datetime | None, problem: str | None, due: datetime, sc
         return Lateness(submitted_at, 0.0, 0.0)
     raw = plugin.late_submission_penalty(student, score, seconds)
     penalty = min(max(float(raw or 0.0), 0.0), max(score, 0.0))
-    note = (f"late: submitted {show(submitted_at)}, {days_text(seconds)} after the due date {show(due)}"
-            f"{extension_text(extension)}: "
-            f"{notes.number(penalty)} point(s) off ({describe(plugin)})")
+    note = (
+        f"late: submitted {show(submitted_at)}, {days_text(seconds)} after the due date {show(due)}"
+        f"{extension_text(extension)}: "
+        f"{notes.number(penalty)} point(s) off ({describe(plugin)})"
+    )
     return Lateness(submitted_at, seconds, penalty, note)
 
 
@@ -259,19 +277,23 @@ def days_text(seconds: float) -> str:
 
 # --------------------------------------------------------------------------- the policy of a run
 
+
 @dataclass
 class LatePolicy:
     """The penalty plugin and the time zone of a grading run (the due date is the gradebook's)."""
+
     plugin: object
     timezone: str = "UTC"
 
-    def assess_folder(self, folder: Path, due: datetime, score: float, student: str = "",
-                      extension: timedelta | None = None) -> Lateness:
+    def assess_folder(
+        self, folder: Path, due: datetime, score: float, student: str = "", extension: timedelta | None = None
+    ) -> Lateness:
         submitted_at, problem = read_timestamp(folder, self.timezone)
         return assess(submitted_at, problem, due, score, self.plugin, student, extension)
 
-    def record(self, db_url: str, assignment: str, notebook_id: str, student: str, folder: Path,
-               score: float) -> Lateness | None:
+    def record(
+        self, db_url: str, assignment: str, notebook_id: str, student: str, folder: Path, score: float
+    ) -> Lateness | None:
         """Assess one graded submission against the gradebook's due date (with the student's
         extension) and write what nbgrader keeps there: the submission's timestamp and the
         notebook's late_submission_penalty. None when the assignment has no due date."""
@@ -348,9 +370,15 @@ def _setting_classes(plugin) -> dict:
     from nbgrader.exchange.abc import Exchange
     from nbgrader.preprocessors import AssignLatePenalties
 
-    known = {"Exchange": Exchange, "AssignLatePenalties": AssignLatePenalties,
-             "LateSubmissionPlugin": LateSubmissionPlugin, "DailyPenalty": DailyPenalty,
-             "PointsPerDay": PointsPerDay, "PercentPerDay": PercentPerDay, "ZeroAfterCutoff": ZeroAfterCutoff}
+    known = {
+        "Exchange": Exchange,
+        "AssignLatePenalties": AssignLatePenalties,
+        "LateSubmissionPlugin": LateSubmissionPlugin,
+        "DailyPenalty": DailyPenalty,
+        "PointsPerDay": PointsPerDay,
+        "PercentPerDay": PercentPerDay,
+        "ZeroAfterCutoff": ZeroAfterCutoff,
+    }
     known[type(plugin).__name__] = type(plugin)
     return known
 
@@ -369,14 +397,17 @@ def check_settings(overrides, policy: LatePolicy) -> None:
         traits = sorted(cls.class_trait_names(config=True))
         for trait in sorted(overrides[section]):
             if trait not in traits:
-                raise ValueError(f"--{section}.{trait}: {section} has no setting {trait!r} "
-                                 f"(its settings: {', '.join(traits)})")
+                raise ValueError(
+                    f"--{section}.{trait}: {section} has no setting {trait!r} (its settings: {', '.join(traits)})"
+                )
         plugin_like = issubclass(cls, LateSubmissionPlugin)
         if plugin_like and not isinstance(policy.plugin, cls):
             used = f"{type(policy.plugin).__module__}.{type(policy.plugin).__name__}"
-            raise ValueError(f"--{section}.… is given but the late penalty plugin is {used}: add "
-                             f"--AssignLatePenalties.plugin_class=autograder.late.{section} (or set it in "
-                             "nbgrader_config.py)")
+            raise ValueError(
+                f"--{section}.… is given but the late penalty plugin is {used}: add "
+                f"--AssignLatePenalties.plugin_class=autograder.late.{section} (or set it in "
+                "nbgrader_config.py)"
+            )
 
 
 # --------------------------------------------------------------------------- the policy kept with the assignment
@@ -390,8 +421,15 @@ def fingerprint(policy: LatePolicy) -> str:
 
     plugin = policy.plugin
     settings = {name: getattr(plugin, name) for name in sorted(plugin.trait_names(config=True))}
-    return json.dumps({"plugin": f"{type(plugin).__module__}.{type(plugin).__name__}", "settings": settings,
-                       "timezone": policy.timezone}, sort_keys=True, default=str)
+    return json.dumps(
+        {
+            "plugin": f"{type(plugin).__module__}.{type(plugin).__name__}",
+            "settings": settings,
+            "timezone": policy.timezone,
+        },
+        sort_keys=True,
+        default=str,
+    )
 
 
 def stored_policy(gradebook: Path, assignment: str) -> dict | None:
@@ -416,8 +454,11 @@ def store_policy(gradebook: Path, assignment: str, flags: list[str], policy: Lat
     import json
     import sqlite3
 
-    record = {"flags": list(flags), "fingerprint": fingerprint(policy),
-              "description": f"{describe(policy.plugin)}, times in {policy.timezone}"}
+    record = {
+        "flags": list(flags),
+        "fingerprint": fingerprint(policy),
+        "description": f"{describe(policy.plugin)}, times in {policy.timezone}",
+    }
     with sqlite3.connect(gradebook) as db:
         db.execute(f"CREATE TABLE IF NOT EXISTS {POLICY_TABLE} (assignment TEXT PRIMARY KEY, policy TEXT NOT NULL)")
         db.execute(f"INSERT OR REPLACE INTO {POLICY_TABLE} VALUES (?, ?)", (assignment, json.dumps(record)))
@@ -436,11 +477,13 @@ def policy_of_run(gradebook: Path, assignment: str, flags: list[str], replace: b
         raise SystemExit(f"autograder grade: {exc}") from None
     if stored is not None and not replace and fingerprint(policy) != stored["fingerprint"]:
         given = " ".join(use) or "nbgrader_config.py alone"
-        raise SystemExit(f"autograder grade: {assignment} was first graded with the late policy "
-                         f"\"{stored['description']}\" ({' '.join(stored['flags']) or 'nbgrader_config.py alone'}), "
-                         f"kept in the gradebook; this run's is \"{describe(policy.plugin)}, times in "
-                         f"{policy.timezone}\" ({given}). Pass --replace-late-policy to grade with the new one "
-                         "(later runs keep it).")
+        raise SystemExit(
+            f"autograder grade: {assignment} was first graded with the late policy "
+            f'"{stored["description"]}" ({" ".join(stored["flags"]) or "nbgrader_config.py alone"}), '
+            f"kept in the gradebook; this run's is \"{describe(policy.plugin)}, times in "
+            f'{policy.timezone}" ({given}). Pass --replace-late-policy to grade with the new one '
+            "(later runs keep it)."
+        )
     return policy, use
 
 
@@ -461,8 +504,9 @@ def late_columns(result, settings, policy, folder: Path | None, score: float) ->
     if policy is None:
         return score, empty
     try:
-        found = policy.record(settings.db_url, settings.assignment, Path(settings.notebook).stem, result.student,
-                              folder, score)
+        found = policy.record(
+            settings.db_url, settings.assignment, Path(settings.notebook).stem, result.student, folder, score
+        )
     except Exception as exc:  # noqa: BLE001 - the grade stands; the note says why nothing was taken off
         result.notes.append(f"late: not checked ({type(exc).__name__}: {notes.short(exc, 150)}), no penalty")
         return score, empty
@@ -471,12 +515,21 @@ def late_columns(result, settings, policy, folder: Path | None, score: float) ->
     if found.note:
         result.notes.append(found.note)
     penalty = found.penalty
-    return max(0.0, score - (penalty or 0.0)), {"submitted_at": show(found.submitted_at),
-                                                "late_penalty": "" if penalty is None else notes.number(penalty)}
+    return max(0.0, score - (penalty or 0.0)), {
+        "submitted_at": show(found.submitted_at),
+        "late_penalty": "" if penalty is None else notes.number(penalty),
+    }
 
 
-LATE_SETTINGS = ("Exchange", "AssignLatePenalties", "LateSubmissionPlugin", "DailyPenalty", "PointsPerDay",
-                 "PercentPerDay", "ZeroAfterCutoff")
+LATE_SETTINGS = (
+    "Exchange",
+    "AssignLatePenalties",
+    "LateSubmissionPlugin",
+    "DailyPenalty",
+    "PointsPerDay",
+    "PercentPerDay",
+    "ZeroAfterCutoff",
+)
 
 
 def nbgrader_settings(extra: list[str]):
@@ -493,6 +546,8 @@ def nbgrader_settings(extra: list[str]):
     plugin = str(config.AssignLatePenalties.get("plugin_class", "")).rpartition(".")[2] if extra else ""
     unknown = sorted(set(config) - set(LATE_SETTINGS) - {plugin})
     if unknown:
-        raise ValueError(f"--{unknown[0]}.…: only the late policy's settings can be given here "
-                         f"({', '.join(LATE_SETTINGS)}, or the plugin class named by AssignLatePenalties.plugin_class)")
+        raise ValueError(
+            f"--{unknown[0]}.…: only the late policy's settings can be given here "
+            f"({', '.join(LATE_SETTINGS)}, or the plugin class named by AssignLatePenalties.plugin_class)"
+        )
     return config

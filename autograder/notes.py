@@ -1,4 +1,5 @@
 """The words of the grader's `notes` column: short, one line, no "; " (the column joins notes with it)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,7 +31,7 @@ def version_note(nb, version: str) -> str | None:
 
 
 def hints_note(folder: Path, assignment: str) -> str | None:
-    """"hints: ex_top_k_filter 2, ex_top_p_filter 1" from the hint counter the notebook's hint
+    """ "hints: ex_top_k_filter 2, ex_top_p_filter 1" from the hint counter the notebook's hint
     buttons write beside it (decodelab/course/hints.py, `.decodelab_hints.json`), when it was
     submitted as a regular file (a link is not followed); None when it was not or no hint was used. Information only: never scored."""
     from autograder import student_files

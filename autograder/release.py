@@ -14,6 +14,7 @@ then records the version of `decodelab` it was made for, in its metadata:
 ``{"decodelab": {"version": "0.2.0"}}`` (`decodelab.__version__`); the class grader notes a
 submission whose recorded version differs from the one grading it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -119,8 +120,9 @@ def generate(names: list[str] | None = None, out: Path = COURSE, solutions: Path
         for name in names:
             result = api.generate_assignment(name, force=True, create=True)
             if not result["success"]:
-                raise RuntimeError(f"nbgrader generate_assignment {name} failed:\n{result.get('error', '')}"
-                                   f"\n{result.get('log', '')}")
+                raise RuntimeError(
+                    f"nbgrader generate_assignment {name} failed:\n{result.get('error', '')}\n{result.get('log', '')}"
+                )
             target = Path(out) / name
             if target.exists():
                 shutil.rmtree(target)

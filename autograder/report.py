@@ -18,6 +18,7 @@ answers (the `q_` cells, read as numbers, never run). It computes, for the class
 The page is one HTML file (plotly inlined, no server, no network); student text (notes, names) is
 escaped and never put inside a plot. --json writes the same numbers for scripts instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,7 @@ from autograder.export import ExportError, check_gradebook, read_grades
 from autograder.notes import short
 
 ROOT = Path(__file__).resolve().parents[1]
-SHOWN_MESSAGES = 3          # clusters of failure messages kept per test cell
+SHOWN_MESSAGES = 3  # clusters of failure messages kept per test cell
 MAX_ANSWER_BYTES = 20_000_000  # a submitted notebook larger than this is not read for its answers
 FAILED = re.compile(r"^(?P<gid>[A-Za-z0-9_]+) failed: (?P<why>.*)$")
 HINTS = re.compile(r"^hints: (?P<counts>.*)$")
@@ -46,10 +47,11 @@ HINTS = re.compile(r"^hints: (?P<counts>.*)$")
 @dataclass
 class CellStats:
     """One graded cell across the class (from the gradebook; `messages` from the notes)."""
+
     grade_id: str
     max_points: float
-    graded: int = 0                 # submissions with a score for this cell
-    waiting: int = 0                # submissions whose answer waits for a person (formgrader): not graded yet
+    graded: int = 0  # submissions with a score for this cell
+    waiting: int = 0  # submissions whose answer waits for a person (formgrader): not graded yet
     full_marks: int = 0
     total_points: float = 0.0
     messages: list = field(default_factory=list)  # [{"message": example, "pattern": masked, "count": n}]
@@ -65,8 +67,8 @@ class CellStats:
 
 @dataclass
 class Prediction:
-    grade_id: str                   # test_q_<name>
-    truth: float | None             # the solution's answer; None when it is not a number
+    grade_id: str  # test_q_<name>
+    truth: float | None  # the solution's answer; None when it is not a number
     answers: dict = field(default_factory=dict)  # student -> the number answered (None: unanswered or not a number)
 
     def ratios(self) -> list[float]:
@@ -91,10 +93,10 @@ def notes_of(row: dict) -> list[str]:
 
 
 def hint_counts(note: str) -> dict[str, int]:
-    """"hints: ex_a 2, ex_b 1" -> {"ex_a": 2, "ex_b": 1} (what autograder.notes.hints_note writes)."""
+    """ "hints: ex_a 2, ex_b 1" -> {"ex_a": 2, "ex_b": 1} (what autograder.notes.hints_note writes)."""
     match = HINTS.match(note)
     counts = {}
-    for part in (match["counts"].split(", ") if match else []):
+    for part in match["counts"].split(", ") if match else []:
         name, _, n = part.rpartition(" ")
         if name and n.isdigit():
             counts[name] = int(n)
@@ -148,8 +150,10 @@ def cluster_failures(rows: list[dict], cells: dict[str, CellStats]) -> None:
                 by_cell.setdefault(match["gid"], Counter())[pattern] += 1
                 example.setdefault((match["gid"], pattern), match["why"])
     for gid, counter in by_cell.items():
-        cells[gid].messages = [{"pattern": p, "message": example[(gid, p)], "count": n}
-                               for p, n in sorted(counter.items(), key=lambda pn: (-pn[1], pn[0]))[:SHOWN_MESSAGES]]
+        cells[gid].messages = [
+            {"pattern": p, "message": example[(gid, p)], "count": n}
+            for p, n in sorted(counter.items(), key=lambda pn: (-pn[1], pn[0]))[:SHOWN_MESSAGES]
+        ]
 
 
 # --------------------------------------------------------------------------- predictions
@@ -174,8 +178,14 @@ def _number(node, depth: int = 0):
                 if abs(right) > 64 or abs(left) > 1e12:  # no 9 ** 9 ** 9
                     return None
                 return float(left) ** right
-            ops = {ast.Add: lambda: left + right, ast.Sub: lambda: left - right, ast.Mult: lambda: left * right,
-                   ast.Div: lambda: left / right, ast.FloorDiv: lambda: left // right, ast.Mod: lambda: left % right}
+            ops = {
+                ast.Add: lambda: left + right,
+                ast.Sub: lambda: left - right,
+                ast.Mult: lambda: left * right,
+                ast.Div: lambda: left / right,
+                ast.FloorDiv: lambda: left // right,
+                ast.Mod: lambda: left % right,
+            }
             op = ops.get(type(node.op))
             value = op() if op else None
         except (ArithmeticError, ValueError):
@@ -203,12 +213,16 @@ def answer_in(source: str, name: str):
 
 
 def _cells_by_id(nb) -> dict[str, str]:
-    return {cell.get("metadata", {}).get("nbgrader", {}).get("grade_id"): cell.get("source", "")
-            for cell in nb.get("cells", []) if isinstance(cell, dict)}
+    return {
+        cell.get("metadata", {}).get("nbgrader", {}).get("grade_id"): cell.get("source", "")
+        for cell in nb.get("cells", [])
+        if isinstance(cell, dict)
+    }
 
 
-def read_predictions(assignment: str, cells: dict[str, CellStats], source: Path,
-                     submissions: Path | None, students: list[str]) -> list[Prediction]:
+def read_predictions(
+    assignment: str, cells: dict[str, CellStats], source: Path, submissions: Path | None, students: list[str]
+) -> list[Prediction]:
     """One Prediction per `test_q_` cell: the solution notebook's answer (the instructor's code, run)
     and, with submissions, each student's (read as a constant, never run)."""
     import nbformat
@@ -254,8 +268,9 @@ def _parse_time(text: str):
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
-def build(assignment: str, grades: Path, gradebook: Path, submissions: Path | None = None,
-          source: Path = ROOT / "solutions") -> dict:
+def build(
+    assignment: str, grades: Path, gradebook: Path, submissions: Path | None = None, source: Path = ROOT / "solutions"
+) -> dict:
     """The report's numbers (what --json writes; the HTML page draws them)."""
     rows = read_grades(grades, assignment)
     students = sorted(r["student"] for r in rows)
@@ -293,15 +308,27 @@ def build(assignment: str, grades: Path, gradebook: Path, submissions: Path | No
         "score_median": statistics.median(scores) if scores else None,
         "statuses": dict(sorted(Counter(r.get("status") or "" for r in rows).items())),
         "cells": [{**asdict(c), "pass_rate": c.pass_rate, "mean_points": c.mean_points} for c in cells.values()],
-        "failed_most": [c.grade_id for c in sorted(test_cells, key=lambda c: (-(c.graded - c.full_marks), c.grade_id))
-                        if c.graded > c.full_marks],
+        "failed_most": [
+            c.grade_id
+            for c in sorted(test_cells, key=lambda c: (-(c.graded - c.full_marks), c.grade_id))
+            if c.graded > c.full_marks
+        ],
         "hints": dict(sorted(hints.items())),
-        "predictions": [{"grade_id": p.grade_id, "truth": p.truth, "answers": p.answers,
-                         "pass_rate": cells[p.grade_id].pass_rate,
-                         "median_ratio": statistics.median(p.ratios()) if p.ratios() else None}
-                        for p in predictions],
-        "late": {r["student"]: float(r["late_penalty"]) for r in rows
-                 if _is_number(r.get("late_penalty")) and float(r["late_penalty"]) > 0},
+        "predictions": [
+            {
+                "grade_id": p.grade_id,
+                "truth": p.truth,
+                "answers": p.answers,
+                "pass_rate": cells[p.grade_id].pass_rate,
+                "median_ratio": statistics.median(p.ratios()) if p.ratios() else None,
+            }
+            for p in predictions
+        ],
+        "late": {
+            r["student"]: float(r["late_penalty"])
+            for r in rows
+            if _is_number(r.get("late_penalty")) and float(r["late_penalty"]) > 0
+        },
         "due": due_utc.isoformat() if due_utc else None,
         "hours_after_due": hours_after_due,
         "similarity": flagged("similarity:"),
@@ -320,18 +347,30 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m autograder report",
         description="One HTML page (or --json) on how a class did on an assignment: scores, statuses, pass rate "
-                    "and clustered failure messages per test cell, hints opened, predictions, late and "
-                    "similarity flags, submission times. Reads what `grade` wrote.")
+        "and clustered failure messages per test cell, hints opened, predictions, late and "
+        "similarity flags, submission times. Reads what `grade` wrote.",
+    )
     parser.add_argument("--assignment", required=True, help="the assignment (e.g. 02_sampling)")
     parser.add_argument("--grades", type=Path, default=Path("grades.csv"), help="grade's --out (default grades.csv)")
     parser.add_argument("--gradebook", type=Path, help="nbgrader gradebook (default: gradebook.db beside --grades)")
-    parser.add_argument("--submissions", type=Path,
-                        help="the graded submissions (<student>/<assignment>/<assignment>.ipynb): adds each "
-                             "prediction's answers (read as numbers, never run)")
-    parser.add_argument("--source", type=Path, default=ROOT / "solutions",
-                        help="the solution notebooks, for the predictions' answers (default: solutions/)")
-    parser.add_argument("--out", type=Path, help="the page to write (default report-<assignment>.html; with "
-                                                 "--json, report-<assignment>.json; '-' prints the JSON)")
+    parser.add_argument(
+        "--submissions",
+        type=Path,
+        help="the graded submissions (<student>/<assignment>/<assignment>.ipynb): adds each "
+        "prediction's answers (read as numbers, never run)",
+    )
+    parser.add_argument(
+        "--source",
+        type=Path,
+        default=ROOT / "solutions",
+        help="the solution notebooks, for the predictions' answers (default: solutions/)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="the page to write (default report-<assignment>.html; with "
+        "--json, report-<assignment>.json; '-' prints the JSON)",
+    )
     parser.add_argument("--json", action="store_true", help="write the numbers as JSON instead of a page")
     args = parser.parse_args(argv)
     gradebook = args.gradebook or args.grades.with_name("gradebook.db")

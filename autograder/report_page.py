@@ -4,6 +4,7 @@ Plotly's JavaScript is inlined once, so the file opens offline and needs no serv
 of student text (names, failure messages, notes) goes into HTML tables, escaped; the plots hold
 only numbers and the instructor's own names (grade ids, exercise names).
 """
+
 from __future__ import annotations
 
 import html
@@ -24,8 +25,12 @@ def _table(header: list[str], rows: list[list], numeric: set[int] = frozenset())
     if not rows:
         return '<p class="muted">none</p>'
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f'<td{" class=n" if i in numeric else ""}>{html.escape(_show(v))}</td>'
-                                    for i, v in enumerate(row)) + "</tr>" for row in rows)
+    body = "".join(
+        "<tr>"
+        + "".join(f"<td{' class=n' if i in numeric else ''}>{html.escape(_show(v))}</td>" for i, v in enumerate(row))
+        + "</tr>"
+        for row in rows
+    )
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
@@ -57,16 +62,25 @@ class _Figures:
 def render(report: dict) -> str:
     """The page for build()'s numbers."""
     figure = _Figures()
-    parts = [f"<h1>{html.escape(report['assignment'])}: the class at a glance</h1>",
-             f"<p>{report['students']} students; mean score {_show(report['score_mean'])}, median "
-             f"{_show(report['score_median'])} of {_show(report['max_score'])}.</p>"]
+    parts = [
+        f"<h1>{html.escape(report['assignment'])}: the class at a glance</h1>",
+        f"<p>{report['students']} students; mean score {_show(report['score_mean'])}, median "
+        f"{_show(report['score_median'])} of {_show(report['max_score'])}.</p>",
+    ]
 
     scores = list(report["scores"].values())
-    fig = go.Figure(go.Histogram(x=scores, xbins=dict(start=0, end=(report["max_score"] or 1) + 0.5, size=0.5)
-                                 if report["max_score"] else None))
+    fig = go.Figure(
+        go.Histogram(
+            x=scores,
+            xbins=dict(start=0, end=(report["max_score"] or 1) + 0.5, size=0.5) if report["max_score"] else None,
+        )
+    )
     fig.update_layout(title="Score distribution", xaxis_title="score (net of late penalty)", yaxis_title="students")
-    parts += ["<h2>Scores and statuses</h2>", figure(fig),
-              _table(["status", "submissions"], [[s, n] for s, n in report["statuses"].items()], {1})]
+    parts += [
+        "<h2>Scores and statuses</h2>",
+        figure(fig),
+        _table(["status", "submissions"], [[s, n] for s, n in report["statuses"].items()], {1}),
+    ]
 
     cells = [c for c in report["cells"] if c["graded"]]
     if cells:
@@ -78,35 +92,64 @@ def render(report: dict) -> str:
     for gid in report["failed_most"]:
         c = by_id[gid]
         top = c["messages"][0] if c["messages"] else None
-        rows.append([gid, c["graded"] - c["full_marks"], c["graded"], _percent(c["pass_rate"]),
-                     f"{top['count']}× {top['message']}" if top else "(no failure note: the notebook did not run)",
-                     "; ".join(f"{m['count']}× {m['message']}" for m in c["messages"][1:])])
-    parts += ["<h3>Failed most, with the most common first failure message</h3>",
-              _table(["cell", "failed", "graded", "full marks", "most common message", "next"], rows, {1, 2})]
+        rows.append(
+            [
+                gid,
+                c["graded"] - c["full_marks"],
+                c["graded"],
+                _percent(c["pass_rate"]),
+                f"{top['count']}× {top['message']}" if top else "(no failure note: the notebook did not run)",
+                "; ".join(f"{m['count']}× {m['message']}" for m in c["messages"][1:]),
+            ]
+        )
+    parts += [
+        "<h3>Failed most, with the most common first failure message</h3>",
+        _table(["cell", "failed", "graded", "full marks", "most common message", "next"], rows, {1, 2}),
+    ]
 
     hints = report["hints"]
     if hints:
         fig = go.Figure(go.Bar(x=list(hints), y=[h["students"] for h in hints.values()], name="students"))
         fig.update_layout(title="Hints opened per exercise", yaxis_title="students who opened one or more")
         parts += ["<h2>Hints</h2>", figure(fig)]
-    parts.append(_table(["exercise", "students", "rungs opened"],
-                        [[e, h["students"], h["rungs"]] for e, h in hints.items()], {1, 2}))
+    parts.append(
+        _table(
+            ["exercise", "students", "rungs opened"], [[e, h["students"], h["rungs"]] for e, h in hints.items()], {1, 2}
+        )
+    )
 
     predictions = report["predictions"]
     if predictions:
         parts.append("<h2>Predictions</h2>")
-        ratios = [(p["grade_id"], a / p["truth"]) for p in predictions if p["truth"]
-                  for a in p["answers"].values() if isinstance(a, (int, float)) and a / p["truth"] > 0]
+        ratios = [
+            (p["grade_id"], a / p["truth"])
+            for p in predictions
+            if p["truth"]
+            for a in p["answers"].values()
+            if isinstance(a, (int, float)) and a / p["truth"] > 0
+        ]
         if ratios:
-            fig = go.Figure(go.Box(x=[r for _, r in ratios], y=[g for g, _ in ratios], orientation="h",
-                                   boxpoints="all", jitter=0.4))
+            fig = go.Figure(
+                go.Box(x=[r for _, r in ratios], y=[g for g, _ in ratios], orientation="h", boxpoints="all", jitter=0.4)
+            )
             fig.update_layout(title="Answer ÷ the right answer (1 = exact; log scale)", xaxis_type="log")
             parts.append(figure(fig, 120 + 40 * len(predictions)))
-        parts.append(_table(
-            ["cell", "right answer", "graded correct", "answered", "median answer ÷ right"],
-            [[p["grade_id"], p["truth"], _percent(p["pass_rate"]),
-              sum(isinstance(a, (int, float)) for a in p["answers"].values()) if p["answers"] else "–",
-              p["median_ratio"]] for p in predictions], {1, 3, 4}))
+        parts.append(
+            _table(
+                ["cell", "right answer", "graded correct", "answered", "median answer ÷ right"],
+                [
+                    [
+                        p["grade_id"],
+                        p["truth"],
+                        _percent(p["pass_rate"]),
+                        sum(isinstance(a, (int, float)) for a in p["answers"].values()) if p["answers"] else "–",
+                        p["median_ratio"],
+                    ]
+                    for p in predictions
+                ],
+                {1, 3, 4},
+            )
+        )
 
     parts.append("<h2>Late, similarity, integrity</h2>")
     parts.append(_table(["student", "late penalty"], [[s, p] for s, p in report["late"].items()], {1}))
@@ -114,9 +157,14 @@ def render(report: dict) -> str:
     parts.append(_table(["student", "integrity"], [[s, "; ".join(n)] for s, n in report["integrity"].items()]))
     if report["hours_after_due"]:
         fig = go.Figure(go.Histogram(x=list(report["hours_after_due"].values())))
-        fig.update_layout(title=f"When work was submitted (due {report['due']})",
-                          xaxis_title="hours after the due date (negative: before)", yaxis_title="submissions")
+        fig.update_layout(
+            title=f"When work was submitted (due {report['due']})",
+            xaxis_title="hours after the due date (negative: before)",
+            yaxis_title="submissions",
+        )
         parts += ["<h2>Timing</h2>", figure(fig)]
     body = "\n".join(parts)
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(report['assignment'])} report"
-            f"</title><style>{STYLE}</style></head><body>{body}</body></html>")
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(report['assignment'])} report"
+        f"</title><style>{STYLE}</style></head><body>{body}</body></html>"
+    )

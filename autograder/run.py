@@ -13,6 +13,7 @@ raises NotImplementedError"): no traceback into the check, so the hidden tests' 
 shows in the feedback. Whatever the function under test prints, or warns, is swallowed:
 nbgrader would score a test cell 0 for a single line on stderr.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -24,6 +24,7 @@ The grader side: `SandboxKernelManager` (a jupyter_client AsyncKernelManager tha
 through this module with the ipc transport, always the grader's own Python kernel) and
 `Sandbox` (makes and removes the per-kernel folders and cgroups, kills what is left).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -62,27 +63,31 @@ class Limits:
 @dataclass
 class Spec:
     """What the launcher needs; travels as JSON on its command line."""
+
     uid: int
     scratch: str
     ipc_dir: str
     limits: dict
-    hide: list = field(default_factory=list)       # folders/files the kernel must not see
-    readable: list = field(default_factory=list)   # folders the kernel must read (Python, cache, repo)
+    hide: list = field(default_factory=list)  # folders/files the kernel must not see
+    readable: list = field(default_factory=list)  # folders the kernel must read (Python, cache, repo)
     env: dict = field(default_factory=dict)
     cgroup: str = ""
-    discard_stdio: bool = True                      # the kernel's own stdout/stderr to /dev/null
+    discard_stdio: bool = True  # the kernel's own stdout/stderr to /dev/null
 
 
 # --------------------------------------------------------------------------- checks
+
 
 def unavailable_reason() -> str | None:
     """Why the sandbox cannot run here, or None when it can."""
     if not sys.platform.startswith("linux"):
         return f"the grading sandbox needs Linux namespaces; this is {sys.platform}"
     if os.geteuid() != 0:
-        return ("the grading sandbox needs root (it runs each kernel as its own unprivileged uid, "
-                "in its own namespaces and cgroup); run as root, or pass --no-sandbox to grade "
-                "without isolation")
+        return (
+            "the grading sandbox needs root (it runs each kernel as its own unprivileged uid, "
+            "in its own namespaces and cgroup); run as root, or pass --no-sandbox to grade "
+            "without isolation"
+        )
     return None
 
 
@@ -98,11 +103,14 @@ def _check(result: int, what: str) -> None:
 
 def _mount(libc, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     enc = lambda s: s.encode() if s is not None else None  # noqa: E731
-    _check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-           f"mount {source} on {target}")
+    _check(
+        libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+        f"mount {source} on {target}",
+    )
 
 
 # --------------------------------------------------------------------------- cgroups
+
 
 def _cgroup_roots() -> dict[str, Path]:
     """controller -> the folder where we may make child cgroups ("pids", "memory"), v1 or v2."""
@@ -282,6 +290,7 @@ def kill_all(uid: int, cgroup: str) -> None:
 
 # --------------------------------------------------------------------------- the launcher (runs as root, then drops)
 
+
 def _traversable_by_others(path: Path) -> bool:
     for folder in [path, *path.parents]:
         try:
@@ -408,13 +417,21 @@ def kernel_env(extra: dict | None = None, kit: Path | None = None) -> dict[str, 
     env = {
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
         "PYTHONPATH": os.pathsep.join([str(kit or ROOT), str(ROOT / "lib")]),
-        "HOME": "/tmp", "TMPDIR": "/tmp", "IPYTHONDIR": "/tmp/.ipython", "MPLCONFIGDIR": "/tmp/.matplotlib",
-        "JUPYTER_PLATFORM_DIRS": "1", "JUPYTER_RUNTIME_DIR": "/tmp/.jupyter",
+        "HOME": "/tmp",
+        "TMPDIR": "/tmp",
+        "IPYTHONDIR": "/tmp/.ipython",
+        "MPLCONFIGDIR": "/tmp/.matplotlib",
+        "JUPYTER_PLATFORM_DIRS": "1",
+        "JUPYTER_RUNTIME_DIR": "/tmp/.jupyter",
         "DECODELAB_CACHE": str(cache_dir()),
         "NBGRADER_EXECUTION": "autograde",
-        "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-        "PYDEVD_DISABLE_FILE_VALIDATION": "1", "PYTHONDONTWRITEBYTECODE": "1",
-        "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
     }
     for key in ("DECODELAB_FAST",):
         if os.environ.get(key):
@@ -452,9 +469,11 @@ def repository_hidden(readable: list[str]) -> list[str]:
     """Every top-level entry of the repository that holds nothing the kernel reads: all but
     lib/ and a folder that holds a readable path (a virtual environment inside the checkout).
     Links are left alone (a mount on one would land on its target)."""
-    keep = {ROOT / "lib"} | {ROOT / Path(p).relative_to(ROOT).parts[0] for p in readable
-                              if Path(p) != ROOT and ROOT in Path(p).parents}
+    keep = {ROOT / "lib"} | {
+        ROOT / Path(p).relative_to(ROOT).parts[0] for p in readable if Path(p) != ROOT and ROOT in Path(p).parents
+    }
     return sorted(str(p) for p in ROOT.iterdir() if p not in keep and not p.is_symlink())
+
 
 def share_model_cache() -> list[str]:
     """Make the prepared models readable by the kernels' uids (the converter may leave its
@@ -519,9 +538,16 @@ class Sandbox:
         from decodelab.paths import cache_dir
 
         readable = [sys.base_prefix, sys.prefix, str(ROOT / "lib"), str(self.kit), str(cache_dir())]
-        return Spec(uid=self.uid, scratch=str(self.scratch), ipc_dir=str(self.ipc_dir), limits=asdict(self.limits),
-                    hide=self.hide + repository_hidden(readable), readable=readable,
-                    env=kernel_env(kit=self.kit), cgroup=self.cgroup)
+        return Spec(
+            uid=self.uid,
+            scratch=str(self.scratch),
+            ipc_dir=str(self.ipc_dir),
+            limits=asdict(self.limits),
+            hide=self.hide + repository_hidden(readable),
+            readable=readable,
+            env=kernel_env(kit=self.kit),
+            cgroup=self.cgroup,
+        )
 
     def oom_killed(self) -> bool:
         return self.enabled and cgroup_oom_killed(self.cgroup)
@@ -539,6 +565,7 @@ def kernel_manager_class():
 
     class SandboxKernelManager(AsyncKernelManager):
         """Always the grader's own Python kernel, over ipc sockets, through the launcher."""
+
         sandbox = AnyTrait(None)
 
         def format_kernel_cmd(self, extra_arguments=None):
@@ -555,8 +582,13 @@ def kernel_manager_class():
             box: Sandbox | None = self.sandbox
             if box is not None and not box.enabled:
                 env = dict(os.environ)
-                env.update({k: v for k, v in kernel_env().items() if k not in ("HOME", "TMPDIR", "IPYTHONDIR",
-                                                                                 "MPLCONFIGDIR", "JUPYTER_RUNTIME_DIR")})
+                env.update(
+                    {
+                        k: v
+                        for k, v in kernel_env().items()
+                        if k not in ("HOME", "TMPDIR", "IPYTHONDIR", "MPLCONFIGDIR", "JUPYTER_RUNTIME_DIR")
+                    }
+                )
                 kw["env"] = env
             return await super()._async_pre_start_kernel(**kw)
 
@@ -598,17 +630,19 @@ def preflight(work: Path, limits: Limits, hide: list[Path], slot: int | None = N
     remove_stale_cgroups()
     box = Sandbox(work, "preflight", slot or 0, limits, hide)
     box.prepare("probe.ipynb", b"{}")
-    probe = ("import os, socket, sys\n"
-             "assert os.getuid() != 0, 'still root'\n"
-             "try:\n    socket.create_connection(('127.0.0.1', 9), timeout=1); sys.exit('network reachable')\n"
-             "except OSError: pass\n"
-             "assert sorted(os.listdir('.')) == ['probe.ipynb'], os.listdir('.')\n"
-             "import importlib.util, pathlib, autograder.run\n"
-             "assert importlib.util.find_spec('torch') and importlib.util.find_spec('decodelab'), 'no torch/decodelab'\n"
-             f"for f in pathlib.Path({str(cache_dir())!r}).rglob('*.safetensors'):\n"
-             "    f.open('rb').read(8)  # the prepared model is readable\n"
-             f"assert not list(pathlib.Path({str(ROOT / 'solutions')!r}).glob('*/*.ipynb')), 'solutions/ readable'\n"
-             "print('sandbox ok')\n")
+    probe = (
+        "import os, socket, sys\n"
+        "assert os.getuid() != 0, 'still root'\n"
+        "try:\n    socket.create_connection(('127.0.0.1', 9), timeout=1); sys.exit('network reachable')\n"
+        "except OSError: pass\n"
+        "assert sorted(os.listdir('.')) == ['probe.ipynb'], os.listdir('.')\n"
+        "import importlib.util, pathlib, autograder.run\n"
+        "assert importlib.util.find_spec('torch') and importlib.util.find_spec('decodelab'), 'no torch/decodelab'\n"
+        f"for f in pathlib.Path({str(cache_dir())!r}).rglob('*.safetensors'):\n"
+        "    f.open('rb').read(8)  # the prepared model is readable\n"
+        f"assert not list(pathlib.Path({str(ROOT / 'solutions')!r}).glob('*/*.ipynb')), 'solutions/ readable'\n"
+        "print('sandbox ok')\n"
+    )
     spec = box.spec()
     spec.discard_stdio = False
     cmd = launcher_command(box, spec) + [sys.executable, "-c", probe]
@@ -617,9 +651,12 @@ def preflight(work: Path, limits: Limits, hide: list[Path], slot: int | None = N
     finally:
         box.cleanup()
     if result.returncode != 0 or "sandbox ok" not in result.stdout:
-        raise SandboxUnavailable("the kernel sandbox does not work on this machine (user/network/mount "
-                                 "namespaces or setuid refused): " + (result.stderr.strip()[-800:] or result.stdout[-800:])
-                                 + "\npass --no-sandbox to grade without isolation")
+        raise SandboxUnavailable(
+            "the kernel sandbox does not work on this machine (user/network/mount "
+            "namespaces or setuid refused): "
+            + (result.stderr.strip()[-800:] or result.stdout[-800:])
+            + "\npass --no-sandbox to grade without isolation"
+        )
 
 
 def main(argv: list[str]) -> None:

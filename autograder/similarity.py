@@ -26,6 +26,7 @@ library with one line changed 0.98. Across the course, the solution cells that c
 library with one statement changed score 0.91-0.99, and one statement added drops a 90-token
 answer to 0.85: 0.9 flags light edits of a copy, never the same idea written twice.
 """
+
 from __future__ import annotations
 
 import ast
@@ -45,14 +46,15 @@ from autograder.cells import grade_id, is_answer_cell
 
 NEAR = 0.9
 MIN_TOKENS = 50
-MAX_SOURCE = 200_000          # characters of one cell; longer cells are not compared
-MAX_TOKENS = 5_000            # longer answers are checked for identity only (the ratio is quadratic)
-SHOWN = 5                     # names listed in one note; the rest are counted
+MAX_SOURCE = 200_000  # characters of one cell; longer cells are not compared
+MAX_TOKENS = 5_000  # longer answers are checked for identity only (the ratio is quadratic)
+SHOWN = 5  # names listed in one note; the rest are counted
 BUILTINS = frozenset(dir(builtins))
 LIBRARY = "the library's "
 
 
 # --------------------------------------------------------------------------- normalising
+
 
 class _Normaliser(ast.NodeTransformer):
     """Renames identifiers by first appearance and replaces literals with placeholders."""
@@ -133,12 +135,14 @@ def tokens(module: ast.Module) -> tuple[str, ...]:
     for tok in tokenize.generate_tokens(io.StringIO(ast.unparse(module)).readline):
         if tok.type in (tokenize.NL, tokenize.COMMENT, tokenize.ENDMARKER, tokenize.ENCODING):
             continue
-        out.append({tokenize.INDENT: "<in>", tokenize.DEDENT: "<de>", tokenize.NEWLINE: "<nl>"}.get(tok.type,
-                                                                                                  tok.string))
+        out.append(
+            {tokenize.INDENT: "<in>", tokenize.DEDENT: "<de>", tokenize.NEWLINE: "<nl>"}.get(tok.type, tok.string)
+        )
     return tuple(out)
 
 
 # --------------------------------------------------------------------------- the learner's part
+
 
 def learner_part(body: list, scaffold: list) -> list:
     """The statements of `body` the learner wrote: those of a function or class the scaffold
@@ -184,12 +188,14 @@ def reference_tokens(reference: str, scaffold: ast.stmt) -> tuple[str, ...] | No
 
 # --------------------------------------------------------------------------- the class
 
+
 @dataclass
 class Answer:
     """One party's normalised answer to one cell: a student, or the library's reference."""
-    who: str                      # a student id, or "the library's module.function"
+
+    who: str  # a student id, or "the library's module.function"
     tokens: tuple[str, ...]
-    matches: list = field(default_factory=list)   # (ratio, other's label)
+    matches: list = field(default_factory=list)  # (ratio, other's label)
 
     @property
     def label(self) -> str:
@@ -211,8 +217,11 @@ def cell_references(scaffold_source: str, refs: dict[str, str]) -> list[tuple[st
         body = ast.parse(scaffold_source).body
     except SyntaxError:
         return []
-    return [(refs[s.name], s) for s in body
-            if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and s.name in refs]
+    return [
+        (refs[s.name], s)
+        for s in body
+        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and s.name in refs
+    ]
 
 
 def read_answers(path: Path, gids) -> dict[str, str]:
@@ -276,8 +285,9 @@ def notes_for(gid: str, answer: Answer) -> list[str]:
     if len(near) == 1:
         notes.append(f"similarity: {gid} near-identical ({_floor(near[0][0])}) to {near[0][1]}")
     elif near:
-        notes.append(f"similarity: {gid} near-identical to "
-                     + _listed([f"{label} ({_floor(ratio)})" for ratio, label in near]))
+        notes.append(
+            f"similarity: {gid} near-identical to " + _listed([f"{label} ({_floor(ratio)})" for ratio, label in near])
+        )
     return notes
 
 
@@ -293,8 +303,13 @@ def _listed(labels: list[str]) -> str:
     return shown + (f" and {len(ordered) - SHOWN} more" if len(ordered) > SHOWN else "")
 
 
-def class_notes(release, submissions: dict[str, Path], refs: dict[str, str] | None = None,
-                near: float = NEAR, min_tokens: int = MIN_TOKENS) -> dict[str, list[str]]:
+def class_notes(
+    release,
+    submissions: dict[str, Path],
+    refs: dict[str, str] | None = None,
+    near: float = NEAR,
+    min_tokens: int = MIN_TOKENS,
+) -> dict[str, list[str]]:
     """student -> similarity notes, comparing every submission's answer cells with each other's
     and with the library's references (`refs`: integrity.references() when None)."""
     if refs is None:
@@ -313,8 +328,9 @@ def class_notes(release, submissions: dict[str, Path], refs: dict[str, str] | No
     return {student: found for student, found in notes.items() if found}
 
 
-def _cell_answers(gid: str, scaffold: str, sources: dict[str, dict[str, str]], refs: dict[str, str],
-                  min_tokens: int) -> list[Answer]:
+def _cell_answers(
+    gid: str, scaffold: str, sources: dict[str, dict[str, str]], refs: dict[str, str], min_tokens: int
+) -> list[Answer]:
     answers = []
     for student, cells in sources.items():
         found = answer_tokens(cells[gid], scaffold) if gid in cells else None

@@ -10,6 +10,7 @@ uid may still run (`sandbox.kill_uid`) before using it.
 
     slot = slots.acquire()      # Slot(number, fd); slots.release(slot) or slot exit frees it
 """
+
 from __future__ import annotations
 
 import fcntl

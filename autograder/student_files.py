@@ -7,6 +7,7 @@ through `read_bytes`, which opens each folder on the way and the file itself wit
 (a link swapped in between a check and the open is refused too), and accepts only a regular
 file no larger than the cap. A refusal says why in words that hold nothing read from the file.
 """
+
 from __future__ import annotations
 
 import errno
@@ -14,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-NOTEBOOK_MAX_BYTES = 64 * 2**20   # a submitted notebook (outputs included) larger than this is refused
+NOTEBOOK_MAX_BYTES = 64 * 2**20  # a submitted notebook (outputs included) larger than this is refused
 SMALL_FILE_MAX_BYTES = 64 * 2**10  # timestamp.txt, submission_secret.txt, the hint counter
 
 

@@ -5,6 +5,7 @@ status and notes.
 status (the first that applies wins; autograder/grade.py explains each to the instructor):
 grader_error, unreadable, missing, crashed, timeout, tampered, ok.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,17 +26,17 @@ STATUSES = ("grader_error", "unreadable", "missing", "crashed", "timeout", "tamp
 @dataclass
 class Settings:
     assignment: str
-    notebook: str                 # file name, <assignment>.ipynb
+    notebook: str  # file name, <assignment>.ipynb
     db_url: str
-    release: str                  # the released notebook nbgrader generated (trusted)
-    work: str                     # the grader's private work folder
+    release: str  # the released notebook nbgrader generated (trusted)
+    work: str  # the grader's private work folder
     cell_timeout: float = 300.0
     notebook_timeout: float = 1800.0
     output_limit: int = 1_000_000  # bytes kept per cell; the rest is cut (and never costs marks)
     sandbox: bool = True
     limits: dict = field(default_factory=dict)
     hide: list = field(default_factory=list)
-    version: str = ""             # the decodelab grading (decodelab.__version__); "" = not checked
+    version: str = ""  # the decodelab grading (decodelab.__version__); "" = not checked
 
 
 @dataclass
@@ -43,9 +44,8 @@ class Result:
     student: str
     status: str = "ok"
     notes: list = field(default_factory=list)
-    notebook: str | None = None    # the graded notebook (nbformat JSON text), None if it never ran
-    tries: int = 1                 # on a Dask cluster: the try that graded it (a lost worker: > 1)
-
+    notebook: str | None = None  # the graded notebook (nbformat JSON text), None if it never ran
+    tries: int = 1  # on a Dask cluster: the try that graded it (a lost worker: > 1)
 
 
 def worst(statuses) -> str:
@@ -53,6 +53,7 @@ def worst(statuses) -> str:
 
 
 # --------------------------------------------------------------------------- tampering
+
 
 def check_tampering(nb, release) -> tuple[list[str], bool]:
     """Repair what can be repaired before nbgrader restores the test cells; returns (notes,
@@ -87,8 +88,11 @@ def check_tampering(nb, release) -> tuple[list[str], bool]:
     for gid, want in released_tests.items():
         if gid in seen:
             continue
-        stripped = [c for c in nb.cells if c.cell_type == "code" and not meta(c).get("grade_id")
-                    and c.source.strip() == want.source.strip()]
+        stripped = [
+            c
+            for c in nb.cells
+            if c.cell_type == "code" and not meta(c).get("grade_id") and c.source.strip() == want.source.strip()
+        ]
         tampered = True
         if stripped:
             stripped[0].metadata["nbgrader"] = copy.deepcopy(want.metadata.nbgrader)
@@ -99,6 +103,7 @@ def check_tampering(nb, release) -> tuple[list[str], bool]:
 
 
 # --------------------------------------------------------------------------- execution
+
 
 def settle_test_cells(nb, ex) -> list[str]:
     """Make each test cell's outputs say what its execute reply said (nbgrader scores outputs):
@@ -112,14 +117,19 @@ def settle_test_cells(nb, ex) -> list[str]:
         gid = meta(cell).get("grade_id")
         status = ex.replies.get(index) if ex is not None else None
         if status == "ok" and index not in ex.timed_out:
-            cell.outputs = [o for o in cell.outputs if o.output_type != "error"
-                            and not (o.output_type == "stream" and o.name == "stderr")]
+            cell.outputs = [
+                o
+                for o in cell.outputs
+                if o.output_type != "error" and not (o.output_type == "stream" and o.name == "stderr")
+            ]
             continue
         errors = [o for o in cell.outputs if o.output_type == "error"]
         if index in getattr(ex, "timed_out", ()):
             why = "timed out"
         elif status is None:
-            why = "not run (the kernel had " + ("died" if ex is not None and ex.stopped == "crashed" else "stopped") + ")"
+            why = (
+                "not run (the kernel had " + ("died" if ex is not None and ex.stopped == "crashed" else "stopped") + ")"
+            )
         elif errors:
             why = f"{errors[0].get('ename', 'error')}: {one_note(errors[0].get('evalue', ''), 100)}"
         else:
@@ -132,7 +142,7 @@ def settle_test_cells(nb, ex) -> list[str]:
 
 # --------------------------------------------------------------------------- one submission (a worker)
 
-_SLOT = 0   # the host-wide sandbox slot this pool process holds (autograder/slots.py)
+_SLOT = 0  # the host-wide sandbox slot this pool process holds (autograder/slots.py)
 _SLOT_HELD = None
 
 
@@ -157,7 +167,9 @@ def init_worker() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def grade_one(student: str, path: str, settings: Settings, slot: int | None = None, within: str | None = None) -> Result:
+def grade_one(
+    student: str, path: str, settings: Settings, slot: int | None = None, within: str | None = None
+) -> Result:
     """Read, check, sanitize (nbgrader), execute (sandboxed in `slot`, default this pool process's):
     never raises. `within`: the submissions folder the path is read from without following a
     link on the way (default: the notebook's own folder)."""
@@ -192,8 +204,14 @@ def _read(path: Path, within: Path):
 
 def _grade_one(result: Result, path: Path, settings: Settings, slot: int = 0, within: Path | None = None) -> None:
     import nbformat
-    from nbgrader.preprocessors import (CheckCellMetadata, ClearOutput, DeduplicateIds, LimitOutput, OverwriteCells,
-                                        OverwriteKernelspec)
+    from nbgrader.preprocessors import (
+        CheckCellMetadata,
+        ClearOutput,
+        DeduplicateIds,
+        LimitOutput,
+        OverwriteCells,
+        OverwriteKernelspec,
+    )
 
     from autograder import integrity, sandbox
     from autograder.executor import SandboxedExecute
@@ -220,17 +238,33 @@ def _grade_one(result: Result, path: Path, settings: Settings, slot: int = 0, wi
     statuses = ["tampered"] if tampered else []
     result.notes.extend(f"integrity: {flag}" for flag in integrity.scan(nb, release))
 
-    resources = {"nbgrader": {"notebook": Path(settings.notebook).stem, "assignment": settings.assignment,
-                              "student": result.student, "db_url": settings.db_url}}
+    resources = {
+        "nbgrader": {
+            "notebook": Path(settings.notebook).stem,
+            "assignment": settings.assignment,
+            "student": result.student,
+            "db_url": settings.db_url,
+        }
+    }
     for pp in (ClearOutput(), DeduplicateIds(), OverwriteKernelspec(), OverwriteCells(), CheckCellMetadata()):
         nb, resources = pp.preprocess(nb, resources)
 
     limits = sandbox.Limits(**settings.limits)
-    box = sandbox.Sandbox(Path(settings.work), result.student.replace(os.sep, "_"), slot, limits,
-                          [Path(p) for p in settings.hide], enabled=settings.sandbox)
+    box = sandbox.Sandbox(
+        Path(settings.work),
+        result.student.replace(os.sep, "_"),
+        slot,
+        limits,
+        [Path(p) for p in settings.hide],
+        enabled=settings.sandbox,
+    )
     box.prepare(settings.notebook, raw)
-    ex = SandboxedExecute(extra_arguments=["--HistoryManager.hist_file=:memory:"], allow_errors=True,
-                          interrupt_on_timeout=True, raise_on_iopub_timeout=True)
+    ex = SandboxedExecute(
+        extra_arguments=["--HistoryManager.hist_file=:memory:"],
+        allow_errors=True,
+        interrupt_on_timeout=True,
+        raise_on_iopub_timeout=True,
+    )
     ex.setup(box, settings)
     resources["metadata"] = {"path": str(box.scratch)}
     try:

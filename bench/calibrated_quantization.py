@@ -15,6 +15,7 @@ on 7 modules it never saw; SmolLM2 calibrates on the second half of heldout_en.t
 is scored on the first half. Writes bench/results/calibrated_quantization_<model>.json (with the
 command). Timings share a 2-core machine with whatever else runs: the load average is recorded.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,12 +35,13 @@ import torch  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "lib"), str(HERE)]
 
+from quantization import PROMPTS, asymmetric_g32_error, same_prefix  # noqa: E402  (bench/quantization.py)
+
 from decodelab.decoding.generate import stream_token_ids  # noqa: E402
 from decodelab.lessons.perplexity import perplexity  # noqa: E402
 from decodelab.model.calibration import METHODS, apply_layers, calibrate_model, calibration_ids, text_split  # noqa: E402
 from decodelab.model.registry import load  # noqa: E402
 from decodelab.params import SamplingParams  # noqa: E402
-from quantization import PROMPTS, asymmetric_g32_error, same_prefix  # noqa: E402  (bench/quantization.py)
 
 TEXT = {"tiny": "code", "smollm2": "en"}
 DEFAULTS = {  # calibration sequences x length, held-out tokens scored
@@ -62,57 +64,86 @@ def bench_model(name, args):
     sizes = {k: getattr(args, k) or v for k, v in DEFAULTS[name].items()}
     split = text_split(TEXT[name])
     calib = calibration_ids(tokenizer, split.calibration, sizes["sequences"], sizes["length"])
-    heldout = tokenizer.encode(split.heldout)[:sizes["ppl_tokens"]]
+    heldout = tokenizer.encode(split.heldout)[: sizes["ppl_tokens"]]
     window = min(args.window, model.config.max_position_embeddings)
     stride = args.stride or window // 2
-    prompts = [tokenizer.encode(p) for p in PROMPTS[name][:args.prompts]]
+    prompts = [tokenizer.encode(p) for p in PROMPTS[name][: args.prompts]]
     base_ppl = perplexity(model, heldout, window=window, stride=stride)
     reference = greedy(model, prompts, args.gen_tokens)
-    result = {"model": name, "calibration": split.calibration_name, "heldout": split.heldout_name,
-              "calibration_tokens": list(calib.shape), "heldout_tokens": len(heldout),
-              "float32": {"perplexity": base_ppl, "linear_bytes": float_linear_bytes(model)}, "rows": []}
+    result = {
+        "model": name,
+        "calibration": split.calibration_name,
+        "heldout": split.heldout_name,
+        "calibration_tokens": list(calib.shape),
+        "heldout_tokens": len(heldout),
+        "float32": {"perplexity": base_ppl, "linear_bytes": float_linear_bytes(model)},
+        "rows": [],
+    }
     if name == "smollm2":
         result["q4_1_grid_relative_error"] = asymmetric_g32_error(model)
-    print(f"{name}: float32 perplexity {base_ppl:.3f} on {len(heldout)} tokens of {split.heldout_name}; "
-          f"calibration {calib.shape[0]} x {calib.shape[1]} tokens of {split.calibration_name}", flush=True)
+    print(
+        f"{name}: float32 perplexity {base_ppl:.3f} on {len(heldout)} tokens of {split.heldout_name}; "
+        f"calibration {calib.shape[0]} x {calib.shape[1]} tokens of {split.calibration_name}",
+        flush=True,
+    )
     for bits, group_size in args.settings:
         for method in METHODS:
             made = calibrate_model(model, calib, method, bits, group_size, awq_rows=args.awq_rows)
             quantized = apply_layers(copy.deepcopy(model), made.layers)
             ppl = perplexity(quantized, heldout, window=window, stride=stride)
             prefix = [same_prefix(a, b) for a, b in zip(greedy(quantized, prompts, args.gen_tokens), reference)]
-            groups = sorted({f"{m.in_features} inputs -> g{m.group_size}" for m in made.layers.values()
-                             if m.group_size != group_size})
-            row = {"setting": f"int{bits}-g{group_size}", "method": method, "perplexity": ppl,
-                   "ppl_change_pct": 100 * (ppl / base_ppl - 1), "greedy_same_prefix": prefix,
-                   "greedy_tokens_each": args.gen_tokens, "linear_bytes": made.nbytes,
-                   "bytes_vs_fp32": made.nbytes / result["float32"]["linear_bytes"],
-                   "calibration_seconds": made.seconds, "group_size_fallbacks": groups}
+            groups = sorted(
+                {
+                    f"{m.in_features} inputs -> g{m.group_size}"
+                    for m in made.layers.values()
+                    if m.group_size != group_size
+                }
+            )
+            row = {
+                "setting": f"int{bits}-g{group_size}",
+                "method": method,
+                "perplexity": ppl,
+                "ppl_change_pct": 100 * (ppl / base_ppl - 1),
+                "greedy_same_prefix": prefix,
+                "greedy_tokens_each": args.gen_tokens,
+                "linear_bytes": made.nbytes,
+                "bytes_vs_fp32": made.nbytes / result["float32"]["linear_bytes"],
+                "calibration_seconds": made.seconds,
+                "group_size_fallbacks": groups,
+            }
             result["rows"].append(row)
-            print(f"  int{bits}-g{group_size} {method:<9} ppl {ppl:9.3f} ({row['ppl_change_pct']:+7.1f}%)  "
-                  f"greedy {sum(prefix)}/{len(prefix) * args.gen_tokens}  {made.seconds:6.1f} s", flush=True)
+            print(
+                f"  int{bits}-g{group_size} {method:<9} ppl {ppl:9.3f} ({row['ppl_change_pct']:+7.1f}%)  "
+                f"greedy {sum(prefix)}/{len(prefix) * args.gen_tokens}  {made.seconds:6.1f} s",
+                flush=True,
+            )
             del quantized, made
     return result
 
 
 def print_table(r):
-    print(f"\n== {r['model']}: decoder-layer linears quantized; perplexity on {r['heldout_tokens']} tokens of "
-          f"{r['heldout']}; calibration {r['calibration_tokens'][0]} x {r['calibration_tokens'][1]} tokens of "
-          f"{r['calibration']} ==")
+    print(
+        f"\n== {r['model']}: decoder-layer linears quantized; perplexity on {r['heldout_tokens']} tokens of "
+        f"{r['heldout']}; calibration {r['calibration_tokens'][0]} x {r['calibration_tokens'][1]} tokens of "
+        f"{r['calibration']} =="
+    )
     print(f"float32: perplexity {r['float32']['perplexity']:.3f}, {r['float32']['linear_bytes'] / 1e6:.2f} MB")
-    print(f"{'setting':<10} {'method':<9} {'ppl':>9} {'d.ppl':>8} {'greedy':>8} {'MB':>7} "
-          f"{'vs fp32':>7} {'calib s':>8}")
+    print(
+        f"{'setting':<10} {'method':<9} {'ppl':>9} {'d.ppl':>8} {'greedy':>8} {'MB':>7} {'vs fp32':>7} {'calib s':>8}"
+    )
     for row in r["rows"]:
         greedy = f"{sum(row['greedy_same_prefix'])}/{len(row['greedy_same_prefix']) * row['greedy_tokens_each']}"
-        print(f"{row['setting']:<10} {row['method']:<9} {row['perplexity']:9.3f} {row['ppl_change_pct']:+7.1f}% "
-              f"{greedy:>8} {row['linear_bytes'] / 1e6:7.2f} {row['bytes_vs_fp32']:7.3f} "
-              f"{row['calibration_seconds']:8.1f}")
+        print(
+            f"{row['setting']:<10} {row['method']:<9} {row['perplexity']:9.3f} {row['ppl_change_pct']:+7.1f}% "
+            f"{greedy:>8} {row['linear_bytes'] / 1e6:7.2f} {row['bytes_vs_fp32']:7.3f} "
+            f"{row['calibration_seconds']:8.1f}"
+        )
     fallbacks = sorted({g for row in r["rows"] for g in row["group_size_fallbacks"]})
     if fallbacks:
         print(f"group size fell back where 128 does not divide the inputs: {', '.join(fallbacks)}")
     if r["model"] == "smollm2":
         print(f"""Note: SmolLM2 ships as Q4_1 (GGUF): its float32 weights are the dequantized 4-bit levels, asymmetric
-min/max in blocks of 32 (on that grid their relative error is {r['q4_1_grid_relative_error']:.1e}). Every
+min/max in blocks of 32 (on that grid their relative error is {r["q4_1_grid_relative_error"]:.1e}). Every
 setting here rounds weights that already carry a 4-bit rounding onto a different grid (groups of 64/128
 whose levels do not line up with Q4_1's): a second rounding stacked on the first, where re-rounding onto
 Q4_1's own grid would be lossless. int3 lies below the weights' own precision; the `tiny` rows (weights
@@ -126,8 +157,12 @@ def parse_settings(text: str) -> list[tuple[int, int]]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,smollm2")
-    parser.add_argument("--settings", type=parse_settings, default=parse_settings("4:128,3:128"),
-                        help="bits:group_size, comma-separated")
+    parser.add_argument(
+        "--settings",
+        type=parse_settings,
+        default=parse_settings("4:128,3:128"),
+        help="bits:group_size, comma-separated",
+    )
     parser.add_argument("--sequences", type=int, default=None, help="calibration sequences (default per model)")
     parser.add_argument("--length", type=int, default=None, help="tokens per calibration sequence")
     parser.add_argument("--ppl-tokens", type=int, default=None, help="held-out tokens scored")
@@ -147,10 +182,17 @@ def main():
             raise SystemExit(f"unknown model {name!r}: choose from {sorted(TEXT)}")
         result = bench_model(name, args)
         print_table(result)
-        record = {"command": command.strip(),
-                  "settings": {k: (v if not isinstance(v, Path) else str(v)) for k, v in vars(args).items()},
-                  "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": args.threads,
-                              "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}, "result": result}
+        record = {
+            "command": command.strip(),
+            "settings": {k: (v if not isinstance(v, Path) else str(v)) for k, v in vars(args).items()},
+            "machine": {
+                "platform": platform.platform(),
+                "torch": torch.__version__,
+                "threads": args.threads,
+                "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            },
+            "result": result,
+        }
         out = args.out_dir / f"calibrated_quantization_{name}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=2) + "\n")

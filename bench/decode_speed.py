@@ -32,6 +32,7 @@ stdout chunks for the CLI). Contenders: `generate` float32 and over
 `compile_decode=True`; `python -m decodelab generate` and `... --int8`; llama.cpp when llama-cpp-python
 is installed. Writes bench/results/decode_speed_<model>_<device>_end_to_end.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-import decodelab  # noqa: E402,F401  (first: sets OMP_WAIT_POLICY before torch starts its threads)
 import torch  # noqa: E402
+
+import decodelab  # noqa: E402,F401  (first: sets OMP_WAIT_POLICY before torch starts its threads)
 from decodelab.decoding.compiled import CompiledDecoder  # noqa: E402
 from decodelab.decoding.generate import stream_token_ids  # noqa: E402
 from decodelab.lessons.measure import Roofline, matmul_flops, memory_bandwidth, parameter_bytes  # noqa: E402
@@ -101,8 +103,15 @@ def time_transformers(hf_model, prompt_ids, n):
     ids = torch.tensor([prompt_ids], device=hf_model.device)
     streamer = ArrivalStreamer()
     with torch.inference_mode():
-        hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, pad_token_id=0, streamer=streamer)
+        hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=streamer,
+        )
     return streamer.times, streamer.tokens
 
 
@@ -111,11 +120,13 @@ def time_llama_cpp(llm, prompt_ids, n):
     llm.reset()  # no reuse of the previous run's prompt: it prefills again, as ours does
 
     def tokens():
-        for count, token in enumerate(llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                                                   repeat_penalty=1.0), start=1):
+        for count, token in enumerate(
+            llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0), start=1
+        ):
             yield token
             if count == n:
                 return
+
     return arrival_times(tokens())
 
 
@@ -125,8 +136,14 @@ def load_llama_cpp(threads: int):
         from llama_cpp import Llama
     except ImportError:
         return None
-    return Llama(model_path=str(smollm2_gguf_path()), n_ctx=512, n_threads=threads, n_threads_batch=threads,
-                 seed=0, verbose=False)
+    return Llama(
+        model_path=str(smollm2_gguf_path()),
+        n_ctx=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        seed=0,
+        verbose=False,
+    )
 
 
 def agreement(tokens: list[int], reference: list[int]) -> int:
@@ -148,8 +165,11 @@ def main():
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-llama-cpp", action="store_true")
-    parser.add_argument("--end-to-end", action="store_true",
-                        help="time whole calls of the public API (t(72) - t(8)) / 64, every contender")
+    parser.add_argument(
+        "--end-to-end",
+        action="store_true",
+        help="time whole calls of the public API (t(72) - t(8)) / 64, every contender",
+    )
     parser.add_argument("--no-cli", action="store_true", help="with --end-to-end: leave out the CLI's processes")
     args = parser.parse_args()
     if args.end_to_end:
@@ -159,8 +179,9 @@ def main():
     load_average_before = os.getloadavg()
     model, tokenizer = load(args.model, device=device, dtype="float32")
     prompt = "What is gravity?"
-    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-                                  if tokenizer.chat_template else prompt)
+    prompt_ids = tokenizer.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if tokenizer.chat_template else prompt
+    )
     engines = {"decodelab": lambda n: time_ours(model, prompt_ids, n)}
     weight_bytes = {"decodelab": bytes_read_per_token(model)}
     decoders = {}
@@ -174,13 +195,17 @@ def main():
             engines[name] = lambda n, decoder=decoder: time_ours(decoder, prompt_ids, n)
     if not args.no_transformers:
         import transformers
+
         transformers.logging.set_verbosity_error()
         hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=torch.float32)
         hf = hf.to(device).eval()
         engines["transformers"] = lambda n: time_transformers(hf, prompt_ids, n)
         weight_bytes["transformers"] = weight_bytes["decodelab"]
-    llm = None if args.no_llama_cpp or args.model != "smollm2" or device.type != "cpu" else \
-        load_llama_cpp(torch.get_num_threads())
+    llm = (
+        None
+        if args.no_llama_cpp or args.model != "smollm2" or device.type != "cpu"
+        else load_llama_cpp(torch.get_num_threads())
+    )
     if llm is not None:
         engines["llama.cpp"] = lambda n: time_llama_cpp(llm, prompt_ids, n)
         weight_bytes["llama.cpp"] = smollm2_gguf_path().stat().st_size  # Q4_1 blocks (its metadata too)
@@ -207,22 +232,28 @@ def main():
     roofline = {name: roof.decode_tokens_per_second(weight_bytes[name]) for name in engines}
     result = {
         "command": "python bench/decode_speed.py " + " ".join(sys.argv[1:]),
-        "model": args.model, "device": str(device), "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+        "model": args.model,
+        "device": str(device),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
         "load_average_1_5_15_min": {"before": load_average_before, "after": os.getloadavg()},
         "cpu_count": os.cpu_count(),
-        "bandwidth_GBps": bandwidth / 1e9, "bandwidth_GBps_per_round": [b / 1e9 for b in bandwidths],
+        "bandwidth_GBps": bandwidth / 1e9,
+        "bandwidth_GBps_per_round": [b / 1e9 for b in bandwidths],
         "matmul_GFLOPs": roof.peak_flops / 1e9,
         "weight_bytes_per_token": weight_bytes,
         "roofline_tokens_per_s": roofline,
         "tokens_per_s": tokens_per_s,
-        "ms_per_token_quartiles": {name: [1e3 * q for q in statistics.quantiles(v, n=4)]
-                                   for name, v in intervals.items()},
+        "ms_per_token_quartiles": {
+            name: [1e3 * q for q in statistics.quantiles(v, n=4)] for name, v in intervals.items()
+        },
         "fraction_of_roofline": {name: tokens_per_s[name] / roofline[name] for name in engines},
         "speedup_vs_decodelab_eager": {name: tokens_per_s[name] / tokens_per_s["decodelab"] for name in engines},
-        "greedy_tokens_same_as_decodelab_eager": {name: agreement(outputs[name], outputs["decodelab"])
-                                                  for name in engines if name != "decodelab"},
+        "greedy_tokens_same_as_decodelab_eager": {
+            name: agreement(outputs[name], outputs["decodelab"]) for name in engines if name != "decodelab"
+        },
         "greedy_tokens_compared": args.tokens,
         "compile_seconds": compile_seconds,  # from inductor's on-disk cache when it holds the graph
         "inductor_caches_disabled": os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1",
@@ -231,21 +262,27 @@ def main():
     if "transformers" in engines:
         result["speedup_vs_transformers"] = tokens_per_s["decodelab"] / tokens_per_s["transformers"]
     if "llama.cpp" in engines:
-        result["llama_cpp"] = {"gguf": smollm2_gguf_path().name, "threads": torch.get_num_threads(),
-                               "version": __import__("llama_cpp").__version__,
-                               "loaded_from": str(Path(__import__("llama_cpp").__file__).parent)}
-        result["slowdown_vs_llama_cpp"] = {name: tokens_per_s["llama.cpp"] / tokens_per_s[name]
-                                           for name in engines if name != "llama.cpp"}
+        result["llama_cpp"] = {
+            "gguf": smollm2_gguf_path().name,
+            "threads": torch.get_num_threads(),
+            "version": __import__("llama_cpp").__version__,
+            "loaded_from": str(Path(__import__("llama_cpp").__file__).parent),
+        }
+        result["slowdown_vs_llama_cpp"] = {
+            name: tokens_per_s["llama.cpp"] / tokens_per_s[name] for name in engines if name != "llama.cpp"
+        }
     out = Path(__file__).parent / "results" / f"decode_speed_{args.model}_{device.type}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"read bandwidth (GEMV) {bandwidth / 1e9:.1f} GB/s; load average {result['load_average_1_5_15_min']}")
     for name, tps in tokens_per_s.items():
         same = result["greedy_tokens_same_as_decodelab_eager"].get(name, args.tokens)
-        print(f"{name:>14}: {tps:6.1f} tok/s  {weight_bytes[name] / 1e6:4.0f} MB/token  "
-              f"({100 * result['fraction_of_roofline'][name]:3.0f}% of its roofline "
-              f"{roofline[name]:5.1f} tok/s)  x{result['speedup_vs_decodelab_eager'][name]:.2f} eager  "
-              f"greedy tokens same as eager: {same}/{args.tokens}")
+        print(
+            f"{name:>14}: {tps:6.1f} tok/s  {weight_bytes[name] / 1e6:4.0f} MB/token  "
+            f"({100 * result['fraction_of_roofline'][name]:3.0f}% of its roofline "
+            f"{roofline[name]:5.1f} tok/s)  x{result['speedup_vs_decodelab_eager'][name]:.2f} eager  "
+            f"greedy tokens same as eager: {same}/{args.tokens}"
+        )
     for name, seconds in compile_seconds.items():
         print(f"{name}: compile {seconds:.1f} s, graphs compiled {decoders[name].compiles}")
     for name, ratio in result.get("slowdown_vs_llama_cpp", {}).items():
@@ -273,11 +310,13 @@ def e2e_generate(model, tokenizer, prompt_ids):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         times, _ = arrival_times(0 for _ in stream_text(model, tokenizer, prompt_ids, params, completion))
         return times
+
     return whole, stream
 
 
 def e2e_llm(llm, prompt_ids):
     """`LLM.generate` (timed) and `LLM.stream` (gaps)."""
+
     def whole(n):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         start = time.perf_counter()
@@ -288,6 +327,7 @@ def e2e_llm(llm, prompt_ids):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         times, _ = arrival_times(event.token_id for event in llm.stream([prompt_ids], params))
         return times
+
     return whole, stream
 
 
@@ -298,8 +338,20 @@ def e2e_cli(model_name, extra, env):
     import subprocess
 
     def stream(n):
-        argv = [sys.executable, "-m", "decodelab", "generate", E2E_PROMPT, "--model", model_name, "--device", "cpu",
-                "--max-new-tokens", str(n), *extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "decodelab",
+            "generate",
+            E2E_PROMPT,
+            "--model",
+            model_name,
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            str(n),
+            *extra,
+        ]
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         times = []
         while os.read(proc.stdout.fileno(), 65536):
@@ -310,13 +362,31 @@ def e2e_cli(model_name, extra, env):
 
     def whole(n):
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "decodelab", "generate", E2E_PROMPT, "--model", model_name,
-                               "--device", "cpu", "--max-new-tokens", str(n), "--json", *extra],
-                              capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "decodelab",
+                "generate",
+                E2E_PROMPT,
+                "--model",
+                model_name,
+                "--device",
+                "cpu",
+                "--max-new-tokens",
+                str(n),
+                "--json",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         elapsed = time.perf_counter() - start
         if proc.returncode != 0:
             raise RuntimeError(f"the CLI failed: {proc.stderr[-500:]}")
         return elapsed, json.loads(proc.stdout)["output_ids"]
+
     return whole, stream
 
 
@@ -328,6 +398,7 @@ def e2e_llama_cpp(llm, prompt_ids):
 
     def stream(n):
         return time_llama_cpp(llm, prompt_ids, n)[0]
+
     return whole, stream
 
 
@@ -344,19 +415,28 @@ def end_to_end(args):
         "generate": e2e_generate(model, tokenizer, prompt_ids),
         "generate int8 compiled": e2e_generate(int8_decoder, tokenizer, prompt_ids),
         "LLM.generate": e2e_llm(LLM((model, tokenizer)), prompt_ids),
-        "LLM.generate int8 eager": e2e_llm(LLM(args.model, device=device, quantization="int8",
-                                               compile_decode=False), prompt_ids),
-        "LLM.generate int8 compiled": e2e_llm(LLM(args.model, device=device, quantization="int8",
-                                                  compile_decode=True), prompt_ids),
+        "LLM.generate int8 eager": e2e_llm(
+            LLM(args.model, device=device, quantization="int8", compile_decode=False), prompt_ids
+        ),
+        "LLM.generate int8 compiled": e2e_llm(
+            LLM(args.model, device=device, quantization="int8", compile_decode=True), prompt_ids
+        ),
     }
     if not args.no_cli and device.type == "cpu":
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1] / "lib"),
-                                                            os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(
+                [str(Path(__file__).resolve().parents[1] / "lib"), os.environ.get("PYTHONPATH", "")]
+            ),
+        )
         env.pop("DECODELAB_COMPILE", None)
         contenders["CLI generate"] = e2e_cli(args.model, [], env)
         contenders["CLI generate --int8"] = e2e_cli(args.model, ["--int8"], env)
-    llama = None if args.no_llama_cpp or args.model != "smollm2" or device.type != "cpu" else \
-        load_llama_cpp(torch.get_num_threads())
+    llama = (
+        None
+        if args.no_llama_cpp or args.model != "smollm2" or device.type != "cpu"
+        else load_llama_cpp(torch.get_num_threads())
+    )
     if llama is not None:
         contenders["llama.cpp"] = e2e_llama_cpp(llama, prompt_ids)
     skipped = {} if llama is not None or args.no_llama_cpp else {"llama.cpp": "llama-cpp-python is not installed"}
@@ -384,13 +464,18 @@ def end_to_end(args):
     result = {
         "command": "python bench/decode_speed.py " + " ".join(sys.argv[1:]),
         "what": "end to end through the public API: tokens/s = (LONG - SHORT) / (t(LONG new) - t(SHORT new)), "
-                "each t the best over the rounds of one whole call; beside it 1 / the median gap between token "
-                "arrivals of the same path's streaming form",
-        "model": args.model, "device": str(device), "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "each t the best over the rounds of one whole call; beside it 1 / the median gap between token "
+        "arrivals of the same path's streaming form",
+        "model": args.model,
+        "device": str(device),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
         "load_average_1_5_15_min": {"before": load_average_before, "after": os.getloadavg()},
-        "prompt": E2E_PROMPT, "prompt_tokens": len(prompt_ids), "short_long_new_tokens": [SHORT, LONG],
+        "prompt": E2E_PROMPT,
+        "prompt_tokens": len(prompt_ids),
+        "short_long_new_tokens": [SHORT, LONG],
         "rounds": args.rounds,
         "end_to_end_tokens_per_s": tokens_per_s,
         "median_gap_tokens_per_s": gap_tokens_per_s,
@@ -402,15 +487,19 @@ def end_to_end(args):
         "skipped": skipped,
     }
     if "llama.cpp" in tokens_per_s:
-        result["end_to_end_vs_llama_cpp"] = {name: tps / tokens_per_s["llama.cpp"] for name, tps in tokens_per_s.items()}
+        result["end_to_end_vs_llama_cpp"] = {
+            name: tps / tokens_per_s["llama.cpp"] for name, tps in tokens_per_s.items()
+        }
     out = Path(__file__).parent / "results" / f"decode_speed_{args.model}_{device.type}_end_to_end.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"load average {result['load_average_1_5_15_min']}; {args.rounds} rounds, best of each")
     print(f"{'contender':>28}  end-to-end tok/s  median-gap tok/s  x generate  same greedy tokens")
     for name, tps in tokens_per_s.items():
-        print(f"{name:>28}  {tps:16.1f}  {gap_tokens_per_s.get(name, float('nan')):16.1f}  "
-              f"{result['end_to_end_vs_generate'][name]:10.2f}  "
-              f"{result['greedy_tokens_same_as_generate_float32'][name]}/{len(tokens[name])}")
+        print(
+            f"{name:>28}  {tps:16.1f}  {gap_tokens_per_s.get(name, float('nan')):16.1f}  "
+            f"{result['end_to_end_vs_generate'][name]:10.2f}  "
+            f"{result['greedy_tokens_same_as_generate_float32'][name]}/{len(tokens[name])}"
+        )
     for name, why in skipped.items():
         print(f"{name}: skipped ({why})")
     print(f"wrote {out}")

@@ -12,6 +12,7 @@ only ever adds time). Reported: tokens/s, the ratio to the target alone in the s
 accepted / proposed drafts, tokens per target call per sequence, and whether the greedy tokens
 equal the target alone's. Writes bench/results/engine_speculative_<device>.json.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,10 @@ def run_once(weights, prompt_ids, params, **engine_args) -> dict:
     row = {"seconds": seconds, "tokens_per_s": sum(map(len, tokens)) / seconds, "tokens": tokens}
     if llm.speculator is not None:
         stats = llm.speculator.stats()
-        row.update(acceptance=stats["acceptance_rate"],
-                   tokens_per_call=sum(map(len, tokens)) / len(tokens) / max(stats["target_calls"], 1))
+        row.update(
+            acceptance=stats["acceptance_rate"],
+            tokens_per_call=sum(map(len, tokens)) / len(tokens) / max(stats["target_calls"], 1),
+        )
     return row
 
 
@@ -65,8 +68,14 @@ def main() -> None:
     model, tokenizer = load("smollm2", device=args.device)
     weights = (model, tokenizer)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True, seed=0)
-    report = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "device": args.device, "tokens": args.tokens, "temperature": args.temperature, "rows": []}
+    report = {
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "device": args.device,
+        "tokens": args.tokens,
+        "temperature": args.temperature,
+        "rows": [],
+    }
     print(f"SmolLM2 on {args.device}, {args.tokens} tokens per request, temperature {args.temperature}")
     print(f"{'batch':>5} {'engine':<28} {'tok/s':>7} {'ratio':>6} {'accepted':>9} {'tok/call':>9} {'same':>5}")
     for batch in map(int, args.batches.split(",")):
@@ -75,7 +84,8 @@ def main() -> None:
         for caching in (True, False):
             for k in map(int, args.ks.split(",")):
                 engines[f"eagle k={k}, prefix cache {'on' if caching else 'off'}"] = dict(
-                    speculative_model="smollm2-eagle", num_speculative_tokens=k, enable_prefix_caching=caching)
+                    speculative_model="smollm2-eagle", num_speculative_tokens=k, enable_prefix_caching=caching
+                )
         best: dict[str, dict] = {}
         for round_index in range(args.rounds):
             order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
@@ -89,10 +99,19 @@ def main() -> None:
             same = row["tokens"] == alone["tokens"] if args.temperature == 0 else None
             accepted = f"{row['acceptance']:.0%}" if "acceptance" in row else "-"
             per_call = f"{row['tokens_per_call']:.2f}" if "tokens_per_call" in row else "1.00"
-            print(f"{batch:>5} {name:<28} {row['tokens_per_s']:>7.1f} {ratio:>5.2f}x {accepted:>9} {per_call:>9} "
-                  f"{'-' if same is None else same!s:>5}")
-            report["rows"].append({"batch": batch, "engine": name, "ratio": ratio, "same_tokens": same,
-                                   **{key: value for key, value in row.items() if key != "tokens"}})
+            print(
+                f"{batch:>5} {name:<28} {row['tokens_per_s']:>7.1f} {ratio:>5.2f}x {accepted:>9} {per_call:>9} "
+                f"{'-' if same is None else same!s:>5}"
+            )
+            report["rows"].append(
+                {
+                    "batch": batch,
+                    "engine": name,
+                    "ratio": ratio,
+                    "same_tokens": same,
+                    **{key: value for key, value in row.items() if key != "tokens"},
+                }
+            )
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"engine_speculative_{args.device}.json"
     out.write_text(json.dumps(report, indent=1) + "\n")

@@ -11,6 +11,7 @@ bandwidth (the roofline); (3) the batched engine on --requests requests (prompts
 tokens, 128 generated each) against the `transformers` batch-1 loop's rate.
 Writes bench/results/gpu_engine_<device>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,18 +25,19 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "lib"), str(HERE)]
 
-import decodelab  # noqa: E402,F401  (first: sets OMP_WAIT_POLICY before torch starts its threads)
 import torch  # noqa: E402
 from decode_speed import time_ours, time_transformers  # noqa: E402
+
+import decodelab  # noqa: E402,F401  (first: sets OMP_WAIT_POLICY before torch starts its threads)
 from decodelab.config import ModelConfig  # noqa: E402
 from decodelab.engine.llm import LLM  # noqa: E402
 from decodelab.lessons.kv_size import config_fields  # noqa: E402
 from decodelab.lessons.measure import memory_bandwidth, parameter_bytes, synchronize  # noqa: E402
 from decodelab.model.llama import LlamaForCausalLM  # noqa: E402
 from decodelab.model.registry import load  # noqa: E402
-from decodelab.params import SamplingParams  # noqa: E402
 from decodelab.model.toy import random_llama  # noqa: E402
 from decodelab.model.weights import resolve_dtype, save_model  # noqa: E402
+from decodelab.params import SamplingParams  # noqa: E402
 
 
 def smollm2_shaped(layers: int | None) -> LlamaForCausalLM:
@@ -67,6 +69,7 @@ def main():
     device, dtype = torch.device(args.device), resolve_dtype(args.dtype)
 
     import transformers
+
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     reference = smollm2_shaped(args.layers)
@@ -79,11 +82,15 @@ def main():
     gap32, scale = logit_gap(ours32, hf32, prompt_ids)
     ours, hf = ours32.to(dtype), hf32.to(dtype)
     gap, _ = logit_gap(ours, hf, prompt_ids)
-    print(f"max |our logits - transformers'|: float32 {gap32:.2e}, {args.dtype} {gap:.2e} "
-          f"(logits up to {scale:.0f} in size)")
+    print(
+        f"max |our logits - transformers'|: float32 {gap32:.2e}, {args.dtype} {gap:.2e} "
+        f"(logits up to {scale:.0f} in size)"
+    )
 
-    engines = {"decodelab": lambda n: time_ours(ours, prompt_ids, n),
-               "transformers": lambda n: time_transformers(hf, prompt_ids, n)}
+    engines = {
+        "decodelab": lambda n: time_ours(ours, prompt_ids, n),
+        "transformers": lambda n: time_transformers(hf, prompt_ids, n),
+    }
     base, per_token, outputs = 16, {name: [] for name in engines}, {}
     for run in engines.values():
         run(base)  # warm-up
@@ -97,15 +104,20 @@ def main():
     roofline = bandwidth / weight_bytes
     agree = next((i for i, (a, b) in enumerate(zip(*outputs.values())) if a != b), len(outputs["decodelab"]))
     for name, tps in tokens_per_s.items():
-        print(f"batch-1 decode {name:>12}: {tps:7.1f} tok/s ({100 * tps / roofline:.0f}% of the "
-              f"{roofline:.0f} tok/s roofline: {weight_bytes / 1e6:.0f} MB at {bandwidth / 1e9:.0f} GB/s)")
-    print(f"decodelab / transformers = {tokens_per_s['decodelab'] / tokens_per_s['transformers']:.2f}x; "
-          f"greedy tokens agree for the first {agree} of {len(outputs['decodelab'])}")
+        print(
+            f"batch-1 decode {name:>12}: {tps:7.1f} tok/s ({100 * tps / roofline:.0f}% of the "
+            f"{roofline:.0f} tok/s roofline: {weight_bytes / 1e6:.0f} MB at {bandwidth / 1e9:.0f} GB/s)"
+        )
+    print(
+        f"decodelab / transformers = {tokens_per_s['decodelab'] / tokens_per_s['transformers']:.2f}x; "
+        f"greedy tokens agree for the first {agree} of {len(outputs['decodelab'])}"
+    )
 
     _, tokenizer = load("tiny")  # the engine needs a tokenizer object; these ids never become text
     llm = LLM((ours, tokenizer), max_num_seqs=args.max_num_seqs)
-    prompts = [[rng.randrange(reference.config.vocab_size) for _ in range(rng.randint(32, 256))]
-               for _ in range(args.requests)]
+    prompts = [
+        [rng.randrange(reference.config.vocab_size) for _ in range(rng.randint(32, 256))] for _ in range(args.requests)
+    ]
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
     synchronize(device)
@@ -113,20 +125,33 @@ def main():
     outs = llm.generate(prompts, params, use_tqdm=False)
     synchronize(device)
     engine_tps = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
-    print(f"engine, {args.requests} requests x {args.tokens} tokens, {args.max_num_seqs} wide: {engine_tps:.0f} tok/s"
-          f" = {engine_tps / tokens_per_s['transformers']:.1f}x the transformers batch-1 loop")
+    print(
+        f"engine, {args.requests} requests x {args.tokens} tokens, {args.max_num_seqs} wide: {engine_tps:.0f} tok/s"
+        f" = {engine_tps / tokens_per_s['transformers']:.1f}x the transformers batch-1 loop"
+    )
 
     result = {
         "command": "python bench/gpu_engine.py " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
-        "torch": torch.__version__, "transformers": transformers.__version__, "dtype": args.dtype,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "dtype": args.dtype,
         "layers": reference.config.num_hidden_layers,
-        "max_logit_gap": {"float32": gap32, args.dtype: gap}, "max_abs_logit": scale,
-        "batch1_tokens_per_s": tokens_per_s, "batch1_ms_per_token": {n: [1e3 * t for t in v] for n, v in per_token.items()},
-        "bandwidth_GBps": bandwidth / 1e9, "weight_bytes": weight_bytes, "roofline_tokens_per_s": roofline,
+        "max_logit_gap": {"float32": gap32, args.dtype: gap},
+        "max_abs_logit": scale,
+        "batch1_tokens_per_s": tokens_per_s,
+        "batch1_ms_per_token": {n: [1e3 * t for t in v] for n, v in per_token.items()},
+        "bandwidth_GBps": bandwidth / 1e9,
+        "weight_bytes": weight_bytes,
+        "roofline_tokens_per_s": roofline,
         "greedy_tokens_agree_for": agree,
-        "engine": {"requests": args.requests, "tokens_each": args.tokens, "max_num_seqs": args.max_num_seqs,
-                   "tokens_per_s": engine_tps, "vs_transformers_batch1": engine_tps / tokens_per_s["transformers"]},
+        "engine": {
+            "requests": args.requests,
+            "tokens_each": args.tokens,
+            "max_num_seqs": args.max_num_seqs,
+            "tokens_per_s": engine_tps,
+            "vs_transformers_batch1": engine_tps / tokens_per_s["transformers"],
+        },
     }
     out = HERE / "results" / f"gpu_engine_{device.type}.json"
     out.parent.mkdir(exist_ok=True)

@@ -16,6 +16,7 @@ Variants are timed interleaved within each round (the machine is shared and nois
 medians over rounds. Writes bench/results/gqa_<device>.json.
 Seed figures (notebook 05 draft): 8 -> 2 -> 1 KV heads: 32 -> 8 -> 4 MB, 5.95 -> 2.06 -> 1.18 ms.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,16 +36,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from decodelab.config import ModelConfig  # noqa: E402
 from decodelab.lessons.gqa import attention_kind, pool_model_kv_heads  # noqa: E402
-from decodelab.model.kv_cache import KVCache  # noqa: E402
 from decodelab.lessons.kv_size import kv_bytes, parameter_count  # noqa: E402
 from decodelab.lessons.measure import parameter_bytes, timed  # noqa: E402
+from decodelab.model.kv_cache import KVCache  # noqa: E402
 from decodelab.model.llama import LlamaForCausalLM  # noqa: E402
 from decodelab.model.registry import load  # noqa: E402
 from decodelab.paths import PACKAGE_DATA  # noqa: E402
 
 SEED = {8: {"cache_MB": 32, "step_ms": 5.95}, 2: {"cache_MB": 8, "step_ms": 2.06}, 1: {"cache_MB": 4, "step_ms": 1.18}}
-SEED_SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)
+SEED_SHAPE = dict(
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=64,
+    tie_word_embeddings=True,
+)
 
 
 @torch.inference_mode()
@@ -58,13 +67,15 @@ def decode_step_times(models: dict, ids: torch.Tensor, rounds: int, device) -> d
     times = {name: [] for name in models}
     names = list(models)
     for r in range(rounds + 1):  # round 0 is a warm-up
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             caches[name].truncate(held)
             t = timed(lambda: models[name](ids[:, -1:], kv_cache=caches[name]), device)[0]
             if r:
                 times[name].append(t)
-    return {name: {"step_s": statistics.median(v), "cache_bytes": caches[name].nbytes(), "all_s": v}
-            for name, v in times.items()}
+    return {
+        name: {"step_s": statistics.median(v), "cache_bytes": caches[name].nbytes(), "all_s": v}
+        for name, v in times.items()
+    }
 
 
 def seed_shaped(args, device) -> dict:
@@ -76,13 +87,27 @@ def seed_shaped(args, device) -> dict:
     steps = decode_step_times(models, ids, args.rounds, device)
     rows = []
     for h, model in models.items():
-        rows.append({"kv_heads": h, "kind": attention_kind(8, h), "step_ms": 1e3 * steps[h]["step_s"],
-                     "cache_bytes": steps[h]["cache_bytes"],
-                     "cache_bytes_calculated": kv_bytes(model.config, args.seq_len, dtype="fp32"),
-                     "weight_bytes": parameter_bytes(model), "seed": SEED.get(h),
-                     "all_ms": [1e3 * t for t in steps[h]["all_s"]]})
-    return {"shape": {**SEED_SHAPE, "seq_len": args.seq_len, "dtype": "float32",
-                      "parameters_at_8_kv_heads": parameter_count(config)}, "rows": rows}
+        rows.append(
+            {
+                "kv_heads": h,
+                "kind": attention_kind(8, h),
+                "step_ms": 1e3 * steps[h]["step_s"],
+                "cache_bytes": steps[h]["cache_bytes"],
+                "cache_bytes_calculated": kv_bytes(model.config, args.seq_len, dtype="fp32"),
+                "weight_bytes": parameter_bytes(model),
+                "seed": SEED.get(h),
+                "all_ms": [1e3 * t for t in steps[h]["all_s"]],
+            }
+        )
+    return {
+        "shape": {
+            **SEED_SHAPE,
+            "seq_len": args.seq_len,
+            "dtype": "float32",
+            "parameters_at_8_kv_heads": parameter_count(config),
+        },
+        "rows": rows,
+    }
 
 
 def tiny_pooled(args, device) -> dict | None:
@@ -97,12 +122,23 @@ def tiny_pooled(args, device) -> dict | None:
     steps = decode_step_times(models, torch.tensor([ids[:context]], device=device), args.rounds, device)
     rows = []
     for h, model in models.items():
-        ppl = perplexity(model, ids[:args.ppl_tokens])
-        rows.append({"kv_heads": h, "kind": attention_kind(base.config.num_attention_heads, h),
-                     "step_ms": 1e3 * steps[h]["step_s"], "cache_bytes": steps[h]["cache_bytes"],
-                     "perplexity": ppl, "all_ms": [1e3 * t for t in steps[h]["all_s"]]})
-    return {"context": context, "ppl_tokens": min(args.ppl_tokens, len(ids)),
-            "text": "decodelab.lessons.perplexity.heldout_text('code')", "rows": rows}
+        ppl = perplexity(model, ids[: args.ppl_tokens])
+        rows.append(
+            {
+                "kv_heads": h,
+                "kind": attention_kind(base.config.num_attention_heads, h),
+                "step_ms": 1e3 * steps[h]["step_s"],
+                "cache_bytes": steps[h]["cache_bytes"],
+                "perplexity": ppl,
+                "all_ms": [1e3 * t for t in steps[h]["all_s"]],
+            }
+        )
+    return {
+        "context": context,
+        "ppl_tokens": min(args.ppl_tokens, len(ids)),
+        "text": "decodelab.lessons.perplexity.heldout_text('code')",
+        "rows": rows,
+    }
 
 
 def main():
@@ -121,34 +157,50 @@ def main():
 
     seed_part = seed_shaped(args, device)
     tiny_part = tiny_pooled(args, device)
-    result = {"command": command, "device": str(device), "torch": torch.__version__,
-              "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-              "rounds": args.rounds, "seed_shaped": seed_part, "tiny_pooled": tiny_part, "seed": SEED}
+    result = {
+        "command": command,
+        "device": str(device),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "rounds": args.rounds,
+        "seed_shaped": seed_part,
+        "tiny_pooled": tiny_part,
+        "seed": SEED,
+    }
     out = Path(__file__).parent / "results" / f"gqa_{device.type}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
 
     shape = seed_part["shape"]
     print(f"$ {command}")
-    print(f"seed-shaped random model: {shape['num_hidden_layers']} layers, 8 query heads x head_dim "
-          f"{shape['head_dim']}, hidden {shape['hidden_size']}, {shape['parameters_at_8_kv_heads']:,} parameters "
-          f"at 8 KV heads, fp32, {args.seq_len} positions; {device}, {torch.get_num_threads()} threads, "
-          f"median of {args.rounds}")
+    print(
+        f"seed-shaped random model: {shape['num_hidden_layers']} layers, 8 query heads x head_dim "
+        f"{shape['head_dim']}, hidden {shape['hidden_size']}, {shape['parameters_at_8_kv_heads']:,} parameters "
+        f"at 8 KV heads, fp32, {args.seq_len} positions; {device}, {torch.get_num_threads()} threads, "
+        f"median of {args.rounds}"
+    )
     print(f"{'KV heads':>9} {'kind':>4} {'cache MiB':>10} {'(MB)':>6} {'seed MB':>8} {'step ms':>8} {'seed ms':>8}")
     for row in seed_part["rows"]:
         seed = row["seed"] or {}
-        print(f"{row['kv_heads']:>9} {row['kind']:>4} {row['cache_bytes'] / 2**20:>10.1f} "
-              f"{row['cache_bytes'] / 1e6:>6.1f} "
-              f"{seed.get('cache_MB', '-'):>8} {row['step_ms']:>8.2f} {seed.get('step_ms', '-'):>8}")
+        print(
+            f"{row['kv_heads']:>9} {row['kind']:>4} {row['cache_bytes'] / 2**20:>10.1f} "
+            f"{row['cache_bytes'] / 1e6:>6.1f} "
+            f"{seed.get('cache_MB', '-'):>8} {row['step_ms']:>8.2f} {seed.get('step_ms', '-'):>8}"
+        )
     if tiny_part is None:
         print("tiny: not trained yet, skipped")
     else:
-        print(f"\ntiny pooled without uptraining: decode step at {tiny_part['context']} positions, "
-              f"perplexity on {tiny_part['ppl_tokens']:,} held-out Python tokens")
+        print(
+            f"\ntiny pooled without uptraining: decode step at {tiny_part['context']} positions, "
+            f"perplexity on {tiny_part['ppl_tokens']:,} held-out Python tokens"
+        )
         print(f"{'KV heads':>9} {'kind':>4} {'cache MiB':>10} {'step ms':>8} {'perplexity':>11}")
         for row in tiny_part["rows"]:
-            print(f"{row['kv_heads']:>9} {row['kind']:>4} {row['cache_bytes'] / 2**20:>10.2f} "
-                  f"{row['step_ms']:>8.2f} {row['perplexity']:>11.2f}")
+            print(
+                f"{row['kv_heads']:>9} {row['kind']:>4} {row['cache_bytes'] / 2**20:>10.2f} "
+                f"{row['step_ms']:>8.2f} {row['perplexity']:>11.2f}"
+            )
     print(f"wrote {out}")
 
 

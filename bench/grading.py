@@ -16,6 +16,7 @@ instead times `grade --scheduler local` (a LocalCluster of --workers processes, 
 submissions in one run, both sandboxed; they must agree on every score. Goal: Dask within 10% of
 the pool (ratio <= 1.10). Writes bench/results/grading_dask.json (only record it from a quiet machine).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,11 @@ def submission(kind: str):
 
     nb = nbformat.read(str(ROOT / "solutions" / NAME / f"{NAME}.ipynb"), as_version=4)
     if kind == "trimmed":
-        nb.cells = [c for i, c in enumerate(nb.cells)
-                    if c.cell_type == "markdown" or i == 1 or c.metadata.get("nbgrader", {}).get("grade_id")]
+        nb.cells = [
+            c
+            for i, c in enumerate(nb.cells)
+            if c.cell_type == "markdown" or i == 1 or c.metadata.get("nbgrader", {}).get("grade_id")
+        ]
     return nb
 
 
@@ -75,8 +79,9 @@ def nbgrader_serial(students: list[str], nb, root: Path) -> tuple[float, dict[st
     return elapsed, scores
 
 
-def ours(students: list[str], nb, root: Path, workers: int, sandbox: bool,
-         extra: tuple[str, ...] = ()) -> tuple[float, dict[str, float], dict]:
+def ours(
+    students: list[str], nb, root: Path, workers: int, sandbox: bool, extra: tuple[str, ...] = ()
+) -> tuple[float, dict[str, float], dict]:
     import nbformat
 
     subs = root / "submissions"
@@ -86,8 +91,22 @@ def ours(students: list[str], nb, root: Path, workers: int, sandbox: bool,
         nbformat.write(nb, str(folder / f"{NAME}.ipynb"))
     out = root / "grades.csv"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "lib")]), OMP_WAIT_POLICY="PASSIVE")
-    cmd = [sys.executable, "-m", "autograder", "grade", "--assignment", NAME, "--submissions", str(subs),
-           "--out", str(out), "--workers", str(workers), "--quiet", *extra] + ([] if sandbox else ["--no-sandbox"])
+    cmd = [
+        sys.executable,
+        "-m",
+        "autograder",
+        "grade",
+        "--assignment",
+        NAME,
+        "--submissions",
+        str(subs),
+        "--out",
+        str(out),
+        "--workers",
+        str(workers),
+        "--quiet",
+        *extra,
+    ] + ([] if sandbox else ["--no-sandbox"])
     started = time.perf_counter()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     elapsed = time.perf_counter() - started
@@ -116,18 +135,33 @@ def main() -> int:
     sandbox, students, nb = _prepare(args)
     with tempfile.TemporaryDirectory(prefix="decodelab-bench-grading-") as tmp:
         serial_s, serial_scores = nbgrader_serial(students, nb, Path(tmp) / "nbgrader")
-        print(f"nbgrader autograde, serial:        {serial_s:7.1f} s  ({serial_s / len(students):.1f} s per submission)")
+        print(
+            f"nbgrader autograde, serial:        {serial_s:7.1f} s  ({serial_s / len(students):.1f} s per submission)"
+        )
         ours_s, our_scores, statuses = ours(students, nb, Path(tmp) / "ours", args.workers, sandbox)
-        print(f"autograder grade --workers {args.workers}:      {ours_s:7.1f} s  ({ours_s / len(students):.1f} s per submission, "
-              f"{'sandboxed' if sandbox else 'NO sandbox'}), statuses {statuses}")
+        print(
+            f"autograder grade --workers {args.workers}:      {ours_s:7.1f} s  ({ours_s / len(students):.1f} s per submission, "
+            f"{'sandboxed' if sandbox else 'NO sandbox'}), statuses {statuses}"
+        )
     assert serial_scores == our_scores, f"the two graders disagree: {serial_scores} vs {our_scores}"
     ratio = serial_s / ours_s
-    print(f"speed-up: {ratio:.2f}x on {os.cpu_count()} cores (goal >= 1.8x; 2x is the ideal on 2 cores); "
-          f"every score agrees ({sorted(set(our_scores.values()))})")
-    record = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "submissions": len(students),
-              "kind": args.kind, "workers": args.workers, "sandbox": sandbox, "cores": os.cpu_count(),
-              "load_average_at_end": os.getloadavg(), "machine": platform.platform(),
-              "nbgrader_serial_s": round(serial_s, 1), "ours_s": round(ours_s, 1), "speedup": round(ratio, 2)}
+    print(
+        f"speed-up: {ratio:.2f}x on {os.cpu_count()} cores (goal >= 1.8x; 2x is the ideal on 2 cores); "
+        f"every score agrees ({sorted(set(our_scores.values()))})"
+    )
+    record = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "submissions": len(students),
+        "kind": args.kind,
+        "workers": args.workers,
+        "sandbox": sandbox,
+        "cores": os.cpu_count(),
+        "load_average_at_end": os.getloadavg(),
+        "machine": platform.platform(),
+        "nbgrader_serial_s": round(serial_s, 1),
+        "ours_s": round(ours_s, 1),
+        "speedup": round(ratio, 2),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
@@ -152,18 +186,30 @@ def against_pool(args) -> int:
     with tempfile.TemporaryDirectory(prefix="decodelab-bench-grading-") as tmp:
         pool_s, pool_scores, pool_statuses = ours(students, nb, Path(tmp) / "pool", args.workers, sandbox)
         print(f"autograder grade --workers {args.workers}:           {pool_s:7.1f} s, statuses {pool_statuses}")
-        dask_s, dask_scores, dask_statuses = ours(students, nb, Path(tmp) / "dask", args.workers, sandbox,
-                                                  ("--scheduler", "local"))
+        dask_s, dask_scores, dask_statuses = ours(
+            students, nb, Path(tmp) / "dask", args.workers, sandbox, ("--scheduler", "local")
+        )
         print(f"autograder grade --scheduler local ({args.workers} workers): {dask_s:7.1f} s, statuses {dask_statuses}")
     assert pool_scores == dask_scores, f"the pool and Dask disagree: {pool_scores} vs {dask_scores}"
     ratio = dask_s / pool_s
-    print(f"Dask / pool: {ratio:.2f} (goal <= 1.10) on {os.cpu_count()} cores, load {load_before[0]:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after; every score agrees")
-    record = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "submissions": len(students),
-              "kind": args.kind, "workers": args.workers, "sandbox": sandbox, "cores": os.cpu_count(),
-              "load_average_before": load_before, "load_average_at_end": os.getloadavg(),
-              "machine": platform.platform(), "pool_s": round(pool_s, 1), "dask_local_s": round(dask_s, 1),
-              "ratio": round(ratio, 3)}
+    print(
+        f"Dask / pool: {ratio:.2f} (goal <= 1.10) on {os.cpu_count()} cores, load {load_before[0]:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after; every score agrees"
+    )
+    record = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "submissions": len(students),
+        "kind": args.kind,
+        "workers": args.workers,
+        "sandbox": sandbox,
+        "cores": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_at_end": os.getloadavg(),
+        "machine": platform.platform(),
+        "pool_s": round(pool_s, 1),
+        "dask_local_s": round(dask_s, 1),
+        "ratio": round(ratio, 3),
+    }
     out = args.out or ROOT / "bench" / "results" / "grading_dask.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

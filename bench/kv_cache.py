@@ -11,6 +11,7 @@ without the cache (same tokens? largest logit difference?) and the K/V rows each
 Writes bench/results/kv_cache_<model>_<device>.json. Seed figures (notebook 04 draft):
 4.2x faster at T=16 up to 92x at T=511; same tokens, max logit diff ~3e-6.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,11 +29,11 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from decodelab.model.kv_cache import KVCache  # noqa: E402
 from decodelab.lessons.measure import timed  # noqa: E402
+from decodelab.lessons.perplexity import heldout_text  # noqa: E402
+from decodelab.model.kv_cache import KVCache  # noqa: E402
 from decodelab.model.registry import load  # noqa: E402
 from decodelab.paths import PACKAGE_DATA  # noqa: E402
-from decodelab.lessons.perplexity import heldout_text  # noqa: E402
 
 SEED_SPEEDUP = {16: 4.2, 511: 92.0}
 SEED_MAX_LOGIT_DIFF = 3e-6
@@ -44,17 +45,17 @@ def per_token_times(model, ids: torch.Tensor, positions: list[int], rounds: int)
     device, top = model.device, max(positions)
     cache = KVCache(model.config, 1, top, device=device, dtype=model.dtype)
     times = {T: {"no_cache": [], "cache": []} for T in positions}
-    model(ids[:, :positions[0]])  # warm-up
+    model(ids[:, : positions[0]])  # warm-up
     for r in range(rounds):
         cache.truncate(0)
         for T in positions:
             if cache.seq_len < T - 1:  # bring the cache to T - 1 tokens (untimed)
-                model(ids[:, cache.seq_len:T - 1], kv_cache=cache)
+                model(ids[:, cache.seq_len : T - 1], kv_cache=cache)
             cache.truncate(T - 1)
             no_cache = lambda: model(ids[:, :T], last_only=True)  # noqa: E731
-            with_cache = lambda: model(ids[:, T - 1:T], kv_cache=cache)  # noqa: E731
+            with_cache = lambda: model(ids[:, T - 1 : T], kv_cache=cache)  # noqa: E731
             order = [("no_cache", no_cache), ("cache", with_cache)]
-            for name, fn in (order if r % 2 == 0 else order[::-1]):
+            for name, fn in order if r % 2 == 0 else order[::-1]:
                 if name == "cache":
                     cache.truncate(T - 1)
                 times[T][name].append(timed(fn, device)[0])
@@ -97,37 +98,59 @@ def main():
             print(f"skipping {name}: not trained yet")
             continue
         model, tokenizer = load(name, device=device, dtype="float32")
-        ids = torch.tensor([tokenizer.encode(heldout_text("code"))[:max(positions)]], device=device)
+        ids = torch.tensor([tokenizer.encode(heldout_text("code"))[: max(positions)]], device=device)
         if ids.shape[1] < max(positions):
             raise SystemExit(f"held-out text has only {ids.shape[1]} tokens for {name}")
         times = per_token_times(model, ids, positions, args.rounds)
         check = greedy_both_ways(model, ids[:, :16], args.gen)
         rows = []
         for T in positions:
-            rows.append({"T": T, "no_cache_ms": 1e3 * times[T]["no_cache"], "cache_ms": 1e3 * times[T]["cache"],
-                         "speedup": times[T]["no_cache"] / times[T]["cache"], "seed_speedup": SEED_SPEEDUP.get(T),
-                         "kv_rows_no_cache": T * (T + 1) // 2, "kv_rows_cache": T,
-                         "all_ms": {k: [1e3 * t for t in v] for k, v in times[T]["all"].items()}})
-        result = {"command": command, "model": name, "device": str(device), "torch": torch.__version__,
-                  "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-                  "rounds": args.rounds, "text": "decodelab.lessons.perplexity.heldout_text('code')",
-                  "per_token": rows, "greedy_check": check,
-                  "seed": {"speedup": SEED_SPEEDUP, "max_logit_diff": SEED_MAX_LOGIT_DIFF}}
+            rows.append(
+                {
+                    "T": T,
+                    "no_cache_ms": 1e3 * times[T]["no_cache"],
+                    "cache_ms": 1e3 * times[T]["cache"],
+                    "speedup": times[T]["no_cache"] / times[T]["cache"],
+                    "seed_speedup": SEED_SPEEDUP.get(T),
+                    "kv_rows_no_cache": T * (T + 1) // 2,
+                    "kv_rows_cache": T,
+                    "all_ms": {k: [1e3 * t for t in v] for k, v in times[T]["all"].items()},
+                }
+            )
+        result = {
+            "command": command,
+            "model": name,
+            "device": str(device),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
+            "rounds": args.rounds,
+            "text": "decodelab.lessons.perplexity.heldout_text('code')",
+            "per_token": rows,
+            "greedy_check": check,
+            "seed": {"speedup": SEED_SPEEDUP, "max_logit_diff": SEED_MAX_LOGIT_DIFF},
+        }
         out = Path(__file__).parent / "results" / f"kv_cache_{name}_{device.type}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
 
         print(f"\n{name} on {device} ({torch.get_num_threads()} threads), median of {args.rounds} rounds")
         print(f"$ {command}")
-        print(f"{'T':>5} {'no cache ms':>12} {'cache ms':>9} {'speedup':>8} {'seed':>6}   "
-              f"K/V rows to generate T tokens: 1+..+T vs T")
+        print(
+            f"{'T':>5} {'no cache ms':>12} {'cache ms':>9} {'speedup':>8} {'seed':>6}   "
+            f"K/V rows to generate T tokens: 1+..+T vs T"
+        )
         for row in rows:
             seed = f"{row['seed_speedup']:.1f}x" if row["seed_speedup"] else "-"
-            print(f"{row['T']:>5} {row['no_cache_ms']:>12.2f} {row['cache_ms']:>9.2f} {row['speedup']:>7.1f}x "
-                  f"{seed:>6}   {row['kv_rows_no_cache']:>7,} vs {row['kv_rows_cache']:,} "
-                  f"({row['kv_rows_no_cache'] / row['kv_rows_cache']:.0f}x)")
-        print(f"greedy {check['tokens']} tokens with vs without cache: same tokens {check['same_tokens']}, "
-              f"max logit diff {check['max_logit_diff']:.2g} (seed: same, ~{SEED_MAX_LOGIT_DIFF:.0e})")
+            print(
+                f"{row['T']:>5} {row['no_cache_ms']:>12.2f} {row['cache_ms']:>9.2f} {row['speedup']:>7.1f}x "
+                f"{seed:>6}   {row['kv_rows_no_cache']:>7,} vs {row['kv_rows_cache']:,} "
+                f"({row['kv_rows_no_cache'] / row['kv_rows_cache']:.0f}x)"
+            )
+        print(
+            f"greedy {check['tokens']} tokens with vs without cache: same tokens {check['same_tokens']}, "
+            f"max logit diff {check['max_logit_diff']:.2g} (seed: same, ~{SEED_MAX_LOGIT_DIFF:.0e})"
+        )
         print(f"wrote {out}")
 
 

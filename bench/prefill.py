@@ -14,6 +14,7 @@ medians over rounds. Text: held-out Python source. Writes bench/results/prefill_
 Seed figures (notebook 04 draft): prefill ~4.1x faster than one by one; 384 + 64 tokens:
 96.8 ms recompute vs 13.4 ms reuse.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,12 +32,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from decodelab.model.kv_cache import KVCache  # noqa: E402
 from decodelab.lessons.measure import timed  # noqa: E402
-from decodelab.model.registry import load  # noqa: E402
-from decodelab.paths import PACKAGE_DATA  # noqa: E402
 from decodelab.lessons.perplexity import heldout_text  # noqa: E402
 from decodelab.lessons.prefill_decode import clone_cache, feed_one_by_one, measure_latency, prefill  # noqa: E402
+from decodelab.model.kv_cache import KVCache  # noqa: E402
+from decodelab.model.registry import load  # noqa: E402
+from decodelab.paths import PACKAGE_DATA  # noqa: E402
 
 SEED = {"prefill_speedup": 4.1, "recompute_ms": 96.8, "reuse_ms": 13.4}
 
@@ -48,7 +49,7 @@ def run_interleaved(variants: dict, rounds: int, device) -> dict:
         fn()  # warm-up
     names = list(variants)
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             times[name].append(timed(variants[name], device)[0])
     return {name: statistics.median(v) for name, v in times.items()} | {"all_s": times}
 
@@ -65,32 +66,65 @@ def bench_model(name: str, device, args) -> dict:
     prompt_rows = []
     for T in args.lengths:
         prompt = ids[:T]
-        t = run_interleaved({"prefill": lambda: prefill(model, prompt, new_cache(T)),
-                             "one_by_one": lambda: feed_one_by_one(model, prompt, new_cache(T))},
-                            args.rounds, device)
-        prompt_rows.append({"T": T, "prefill_ms": 1e3 * t["prefill"], "one_by_one_ms": 1e3 * t["one_by_one"],
-                            "speedup": t["one_by_one"] / t["prefill"], "all_s": t["all_s"]})
+        t = run_interleaved(
+            {
+                "prefill": lambda: prefill(model, prompt, new_cache(T)),
+                "one_by_one": lambda: feed_one_by_one(model, prompt, new_cache(T)),
+            },
+            args.rounds,
+            device,
+        )
+        prompt_rows.append(
+            {
+                "T": T,
+                "prefill_ms": 1e3 * t["prefill"],
+                "one_by_one_ms": 1e3 * t["one_by_one"],
+                "speedup": t["one_by_one"] / t["prefill"],
+                "all_s": t["all_s"],
+            }
+        )
 
-    prefix, suffix = ids[:args.prefix], ids[args.prefix:args.prefix + args.suffix]
+    prefix, suffix = ids[: args.prefix], ids[args.prefix : args.prefix + args.suffix]
     total = args.prefix + args.suffix
     prefix_cache = new_cache(total)
     prefix_ms = 1e3 * timed(lambda: prefill(model, prefix, prefix_cache), device)[0]  # paid once, shared
-    t = run_interleaved({"recompute": lambda: prefill(model, prefix + suffix, new_cache(total)),
-                         "reuse": lambda: prefill(model, suffix, clone_cache(prefix_cache))},
-                        args.rounds, device)
+    t = run_interleaved(
+        {
+            "recompute": lambda: prefill(model, prefix + suffix, new_cache(total)),
+            "reuse": lambda: prefill(model, suffix, clone_cache(prefix_cache)),
+        },
+        args.rounds,
+        device,
+    )
     with torch.inference_mode():
-        same = (prefill(model, prefix + suffix, new_cache(total))
-                - prefill(model, suffix, clone_cache(prefix_cache))).abs().max().item()
-    reuse = {"prefix": args.prefix, "suffix": args.suffix, "recompute_ms": 1e3 * t["recompute"],
-             "reuse_ms": 1e3 * t["reuse"], "speedup": t["recompute"] / t["reuse"],
-             "prefix_prefill_once_ms": prefix_ms, "max_logit_diff": same, "all_s": t["all_s"]}
+        same = (
+            (prefill(model, prefix + suffix, new_cache(total)) - prefill(model, suffix, clone_cache(prefix_cache)))
+            .abs()
+            .max()
+            .item()
+        )
+    reuse = {
+        "prefix": args.prefix,
+        "suffix": args.suffix,
+        "recompute_ms": 1e3 * t["recompute"],
+        "reuse_ms": 1e3 * t["reuse"],
+        "speedup": t["recompute"] / t["reuse"],
+        "prefix_prefill_once_ms": prefix_ms,
+        "max_logit_diff": same,
+        "all_s": t["all_s"],
+    }
 
     latency_rows = []
     for T in args.lengths:
         runs = [measure_latency(model, ids[:T], args.latency_tokens) for _ in range(args.rounds)]
-        latency_rows.append({"T": T, "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs),
-                             "itl_ms": 1e3 * statistics.median(x for r in runs for x in r["itl_s"]),
-                             "tokens": args.latency_tokens})
+        latency_rows.append(
+            {
+                "T": T,
+                "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs),
+                "itl_ms": 1e3 * statistics.median(x for r in runs for x in r["itl_s"]),
+                "tokens": args.latency_tokens,
+            }
+        )
     return {"model": name, "prompt": prompt_rows, "prefix_reuse": reuse, "latency": latency_rows}
 
 
@@ -113,9 +147,16 @@ def main():
             print(f"skipping {name}: not trained yet")
             continue
         result = bench_model(name, device, args)
-        result.update(command=command, device=str(device), torch=torch.__version__,
-                      torch_threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
-                      rounds=args.rounds, text="decodelab.lessons.perplexity.heldout_text('code')", seed=SEED)
+        result.update(
+            command=command,
+            device=str(device),
+            torch=torch.__version__,
+            torch_threads=torch.get_num_threads(),
+            cpu=platform.processor() or platform.machine(),
+            rounds=args.rounds,
+            text="decodelab.lessons.perplexity.heldout_text('code')",
+            seed=SEED,
+        )
         out = Path(__file__).parent / "results" / f"prefill_{name}_{device.type}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
@@ -124,17 +165,23 @@ def main():
         print(f"$ {command}")
         print(f"{'prompt':>7} {'prefill ms':>11} {'1-by-1 ms':>10} {'speedup':>8} {'seed':>6}")
         for row in result["prompt"]:
-            print(f"{row['T']:>7} {row['prefill_ms']:>11.1f} {row['one_by_one_ms']:>10.1f} "
-                  f"{row['speedup']:>7.1f}x {SEED['prefill_speedup']:>5.1f}x")
+            print(
+                f"{row['T']:>7} {row['prefill_ms']:>11.1f} {row['one_by_one_ms']:>10.1f} "
+                f"{row['speedup']:>7.1f}x {SEED['prefill_speedup']:>5.1f}x"
+            )
         r = result["prefix_reuse"]
-        print(f"prefix {r['prefix']} + suffix {r['suffix']}: recompute {r['recompute_ms']:.1f} ms "
-              f"(seed {SEED['recompute_ms']}), reuse {r['reuse_ms']:.1f} ms (seed {SEED['reuse_ms']}) "
-              f"-> {r['speedup']:.1f}x (seed {SEED['recompute_ms'] / SEED['reuse_ms']:.1f}x); "
-              f"prefix prefilled once in {r['prefix_prefill_once_ms']:.1f} ms; "
-              f"max logit diff {r['max_logit_diff']:.2g}")
+        print(
+            f"prefix {r['prefix']} + suffix {r['suffix']}: recompute {r['recompute_ms']:.1f} ms "
+            f"(seed {SEED['recompute_ms']}), reuse {r['reuse_ms']:.1f} ms (seed {SEED['reuse_ms']}) "
+            f"-> {r['speedup']:.1f}x (seed {SEED['recompute_ms'] / SEED['reuse_ms']:.1f}x); "
+            f"prefix prefilled once in {r['prefix_prefill_once_ms']:.1f} ms; "
+            f"max logit diff {r['max_logit_diff']:.2g}"
+        )
         for row in result["latency"]:
-            print(f"TTFT at {row['T']} prompt tokens: {row['ttft_ms']:.1f} ms; "
-                  f"median inter-token latency {row['itl_ms']:.1f} ms ({row['tokens']} tokens)")
+            print(
+                f"TTFT at {row['T']} prompt tokens: {row['ttft_ms']:.1f} ms; "
+                f"median inter-token latency {row['itl_ms']:.1f} ms ({row['tokens']} tokens)"
+            )
         print(f"wrote {out}")
 
 

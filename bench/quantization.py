@@ -15,6 +15,7 @@ over `--kv-tokens` free-running tokens per prompt.
 Writes bench/results/quantization.json. Timings share the machine with whatever else runs; the
 load average is recorded.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,25 +37,38 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from decodelab.decoding.generate import stream_token_ids  # noqa: E402
+from decodelab.lessons.perplexity import heldout_text, perplexity  # noqa: E402
 from decodelab.model.kv_cache import KVCache  # noqa: E402
+from decodelab.model.quantization import QuantizedKVCache, QuantizedLinear, quantize_model  # noqa: E402
 from decodelab.model.registry import load, resolve_model  # noqa: E402
 from decodelab.params import SamplingParams  # noqa: E402
-from decodelab.lessons.perplexity import heldout_text, perplexity  # noqa: E402
-from decodelab.model.quantization import QuantizedKVCache, QuantizedLinear, quantize_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quantization.json"
 PROMPTS = {
-    "smollm2": ["The capital of France is", "Water boils at a temperature of", "Once upon a time, in a small village,",
-                "The three primary colors are"],
-    "tiny": ["def fibonacci(n):\n", "import os\n\n\ndef ", "class Stack:\n    def __init__(self):\n",
-             "    for i in range("],
+    "smollm2": [
+        "The capital of France is",
+        "Water boils at a temperature of",
+        "Once upon a time, in a small village,",
+        "The three primary colors are",
+    ],
+    "tiny": [
+        "def fibonacci(n):\n",
+        "import os\n\n\ndef ",
+        "class Stack:\n    def __init__(self):\n",
+        "    for i in range(",
+    ],
 }
 HELDOUT = {"smollm2": "en", "tiny": "code"}
 WEIGHT_VARIANTS = {"fp32": None, "int8": (8, None), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4-g128": (4, 128)}
 KV_VARIANTS = ("fp32", "fp16", "int8", "fp8")
 SEED = {  # the seed article's figures, beside ours in the table
-    "int8_bytes_vs_fp16": 0.5, "int4_bytes_vs_fp16": 0.25, "int8_gpu_speedup": 2.0, "int4_gpu_speedup": 3.0,
-    "kv_int8_bytes_vs_fp32": 0.27, "kv_int8_greedy": "8/8", "kv_int8_max_logit_diff": 0.0089,
+    "int8_bytes_vs_fp16": 0.5,
+    "int4_bytes_vs_fp16": 0.25,
+    "int8_gpu_speedup": 2.0,
+    "int4_gpu_speedup": 3.0,
+    "kv_int8_bytes_vs_fp32": 0.27,
+    "kv_int8_greedy": "8/8",
+    "kv_int8_max_logit_diff": 0.0089,
 }
 
 
@@ -111,8 +125,11 @@ def kv_run(model, prompt_ids, kv_dtype, n, teacher=None):
     """Greedy with one cache kind. With `teacher` (token list) feed those tokens instead of
     our own, so logits can be compared step by step. Returns (tokens, logits list, bytes/token)."""
     cfg = model.config
-    cache = (KVCache(cfg, 1, len(prompt_ids) + n) if kv_dtype == "fp32"
-             else QuantizedKVCache(cfg, 1, len(prompt_ids) + n, kv_dtype=kv_dtype))
+    cache = (
+        KVCache(cfg, 1, len(prompt_ids) + n)
+        if kv_dtype == "fp32"
+        else QuantizedKVCache(cfg, 1, len(prompt_ids) + n, kv_dtype=kv_dtype)
+    )
     x, tokens, logits = torch.tensor([prompt_ids]), [], []
     for i in range(n):
         step = model(x, kv_cache=cache, last_only=True)[0, -1]
@@ -124,16 +141,21 @@ def kv_run(model, prompt_ids, kv_dtype, n, teacher=None):
 
 def bench_model(name, args):
     model, tokenizer = load(name, device="cpu", dtype="float32")
-    prompts = [tokenizer.encode(p) for p in PROMPTS[name][:args.prompts]]
-    text_ids = tokenizer.encode(heldout_text(HELDOUT[name]))[:args.ppl_tokens]
+    prompts = [tokenizer.encode(p) for p in PROMPTS[name][: args.prompts]]
+    text_ids = tokenizer.encode(heldout_text(HELDOUT[name]))[: args.ppl_tokens]
     window = min(args.window, model.config.max_position_embeddings)
     result = {"model": name, "heldout": HELDOUT[name], "ppl_tokens": len(text_ids), "weights": {}, "kv": {}}
     reference = None
     for variant, spec in WEIGHT_VARIANTS.items():
         t0 = time.perf_counter()
         qmodel = model if spec is None else quantize_model(copy.deepcopy(model), bits=spec[0], group_size=spec[1] or 64)
-        fallbacks = sorted({f"{m.in_features} inputs -> g{m.group_size}" for m in linears(qmodel)
-                            if isinstance(m, QuantizedLinear) and spec[1] and m.group_size != spec[1]})
+        fallbacks = sorted(
+            {
+                f"{m.in_features} inputs -> g{m.group_size}"
+                for m in linears(qmodel)
+                if isinstance(m, QuantizedLinear) and spec[1] and m.group_size != spec[1]
+            }
+        )
         ppl = perplexity(qmodel, text_ids, window=window, stride=window // 2)
         runs = [greedy_timed(qmodel, p, args.gen_tokens) for p in prompts]
         tokens = [r[0] for r in runs]
@@ -143,14 +165,17 @@ def bench_model(name, args):
             "linear_bytes": linear_bytes(qmodel),
             "relative_weight_error": relative_weight_error(model, qmodel),
             "perplexity": ppl,
-            "greedy_same_prefix": prefix, "greedy_tokens_each": args.gen_tokens,
+            "greedy_same_prefix": prefix,
+            "greedy_tokens_each": args.gen_tokens,
             "decode_ms_per_token": 1e3 * statistics.median(r[1] for r in runs),
-            "group_size_fallbacks": fallbacks, "seconds": time.perf_counter() - t0,
+            "group_size_fallbacks": fallbacks,
+            "seconds": time.perf_counter() - t0,
         }
         row["bytes_vs_fp32"] = row["linear_bytes"] / result["weights"]["fp32"]["linear_bytes"] if spec else 1.0
         result["weights"][variant] = row
-        print(f"  {name} {variant}: ppl {ppl:.3f}, prefix {prefix}, "
-              f"{row['decode_ms_per_token']:.0f} ms/token", flush=True)
+        print(
+            f"  {name} {variant}: ppl {ppl:.3f}, prefix {prefix}, {row['decode_ms_per_token']:.0f} ms/token", flush=True
+        )
         del qmodel
     result["asymmetric_g32_weight_error"] = asymmetric_g32_error(model)
     ref_tokens = [kv_run(model, p, "fp32", args.kv_tokens)[0] for p in prompts]
@@ -162,10 +187,15 @@ def bench_model(name, args):
             diffs.append(max(float((a - b).abs().max()) for a, b in zip(ref_logits, logits)))
             tokens, _, _ = kv_run(model, p, kv_dtype, args.kv_tokens)
             matches.append(same_prefix(tokens, ref))
-        result["kv"][kv_dtype] = {"bytes_per_token": per_token, "max_logit_diff": max(diffs),
-                                  "greedy_same_prefix": matches, "greedy_tokens_each": args.kv_tokens}
-    result["kv_bytes_vs_fp32"] = {k: v["bytes_per_token"] / result["kv"]["fp32"]["bytes_per_token"]
-                                  for k, v in result["kv"].items()}
+        result["kv"][kv_dtype] = {
+            "bytes_per_token": per_token,
+            "max_logit_diff": max(diffs),
+            "greedy_same_prefix": matches,
+            "greedy_tokens_each": args.kv_tokens,
+        }
+    result["kv_bytes_vs_fp32"] = {
+        k: v["bytes_per_token"] / result["kv"]["fp32"]["bytes_per_token"] for k, v in result["kv"].items()
+    }
     return result
 
 
@@ -175,42 +205,59 @@ def ppl_change(row, fp32) -> str:
 
 def comparison(results) -> str:
     """One measured sentence: perplexity change of int8 and int4-g64 per model."""
-    parts = [f"{r['model']}: int8 {ppl_change(r['weights']['int8'], r['weights']['fp32'])}, "
-             f"int4-g64 {ppl_change(r['weights']['int4-g64'], r['weights']['fp32'])}" for r in results]
+    parts = [
+        f"{r['model']}: int8 {ppl_change(r['weights']['int8'], r['weights']['fp32'])}, "
+        f"int4-g64 {ppl_change(r['weights']['int4-g64'], r['weights']['fp32'])}"
+        for r in results
+    ]
     return "Measured perplexity change here: " + "; ".join(parts) + "." if parts else ""
 
 
 def print_tables(results, args):
     for r in results:
         w, fp32 = r["weights"], r["weights"]["fp32"]
-        print(f"\n== {r['model']}: weights of the decoder-layer linears (perplexity on {r['ppl_tokens']} held-out "
-              f"'{r['heldout']}' tokens; greedy = tokens identical to fp32 before the first difference) ==")
-        print(f"{'variant':<10} {'MB':>8} {'vs fp32':>8} {'vs fp16':>8} {'seed vs fp16':>12} {'rel.err':>8} "
-              f"{'ppl':>9} {'d.ppl':>7} {'greedy':>10} {'ms/tok':>7} {'speed':>6} {'seed GPU':>8}")
+        print(
+            f"\n== {r['model']}: weights of the decoder-layer linears (perplexity on {r['ppl_tokens']} held-out "
+            f"'{r['heldout']}' tokens; greedy = tokens identical to fp32 before the first difference) =="
+        )
+        print(
+            f"{'variant':<10} {'MB':>8} {'vs fp32':>8} {'vs fp16':>8} {'seed vs fp16':>12} {'rel.err':>8} "
+            f"{'ppl':>9} {'d.ppl':>7} {'greedy':>10} {'ms/tok':>7} {'speed':>6} {'seed GPU':>8}"
+        )
         for name, row in w.items():
             seed_bytes = {"int8": "0.50"}.get(name, "0.25" if name.startswith("int4") else "")
             seed_speed = {"int8": "~2x"}.get(name, "~3x" if name.startswith("int4") else "")
             greedy = f"{sum(row['greedy_same_prefix'])}/{len(row['greedy_same_prefix']) * row['greedy_tokens_each']}"
             speed = fp32["decode_ms_per_token"] / row["decode_ms_per_token"]
-            print(f"{name:<10} {row['linear_bytes'] / 1e6:8.2f} {row['bytes_vs_fp32']:8.3f} "
-                  f"{2 * row['bytes_vs_fp32']:8.3f} {seed_bytes:>12} {row['relative_weight_error']:8.4f} "
-                  f"{row['perplexity']:9.3f} {ppl_change(row, fp32):>7} {greedy:>10} "
-                  f"{row['decode_ms_per_token']:7.0f} {speed:5.2f}x {seed_speed:>8}")
+            print(
+                f"{name:<10} {row['linear_bytes'] / 1e6:8.2f} {row['bytes_vs_fp32']:8.3f} "
+                f"{2 * row['bytes_vs_fp32']:8.3f} {seed_bytes:>12} {row['relative_weight_error']:8.4f} "
+                f"{row['perplexity']:9.3f} {ppl_change(row, fp32):>7} {greedy:>10} "
+                f"{row['decode_ms_per_token']:7.0f} {speed:5.2f}x {seed_speed:>8}"
+            )
             if row["group_size_fallbacks"]:
                 print(f"{'':<10} group size fell back: {', '.join(row['group_size_fallbacks'])}")
-        print(f"asymmetric min/max 4-bit in blocks of 32 (GGUF Q4_1's grid), weights only: "
-              f"relative error {r['asymmetric_g32_weight_error']:.2e}")
-        print(f"\n== {r['model']}: KV cache (logit diff with the same tokens fed; "
-              f"greedy over {args.kv_tokens} tokens) ==")
-        print(f"{'kv':<6} {'bytes/token':>11} {'vs fp32':>8} {'seed':>6} {'max logit diff':>15} {'seed':>7} "
-              f"{'greedy':>8} {'seed':>5}")
+        print(
+            f"asymmetric min/max 4-bit in blocks of 32 (GGUF Q4_1's grid), weights only: "
+            f"relative error {r['asymmetric_g32_weight_error']:.2e}"
+        )
+        print(
+            f"\n== {r['model']}: KV cache (logit diff with the same tokens fed; greedy over {args.kv_tokens} tokens) =="
+        )
+        print(
+            f"{'kv':<6} {'bytes/token':>11} {'vs fp32':>8} {'seed':>6} {'max logit diff':>15} {'seed':>7} "
+            f"{'greedy':>8} {'seed':>5}"
+        )
         for name, row in r["kv"].items():
             seed = name == "int8"
             greedy = f"{sum(row['greedy_same_prefix'])}/{len(row['greedy_same_prefix']) * row['greedy_tokens_each']}"
-            print(f"{name:<6} {row['bytes_per_token']:11.0f} {r['kv_bytes_vs_fp32'][name]:8.4f} "
-                  f"{'0.27' if seed else '':>6} {row['max_logit_diff']:15.4f} {'0.0089' if seed else '':>7} "
-                  f"{greedy:>8} {'8/8' if seed else '':>5}")
-    print("""
+            print(
+                f"{name:<6} {row['bytes_per_token']:11.0f} {r['kv_bytes_vs_fp32'][name]:8.4f} "
+                f"{'0.27' if seed else '':>6} {row['max_logit_diff']:15.4f} {'0.0089' if seed else '':>7} "
+                f"{greedy:>8} {'8/8' if seed else '':>5}"
+            )
+    print(
+        """
 Notes.
 * Speed: the seed's "INT8 ~2x, INT4 ~3x faster" is for GPU kernels that dequantize inside the
   matmul. Our QuantizedLinear dequantizes the whole weight to fp32 on every call and then runs
@@ -232,8 +279,8 @@ Notes.
   dimensions (layer 5, head 0: one averages |k| ~10, the next ~3), which inflate each
   position's scale; its logits also span tens of units, so the absolute logit difference is
   larger than in the seed's tiny numpy model. fp8 (e4m3: 3 mantissa bits, relative steps up to
-  1/8) is coarser than int8 near each position's absmax.""".format(
-        comparison=comparison(results)))
+  1/8) is coarser than int8 near each position's absmax.""".format(comparison=comparison(results))
+    )
 
 
 def main():
@@ -264,10 +311,18 @@ def main():
         results.append(bench_model(name, args))
     print_tables(results, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"settings": {k: v for k, v in vars(args).items() if k != "out"},
-              "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": args.threads,
-                          "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None},
-              "seed_figures": SEED, "results": results, "skipped": skipped}
+    record = {
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "machine": {
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "threads": args.threads,
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        },
+        "seed_figures": SEED,
+        "results": results,
+        "skipped": skipped,
+    }
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"\nwrote {args.out}")
 

@@ -18,6 +18,7 @@ Per request: TTFT (sent -> first streamed text) and TPOT (time per output token 
 requests per second that met the SLO, TTFT <= --ttft-slo (1 s) and TPOT <= --tpot-slo (0.1 s), as
 DistServe defines it. Prints the command and the figures; writes bench/results/serving_load_MODEL.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,7 +76,7 @@ def plan(num_requests: int, rate: float, seed: int) -> list[PlannedRequest]:
         length = min(200, max(4, round(rng.lognormvariate(math.log(24), 0.8))))
         start = rng.randrange(len(words) - length)
         max_tokens = min(256, 8 + round(-56 * math.log(1 - rng.random())))
-        requests.append(PlannedRequest(clock, " ".join(words[start:start + length]), max_tokens))
+        requests.append(PlannedRequest(clock, " ".join(words[start : start + length]), max_tokens))
     for request in requests:
         request.send_at /= rate
     return requests
@@ -86,9 +87,15 @@ async def send(client, model: str, request: PlannedRequest) -> Outcome:
     started = time.perf_counter()
     outcome = Outcome(ok=False)
     try:
-        stream = await client.completions.create(model=model, prompt=request.prompt, max_tokens=request.max_tokens,
-                                                 temperature=0, stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model=model,
+            prompt=request.prompt,
+            max_tokens=request.max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             if outcome.ttft is None and any(choice.text for choice in chunk.choices):
                 outcome.ttft = time.perf_counter() - started
@@ -105,8 +112,9 @@ async def run_rate(base_url: str, model: str, requests: list[PlannedRequest]) ->
     """Send every request at its time -> (outcomes, seconds from the first send to the last answer)."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "unused"),
-                                max_retries=0, timeout=600)
+    client = openai.AsyncOpenAI(
+        base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "unused"), max_retries=0, timeout=600
+    )
     start = time.perf_counter()
 
     async def at_its_time(request):
@@ -129,16 +137,26 @@ def summarize(rate: float, outcomes: list[Outcome], duration: float, ttft_slo: f
     good = [o for o in done if o.ttft <= ttft_slo and (o.tpot is None or o.tpot <= tpot_slo)]
     output_tokens = sum(o.output_tokens for o in done)
     errors = sorted({o.error for o in outcomes if o.error})
-    return {"rate_req_s": rate, "requests": len(outcomes), "completed": len(done), "failed": len(outcomes) - len(done),
-            "errors": errors[:3], "duration_s": round(duration, 2),
-            "prompt_tokens": sum(o.prompt_tokens for o in done), "output_tokens": output_tokens,
-            "throughput_tok_s": round(output_tokens / duration, 1),
-            "request_throughput_req_s": round(len(done) / duration, 3),
-            "goodput_req_s": round(len(good) / duration, 3), "slo_attainment": round(len(good) / len(outcomes), 3),
-            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-            "tpot_p50_s": percentile(tpots, 50), "tpot_p99_s": percentile(tpots, 99),
-            "latency_p50_s": percentile([o.latency for o in done], 50),
-            "latency_p99_s": percentile([o.latency for o in done], 99)}
+    return {
+        "rate_req_s": rate,
+        "requests": len(outcomes),
+        "completed": len(done),
+        "failed": len(outcomes) - len(done),
+        "errors": errors[:3],
+        "duration_s": round(duration, 2),
+        "prompt_tokens": sum(o.prompt_tokens for o in done),
+        "output_tokens": output_tokens,
+        "throughput_tok_s": round(output_tokens / duration, 1),
+        "request_throughput_req_s": round(len(done) / duration, 3),
+        "goodput_req_s": round(len(good) / duration, 3),
+        "slo_attainment": round(len(good) / len(outcomes), 3),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "tpot_p50_s": percentile(tpots, 50),
+        "tpot_p99_s": percentile(tpots, 99),
+        "latency_p50_s": percentile([o.latency for o in done], 50),
+        "latency_p99_s": percentile([o.latency for o in done], 99),
+    }
 
 
 @contextmanager
@@ -161,12 +179,17 @@ def our_server(model: str, extra: list[str]):
 def print_table(rows: list[dict]) -> None:
     def ms(value):
         return "-" if value is None else f"{value * 1000:7.0f}"
-    print(f"{'rate':>6} {'done':>5} {'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} {'p99':>7} {'tok/s':>7} "
-          f"{'goodput':>8} {'in SLO':>7}   (ms; goodput in req/s)")
+
+    print(
+        f"{'rate':>6} {'done':>5} {'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} {'p99':>7} {'tok/s':>7} "
+        f"{'goodput':>8} {'in SLO':>7}   (ms; goodput in req/s)"
+    )
     for r in rows:
-        print(f"{r['rate_req_s']:6g} {r['completed']:5d} {ms(r['ttft_p50_s']):>9} {ms(r['ttft_p99_s']):>7} "
-              f"{ms(r['tpot_p50_s']):>9} {ms(r['tpot_p99_s']):>7} {r['throughput_tok_s']:7.1f} "
-              f"{r['goodput_req_s']:8.2f} {r['slo_attainment']:7.0%}")
+        print(
+            f"{r['rate_req_s']:6g} {r['completed']:5d} {ms(r['ttft_p50_s']):>9} {ms(r['ttft_p99_s']):>7} "
+            f"{ms(r['tpot_p50_s']):>9} {ms(r['tpot_p99_s']):>7} {r['throughput_tok_s']:7.1f} "
+            f"{r['goodput_req_s']:8.2f} {r['slo_attainment']:7.0%}"
+        )
 
 
 def main() -> None:
@@ -188,7 +211,7 @@ def main() -> None:
     print(command, flush=True)
     load_before = _load_average()
 
-    with (our_server(args.serve, args.serve_args.split()) if args.serve else _given(args.base_url)) as (url, server):
+    with our_server(args.serve, args.serve_args.split()) if args.serve else _given(args.base_url) as (url, server):
         model = args.model or _first_model(url)
         rows = []
         for rate in rates:
@@ -198,12 +221,21 @@ def main() -> None:
             print_table(rows[-1:])
     print()
     print_table(rows)
-    result = {"command": command, "server": server, "base_url": url, "model": model, "requests": args.requests,
-              "seed": args.seed, "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
-              "workload": "Poisson arrivals; prompts lognormal words (median 24, <= 200) of held-out English; "
-                          "outputs 8 + exponential(mean 56) tokens, <= 256, ignore_eos, greedy, streamed",
-              "client": "the openai package's AsyncOpenAI, on the same machine as the server (it takes CPU too)",
-              "cpus": os.cpu_count(), "load_average_before": load_before, "rates": rows}
+    result = {
+        "command": command,
+        "server": server,
+        "base_url": url,
+        "model": model,
+        "requests": args.requests,
+        "seed": args.seed,
+        "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
+        "workload": "Poisson arrivals; prompts lognormal words (median 24, <= 200) of held-out English; "
+        "outputs 8 + exponential(mean 56) tokens, <= 256, ignore_eos, greedy, streamed",
+        "client": "the openai package's AsyncOpenAI, on the same machine as the server (it takes CPU too)",
+        "cpus": os.cpu_count(),
+        "load_average_before": load_before,
+        "rates": rows,
+    }
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"serving_load_{model}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

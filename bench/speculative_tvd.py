@@ -13,6 +13,7 @@ floor; draft-only at about TVD(p, q). `--loop-samples` also draws first tokens t
 whole loop (`speculative_generate`, k=4, one seed per draw), with its own, higher floor.
 Writes bench/results/speculative_tvd_<model>_<device>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from decodelab.params import SamplingParams  # noqa: E402
 from decodelab.decoding.sampling import probs  # noqa: E402
 from decodelab.decoding.speculative import accept_draft_tokens_batched, speculative_generate, tvd  # noqa: E402
+from decodelab.params import SamplingParams  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_speculative", Path(__file__).with_name("speculative.py"))
 bench = importlib.util.module_from_spec(_spec)
@@ -43,8 +44,15 @@ def expected_tvd_floor(p: torch.Tensor, n: int) -> float:
     de Moivre's MAD = 2 v C(n, v) p^v (1-p)^(n-v+1), v = floor(n p) + 1 (0 when p is 0 or 1)."""
     p = p.double().clamp(0, 1)
     v = torch.floor(n * p) + 1
-    log_mad = (math.log(2) + torch.log(v) + math.lgamma(n + 1) - torch.lgamma(v + 1) - torch.lgamma(n - v + 1)
-               + v * torch.log(p) + (n - v + 1) * torch.log1p(-p))
+    log_mad = (
+        math.log(2)
+        + torch.log(v)
+        + math.lgamma(n + 1)
+        - torch.lgamma(v + 1)
+        - torch.lgamma(n - v + 1)
+        + v * torch.log(p)
+        + (n - v + 1) * torch.log1p(-p)
+    )
     mad = torch.where((p > 0) & (p < 1) & (v <= n), log_mad.exp(), torch.zeros_like(p))
     return float(mad.sum() / (2 * n))
 
@@ -55,8 +63,8 @@ def tvd_prefixes(tokenizer, model_name: str) -> list[list[int]]:
     if not model_name.startswith("tiny"):
         return bench.prompt_ids_for(tokenizer, model_name, 3)
     easy, medium, hard = bench.code_prompts(3)
-    medium = medium[:medium.rindex("self.") + len("self.")]
-    return [tokenizer.encode(text) for text in (easy[:easy.rindex("\n") + 1], medium, hard)]
+    medium = medium[: medium.rindex("self.") + len("self.")]
+    return [tokenizer.encode(text) for text in (easy[: easy.rindex("\n") + 1], medium, hard)]
 
 
 def empirical(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -88,8 +96,10 @@ def main():
     chunk = max(1, 2**24 // vocab)  # steps per batched call: [chunk, V] float32 is 64 MiB
     generator = torch.Generator().manual_seed(args.seed)
     print(f"{pair}; T={args.temperature}; N={n:,}; V={vocab}")
-    print(f"{'prefix':>6} {'speculative':>11} {'direct':>8} {'draft-only':>10} {'floor':>7} {'TVD(p,q)':>8} "
-          f"{'alpha':>6}" + (f" {'loop':>7} {'floor':>7}" if args.loop_samples else ""))
+    print(
+        f"{'prefix':>6} {'speculative':>11} {'direct':>8} {'draft-only':>10} {'floor':>7} {'TVD(p,q)':>8} "
+        f"{'alpha':>6}" + (f" {'loop':>7} {'floor':>7}" if args.loop_samples else "")
+    )
     rows = []
     for index, prompt_ids in enumerate(prompts):
         p = next_token_probs(target, prompt_ids, params)  # [V]
@@ -99,36 +109,70 @@ def main():
         for size in [chunk] * (n // chunk) + [n % chunk] * (n % chunk > 0):  # [size, V] fits in memory
             drafts = torch.multinomial(q_rows, size, replacement=True, generator=generator).T  # [size, 1]
             num_accepted, next_token = accept_draft_tokens_batched(
-                drafts, q_rows.expand(size, 1, vocab), torch.cat([p_rows, p_rows]).expand(size, 2, vocab), generator)
+                drafts, q_rows.expand(size, 1, vocab), torch.cat([p_rows, p_rows]).expand(size, 2, vocab), generator
+            )
             first.append(torch.where(num_accepted > 0, drafts[:, 0], next_token))
         first = torch.cat(first)
-        row = dict(prefix=index, prompt_tokens=len(prompt_ids),
-                   speculative=float(tvd(empirical(first, vocab), p)),
-                   direct=float(tvd(empirical(torch.multinomial(p, n, replacement=True, generator=generator),
-                                              vocab), p)),
-                   draft_only=float(tvd(empirical(torch.multinomial(q, n, replacement=True, generator=generator),
-                                                  vocab), p)),
-                   floor=expected_tvd_floor(p, n), tvd_p_q=float(tvd(p, q)), alpha=float(torch.minimum(p, q).sum()))
-        line = (f"{index:>6} {row['speculative']:>11.4f} {row['direct']:>8.4f} {row['draft_only']:>10.4f} "
-                f"{row['floor']:>7.4f} {row['tvd_p_q']:>8.4f} {row['alpha']:>6.3f}")
+        row = dict(
+            prefix=index,
+            prompt_tokens=len(prompt_ids),
+            speculative=float(tvd(empirical(first, vocab), p)),
+            direct=float(tvd(empirical(torch.multinomial(p, n, replacement=True, generator=generator), vocab), p)),
+            draft_only=float(tvd(empirical(torch.multinomial(q, n, replacement=True, generator=generator), vocab), p)),
+            floor=expected_tvd_floor(p, n),
+            tvd_p_q=float(tvd(p, q)),
+            alpha=float(torch.minimum(p, q).sum()),
+        )
+        line = (
+            f"{index:>6} {row['speculative']:>11.4f} {row['direct']:>8.4f} {row['draft_only']:>10.4f} "
+            f"{row['floor']:>7.4f} {row['tvd_p_q']:>8.4f} {row['alpha']:>6.3f}"
+        )
         if args.loop_samples:
             start = time.perf_counter()
-            tokens = [speculative_generate(target, draft, prompt_ids, SamplingParams(
-                temperature=args.temperature, max_tokens=2, ignore_eos=True, seed=args.seed * 10**6 + i), 4)[0][0]
-                for i in range(args.loop_samples)]
-            row.update(loop=float(tvd(empirical(torch.tensor(tokens), vocab), p)), loop_samples=args.loop_samples,
-                       loop_floor=expected_tvd_floor(p, args.loop_samples), loop_seconds=time.perf_counter() - start)
+            tokens = [
+                speculative_generate(
+                    target,
+                    draft,
+                    prompt_ids,
+                    SamplingParams(
+                        temperature=args.temperature, max_tokens=2, ignore_eos=True, seed=args.seed * 10**6 + i
+                    ),
+                    4,
+                )[0][0]
+                for i in range(args.loop_samples)
+            ]
+            row.update(
+                loop=float(tvd(empirical(torch.tensor(tokens), vocab), p)),
+                loop_samples=args.loop_samples,
+                loop_floor=expected_tvd_floor(p, args.loop_samples),
+                loop_seconds=time.perf_counter() - start,
+            )
             line += f" {row['loop']:>7.4f} {row['loop_floor']:>7.4f}"
         rows.append(row)
         print(line, flush=True)
-    print(f"seed: speculative {SEED_FIGURES['speculative']}, direct {SEED_FIGURES['direct']}, "
-          f"draft-only {SEED_FIGURES['draft_only']}")
+    print(
+        f"seed: speculative {SEED_FIGURES['speculative']}, direct {SEED_FIGURES['direct']}, "
+        f"draft-only {SEED_FIGURES['draft_only']}"
+    )
     command = "python bench/speculative_tvd.py " + " ".join(sys.argv[1:])
     print(f"command: {command}")
     bench.RESULTS.mkdir(exist_ok=True)
     out = bench.RESULTS / f"speculative_tvd_{Path(model_name).name}_{device.type}.json"
-    out.write_text(json.dumps(dict(command=command, pair=pair, temperature=args.temperature, samples=n,
-                                   vocab_size=vocab, rows=rows, seed=SEED_FIGURES), indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            dict(
+                command=command,
+                pair=pair,
+                temperature=args.temperature,
+                samples=n,
+                vocab_size=vocab,
+                rows=rows,
+                seed=SEED_FIGURES,
+            ),
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

@@ -11,6 +11,7 @@ Python's folders back read-only, then drops to USER (uid, gid, no other groups) 
 command with the environment and working directory it was given. Nothing changes outside the
 namespace; where every folder is already open it only drops to USER.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # The sandbox's own mount primitives: one implementation of "bind a closed folder back".
-from autograder.sandbox import (CLONE_NEWNS, MS_NODEV, MS_NOSUID, MS_PRIVATE, MS_REC, _bind,  # noqa: E402
-                                _check, _first_closed_ancestor, _libc, _mount, _traversable_by_others)
+from autograder.sandbox import (  # noqa: E402
+    CLONE_NEWNS,
+    MS_NODEV,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_REC,
+    _bind,
+    _check,
+    _first_closed_ancestor,
+    _libc,
+    _mount,
+    _traversable_by_others,
+)
 
 
 def reach_python(paths: list[str]) -> None:

@@ -3,6 +3,7 @@ reading the original GGUF file itself (never our converted folder).
 
 Everything heavy is session-scoped: the transformers GGUF load alone takes ~30 s on two cores.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,6 +44,7 @@ def pytest_collection_modifyitems(config, items):
     _TIERS.update(table)
     if os.environ.get("DECODELAB_TIERS_OUT"):  # tests/test_tiers.py, on a collection of its own
         import json
+
         with open(os.environ["DECODELAB_TIERS_OUT"], "w") as out:
             json.dump({"whole": whole_collection(config), "table": table}, out)
     if torch.cuda.is_available():
@@ -63,8 +65,9 @@ def whole_collection(config) -> bool:
     tests = Path(__file__).resolve().parent
     roots = {tests, tests.parent}
     here = config.invocation_params.dir
-    return (all((here / arg.split("::", 1)[0]).resolve() in roots for arg in config.args)
-            and not any(config.getoption(name, None) for name in ("ignore", "ignore_glob", "deselect", "lf")))
+    return all((here / arg.split("::", 1)[0]).resolve() in roots for arg in config.args) and not any(
+        config.getoption(name, None) for name in ("ignore", "ignore_glob", "deselect", "lf")
+    )
 
 
 def _fast(item) -> bool:
@@ -117,7 +120,8 @@ def hf_gguf_model(smollm2_gguf):
     pytest.importorskip("transformers")
     with quiet_transformers() as transformers, memoized_gguf_reading():
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32)
+            smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+        )
     return model.eval().requires_grad_(False)
 
 

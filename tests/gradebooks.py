@@ -1,13 +1,19 @@
 """A small nbgrader gradebook written through nbgrader's own API, for the tests of the late
 policy and of the exports (no notebook is run)."""
+
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
 
 
-def make_gradebook(path: Path, assignment: str = "a1", cells: dict[str, float] | None = None,
-                   scores: dict[str, dict[str, float]] | None = None, duedate: str | None = None) -> str:
+def make_gradebook(
+    path: Path,
+    assignment: str = "a1",
+    cells: dict[str, float] | None = None,
+    scores: dict[str, dict[str, float]] | None = None,
+    duedate: str | None = None,
+) -> str:
     """A gradebook at path with one notebook `assignment` of these test cells (grade_id -> points)
     and these students' auto scores (student -> grade_id -> points); returns its db_url."""
     from nbgrader.api import Gradebook

@@ -22,6 +22,7 @@ Cell conventions (nbgrader `grade_id`s), checked by tests/test_notebooks.py:
   section.
 * any other graded cell (e.g. ``check_<something>``) must pass in the release as well.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,9 +40,21 @@ ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"
 COURSE = ROOT / "course"
 
-READY = ["00_meet_the_model", "01_forward_pass", "02_sampling", "03_kv_cache", "04_prefill_decode", "05_gqa",
-         "06_quantization", "07_paged_kv", "08_continuous_batching", "09_speculative_decoding", "10_capstone_engine",
-         "11_tiled_attention", "12_gpu_kernel"]
+READY = [
+    "00_meet_the_model",
+    "01_forward_pass",
+    "02_sampling",
+    "03_kv_cache",
+    "04_prefill_decode",
+    "05_gqa",
+    "06_quantization",
+    "07_paged_kv",
+    "08_continuous_batching",
+    "09_speculative_decoding",
+    "10_capstone_engine",
+    "11_tiled_attention",
+    "12_gpu_kernel",
+]
 # A notebook whose cell displays into an ipywidgets.Output can stall nbclient for the whole cell
 # timeout (11's tile explorer did, 300 s): see tests/test_course_helpers.py
 # test_no_widget_displays_into_an_output_widget.
@@ -89,8 +102,11 @@ def exercise_test_ids(nb) -> set[str]:
 def by_hand_points(nb) -> dict[str, float]:
     """grade_id -> points of the written answers a person grades in formgrader (explain_<name>):
     the autograder scores them 0 until a TA does."""
-    return {g: float(c.metadata.nbgrader["points"]) for g, c in graded_cells(nb).items()
-            if g.startswith("explain_") and c.metadata.nbgrader.get("solution")}
+    return {
+        g: float(c.metadata.nbgrader["points"])
+        for g, c in graded_cells(nb).items()
+        if g.startswith("explain_") and c.metadata.nbgrader.get("solution")
+    }
 
 
 def prediction_test_ids(nb) -> set[str]:
@@ -152,13 +168,15 @@ def kernel_env(**extra: str) -> dict[str, str]:
     """The environment of a notebook kernel in the tests: CI fast mode, quiet, the repo importable."""
     env = dict(os.environ)
     paths = [str(ROOT), str(ROOT / "lib"), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
-    env.update({
-        "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
-        "DECODELAB_FAST": "1",
-        "OMP_WAIT_POLICY": "PASSIVE",
-        "PYDEVD_DISABLE_FILE_VALIDATION": "1",  # debugpy's frozen-modules note on the kernel's stderr
-        "JUPYTER_PLATFORM_DIRS": "1",
-    })
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+            "DECODELAB_FAST": "1",
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "PYDEVD_DISABLE_FILE_VALIDATION": "1",  # debugpy's frozen-modules note on the kernel's stderr
+            "JUPYTER_PLATFORM_DIRS": "1",
+        }
+    )
     env.update(extra)
     return env
 
@@ -183,14 +201,20 @@ def errors(nb) -> list[CellError]:
     for i, cell in enumerate(nb.cells):
         for output in cell.get("outputs", []):
             if output.get("output_type") == "error":
-                found.append(CellError(i, cell_label(i, cell), output.get("ename", ""), output.get("evalue", "")[:2000]))
+                found.append(
+                    CellError(i, cell_label(i, cell), output.get("ename", ""), output.get("evalue", "")[:2000])
+                )
     return found
 
 
 def stderr_outputs(nb) -> list[tuple[str, str]]:
     """(cell label, text) of everything a run wrote to stderr: nbgrader scores such a test cell 0."""
-    return [(cell_label(i, c), o.get("text", "")[:500]) for i, c in enumerate(nb.cells)
-            for o in c.get("outputs", []) if o.get("output_type") == "stream" and o.get("name") == "stderr"]
+    return [
+        (cell_label(i, c), o.get("text", "")[:500])
+        for i, c in enumerate(nb.cells)
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "stream" and o.get("name") == "stderr"
+    ]
 
 
 def execute(path: Path, timeout: int = 300, env: dict | None = None):
@@ -202,7 +226,8 @@ def execute(path: Path, timeout: int = 300, env: dict | None = None):
         folder = Path(tmp) / path.parent.name
         shutil.copytree(path.parent, folder, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
         nb = read(folder / path.name)
-        client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                                resources={"metadata": {"path": str(folder)}})
+        client = NotebookClient(
+            nb, timeout=timeout, kernel_name="python3", allow_errors=True, resources={"metadata": {"path": str(folder)}}
+        )
         client.execute(env=env or kernel_env(), cwd=str(folder))
     return nb

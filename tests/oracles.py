@@ -1,5 +1,6 @@
 """Helpers shared by the tests: small random models (`random_model`, the library's `random_llama`)
 and the greedy near-tie rule."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,9 +27,13 @@ def top2(logits: torch.Tensor) -> tuple[set[int], float]:
     return {int(ids[0]), int(ids[1])}, float(values[0] - values[1])
 
 
-def check_greedy_agreement(prompt_ids: Sequence[int], ours: Sequence[int], ref: Sequence[int],
-                           next_logits: Sequence[Callable[[list[int]], torch.Tensor]],
-                           tol: float = NEAR_TIE) -> int:
+def check_greedy_agreement(
+    prompt_ids: Sequence[int],
+    ours: Sequence[int],
+    ref: Sequence[int],
+    next_logits: Sequence[Callable[[list[int]], torch.Tensor]],
+    tol: float = NEAR_TIE,
+) -> int:
     """Assert two greedy continuations agree, except for a swap at a genuine near-tie.
 
     At the first step where they differ, every model in `next_logits` (ids -> logits [V] for
@@ -45,7 +50,8 @@ def check_greedy_agreement(prompt_ids: Sequence[int], ours: Sequence[int], ref: 
             best, margin = top2(fn(prefix))
             assert best == {a, b} and margin < tol, (
                 f"greedy outputs differ at step {step} ({a} vs {b}) but this is no near-tie: "
-                f"top-2 there {sorted(best)}, margin {margin:.3g} (allowed < {tol})")
+                f"top-2 there {sorted(best)}, margin {margin:.3g} (allowed < {tol})"
+            )
         return step
     assert len(ours) == len(ref), f"same tokens but different lengths: {len(ours)} vs {len(ref)}"
     return len(ours)
@@ -55,19 +61,28 @@ def hf_greedy(hf_model, prompt_ids: Sequence[int], max_new_tokens: int, eos_toke
     """transformers' greedy generate (its own KV cache), new tokens only."""
     x = torch.tensor([list(prompt_ids)])
     with torch.no_grad():
-        out = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                                pad_token_id=eos_token_id if eos_token_id is not None else 0,
-                                top_p=None, top_k=None, temperature=None)
-    return out[0, x.shape[1]:].tolist()
+        out = hf_model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id,
+            pad_token_id=eos_token_id if eos_token_id is not None else 0,
+            top_p=None,
+            top_k=None,
+            temperature=None,
+        )
+    return out[0, x.shape[1] :].tolist()
 
 
 def last_logits_fn(model) -> Callable[[list[int]], torch.Tensor]:
     """ids -> next-token logits [V] from a full forward pass (ours or transformers')."""
+
     @torch.no_grad()
     def fn(ids):
         out = model(torch.tensor([list(ids)]))
         return (out.logits if hasattr(out, "logits") else out)[0, -1].float()
+
     return fn
 
 
@@ -82,6 +97,7 @@ def quiet_transformers():
     patches = []
     try:  # the GGUF loader uses tqdm directly, outside transformers' own switch
         import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
         patches.append((gguf_utils, "tqdm", gguf_utils.tqdm))
         gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
     except (ImportError, AttributeError):
@@ -147,4 +163,3 @@ def expect_bug_caught(checks, bugs: dict, bug: str, min_message: int = 40) -> st
     message = str(info.value)
     assert len(message) > min_message, f"{bug} ({what}): message too terse: {message}"
     return message
-

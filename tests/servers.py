@@ -1,5 +1,6 @@
 """A server for a test module: the app served by uvicorn on a background thread, on 127.0.0.1 and a
 free port (the same binding and uvicorn settings as `python -m decodelab serve`)."""
+
 from __future__ import annotations
 
 import re
@@ -13,8 +14,10 @@ from typing import Iterator
 from decodelab.serving.server import LOOPBACK, bind, bound_address, make_server
 
 # A chat template for the tiny model, which has none (`serve --chat-template`)
-TINY_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-                      "{% if add_generation_prompt %}assistant:{% endif %}")
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 @contextmanager

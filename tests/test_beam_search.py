@@ -3,6 +3,7 @@ weights: `generate(num_beams=B, do_sample=False, length_penalty=L, early_stoppin
 model and on SmolLM2, float32, the HF-layout folders loaded into `transformers.LlamaForCausalLM`.
 Same tokens, and the same score (sum of log-probabilities / length ** length_penalty); the score is
 also recomputed from one uncached forward pass over the returned text."""
+
 from __future__ import annotations
 
 import functools
@@ -10,14 +11,18 @@ import warnings
 
 import pytest
 import torch
+from oracles import quiet_transformers
 
 from decodelab.decoding.generate import generate_with_cache
 from decodelab.lessons.beam_search import beam_search, sequence_logprob
 from decodelab.model.registry import load, resolve_model
-from oracles import quiet_transformers
 
-TINY_PROMPTS = ["def add(a, b):\n", "import os\nimport ", "class Stack:\n    def push(self, item):\n",
-                "for i in range("]
+TINY_PROMPTS = [
+    "def add(a, b):\n",
+    "import os\nimport ",
+    "class Stack:\n    def push(self, item):\n",
+    "for i in range(",
+]
 SMOLLM2_QUESTIONS = ["What is gravity?", "Name three prime numbers."]
 SCORE_TOL = 2e-5  # float32 sums of ~20 log-probabilities, ours and transformers' kernels
 
@@ -27,11 +32,23 @@ def hf_beam_search(hf_model, prompt_ids, num_beams, max_new_tokens, eos_token_id
     x = torch.tensor([list(prompt_ids)])
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = hf_model.generate(x, attention_mask=torch.ones_like(x), num_beams=num_beams, do_sample=False,
-                                length_penalty=length_penalty, early_stopping=True, max_new_tokens=max_new_tokens,
-                                eos_token_id=eos_token_id, pad_token_id=eos_token_id, output_scores=True,
-                                return_dict_in_generate=True, top_k=None, top_p=None, temperature=None)
-    return out.sequences[0, x.shape[1]:].tolist(), float(out.sequences_scores[0])
+        out = hf_model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            num_beams=num_beams,
+            do_sample=False,
+            length_penalty=length_penalty,
+            early_stopping=True,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id,
+            pad_token_id=eos_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+        )
+    return out.sequences[0, x.shape[1] :].tolist(), float(out.sequences_scores[0])
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,8 +82,12 @@ def test_tiny_matches_transformers(tiny, num_beams, length_penalty):
     model, tokenizer = tiny
     hf_model = hf_llama("tiny")
     newline = tokenizer.encode("\n")[0]
-    lengths = {len(expect_same_as_transformers(model, hf_model, tokenizer.encode(text), num_beams, 20, newline,
-                                               length_penalty)) for text in TINY_PROMPTS}
+    lengths = {
+        len(
+            expect_same_as_transformers(model, hf_model, tokenizer.encode(text), num_beams, 20, newline, length_penalty)
+        )
+        for text in TINY_PROMPTS
+    }
     assert len(lengths) >= 2, f"every output had the same length {lengths}: the cases do not test finishing"
 
 
@@ -77,8 +98,9 @@ def test_smollm2_matches_transformers(smollm2):
     for question in SMOLLM2_QUESTIONS:
         prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}]))
         for num_beams, length_penalty in ((2, 1.0), (4, 0.6)):
-            expect_same_as_transformers(model, hf_model, prompt_ids, num_beams, 12, tokenizer.eos_token_id,
-                                        length_penalty)
+            expect_same_as_transformers(
+                model, hf_model, prompt_ids, num_beams, 12, tokenizer.eos_token_id, length_penalty
+            )
 
 
 def test_only_the_first_b_candidates_finish_as_in_transformers(tiny):
@@ -103,9 +125,11 @@ def test_one_beam_is_greedy(tiny):
 def test_bad_arguments_are_errors(tiny):
     model, tokenizer = tiny
     prompt_ids = tokenizer.encode(TINY_PROMPTS[0])
-    for kwargs, message in (({"num_beams": 0}, "num_beams must be an integer >= 1"),
-                            ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
-                            ({"num_beams": 600}, "needs a vocabulary of at least 1200 tokens")):
+    for kwargs, message in (
+        ({"num_beams": 0}, "num_beams must be an integer >= 1"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+        ({"num_beams": 600}, "needs a vocabulary of at least 1200 tokens"),
+    ):
         args = {"num_beams": 2, "max_new_tokens": 4, **kwargs}
         with pytest.raises(ValueError, match=message):
             beam_search(model, prompt_ids, **args)

@@ -12,6 +12,7 @@ test-artifacts/browser/ (gitignored).
 Chromium comes from the system (`apt-get install chromium`; .ci/run installs it in CI), never
 from `playwright install`. Outside CI the test skips when it is missing; in CI it fails.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,22 +27,27 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from notebooks import READY, ROOT, SOLUTIONS, kernel_env, read
 
 pytestmark = pytest.mark.slow
 
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--disable-quic"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 VALIDATE_IN_BROWSER = READY[:1]  # the Validate button re-runs a whole notebook: once is proof enough
 RUN_TIMEOUT_MS = 600_000
 
 # Lab settings for a test: every cell stays in the page (no windowing), no news or update checks.
 USER_SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
-    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
-                                                                        "checkForUpdates": False},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
 }
 
 NOTEBOOK_STATE = """() => {
@@ -107,16 +113,35 @@ def lab(chromium, tmp_path_factory):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
     port, token = free_port(), secrets.token_hex(16)
-    env = kernel_env(JUPYTER_CONFIG_PATH=str(ROOT), JUPYTER_CONFIG_DIR=str(home / "config"),
-                     JUPYTERLAB_SETTINGS_DIR=str(home / "user-settings"),
-                     JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"), JUPYTER_RUNTIME_DIR=str(home / "runtime"))
+    env = kernel_env(
+        JUPYTER_CONFIG_PATH=str(ROOT),
+        JUPYTER_CONFIG_DIR=str(home / "config"),
+        JUPYTERLAB_SETTINGS_DIR=str(home / "user-settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"),
+        JUPYTER_RUNTIME_DIR=str(home / "runtime"),
+    )
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     log = open(ARTIFACTS / "jupyterlab.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-         "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         "--LabApp.expose_app_in_browser=True", *(["--allow-root"] if os.geteuid() == 0 else [])],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--LabApp.expose_app_in_browser=True",
+            *(["--allow-root"] if os.geteuid() == 0 else []),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -151,20 +176,28 @@ def browser(chromium):
 
 
 def _run_all(page, name: str) -> dict:
-    page.wait_for_function(f"() => {{ const s = ({NOTEBOOK_STATE})(); return s && s.status === 'idle'; }}",
-                           timeout=120_000)
+    page.wait_for_function(
+        f"() => {{ const s = ({NOTEBOOK_STATE})(); return s && s.status === 'idle'; }}", timeout=120_000
+    )
     page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
     page.wait_for_function(
         f"() => {{ const s = ({NOTEBOOK_STATE})(); return s && s.status === 'idle' && "
-        f"(s.executed === s.total || s.errors.length > 0); }}", timeout=RUN_TIMEOUT_MS, polling=1000)
+        f"(s.executed === s.total || s.errors.length > 0); }}",
+        timeout=RUN_TIMEOUT_MS,
+        polling=1000,
+    )
     return page.evaluate(f"({NOTEBOOK_STATE})()")
 
 
 def _widget_output(page, panel):
     """The output area holding the first slider widget and its FigureWidget (`has` locators
     are relative to the filtered element, hence `page`)."""
-    return panel.locator(".jp-OutputArea-output").filter(has=page.locator(".widget-slider")).filter(
-        has=page.locator(".js-plotly-plot")).first
+    return (
+        panel.locator(".jp-OutputArea-output")
+        .filter(has=page.locator(".widget-slider"))
+        .filter(has=page.locator(".js-plotly-plot"))
+        .first
+    )
 
 
 def _click_first_hint(page, panel, name: str, folder: Path) -> None:
@@ -176,7 +209,9 @@ def _click_first_hint(page, panel, name: str, folder: Path) -> None:
     source = "\n".join(cell.source for cell in read(SOLUTIONS / name / f"{name}.ipynb").cells)
     exercise = re.search(rf'hint_button\("{name}", "(ex_\w+)"\)', source).group(1)
     first_rung = re.sub(r"\s+", " ", hints_for(name, exercise)[0].replace("`", "")).strip()
-    button = panel.locator(f'button[title="hints for {exercise}, one at a time"]').first  # a locator re-resolves: not by its label
+    button = panel.locator(
+        f'button[title="hints for {exercise}, one at a time"]'
+    ).first  # a locator re-resolves: not by its label
     button.scroll_into_view_if_needed()
     box = button.locator("xpath=ancestor::div[contains(@class, 'widget-vbox')][1]")
     button.click()
@@ -185,7 +220,9 @@ def _click_first_hint(page, panel, name: str, folder: Path) -> None:
         page.wait_for_timeout(250)
     box.screenshot(path=str(ARTIFACTS / f"{name}-4c-hint.png"))
     shown = re.sub(r"\s+", " ", box.inner_text())
-    assert first_rung[:60] in shown, f"{name}: the hint button of {exercise} did not show rung 1; the box says {shown!r}"
+    assert first_rung[:60] in shown, (
+        f"{name}: the hint button of {exercise} did not show rung 1; the box says {shown!r}"
+    )
     assert "Show hint 2 of" in shown or "No more hints" in shown, f"{name}: the button did not move on: {shown!r}"
     counts = json.loads((folder / COUNTER_FILE).read_text())
     assert counts.get(name, {}).get(exercise) == 1, f"{name}: the click was not counted: {counts}"
@@ -212,8 +249,9 @@ def test_notebook_runs_and_widgets_respond(name, lab, browser):
         # Every plotly figure drew its SVG (the static ones and the widget's FigureWidget).
         plots = panel.locator(".js-plotly-plot")
         plots.last.wait_for(timeout=60_000)
-        assert plots.count() >= state["plots"] + 1, f"{name}: {plots.count()} plotly plots on the page, " \
-                                                    f"{state['plots']} figures + a FigureWidget expected"
+        assert plots.count() >= state["plots"] + 1, (
+            f"{name}: {plots.count()} plotly plots on the page, {state['plots']} figures + a FigureWidget expected"
+        )
         for i in range(plots.count()):
             plot = plots.nth(i)
             plot.scroll_into_view_if_needed()
@@ -260,7 +298,9 @@ def test_notebook_runs_and_widgets_respond(name, lab, browser):
             text = dialog.inner_text()
             assert "Success! Your notebook passes all the tests." in text, f"{name}: Validate said:\n{text[:3000]}"
     finally:
-        page.evaluate("() => window.jupyterapp && window.jupyterapp.shell.currentWidget && "
-                      "window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
+        page.evaluate(
+            "() => window.jupyterapp && window.jupyterapp.shell.currentWidget && "
+            "window.jupyterapp.shell.currentWidget.sessionContext.shutdown()"
+        )
         page.close()
         print(f"{name}: browser run {time.perf_counter() - started:.1f} s")

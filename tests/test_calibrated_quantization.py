@@ -6,6 +6,7 @@ alpha, the float product, an int8 x int8 product written out, and the library's 
 Each check is a function of the implementation it checks, so the kept bugs of
 fixtures/library/buggy_calibration.py are run through the same checks and must fail them.
 """
+
 from __future__ import annotations
 
 import copy
@@ -14,14 +15,22 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from oracles import load_fixture, random_ids, random_model
 from torch import nn
 
 from decodelab.model import awq, gptq, groupwise, outliers
 from decodelab.model.calibrated_linear import CalibratedLinear, by_identity
-from decodelab.model.calibration import (METHODS, apply_layers, calibrate_model, calibration_ids, decoder_linears,
-                                         quantize_linear, record_inputs, text_split)
+from decodelab.model.calibration import (
+    METHODS,
+    apply_layers,
+    calibrate_model,
+    calibration_ids,
+    decoder_linears,
+    quantize_linear,
+    record_inputs,
+    text_split,
+)
 from decodelab.model.quantization import dequantize_int4, quantize_int4_groupwise, replace_linears
-from oracles import load_fixture, random_ids, random_model
 
 buggy = load_fixture("library/buggy_calibration")
 
@@ -29,13 +38,13 @@ buggy = load_fixture("library/buggy_calibration")
 def correlated_inputs(tokens: int, features: int, seed: int) -> torch.Tensor:
     """x [tokens, features]: mixed Gaussian features (correlated, as real activations are) with uneven scales."""
     g = torch.Generator().manual_seed(seed)
-    mixing = torch.randn(features, features, generator=g) / features ** 0.5 + torch.eye(features)
+    mixing = torch.randn(features, features, generator=g) / features**0.5 + torch.eye(features)
     scales = torch.exp(torch.randn(features, generator=g))
     return (torch.randn(tokens, features, generator=g) @ mixing) * scales
 
 
 def random_weight(out: int, inputs: int, seed: int) -> torch.Tensor:
-    return torch.randn(out, inputs, generator=torch.Generator().manual_seed(seed + 1000)) / inputs ** 0.5
+    return torch.randn(out, inputs, generator=torch.Generator().manual_seed(seed + 1000)) / inputs**0.5
 
 
 # --------------------------------------------------------------------------- the grid
@@ -46,7 +55,7 @@ def random_weight(out: int, inputs: int, seed: int) -> torch.Tensor:
 def test_round_to_nearest_is_within_half_a_step(bits, symmetric):
     w = random_weight(24, 128, seed=bits) * torch.linspace(0.1, 3, 128)
     grid = groupwise.quantize_groupwise(w, bits, 32, symmetric)
-    low, high = (1, 2 ** bits - 1) if symmetric else (0, 2 ** bits - 1)
+    low, high = (1, 2**bits - 1) if symmetric else (0, 2**bits - 1)
     assert grid.levels.min() >= low and grid.levels.max() <= high
     assert grid.scale.shape == grid.zero.shape == (24, 4)
     step = grid.scale.repeat_interleave(32, dim=1)  # [out, in]
@@ -64,7 +73,7 @@ def test_symmetric_int4_is_the_library_int4_grid():
 
 @pytest.mark.parametrize("bits", groupwise.BITS)
 def test_packing_round_trips(bits):
-    levels = torch.randint(0, 2 ** bits, (5, 77), generator=torch.Generator().manual_seed(bits)).to(torch.uint8)
+    levels = torch.randint(0, 2**bits, (5, 77), generator=torch.Generator().manual_seed(bits)).to(torch.uint8)
     packed = groupwise.pack_levels(levels, bits)
     assert packed.dtype == torch.int32 and packed.nbytes == groupwise.packed_bytes(5, 77, bits)
     assert torch.equal(groupwise.unpack_levels(packed, bits, 77), levels)
@@ -72,10 +81,12 @@ def test_packing_round_trips(bits):
 
 def test_bad_grids_are_refused():
     w = torch.randn(4, 64)
-    for call, words in [(lambda: groupwise.quantize_groupwise(w, 5, 32), "bits"),
-                        (lambda: groupwise.quantize_groupwise(w, 4, 48), "group_size"),
-                        (lambda: groupwise.quantize_groupwise(w[0], 4, 32), "[out, in]"),
-                        (lambda: groupwise.quantize_groupwise(w.masked_fill(w > 1, math.inf), 4, 32), "inf")]:
+    for call, words in [
+        (lambda: groupwise.quantize_groupwise(w, 5, 32), "bits"),
+        (lambda: groupwise.quantize_groupwise(w, 4, 48), "group_size"),
+        (lambda: groupwise.quantize_groupwise(w[0], 4, 32), "[out, in]"),
+        (lambda: groupwise.quantize_groupwise(w.masked_fill(w > 1, math.inf), 4, 32), "inf"),
+    ]:
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
             call()
 
@@ -98,11 +109,11 @@ def direct_gptq(w, x, bits, group_size, damp=gptq.DAMP):
     out = torch.zeros_like(w)
     for j in range(w.shape[1]):
         if j % group_size == 0:
-            scale, zero = (t.double() for t in groupwise.group_params(w[:, j:j + group_size], bits))
-        q = groupwise.round_to_grid(w[:, j:j + 1], scale, zero, bits)  # [out, 1]
-        out[:, j:j + 1] = q
+            scale, zero = (t.double() for t in groupwise.group_params(w[:, j : j + group_size], bits))
+        q = groupwise.round_to_grid(w[:, j : j + 1], scale, zero, bits)  # [out, 1]
+        out[:, j : j + 1] = q
         inverse = torch.linalg.inv(h[j:, j:])  # [in - j, in - j]
-        w[:, j:] -= (w[:, j:j + 1] - q) / inverse[0, 0] * inverse[0:1, :]
+        w[:, j:] -= (w[:, j : j + 1] - q) / inverse[0, 0] * inverse[0:1, :]
     return out.float()
 
 
@@ -177,8 +188,9 @@ def test_gptq_refuses_bad_arguments():
 
 def salient_inputs(tokens=512, features=128, seed=0):
     """x [tokens, features] with four input channels ten times larger than the rest (as in trained LLMs)."""
-    x = correlated_inputs(tokens, features, seed) / torch.exp(torch.randn(features, generator=torch.Generator()
-                                                                          .manual_seed(seed)))
+    x = correlated_inputs(tokens, features, seed) / torch.exp(
+        torch.randn(features, generator=torch.Generator().manual_seed(seed))
+    )
     x[:, [3, features // 3, features // 2, features - 5]] *= 10
     return x
 
@@ -205,7 +217,7 @@ def test_awq_alpha_minimises_the_stated_loss_over_the_grid():
     assert list(search.losses) == list(awq.ALPHAS)
     mean_abs = x.abs().mean(0)
     for alpha in awq.ALPHAS:
-        s = mean_abs ** alpha
+        s = mean_abs**alpha
         s = s / (s.max() * s.min()).sqrt()
         loss = float((x @ w.T - (x / s) @ groupwise.rtn(w * s, 4, 32).T).pow(2).mean())
         assert search.losses[alpha] == pytest.approx(loss, rel=1e-4)
@@ -284,9 +296,11 @@ def test_keeping_the_outlier_dims_in_float_cuts_the_error():
 # --------------------------------------------------------------------------- the planted bugs
 
 
-CHECKS = {"check_gptq_matches_direct": check_gptq_matches_direct,
-          "check_gptq_survives_few_tokens": check_gptq_survives_few_tokens,
-          "check_float_product_unchanged": check_float_product_unchanged}
+CHECKS = {
+    "check_gptq_matches_direct": check_gptq_matches_direct,
+    "check_gptq_survives_few_tokens": check_gptq_survives_few_tokens,
+    "check_float_product_unchanged": check_float_product_unchanged,
+}
 
 
 @pytest.mark.parametrize("name", sorted(buggy.BUGS))
@@ -328,8 +342,14 @@ def test_layer_by_layer_calibrates_on_the_quantized_layers_outputs():
     model = random_model(seed=3)
     ids = random_ids(24, model.config.vocab_size, seed=3, batch=2)
     seen = {}
-    made = calibrate_model(model, ids, "gptq", bits=4, group_size=32, on_layer=lambda i, inputs: seen.setdefault(
-        i, {name: x.clone() for name, x in inputs.items()}))
+    made = calibrate_model(
+        model,
+        ids,
+        "gptq",
+        bits=4,
+        group_size=32,
+        on_layer=lambda i, inputs: seen.setdefault(i, {name: x.clone() for name, x in inputs.items()}),
+    )
     assert set(made.layers) == set(decoder_linears(model))
     quantized = apply_layers(copy.deepcopy(model), made.layers)
     with torch.inference_mode():
@@ -369,8 +389,10 @@ def test_calibration_and_heldout_texts_are_disjoint():
         if which == "en":
             assert not set(split.calibration.split("\n\n")) & set(split.heldout.split("\n\n"))
         else:
-            modules = [{line for line in text.splitlines() if line.startswith("# ---- file:")}
-                       for text in (split.calibration, split.heldout)]
+            modules = [
+                {line for line in text.splitlines() if line.startswith("# ---- file:")}
+                for text in (split.calibration, split.heldout)
+            ]
             assert modules[0] and modules[1] and not modules[0] & modules[1]
     with pytest.raises(ValueError, match="'code' or 'en'"):
         text_split("fr")
@@ -391,9 +413,12 @@ def test_calibrated_layers_serve_in_the_engine():
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt = tokenizer.encode("def fibonacci(n):\n")
     alone = list(stream_token_ids(apply_layers(copy.deepcopy(model), made.layers), prompt, params))
-    llm = LLM(model=(model, tokenizer), quantization="int4", num_kv_blocks=32,
-              hooks=EngineHooks(linear=by_identity(model, made.layers)))
+    llm = LLM(
+        model=(model, tokenizer),
+        quantization="int4",
+        num_kv_blocks=32,
+        hooks=EngineHooks(linear=by_identity(model, made.layers)),
+    )
     projections = [m for name, m in llm.model.model.layers.named_modules() if name.endswith("_proj")]
     assert len(projections) == 7 * 4 and all(isinstance(m, CalibratedLinear) for m in projections)
     assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == alone
-

@@ -2,6 +2,7 @@
 one message shape in every notebook. An unfinished stub is "<function> is not written yet: it
 raises NotImplementedError"; any other exception, an AssertionError inside the function
 included, is "<what was called, on which input> raised <Type>: <message>"."""
+
 from __future__ import annotations
 
 import importlib
@@ -9,10 +10,10 @@ import inspect
 
 import pytest
 import torch
+from notebooks import SOLUTIONS, hidden_calls, read, solution_path
 
 from autograder.checks.calling import call, expect_raises
 from autograder.run import _run
-from notebooks import SOLUTIONS, hidden_calls, read, solution_path
 
 STUB_BODY = 'raise NotImplementedError("write this function, then run the test cell below it")'
 
@@ -26,8 +27,11 @@ def _hidden_checks() -> list[tuple[str, str, str]]:
         if path.stem != name:
             continue
         for cell in read(solution_path(name)).cells:
-            found += [(name, check, function) for check, function in hidden_calls(cell.source)
-                      if not function.startswith("q_")]
+            found += [
+                (name, check, function)
+                for check, function in hidden_calls(cell.source)
+                if not function.startswith("q_")
+            ]
     return found
 
 
@@ -98,7 +102,9 @@ def test_call_reports_a_crash_with_the_input():
     def top_k_filter(logits, k):
         raise IndexError(f"k is {k}")
 
-    with pytest.raises(AssertionError, match=r"^top_k_filter\(logits \[1, 2\], k=0\) raised IndexError: k is 0$") as info:
+    with pytest.raises(
+        AssertionError, match=r"^top_k_filter\(logits \[1, 2\], k=0\) raised IndexError: k is 0$"
+    ) as info:
         call("top_k_filter(logits [1, 2], k=0)", top_k_filter, [1, 2], 0)
     assert info.value.__cause__ is None and info.value.__suppress_context__  # no traceback into the check
 
@@ -124,7 +130,9 @@ def test_expect_raises():
         return k
 
     expect_raises("checked(0)", ValueError, "k must be >= 1", checked, 0)
-    with pytest.raises(AssertionError, match=r"^checked\(3\) should raise ValueError \(k must be >= 1\); it returned 3$"):
+    with pytest.raises(
+        AssertionError, match=r"^checked\(3\) should raise ValueError \(k must be >= 1\); it returned 3$"
+    ):
         expect_raises("checked(3)", ValueError, "k must be >= 1", checked, 3)
     with pytest.raises(AssertionError, match=r"^f\(\) should raise ValueError; it raised KeyError: 'x'$"):
         expect_raises("f()", ValueError, "", lambda: {}["x"])

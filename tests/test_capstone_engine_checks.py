@@ -1,15 +1,16 @@
 """Notebook 10's hidden checks: they pass on the library's reference implementations and catch
 every kept bug (tests/fixtures/buggy_capstone_engine.py) with a message that names the case."""
+
 from __future__ import annotations
 
 import pytest
+from oracles import expect_bug_caught, load_fixture
 
 from autograder.checks import capstone_engine as checks
 from decodelab.engine.llm import LLM, engine_step, kv_blocks_for_memory
 from decodelab.lessons.measure import decode_roofline_fraction
 from decodelab.lessons.serving_loop import generate_all
 from decodelab.params import SamplingParams
-from oracles import expect_bug_caught, load_fixture
 
 buggy = load_fixture("buggy_capstone_engine")
 

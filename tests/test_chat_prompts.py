@@ -1,5 +1,6 @@
 """The drafter's training prompts never contain a held-out prompt, subject or template, so the
 acceptance rate measured on `eval_prompts` is measured on text the drafter was not trained on."""
+
 import re
 
 import pytest

@@ -3,26 +3,39 @@
 Random small models only: every parameter (norms and biases included) is redrawn at O(1)
 scale so that a wrong tensor, a dropped bias or a wrong RoPE shows far above the tolerance.
 """
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+from oracles import quiet_transformers, random_ids, random_model
 
 from decodelab.config import ModelConfig
 from decodelab.model.rope import inverse_frequencies, rope_tables
-from decodelab.model.weights import load_model, save_model
 from decodelab.model.toy import randomize_
-from oracles import quiet_transformers, random_ids, random_model
+from decodelab.model.weights import load_model, save_model
 
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-SMALL = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+SMALL = dict(
+    vocab_size=101,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def hf_model(kind: str, seed: int = 0, **overrides):
@@ -56,8 +69,9 @@ def max_diff(ours_model, hf, ids) -> float:
 # ----------------------------------------------------------- Llama 3: GQA + rope_scaling
 @pytest.fixture(scope="module")
 def llama3_checkpoint(tmp_path_factory):
-    hf = hf_model("llama", seed=1, head_dim=16, rope_theta=10000.0, rope_scaling=dict(LLAMA3_SCALING),
-                  tie_word_embeddings=False)
+    hf = hf_model(
+        "llama", seed=1, head_dim=16, rope_theta=10000.0, rope_scaling=dict(LLAMA3_SCALING), tie_word_embeddings=False
+    )
     folder = save_hf(hf, tmp_path_factory.mktemp("llama3"))
     ids = random_ids(100, SMALL["vocab_size"], seed=1, batch=2)  # longer than the original 64
     return hf, folder, ids
@@ -125,8 +139,9 @@ def test_qwen2_with_biases_loads_with_same_logits(tmp_path):
     model = load_model(folder)
     assert model.config.model_type == "qwen2" and model.config.has_qkv_bias
     for name in ("q_proj", "k_proj", "v_proj"):
-        assert torch.equal(getattr(model.model.layers[1].self_attn, name).bias,
-                           getattr(hf.model.layers[1].self_attn, name).bias)
+        assert torch.equal(
+            getattr(model.model.layers[1].self_attn, name).bias, getattr(hf.model.layers[1].self_attn, name).bias
+        )
     diff = max_diff(model, hf, ids)
     assert diff <= TOL, f"max |logit difference| {diff:.3g}"
     model.model.layers[0].self_attn.k_proj.bias.zero_()  # a loader that dropped biases is caught
@@ -150,8 +165,7 @@ def test_sharded_checkpoint_loads(tmp_path):
 def test_our_checkpoint_loads_in_transformers(tmp_path, variant):
     kwargs = {
         "llama_tied": dict(tie_word_embeddings=True, num_key_value_heads=4),
-        "llama3_untied_gqa": dict(tie_word_embeddings=False, rope_scaling=dict(LLAMA3_SCALING),
-                                  head_dim=16),
+        "llama3_untied_gqa": dict(tie_word_embeddings=False, rope_scaling=dict(LLAMA3_SCALING), head_dim=16),
         "qwen2_bias": dict(model_type="qwen2", tie_word_embeddings=False),
     }[variant]
     ours = random_model(seed=5, **{**SMALL, **kwargs})

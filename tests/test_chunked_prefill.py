@@ -2,6 +2,7 @@
 the same tokens as whole-prompt prefill (and, greedy, as one request at a time), every step within
 the token budget with every running sequence decoding, and a first token only once the prompt is
 complete."""
+
 from __future__ import annotations
 
 import random
@@ -9,6 +10,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracles import check_greedy_agreement, last_logits_fn
 
 from decodelab.decoding.generate import encode_prompt, stream_token_ids
 from decodelab.engine.args import EngineArgs
@@ -16,10 +18,13 @@ from decodelab.engine.llm import LLM, EngineHooks
 from decodelab.engine.scheduler import Scheduler
 from decodelab.model.registry import load
 from decodelab.params import SamplingParams
-from oracles import check_greedy_agreement, last_logits_fn
 
-CHAT_PROMPTS = ["What is gravity?", "Name three colours.", "Write a haiku about the sea.",
-                "Explain photosynthesis to a child in two sentences."]
+CHAT_PROMPTS = [
+    "What is gravity?",
+    "Name three colours.",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis to a child in two sentences.",
+]
 
 
 class StepLog(Scheduler):
@@ -54,8 +59,15 @@ def test_chunked_greedy_equals_single_request_smollm2(smollm2):
     prompts = [encode_prompt(tokenizer, p, chat=True) for p in CHAT_PROMPTS]
     assert min(len(p) for p in prompts) > 16
     params = SamplingParams(temperature=0, max_tokens=12)
-    llm = LLM((model, tokenizer), kv_block_size=8, num_kv_blocks=96, max_num_seqs=4, max_num_batched_tokens=16,
-              chunked_prefill=True, hooks=EngineHooks(scheduler=StepLog))
+    llm = LLM(
+        (model, tokenizer),
+        kv_block_size=8,
+        num_kv_blocks=96,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        chunked_prefill=True,
+        hooks=EngineHooks(scheduler=StepLog),
+    )
     for _ in range(2):
         outputs = llm.generate(prompts, params, use_tqdm=False)
         for prompt, out in zip(prompts, outputs):
@@ -74,8 +86,15 @@ def test_chunked_under_a_tight_pool_matches_whole_prompt_smollm2(smollm2):
     model, tokenizer = smollm2
     conversations = [[{"role": "user", "content": q}] for q in CHAT_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    tight = LLM((model, tokenizer), kv_block_size=8, num_kv_blocks=18, max_num_seqs=4, max_num_batched_tokens=16,
-                chunked_prefill=True, hooks=EngineHooks(scheduler=StepLog))
+    tight = LLM(
+        (model, tokenizer),
+        kv_block_size=8,
+        num_kv_blocks=18,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        chunked_prefill=True,
+        hooks=EngineHooks(scheduler=StepLog),
+    )
     replies = tight.chat(conversations, params)
     roomy = LLM((model, tokenizer), kv_block_size=8, num_kv_blocks=128).chat(conversations, params)
     assert tight.scheduler.num_preemptions > 0, "the pool was meant to be too small"
@@ -84,22 +103,33 @@ def test_chunked_under_a_tight_pool_matches_whole_prompt_smollm2(smollm2):
     assert tight.allocator.num_free == tight.allocator.num_blocks
 
 
-@pytest.mark.parametrize("budget, num_blocks, max_num_seqs, prefix_caching", [
-    (16, 200, 8, True), (8, 200, 8, False), (16, 40, 8, True), (32, 30, 4, True), (5, 30, 5, False)])
+@pytest.mark.parametrize(
+    "budget, num_blocks, max_num_seqs, prefix_caching",
+    [(16, 200, 8, True), (8, 200, 8, False), (16, 40, 8, True), (32, 30, 4, True), (5, 30, 5, False)],
+)
 def test_chunked_matches_whole_prompt_prefill_tiny(tiny, budget, num_blocks, max_num_seqs, prefix_caching):
     """The tiny model, prompts of 5 to 90 tokens (most longer than a slice), half of them sharing a
     20-token prefix, greedy and seeded sampling with n = 2: chunked prefill gives exactly the tokens
     of whole-prompt prefill, also when a small pool forces preemptions."""
     model, tokenizer = tiny
-    prompts = _random_prompts(tokenizer.vocab_size, 8, seed=budget) + \
-        _random_prompts(tokenizer.vocab_size, 4, (5, 40), seed=budget + 1, shared=20)
-    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 8 + \
-        [SamplingParams(temperature=1.0, max_tokens=12, n=2, seed=i, ignore_eos=True) for i in range(4)]
+    prompts = _random_prompts(tokenizer.vocab_size, 8, seed=budget) + _random_prompts(
+        tokenizer.vocab_size, 4, (5, 40), seed=budget + 1, shared=20
+    )
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 8 + [
+        SamplingParams(temperature=1.0, max_tokens=12, n=2, seed=i, ignore_eos=True) for i in range(4)
+    ]
     whole = LLM((model, tokenizer), num_kv_blocks=200, kv_block_size=4, enable_prefix_caching=prefix_caching)
     expected = whole.generate(prompts, params, use_tqdm=False)
-    llm = LLM((model, tokenizer), num_kv_blocks=num_blocks, kv_block_size=4, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=budget, chunked_prefill=True, enable_prefix_caching=prefix_caching,
-              hooks=EngineHooks(scheduler=StepLog))
+    llm = LLM(
+        (model, tokenizer),
+        num_kv_blocks=num_blocks,
+        kv_block_size=4,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        chunked_prefill=True,
+        enable_prefix_caching=prefix_caching,
+        hooks=EngineHooks(scheduler=StepLog),
+    )
     got = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(expected, got):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
@@ -116,8 +146,15 @@ def test_newcomer_samples_only_when_its_prompt_is_complete(tiny):
     of 30, 30, 30 and 10 tokens (the two decodes take 2 of the 32 each step) and its first token
     comes in the fourth step, while the two running requests get a token in every step."""
     model, tokenizer = tiny
-    llm = LLM((model, tokenizer), num_kv_blocks=128, kv_block_size=8, max_num_seqs=4, max_num_batched_tokens=32,
-              chunked_prefill=True, hooks=EngineHooks(scheduler=StepLog))
+    llm = LLM(
+        (model, tokenizer),
+        num_kv_blocks=128,
+        kv_block_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        chunked_prefill=True,
+        hooks=EngineHooks(scheduler=StepLog),
+    )
     for index, prompt in enumerate([[5, 6, 7], [8, 9]]):
         llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), index=index)
     for _ in range(3):
@@ -133,8 +170,9 @@ def test_newcomer_samples_only_when_its_prompt_is_complete(tiny):
     while llm.scheduler.has_unfinished():
         llm.step()
     alone = LLM((model, tokenizer), num_kv_blocks=128, kv_block_size=8)
-    expected = alone.generate([long_prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                              use_tqdm=False)
+    expected = alone.generate(
+        [long_prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False
+    )
     assert newcomer.seqs[0].output_token_ids == expected[0].outputs[0].token_ids
 
 
@@ -169,11 +207,23 @@ def test_stall_measurement_on_the_tiny_model(tiny):
     newcomer = _random_prompts(tokenizer.vocab_size, 1, (300, 300), seed=3)[0]
 
     def engine(**settings):
-        return LLM((model, tokenizer), max_num_seqs=8, num_kv_blocks=64, kv_block_size=16,
-                   enable_prefix_caching=False, **settings)
+        return LLM(
+            (model, tokenizer),
+            max_num_seqs=8,
+            num_kv_blocks=64,
+            kv_block_size=16,
+            enable_prefix_caching=False,
+            **settings,
+        )
 
-    results = compare_stalls({"whole": engine(), "chunked": engine(chunked_prefill=True, max_num_batched_tokens=64)},
-                             running, newcomer, decode_tokens=16, arrive_after=3, rounds=1)
+    results = compare_stalls(
+        {"whole": engine(), "chunked": engine(chunked_prefill=True, max_num_batched_tokens=64)},
+        running,
+        newcomer,
+        decode_tokens=16,
+        arrive_after=3,
+        rounds=1,
+    )
     whole, chunked = results["whole"], results["chunked"]
     assert (whole.steps_to_first_token, chunked.steps_to_first_token) == (1, 5)
     for result in results.values():
@@ -186,7 +236,9 @@ def test_stall_measurement_on_the_tiny_model(tiny):
     with pytest.raises(ValueError, match="the newcomer needs a sequence slot"):
         newcomer_run(LLM((model, tokenizer), max_num_seqs=4, num_kv_blocks=64), running, newcomer, "full")
     with pytest.raises(ValueError, match="raise decode_tokens"):
-        newcomer_run(engine(chunked_prefill=True, max_num_batched_tokens=16), running, newcomer, "short", decode_tokens=6)
+        newcomer_run(
+            engine(chunked_prefill=True, max_num_batched_tokens=16), running, newcomer, "short", decode_tokens=6
+        )
 
 
 def test_simulated_chunked_prefill_keeps_the_budget_and_finishes():
@@ -196,8 +248,15 @@ def test_simulated_chunked_prefill_keeps_the_budget_and_finishes():
 
     workload = batching_sim.mixed_workload(12, 5.0, prompt_lens=(4, 60), output_lens=(2, 20), seed=4)
     whole = batching_sim.simulate(workload, "continuous", max_num_seqs=4, num_blocks=40, block_size=4)
-    chunked = batching_sim.simulate(workload, "continuous", max_num_seqs=4, num_blocks=40, block_size=4,
-                                    max_num_batched_tokens=16, chunked_prefill=True)
+    chunked = batching_sim.simulate(
+        workload,
+        "continuous",
+        max_num_seqs=4,
+        num_blocks=40,
+        block_size=4,
+        max_num_batched_tokens=16,
+        chunked_prefill=True,
+    )
     assert all(step.num_tokens <= 16 for step in chunked.steps)
     assert max(step.num_tokens for step in whole.steps) > 16
     assert chunked.output_tokens == whole.output_tokens == sum(r.output_len for r in workload)
@@ -205,11 +264,17 @@ def test_simulated_chunked_prefill_keeps_the_budget_and_finishes():
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lengths=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 8), st.integers(1, 2)), min_size=1, max_size=7),
-       num_blocks=st.integers(18, 40), block_size=st.sampled_from([2, 4, 8]), max_num_seqs=st.integers(1, 5),
-       extra_budget=st.integers(0, 20), prefix_caching=st.booleans())
-def test_random_workloads_chunked_match_whole_prompt(tiny, lengths, num_blocks, block_size, max_num_seqs, extra_budget,
-                                                     prefix_caching):
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 8), st.integers(1, 2)), min_size=1, max_size=7),
+    num_blocks=st.integers(18, 40),
+    block_size=st.sampled_from([2, 4, 8]),
+    max_num_seqs=st.integers(1, 5),
+    extra_budget=st.integers(0, 20),
+    prefix_caching=st.booleans(),
+)
+def test_random_workloads_chunked_match_whole_prompt(
+    tiny, lengths, num_blocks, block_size, max_num_seqs, extra_budget, prefix_caching
+):
     """Random prompts (some sharing a 12-token prefix), outputs, n, pools, budgets: the pool stays
     consistent after every step, nothing leaks, and the tokens (greedy, and seeded sampling for
     n = 2) are those of a roomy whole-prompt engine. The pool holds the longest request alone."""
@@ -220,19 +285,30 @@ def test_random_workloads_chunked_match_whole_prompt(tiny, lengths, num_blocks, 
     for i, (length, max_tokens, n) in enumerate(lengths):
         tail = [rng.randrange(tokenizer.vocab_size) for _ in range(length)]
         prompts.append(shared + tail if rng.random() < 0.5 else tail)
-        params.append(SamplingParams(temperature=0.0 if n == 1 else 1.0, n=n, seed=i, max_tokens=max_tokens,
-                                     ignore_eos=True))
-    whole = LLM((model, tokenizer), num_kv_blocks=256, kv_block_size=block_size).generate(prompts, params,
-                                                                                          use_tqdm=False)
+        params.append(
+            SamplingParams(temperature=0.0 if n == 1 else 1.0, n=n, seed=i, max_tokens=max_tokens, ignore_eos=True)
+        )
+    whole = LLM((model, tokenizer), num_kv_blocks=256, kv_block_size=block_size).generate(
+        prompts, params, use_tqdm=False
+    )
     num_blocks = max(num_blocks, -(-80 // block_size))  # the longest request (72 + 8 tokens) fits alone
-    llm = LLM((model, tokenizer), num_kv_blocks=num_blocks, kv_block_size=block_size, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=max_num_seqs + extra_budget, chunked_prefill=True,
-              enable_prefix_caching=prefix_caching, hooks=EngineHooks(scheduler=StepLog))
+    llm = LLM(
+        (model, tokenizer),
+        num_kv_blocks=num_blocks,
+        kv_block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_seqs + extra_budget,
+        chunked_prefill=True,
+        enable_prefix_caching=prefix_caching,
+        hooks=EngineHooks(scheduler=StepLog),
+    )
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for expected, got in zip(whole, outputs):
         assert [c.token_ids for c in got.outputs] == [c.token_ids for c in expected.outputs]
     # n = 2 samples may outnumber max_num_seqs: then their decodes alone may pass the budget
-    assert all(sum(fed) <= max_num_seqs + extra_budget or set(fed) == {1} for fed, _ in getattr(llm.scheduler, "steps", []))
+    assert all(
+        sum(fed) <= max_num_seqs + extra_budget or set(fed) == {1} for fed, _ in getattr(llm.scheduler, "steps", [])
+    )
     assert llm.allocator.num_free == llm.allocator.num_blocks, "blocks leaked"
     llm.allocator.check_invariants([])
 
@@ -246,11 +322,20 @@ def test_kept_engine_bugs_change_the_tokens(tiny):
     model, tokenizer = tiny
     prompts = _random_prompts(tokenizer.vocab_size, 4, (20, 60), seed=9)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in
-                LLM((model, tokenizer), num_kv_blocks=128, kv_block_size=4).generate(prompts, params, use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM((model, tokenizer), num_kv_blocks=128, kv_block_size=4).generate(prompts, params, use_tqdm=False)
+    ]
     for name, (hook, bug, what) in bugs.items():
-        llm = LLM((model, tokenizer), num_kv_blocks=128, kv_block_size=4, max_num_seqs=8, max_num_batched_tokens=16,
-                  chunked_prefill=True, hooks=EngineHooks(**{hook: bug}))
+        llm = LLM(
+            (model, tokenizer),
+            num_kv_blocks=128,
+            kv_block_size=4,
+            max_num_seqs=8,
+            max_num_batched_tokens=16,
+            chunked_prefill=True,
+            hooks=EngineHooks(**{hook: bug}),
+        )
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got != expected, f"{name} ({what}) was not caught"
 
@@ -263,12 +348,24 @@ def test_chunked_prefill_with_the_forward_and_attention_hooks(tiny):
     model, tokenizer = tiny
     prompts = _random_prompts(tokenizer.vocab_size, 5, (10, 60), seed=11)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in
-                LLM((model, tokenizer), num_kv_blocks=128, kv_block_size=4).generate(prompts, params, use_tqdm=False)]
-    for hooks in (EngineHooks(forward=fp.forward), EngineHooks(attention=fp.attention),
-                  EngineHooks(forward=fp.forward, attention=fp.attention)):
-        llm = LLM((model, tokenizer), num_kv_blocks=40, kv_block_size=4, max_num_seqs=4, max_num_batched_tokens=12,
-                  chunked_prefill=True, hooks=hooks)
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM((model, tokenizer), num_kv_blocks=128, kv_block_size=4).generate(prompts, params, use_tqdm=False)
+    ]
+    for hooks in (
+        EngineHooks(forward=fp.forward),
+        EngineHooks(attention=fp.attention),
+        EngineHooks(forward=fp.forward, attention=fp.attention),
+    ):
+        llm = LLM(
+            (model, tokenizer),
+            num_kv_blocks=40,
+            kv_block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=12,
+            chunked_prefill=True,
+            hooks=hooks,
+        )
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
 
 
@@ -278,8 +375,18 @@ def test_steps_to_first_token_counts_the_library_step():
 
     from decodelab.lessons.chunked_prefill import steps_to_first_token
 
-    for prompt, budget, decoding in [(2000, 512, 4), (960, 128, 4), (100, 50, 4), (504, 512, 4), (1, 8, 0), (37, 10, 3)]:
-        assert steps_to_first_token(prompt, budget, decoding) == math.ceil(prompt / (budget - decoding)), \
-            (prompt, budget, decoding)
+    for prompt, budget, decoding in [
+        (2000, 512, 4),
+        (960, 128, 4),
+        (100, 50, 4),
+        (504, 512, 4),
+        (1, 8, 0),
+        (37, 10, 3),
+    ]:
+        assert steps_to_first_token(prompt, budget, decoding) == math.ceil(prompt / (budget - decoding)), (
+            prompt,
+            budget,
+            decoding,
+        )
     with pytest.raises(ValueError):
         steps_to_first_token(100, 4, decoding=4)

@@ -2,13 +2,13 @@
 claim's words are in its notebook's markdown, its evidence cell exists, prints, and is not graded, and the
 checker both passes and fails (tests/test_notebooks.py::test_claims_hold_in_the_run runs it on the executed
 solutions)."""
+
 from __future__ import annotations
 
 import re
 
 import nbformat
 import pytest
-
 from claims import CLAIMS, Claim, check, markdown, words
 from notebooks import READY, grade_id, read, solution_path
 
@@ -25,13 +25,18 @@ def test_claims_are_in_the_markdown_and_name_a_printing_cell(name):
     nb = read(solution_path(name))
     text, cells = markdown(nb), {c.get("id"): c for c in nb.cells}
     for claim in CLAIMS[name]:
-        assert words(claim.text) in text, f"{name}: the claim {claim.text!r} is no longer in the markdown; " \
-                                          "update tests/claims.py with the sentence as it now reads"
+        assert words(claim.text) in text, (
+            f"{name}: the claim {claim.text!r} is no longer in the markdown; "
+            "update tests/claims.py with the sentence as it now reads"
+        )
         cell = cells.get(claim.cell)
         assert cell is not None, f"{name}: no cell {claim.cell!r} (the evidence of {claim.text!r})"
-        assert cell.cell_type == "code" and grade_id(cell) is None, \
+        assert cell.cell_type == "code" and grade_id(cell) is None, (
             f"{name}/{claim.cell}: evidence comes from an ungraded code cell"
-        assert any(call in cell.source for call in ("print(", "show_beside(", "show_answer(", "show_measured(", ".summary()")), f"{name}/{claim.cell}: the cell prints nothing"
+        )
+        assert any(
+            call in cell.source for call in ("print(", "show_beside(", "show_answer(", "show_measured(", ".summary()")
+        ), f"{name}/{claim.cell}: the cell prints nothing"
         assert re.compile(claim.pattern).groups >= 1, f"{name}: {claim.pattern!r} captures no number"
         assert claim.means, f"{name}: say in words what {claim.text!r} needs"
 
@@ -46,7 +51,9 @@ def _ran(cell_id: str, text: str):
 
 
 def test_the_checker_passes_and_fails():
-    claim = Claim("n preemptions", "c1", r"(\d+) preemptions in a pool of ([\d,]+)", lambda v: v[0] >= 1, "one at least")
+    claim = Claim(
+        "n preemptions", "c1", r"(\d+) preemptions in a pool of ([\d,]+)", lambda v: v[0] >= 1, "one at least"
+    )
     assert check(claim, _ran("c1", "2 preemptions in a pool of 1,024 blocks\n")) is None
     assert "needs one at least" in check(claim, _ran("c1", "0 preemptions in a pool of 9 blocks\n"))
     assert "printed nothing matching" in check(claim, _ran("c1", "no preemption\n"))

@@ -4,6 +4,7 @@ What compiles is decided once (`EngineArgs.compiles_decode`): int8 weights of th
 layers on a CPU, for a model big enough to pay for it, unless DECODELAB_COMPILE=0 (tests/conftest.py sets it, so the suite pays no
 compile); compile_decode=True insists. Compiling changes how the int8 products run, not their
 levels: greedy tokens equal the eager int8 engine's (the slow test compiles once to show it)."""
+
 from __future__ import annotations
 
 import copy
@@ -29,8 +30,9 @@ def test_compile_decode_is_checked():
     with pytest.raises(ValueError, match="needs quantization='int8'"):
         EngineArgs(model="tiny", compile_decode=True)
     with pytest.raises(ValueError, match="needs quantization='int8'"):
-        EngineArgs(model="tiny", quantization="int8", compile_decode=True,
-                   hooks=EngineHooks(linear=Int8Linear.from_linear))
+        EngineArgs(
+            model="tiny", quantization="int8", compile_decode=True, hooks=EngineHooks(linear=Int8Linear.from_linear)
+        )
     with pytest.raises(ValueError, match="compile_decode must be None, True or False, got 'yes'"):
         EngineArgs(model="tiny", compile_decode="yes")
 
@@ -52,8 +54,9 @@ def test_none_compiles_only_int8_on_a_cpu_where_it_pays_and_when_allowed(monkeyp
     assert not int8.compiles_decode(stand_in("cuda", 405)) and not int8.compiles_decode(stand_in("mps", 405))
     assert not EngineArgs(model="tiny").compiles_decode(smollm2_sized), "float weights: compiling gained nothing"
     assert not EngineArgs(model="tiny", quantization="int4").compiles_decode(smollm2_sized)
-    assert not EngineArgs(model="tiny", quantization="int8",
-                          hooks=EngineHooks(linear=Int8Linear.from_linear)).compiles_decode(smollm2_sized)
+    assert not EngineArgs(
+        model="tiny", quantization="int8", hooks=EngineHooks(linear=Int8Linear.from_linear)
+    ).compiles_decode(smollm2_sized)
     assert not EngineArgs(model="tiny", quantization="int8", compile_decode=False).compiles_decode(smollm2_sized)
     assert EngineArgs(model="tiny", quantization="int8", compile_decode=True).compiles_decode(tiny_sized)
 
@@ -87,8 +90,24 @@ def test_cli_int8_gives_the_int8_models_tokens(capsys):
     """`generate --int8` (eager here: DECODELAB_COMPILE=0) decodes quantize_for_decode's model."""
     from decodelab.cli import main
 
-    assert main(["generate", "def add(a, b):", "--model", "tiny", "--device", "cpu", "--int8", "--json",
-                 "--max-new-tokens", "8", "--no-chat"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "def add(a, b):",
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+                "--int8",
+                "--json",
+                "--max-new-tokens",
+                "8",
+                "--no-chat",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     model, tokenizer = load("tiny", device="cpu")
     int8 = quantize_for_decode(copy.deepcopy(model))
@@ -109,11 +128,13 @@ def test_compiled_int8_engine_gives_the_eager_int8_engines_greedy_tokens(monkeyp
     def counted():
         calls.append(1)
         return real()
+
     monkeypatch.setattr(fused_int8, "compiled_int8_product", counted)
     eager = LLM("tiny", device="cpu", quantization="int8", compile_decode=False)
     compiled = LLM("tiny", device="cpu", quantization="int8", compile_decode=True)
-    assert compiled.compiles_decode and isinstance(compiled.model.model.layers[0].self_attn.q_proj,
-                                                   RowCompiledInt8Linear)
+    assert compiled.compiles_decode and isinstance(
+        compiled.model.model.layers[0].self_attn.q_proj, RowCompiledInt8Linear
+    )
     prompts = [encode_prompt(eager.tokenizer, p, chat=False) for p in ("def add(a, b):", "import os\n")]
     for prompt in prompts:  # batch 1: every decode step's products are one row
         [want] = eager.generate([prompt], GREEDY, use_tqdm=False)

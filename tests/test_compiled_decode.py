@@ -1,6 +1,7 @@
 """The compiled decode step and the int8 layer's fused (traced) form: the same greedy tokens as the eager
 model, one compiled graph however the context grows, and the int8 product as close to the
 float64 product of the dequantized weight as float32 rounding allows."""
+
 from __future__ import annotations
 
 import copy
@@ -85,8 +86,12 @@ def test_compiled_step_gives_the_eager_tokens_with_one_graph(tiny):
     """Traced without inductor (fast): the slot cache, the mask and the position tensor give
     the eager model's greedy tokens, and caches of other lengths compile nothing new."""
     model, tokenizer = tiny
-    same_tokens_and_no_recompile(CompiledDecoder(model, backend="eager"), model, tokenizer,
-                                 [("def add(a, b):", 12), ("import os\nimport sys\n", 20)])
+    same_tokens_and_no_recompile(
+        CompiledDecoder(model, backend="eager"),
+        model,
+        tokenizer,
+        [("def add(a, b):", 12), ("import os\nimport sys\n", 20)],
+    )
 
 
 @pytest.mark.slow
@@ -124,8 +129,9 @@ def test_inductor_float32_step_gives_the_eager_tokens(tiny):
     """The real compiler (inductor's C++ code): the same greedy tokens as eager float32, and a
     longer context compiles nothing new."""
     model, tokenizer = tiny
-    same_tokens_and_no_recompile(CompiledDecoder(model), model, tokenizer,
-                                 [("def add(a, b):", 16), ("class Stack:\n", 40)])
+    same_tokens_and_no_recompile(
+        CompiledDecoder(model), model, tokenizer, [("def add(a, b):", 16), ("class Stack:\n", 40)]
+    )
 
 
 @pytest.mark.slow
@@ -133,8 +139,7 @@ def test_inductor_int8_step_gives_the_eager_int8_tokens(tiny):
     """Compiled (fused dequantization) and eager (a block of rows at a time) int8 layers read the
     same weights: the same greedy tokens."""
     model = quantize_for_decode(copy.deepcopy(tiny[0]))
-    same_tokens_and_no_recompile(CompiledDecoder(model), model, tiny[1],
-                                 [("for i in range(10):", 32), ("x = 1\n", 12)])
+    same_tokens_and_no_recompile(CompiledDecoder(model), model, tiny[1], [("for i in range(10):", 32), ("x = 1\n", 12)])
 
 
 @pytest.mark.slow

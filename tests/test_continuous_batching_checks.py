@@ -2,18 +2,19 @@
 (`decodelab.engine.scheduler`) and padded prefill (`decodelab.lessons.padded_batch`), and catch
 every kept bug (tests/fixtures/buggy_continuous_batching.py) with a message that names the case;
 plus the simulator and serving helpers the notebook uses (`decodelab.lessons.continuous_batching`)."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from oracles import expect_bug_caught, load_fixture
 
 from autograder.checks import continuous_batching as checks
-from decodelab.lessons import continuous_batching as batching_sim
 from decodelab.engine import scheduler
+from decodelab.lessons import continuous_batching as batching_sim
 from decodelab.lessons import padded_batch
-from oracles import expect_bug_caught, load_fixture
 
 buggy = load_fixture("buggy_continuous_batching")
 
@@ -57,6 +58,7 @@ def test_messages_name_the_case():
 
 def test_padded_prefill_check_wants_one_pass():
     """Running each prompt alone gives the right logits, but it is not a static batch."""
+
     def one_by_one(model, prompts, pad_id):
         rows = [model(torch.tensor([prompt]), last_only=True)[0, -1] for prompt in prompts]
         longest = max(map(len, prompts))
@@ -125,16 +127,22 @@ def test_serve_on_the_real_engine_static_and_continuous_agree():
     from decodelab.params import SamplingParams
 
     model, tokenizer = load("tiny", device="cpu")
-    llm = LLM((model, tokenizer), max_num_seqs=3, num_kv_blocks=64, kv_block_size=4,
-              hooks=EngineHooks(scheduler=batching_sim.recording(scheduler.Scheduler)))
+    llm = LLM(
+        (model, tokenizer),
+        max_num_seqs=3,
+        num_kv_blocks=64,
+        kv_block_size=4,
+        hooks=EngineHooks(scheduler=batching_sim.recording(scheduler.Scheduler)),
+    )
     prompts = [[5 + i, 6, 7, 8] for i in range(5)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 6, 3, 5, 4)]
     runs = {p: batching_sim.serve(llm, prompts, params, p) for p in batching_sim.POLICIES}
     for run in runs.values():
         assert run.output_tokens == 20 and len(run.latency) == 5 and run.makespan > 0
         assert all(s.num_running <= 3 for s in run.steps)
-    assert [o.outputs[0].token_ids for o in runs["static"].outputs] == \
-           [o.outputs[0].token_ids for o in runs["continuous"].outputs]
+    assert [o.outputs[0].token_ids for o in runs["static"].outputs] == [
+        o.outputs[0].token_ids for o in runs["continuous"].outputs
+    ]
     steps, cost = batching_sim.measure_step_cost(llm, [1, 2, 3], num_tokens=3)
     assert set(steps) == {1, 2, 3} and all(s > 0 for s in steps.values()) and cost.fixed_s > 0
     with pytest.raises(ValueError, match="max_num_seqs"):

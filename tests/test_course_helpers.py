@@ -1,6 +1,7 @@
 """The helpers the notebooks lean on: the hidden-test runner (message only, never the hidden
 source), the stub-aware fallback, the visible tests' checking helpers, and the widgets
 (driven from Python: a slider change redraws the figure)."""
+
 from __future__ import annotations
 
 import sys
@@ -12,9 +13,8 @@ import torch
 from autograder.run import HiddenTestFailed, hidden
 from decodelab import course
 from decodelab.course import checking
-from decodelab.lessons import measure
 from decodelab.decoding import sampling
-
+from decodelab.lessons import measure
 
 # --------------------------------------------------------------------------- hidden runner
 
@@ -53,7 +53,9 @@ def test_hidden_stub_and_unknown_check():
     def stub(logits, k):
         raise NotImplementedError("write this function")
 
-    with pytest.raises(HiddenTestFailed, match="^hidden test failed: stub is not written yet: it raises NotImplementedError"):
+    with pytest.raises(
+        HiddenTestFailed, match="^hidden test failed: stub is not written yet: it raises NotImplementedError"
+    ):
         hidden("sampling.check_top_k_filter", stub)
     with pytest.raises(HiddenTestFailed, match="no hidden test named"):
         hidden("sampling.check_nothing", stub)
@@ -75,7 +77,9 @@ def test_use_or_reference(capsys):
     probe = (torch.zeros(3), 1)
     assert course.use_or_reference(stub, sampling.top_k_filter, probe) is sampling.top_k_filter
     out = capsys.readouterr()
-    assert "stub is not written yet" in out.out and "decodelab.decoding.sampling.top_k_filter" in out.out and out.err == ""
+    assert (
+        "stub is not written yet" in out.out and "decodelab.decoding.sampling.top_k_filter" in out.out and out.err == ""
+    )
     assert course.use_or_reference(crashes, sampling.top_k_filter, probe) is sampling.top_k_filter
     assert "raised IndexError: off by one" in capsys.readouterr().out
     assert course.use_or_reference(mine, sampling.top_k_filter, probe) is mine
@@ -99,7 +103,9 @@ def test_fast_mode(monkeypatch):
 def test_checking_messages_say_what_expected_and_got():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
     wrong = logits.masked_fill(torch.tensor([False, False, True, True]), float("-inf"))
-    with pytest.raises(AssertionError, match=r"top_p_filter\(p=0.9\): kept tokens \[0, 1\] \(of 4\), expected to keep \[0, 1, 2\]"):
+    with pytest.raises(
+        AssertionError, match=r"top_p_filter\(p=0.9\): kept tokens \[0, 1\] \(of 4\), expected to keep \[0, 1, 2\]"
+    ):
         checking.expect_kept(wrong, logits, [0, 1, 2], "top_p_filter(p=0.9)")
     checking.expect_kept(wrong, logits, [0, 1], "top_p_filter(p=0.8)")
     with pytest.raises(AssertionError, match=r"bound: expected 23.93, got 0.0418"):
@@ -125,9 +131,12 @@ def test_expect_equal_on_long_tensors_names_the_first_difference():
     first = torch.arange(500) % 3
     again = first.clone()
     again[[17, 300]] += 1
-    with pytest.raises(AssertionError, match=r"seeded 42: expected <tensor of shape \[500\], dtype torch.int64>, got "
-                                             r"<tensor of shape \[500\], dtype torch.int64>; they first differ at index 17: "
-                                             r"expected 2, got 3 \(2 of 500 entries differ\)"):
+    with pytest.raises(
+        AssertionError,
+        match=r"seeded 42: expected <tensor of shape \[500\], dtype torch.int64>, got "
+        r"<tensor of shape \[500\], dtype torch.int64>; they first differ at index 17: "
+        r"expected 2, got 3 \(2 of 500 entries differ\)",
+    ):
         checking.expect_equal(again, first, "seeded 42")
     grid = torch.zeros(4, 5)
     with pytest.raises(AssertionError, match=r"first differ at index \(1, 3\): expected 1, got 0 \(1 of 20"):
@@ -197,8 +206,13 @@ def test_sampling_explorer_uses_the_given_functions():
         calls.append(tuple(logits.shape))
         return sampling.sample(logits, params, generator)
 
-    fns = {"temperature": sampling.apply_temperature, "top_k": sampling.top_k_filter, "top_p": sampling.top_p_filter,
-           "repetition_penalty": sampling.apply_repetition_penalty, "sample": counting_sample}
+    fns = {
+        "temperature": sampling.apply_temperature,
+        "top_k": sampling.top_k_filter,
+        "top_p": sampling.top_p_filter,
+        "repetition_penalty": sampling.apply_repetition_penalty,
+        "sample": counting_sample,
+    }
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0, -2.0])
     box = sampling_explorer(logits, torch.tensor([0]), Tokens(), fns, num_draws=50, shown=4)
     assert calls == [(50, 6)] and "6 tokens can be drawn" in box.figure.layout.title.text
@@ -211,12 +225,17 @@ def test_sampling_explorer_uses_the_given_functions():
 
 
 def test_speculative_figures_draw_measured_beside_benchmark_and_seed():
-    from decodelab.course.widgets.speculative_decoding import (BENCH_TINY_VERIFY_COST, SEED_ALPHA_RANGE, SEED_POINTS,
-                                                               temperature_figure, verify_cost_figure)
+    from decodelab.course.widgets.speculative_decoding import (
+        BENCH_TINY_VERIFY_COST,
+        SEED_ALPHA_RANGE,
+        SEED_POINTS,
+        temperature_figure,
+        verify_cost_figure,
+    )
 
     fig = temperature_figure({0.0: (0.58, 0.9), 0.7: (0.48, 0.8), 1.0: (0.55, 0.85)}, k=2)
     names = [trace.name for trace in fig.data]
-    assert names.count("measured here") == 2 and f"seed article, T = 0.7, k = 2" in names
+    assert names.count("measured here") == 2 and "seed article, T = 0.7, k = 2" in names
     assert list(fig.data[0].y) == [0.58, 0.48, 0.55] and list(fig.data[2].y) == [0.9, 0.8, 0.85]
     assert any(shape.y0 == SEED_ALPHA_RANGE[0] for shape in fig.layout.shapes)
     seed = next(trace for trace in fig.data if trace.name.startswith("seed article"))
@@ -256,8 +275,11 @@ def test_expect_answer_states_the_tolerance():
     from autograder.checks.answers import expect_answer
 
     expect_answer("q_mha_kv_mib", 2100.0, 2048.0, "why")  # within 5%
-    with pytest.raises(AssertionError, match=r"you predicted 2,200; the answer is 2,048 MiB \(graded within 5% of "
-                                             r"the answer\): why"):
+    with pytest.raises(
+        AssertionError,
+        match=r"you predicted 2,200; the answer is 2,048 MiB \(graded within 5% of "
+        r"the answer\): why",
+    ):
         expect_answer("q_mha_kv_mib", 2200, 2048.0, "why")
     with pytest.raises(AssertionError, match="no prediction"):
         expect_answer("q_mha_kv_mib", None, 2048.0, "why")
@@ -272,16 +294,23 @@ def test_release_opens_prediction_cells(tmp_path):
     """The release turns a q_ cell's stub into `q_name = None` and keeps nbgrader's checksum true."""
     import json
 
-    from nbgrader.utils import compute_checksum
     import nbformat
+    from nbgrader.utils import compute_checksum
 
     from autograder.release import load_config, open_predictions
 
     stub = load_config().ClearSolutions.code_stub["python"]
     nb = nbformat.v4.new_notebook()
     q = nbformat.v4.new_code_cell(f"# predict\n{stub}")
-    q.metadata["nbgrader"] = {"grade": False, "grade_id": "q_rows", "locked": False, "schema_version": 3,
-                              "solution": True, "task": False, "checksum": "stale"}
+    q.metadata["nbgrader"] = {
+        "grade": False,
+        "grade_id": "q_rows",
+        "locked": False,
+        "schema_version": 3,
+        "solution": True,
+        "task": False,
+        "checksum": "stale",
+    }
     ex = nbformat.v4.new_code_cell(f"def f():\n    {stub}")
     ex.metadata["nbgrader"] = {"grade": False, "grade_id": "ex_f", "solution": True, "schema_version": 3}
     nb.cells = [q, ex]
@@ -309,9 +338,9 @@ def test_an_unanswered_prediction_runs_on_and_still_grades_zero(tmp_path, monkey
     from nbgrader.api import Gradebook
     from nbgrader.apps import NbGraderAPI
     from nbgrader.coursedir import CourseDirectory
+    from notebooks import ROOT, grade_id, read, solution_path
 
     from autograder.release import ensure_tools_on_path, load_config, open_predictions
-    from notebooks import ROOT, grade_id, read, solution_path
 
     source = read(solution_path("03_kv_cache"))
     cells = [c for c in source.cells if grade_id(c) in ("q_rows_without_cache", "test_q_rows_without_cache")]
@@ -349,9 +378,12 @@ def test_an_unanswered_prediction_runs_on_and_still_grades_zero(tmp_path, monkey
         result = api.autograde(name, student)
         assert result["success"], result.get("log")
     with Gradebook(f"sqlite:///{tmp_path / 'gradebook.db'}") as gradebook:
-        scores = {student: {g.name: (g.score, g.max_score) for g in
-                            gradebook.find_submission_notebook(name, name, student).grades}
-                  for student in ("unanswered", "answered")}
+        scores = {
+            student: {
+                g.name: (g.score, g.max_score) for g in gradebook.find_submission_notebook(name, name, student).grades
+            }
+            for student in ("unanswered", "answered")
+        }
     points = scores["answered"]["test_q_rows_without_cache"][1]
     assert points > 0
     assert scores["unanswered"]["test_q_rows_without_cache"] == (0, points), scores

@@ -1,23 +1,33 @@
 """The engine on an accelerator: the same checks run on the CPU here and on CUDA under
 `make gpu-check` (a GPU machine with its own torch; only the tiny pair and random weights
 travel there, no SmolLM2)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-from decodelab.decoding.eagle import FeatureDrafter
-from decodelab.engine.llm import LLM
-from decodelab.decoding.generate import stream_token_ids
-from decodelab.model.registry import load
-from decodelab.params import SamplingParams
-from decodelab.decoding.speculative import speculative_generate
-from decodelab.model.toy import random_llama
 from oracles import check_greedy_agreement, last_logits_fn
 
-SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                     rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
+from decodelab.decoding.eagle import FeatureDrafter
+from decodelab.decoding.generate import stream_token_ids
+from decodelab.decoding.speculative import speculative_generate
+from decodelab.engine.llm import LLM
+from decodelab.model.registry import load
+from decodelab.model.toy import random_llama
+from decodelab.params import SamplingParams
+
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
 
 
 def engine_checks(device: str) -> None:

@@ -5,6 +5,7 @@ forward pass the way a notebook holds it (forward and decoder_layer calling rms_
 name), the diagnosis names that operation first, and the mistake. The models: `tiny` (trained, 8 heads
 over 8 KV heads, tied embeddings) and the toy of the visible test (4 heads over 2 KV heads, untied).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,19 +15,21 @@ import types
 
 import pytest
 import torch
+from fixtures import buggy_forward_pass as buggy
 
 from decodelab.course import diagnosis
 from decodelab.course.diagnosis import diagnose, diagnose_on_failure
 from decodelab.lessons import forward_pass as fp
 from decodelab.model.registry import load
 from decodelab.model.toy import random_llama
-from fixtures import buggy_forward_pass as buggy
 
 
 @pytest.fixture(scope="module")
 def models():
-    ids = {"tiny": torch.randint(0, 1024, (2, 9), generator=torch.Generator().manual_seed(0)),
-           "toy": torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))}
+    ids = {
+        "tiny": torch.randint(0, 1024, (2, 9), generator=torch.Generator().manual_seed(0)),
+        "toy": torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0)),
+    }
     return {"tiny": load("tiny", device="cpu")[0], "toy": random_llama(1)}, ids
 
 
@@ -44,38 +47,129 @@ PREFILL_THEN_TOKENS = dict(chunks=[6, 1, 1, 1])
 CASES = {  # kept bug -> (forward, model, diagnose's arguments, the point named first, its layer, words of the message)
     "rms_norm_no_eps": (notebook_forward(rms_norm=buggy.rms_norm_no_eps), "tiny", {}, "input_norm", 0, "eps left out"),
     "rms_norm_std": (notebook_forward(rms_norm=buggy.rms_norm_std), "tiny", {}, "input_norm", 0, "standard deviation"),
-    "rms_norm_mean_not_squared": (notebook_forward(rms_norm=buggy.rms_norm_mean_not_squared), "tiny", {}, "input_norm", 0,
-                                  "max |diff| NaN"),
-    "rms_norm_weight_not_applied": (notebook_forward(rms_norm=buggy.rms_norm_weight_not_applied), "tiny", {},
-                                    "input_norm", 0, "weight not applied"),
-    "rms_norm_wrong_dim": (notebook_forward(rms_norm=buggy.rms_norm_wrong_dim), "tiny", {}, "input_norm", 0,
-                           "over the first dimension"),
-    "rope_interleaved_pairs": (notebook_forward(rope=buggy.rope_interleaved_pairs), "tiny", {}, "q_rope", 0,
-                               "(position 0 agrees).\nYour values are exactly what this mistake gives: rotating interleaved"),
-    "rope_ignores_positions": (notebook_forward(rope=buggy.rope_ignores_positions), "toy", PREFILL_THEN_TOKENS, "q_rope",
-                               0, "in the pass over position 6, 6 tokens cached"),
+    "rms_norm_mean_not_squared": (
+        notebook_forward(rms_norm=buggy.rms_norm_mean_not_squared),
+        "tiny",
+        {},
+        "input_norm",
+        0,
+        "max |diff| NaN",
+    ),
+    "rms_norm_weight_not_applied": (
+        notebook_forward(rms_norm=buggy.rms_norm_weight_not_applied),
+        "tiny",
+        {},
+        "input_norm",
+        0,
+        "weight not applied",
+    ),
+    "rms_norm_wrong_dim": (
+        notebook_forward(rms_norm=buggy.rms_norm_wrong_dim),
+        "tiny",
+        {},
+        "input_norm",
+        0,
+        "over the first dimension",
+    ),
+    "rope_interleaved_pairs": (
+        notebook_forward(rope=buggy.rope_interleaved_pairs),
+        "tiny",
+        {},
+        "q_rope",
+        0,
+        "(position 0 agrees).\nYour values are exactly what this mistake gives: rotating interleaved",
+    ),
+    "rope_ignores_positions": (
+        notebook_forward(rope=buggy.rope_ignores_positions),
+        "toy",
+        PREFILL_THEN_TOKENS,
+        "q_rope",
+        0,
+        "in the pass over position 6, 6 tokens cached",
+    ),
     "mlp_silu_on_up": (notebook_forward(mlp=buggy.mlp_silu_on_up), "tiny", {}, "mlp", 0, "SiLU on the up branch"),
-    "mlp_silu_after_product": (notebook_forward(mlp=buggy.mlp_silu_after_product), "tiny", {}, "mlp", 0,
-                               "on the product of both branches"),
-    "attention_no_causal_mask": (fp.forward, "tiny", dict(attention=buggy.attention_no_causal_mask), "attention", 0,
-                                 "(position 8 agrees).\nYour values are exactly what this mistake gives: no causal mask"),
-    "attention_no_scale": (fp.forward, "tiny", dict(attention=buggy.attention_no_scale), "attention", 0,
-                           "not divided by sqrt(D)"),
-    "attention_heads_interleaved": (fp.forward, "toy", dict(attention=buggy.attention_heads_interleaved), "attention", 0,
-                                    "[0, 1, 0, 1, ...] (repeat)"),
-    "attention_mask_not_shifted": (fp.forward, "toy", dict(attention=buggy.attention_mask_not_shifted, **PREFILL_THEN_TOKENS),
-                                   "attention", 0, "mask not shifted"),
-    "attention_forgets_cache": (fp.forward, "toy", dict(attention=buggy.attention_forgets_cache, chunks=[6, 3]),
-                                "attention", 0, "the new tokens only"),
-    "forward_no_attention_residual": (buggy.forward_no_attention_residual, "tiny", {}, "attn_residual", 0,
-                                      "x = x + o_proj(out)"),
-    "forward_no_mlp_residual": (buggy.forward_no_mlp_residual, "tiny", {}, "layer_output", 0, "x = x + mlp(rms_norm(x))"),
+    "mlp_silu_after_product": (
+        notebook_forward(mlp=buggy.mlp_silu_after_product),
+        "tiny",
+        {},
+        "mlp",
+        0,
+        "on the product of both branches",
+    ),
+    "attention_no_causal_mask": (
+        fp.forward,
+        "tiny",
+        dict(attention=buggy.attention_no_causal_mask),
+        "attention",
+        0,
+        "(position 8 agrees).\nYour values are exactly what this mistake gives: no causal mask",
+    ),
+    "attention_no_scale": (
+        fp.forward,
+        "tiny",
+        dict(attention=buggy.attention_no_scale),
+        "attention",
+        0,
+        "not divided by sqrt(D)",
+    ),
+    "attention_heads_interleaved": (
+        fp.forward,
+        "toy",
+        dict(attention=buggy.attention_heads_interleaved),
+        "attention",
+        0,
+        "[0, 1, 0, 1, ...] (repeat)",
+    ),
+    "attention_mask_not_shifted": (
+        fp.forward,
+        "toy",
+        dict(attention=buggy.attention_mask_not_shifted, **PREFILL_THEN_TOKENS),
+        "attention",
+        0,
+        "mask not shifted",
+    ),
+    "attention_forgets_cache": (
+        fp.forward,
+        "toy",
+        dict(attention=buggy.attention_forgets_cache, chunks=[6, 3]),
+        "attention",
+        0,
+        "the new tokens only",
+    ),
+    "forward_no_attention_residual": (
+        buggy.forward_no_attention_residual,
+        "tiny",
+        {},
+        "attn_residual",
+        0,
+        "x = x + o_proj(out)",
+    ),
+    "forward_no_mlp_residual": (
+        buggy.forward_no_mlp_residual,
+        "tiny",
+        {},
+        "layer_output",
+        0,
+        "x = x + mlp(rms_norm(x))",
+    ),
     "forward_no_final_norm": (buggy.forward_no_final_norm, "tiny", {}, "logits", None, "final RMSNorm is missing"),
     "forward_norm_after_layer": (buggy.forward_norm_after_layer, "tiny", {}, "q", 0, "not rms_norm(x)"),
-    "forward_ignores_positions": (buggy.forward_ignores_positions, "toy", PREFILL_THEN_TOKENS, "q_rope", 0,
-                                  "instead of by `positions`"),
-    "forward_lm_head_is_embedding": (buggy.forward_lm_head_is_embedding, "toy", {}, "logits", None,
-                                     "embedding table used as the lm_head"),
+    "forward_ignores_positions": (
+        buggy.forward_ignores_positions,
+        "toy",
+        PREFILL_THEN_TOKENS,
+        "q_rope",
+        0,
+        "instead of by `positions`",
+    ),
+    "forward_lm_head_is_embedding": (
+        buggy.forward_lm_head_is_embedding,
+        "toy",
+        {},
+        "logits",
+        None,
+        "embedding table used as the lm_head",
+    ),
 }
 
 
@@ -95,8 +189,10 @@ def test_kv_heads_not_repeated_is_named_by_its_error(models):
     assert "Everything it computed before agrees" in str(found) and "K/V heads not repeated" in str(found)
 
 
-@pytest.mark.parametrize("model_name, kwargs", [("tiny", {}), ("toy", PREFILL_THEN_TOKENS),
-                                                ("toy", dict(attention=fp.attention, **PREFILL_THEN_TOKENS))])
+@pytest.mark.parametrize(
+    "model_name, kwargs",
+    [("tiny", {}), ("toy", PREFILL_THEN_TOKENS), ("toy", dict(attention=fp.attention, **PREFILL_THEN_TOKENS))],
+)
 def test_a_right_forward_has_no_difference(model_name, kwargs, models):
     found = diagnose(notebook_forward(), models[0][model_name], models[1][model_name], **kwargs)
     assert found.agrees and str(found).startswith("No difference: all"), str(found)
@@ -115,6 +211,7 @@ def test_what_a_forward_computes_inline_is_listed_as_unseen(models):
 
 def test_the_notebooks_helpers_are_put_back(models):
     forward = notebook_forward(rope=buggy.rope_interleaved_pairs)
+
     def exploding(*args):
         raise NotImplementedError("replace this line with your code")
 
@@ -150,8 +247,11 @@ def test_the_notebooks_visible_test_names_the_first_operation_that_differs():
     setup = next(c.source for c in nb.cells if c.cell_type == "code")
     solutions = [cells[f"ex_{name}"] for name in ("rms_norm", "rope", "mlp", "forward")]
     test = visible_part(cells["test_forward"])
-    for bug, words in ((None, None), (buggy.rope_interleaved_pairs, "layer 0, RoPE applied to q: max |diff|"),
-                       (buggy.rope_ignores_positions, "layer 0, RoPE applied to q (in the pass over position 6")):
+    for bug, words in (
+        (None, None),
+        (buggy.rope_interleaved_pairs, "layer 0, RoPE applied to q: max |diff|"),
+        (buggy.rope_ignores_positions, "layer 0, RoPE applied to q (in the pass over position 6"),
+    ):
         namespace = {"__name__": "__visible_test__"}
         with contextlib.redirect_stdout(io.StringIO()):
             for source in [setup, *solutions]:

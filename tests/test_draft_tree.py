@@ -2,6 +2,7 @@
 candidate, the accepted candidate's cache row is the one kept, the drafter is fed the accepted
 path's features, and greedy output equals the target's own; kept bugs (no tree mask, the wrong
 row kept, the wrong features fed) fail these checks."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,9 +11,9 @@ import torch
 from decodelab.decoding import draft_tree
 from decodelab.decoding.eagle import FeatureDraftSession
 from decodelab.decoding.generate import stream_token_ids
+from decodelab.decoding.speculative import speculative_generate
 from decodelab.model.kv_cache import KVCache
 from decodelab.params import SamplingParams
-from decodelab.decoding.speculative import speculative_generate
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -43,7 +44,7 @@ def test_each_row_equals_a_plain_pass_and_the_kept_row_is_the_accepted_ones(tiny
         assert (logits[0] - plain[0]).abs().max() < 1e-5
         assert (logits[row] - plain[1]).abs().max() < 1e-5, f"candidate {row} saw another candidate"
     draft_tree.keep_row(cache, 3, len(prefix) + 2)  # candidate 3 accepted
-    kept_keys, kept_values = cache.keys[:, :, :, :len(prefix) + 2], cache.values[:, :, :, :len(prefix) + 2]
+    kept_keys, kept_values = cache.keys[:, :, :, : len(prefix) + 2], cache.values[:, :, :, : len(prefix) + 2]
     assert cache.seq_len == len(prefix) + 2
     assert (kept_keys - plain_cache.keys).abs().max() < 1e-5
     assert (kept_values - plain_cache.values).abs().max() < 1e-5
@@ -53,8 +54,11 @@ def test_each_row_equals_a_plain_pass_and_the_kept_row_is_the_accepted_ones(tiny
 def test_a_pass_without_the_tree_mask_is_caught(tiny_pair, monkeypatch):
     target, _, tokenizer = tiny_pair
     prefix = tokenizer.encode("def parse(self, text):\n    lines")
-    monkeypatch.setattr(draft_tree, "candidate_mask",  # kept bug: plain causal attention
-                        lambda width, device=None: torch.ones(width + 1, width + 1, dtype=torch.bool).tril())
+    monkeypatch.setattr(
+        draft_tree,
+        "candidate_mask",  # kept bug: plain causal attention
+        lambda width, device=None: torch.ones(width + 1, width + 1, dtype=torch.bool).tril(),
+    )
     logits, _ = tree_pass(target, prefix, 17, [40, 41])
     plain, _ = plain_pass(target, prefix, [17, 41])
     assert (logits[2] - plain[1]).abs().max() > 1e-3
@@ -82,7 +86,8 @@ def oracle_candidates(target):
         vocab = target.config.vocab_size
         wrong = [(right + 1 + i) % vocab for i in range(width - 1)]
         places.append(len(places) % width)
-        return torch.tensor(wrong[:places[-1]] + [right] + wrong[places[-1]:])
+        return torch.tensor(wrong[: places[-1]] + [right] + wrong[places[-1] :])
+
     candidates.places = places
     return candidates
 
@@ -99,8 +104,10 @@ def test_greedy_output_equals_target_only_whichever_row_is_accepted(tiny_pair, m
     assert output == reference
     assert set(oracle.places) == set(range(width))  # every row was the accepted one at some step
     assert stats.rejected == 0 and stats.accepted == len(oracle.places) and len(oracle.places) >= 15
-    monkeypatch.setattr("decodelab.decoding.speculative.feature_proposers.keep_row",  # kept bug: the first candidate's row kept
-                        lambda cache, row, length: cache.truncate(length))
+    monkeypatch.setattr(
+        "decodelab.decoding.speculative.feature_proposers.keep_row",  # kept bug: the first candidate's row kept
+        lambda cache, row, length: cache.truncate(length),
+    )
     buggy, _ = speculative_generate(target, drafter, prompt, GREEDY, 1, tree_width=width)
     assert buggy != reference
 
@@ -129,8 +136,10 @@ def test_the_drafter_is_fed_the_accepted_paths_features(tiny_pair, monkeypatch):
     target, drafter, tokenizer = tiny_pair
     prompt = tokenizer.encode("class Stack:\n    def")
     assert drafter_input_mismatch(monkeypatch, target, drafter, prompt) < 1e-4
-    monkeypatch.setattr("decodelab.decoding.speculative.feature_proposers.path_rows",  # kept bug: the pass's first rows, as a chain's
-                        lambda row: list(range(2 if row else 1)))
+    monkeypatch.setattr(
+        "decodelab.decoding.speculative.feature_proposers.path_rows",  # kept bug: the pass's first rows, as a chain's
+        lambda row: list(range(2 if row else 1)),
+    )
     assert drafter_input_mismatch(monkeypatch, target, drafter, prompt) > 1e-3
 
 

@@ -2,6 +2,7 @@
 against a teacher-forced oracle (and a kept bookkeeping bug fails it), greedy speculative
 output with it equals the target's own, bad input is refused, and the shipped SmolLM2 drafter
 reaches its acceptance rate on held-out prompts."""
+
 from __future__ import annotations
 
 import copy
@@ -11,13 +12,13 @@ import pytest
 import torch
 
 from decodelab.decoding import eagle
-from decodelab.training.chat_prompts import eval_prompts
 from decodelab.decoding.eagle import FeatureDrafter, FeatureDraftSession, load_drafter
 from decodelab.decoding.generate import stream_token_ids
-from decodelab.model.registry import load
-from decodelab.model.packed_linear import can_prepack, prepack_linear_layers
-from decodelab.params import SamplingParams
 from decodelab.decoding.speculative import speculative_generate
+from decodelab.model.packed_linear import can_prepack, prepack_linear_layers
+from decodelab.model.registry import load
+from decodelab.params import SamplingParams
+from decodelab.training.chat_prompts import eval_prompts
 
 
 class SessionWithoutTruncation(FeatureDraftSession):
@@ -37,7 +38,7 @@ class SessionPairingSamePosition(FeatureDraftSession):
 
     def catch_up(self, ids):
         start = self.cache.seq_len
-        feature = self.drafter(self.unfed[None], torch.tensor([ids[start:len(ids) - 1]]), kv_cache=self.cache)
+        feature = self.drafter(self.unfed[None], torch.tensor([ids[start : len(ids) - 1]]), kv_cache=self.cache)
         self.unfed = self.unfed[:0]
         return feature[:, -1:]
 

@@ -1,5 +1,6 @@
 """The serving engine: batched, paged, prefix-cached output equals single-request output,
 and the block pool stays consistent under random workloads."""
+
 from __future__ import annotations
 
 import random
@@ -8,15 +9,20 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from decodelab.engine.llm import LLM, EngineHooks
-from decodelab.decoding.generate import encode_prompt, stream_token_ids
-from decodelab.params import SamplingParams
-from decodelab.engine.scheduler import Scheduler
 from oracles import check_greedy_agreement, last_logits_fn, random_model
 
-CHAT_PROMPTS = ["What is gravity?", "Name three colours.", "Write a haiku about the sea.",
-                "What is 2+2?", "Explain photosynthesis to a child in two sentences."]
+from decodelab.decoding.generate import encode_prompt, stream_token_ids
+from decodelab.engine.llm import LLM, EngineHooks
+from decodelab.engine.scheduler import Scheduler
+from decodelab.params import SamplingParams
+
+CHAT_PROMPTS = [
+    "What is gravity?",
+    "Name three colours.",
+    "Write a haiku about the sea.",
+    "What is 2+2?",
+    "Explain photosynthesis to a child in two sentences.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +50,7 @@ def smollm2_single_greedy(smollm2, smollm2_prompts):
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_batch_greedy_equals_single_request_smollm2(smollm2, smollm2_prompts, smollm2_single_greedy,
-                                                    prefix_caching):
+def test_batch_greedy_equals_single_request_smollm2(smollm2, smollm2_prompts, smollm2_single_greedy, prefix_caching):
     model, tokenizer = smollm2
     llm = LLM((model, tokenizer), enable_prefix_caching=prefix_caching, kv_block_size=16, num_kv_blocks=128)
     params = SamplingParams(temperature=0, max_tokens=16)
@@ -70,18 +75,23 @@ class MixRecorder(Scheduler):
         return seqs, is_prefill
 
 
-def test_mixed_prefill_and_decode_steps_match_single_request_smollm2(smollm2, smollm2_prompts,
-                                                                     smollm2_single_greedy):
+def test_mixed_prefill_and_decode_steps_match_single_request_smollm2(smollm2, smollm2_prompts, smollm2_single_greedy):
     """Two slots for five prompts: each admission shares its step with a running decode."""
     model, tokenizer = smollm2
-    llm = LLM((model, tokenizer), max_num_seqs=2, kv_block_size=16, num_kv_blocks=128,
-              hooks=EngineHooks(scheduler=MixRecorder))
+    llm = LLM(
+        (model, tokenizer),
+        max_num_seqs=2,
+        kv_block_size=16,
+        num_kv_blocks=128,
+        hooks=EngineHooks(scheduler=MixRecorder),
+    )
     outputs = llm.generate(smollm2_prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert any(decoding and prefilled for decoding, prefilled in llm.scheduler.steps), "no mixed step ran"
     for prompt_ids, out, ref in zip(smollm2_prompts, outputs, smollm2_single_greedy):
         check_greedy_agreement(prompt_ids, out.outputs[0].token_ids, ref, [last_logits_fn(model)])
-    unmixed = LLM((model, tokenizer), max_num_seqs=2, mix_decode_with_prefill=False,
-                  hooks=EngineHooks(scheduler=MixRecorder))
+    unmixed = LLM(
+        (model, tokenizer), max_num_seqs=2, mix_decode_with_prefill=False, hooks=EngineHooks(scheduler=MixRecorder)
+    )
     unmixed.generate(smollm2_prompts[:3], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert not any(decoding and prefilled for decoding, prefilled in unmixed.scheduler.steps)
 
@@ -98,8 +108,9 @@ def test_tight_pool_preempts_and_still_matches(small_model):
     assert tight_llm.scheduler.num_preemptions > 0, "the pool was meant to be too small"
     for p, a, b in zip(prompts, roomy, tight):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        check_greedy_agreement(p, b.outputs[0].token_ids, single_greedy(model, tokenizer, p, 24),
-                               [last_logits_fn(model)])
+        check_greedy_agreement(
+            p, b.outputs[0].token_ids, single_greedy(model, tokenizer, p, 24), [last_logits_fn(model)]
+        )
     assert tight_llm.allocator.num_free == tight_llm.allocator.num_blocks
 
 
@@ -107,14 +118,18 @@ def test_n_samples_share_prompt_blocks_copy_on_write(small_model):
     model, tokenizer = small_model
     llm = LLM((model, tokenizer), num_kv_blocks=64, kv_block_size=4, enable_prefix_caching=False)
     prompt = list(range(100, 110))  # 10 tokens: the last block (2 of 4 slots) is shared, then copied
-    out = llm.generate([prompt], SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=6, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 6 for c in out.outputs)
     # Each sample must equal the same sample drawn alone with its own seed (seed + index).
     for c in out.outputs:
-        alone = list(stream_token_ids(model, prompt, SamplingParams(temperature=1.0, seed=7 + c.index,
-                                                                    max_tokens=6, ignore_eos=True)))
+        alone = list(
+            stream_token_ids(
+                model, prompt, SamplingParams(temperature=1.0, seed=7 + c.index, max_tokens=6, ignore_eos=True)
+            )
+        )
         assert c.token_ids == alone
     assert llm.allocator.num_free == llm.allocator.num_blocks
 
@@ -132,8 +147,7 @@ def test_request_that_cannot_fit_fails_alone(small_model):
     model, tokenizer = small_model
     llm = LLM((model, tokenizer), kv_block_size=4)
     too_long = list(range(1, 300))  # context is 256
-    outputs = llm.generate([[1, 2, 3], too_long, [4, 5]], SamplingParams(temperature=0, max_tokens=4),
-                           use_tqdm=False)
+    outputs = llm.generate([[1, 2, 3], too_long, [4, 5]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert outputs[1].error and "prompt 1" in outputs[1].error and "256" in outputs[1].error
     assert outputs[1].outputs[0].finish_reason == "error"
     assert outputs[0].error is None and len(outputs[0].outputs[0].token_ids) > 0
@@ -146,12 +160,14 @@ def test_stop_strings_and_stop_token_ids(smollm2, smollm2_prompts):
     base = llm.generate(smollm2_prompts[:1], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     text = base.outputs[0].text
     word = text.split()[2]
-    cut = llm.generate(smollm2_prompts[:1], SamplingParams(temperature=0, max_tokens=12, stop=[word]),
-                       use_tqdm=False)[0].outputs[0]
-    assert cut.finish_reason == "stop" and cut.text == text[:text.index(word)]
+    cut = llm.generate(smollm2_prompts[:1], SamplingParams(temperature=0, max_tokens=12, stop=[word]), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == text[: text.index(word)]
     third = base.outputs[0].token_ids[2]
-    by_id = llm.generate(smollm2_prompts[:1], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[third]),
-                         use_tqdm=False)[0].outputs[0]
+    by_id = llm.generate(
+        smollm2_prompts[:1], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[third]), use_tqdm=False
+    )[0].outputs[0]
     assert by_id.token_ids == base.outputs[0].token_ids[:3] and by_id.finish_reason == "stop"
 
 
@@ -185,15 +201,24 @@ class CheckingScheduler(Scheduler):
         return result
 
 
-workloads = st.lists(st.tuples(st.integers(1, 30), st.integers(1, 10), st.integers(1, 3),
-                               st.sampled_from([0.0, 1.0])), min_size=1, max_size=8)
+workloads = st.lists(
+    st.tuples(st.integers(1, 30), st.integers(1, 10), st.integers(1, 3), st.sampled_from([0.0, 1.0])),
+    min_size=1,
+    max_size=8,
+)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(workload=workloads, num_blocks=st.integers(10, 40), block_size=st.sampled_from([2, 4, 8]),
-       max_num_seqs=st.integers(1, 5), prefix_caching=st.booleans())
-def test_random_workloads_keep_the_pool_consistent(small_model, workload, num_blocks, block_size,
-                                                   max_num_seqs, prefix_caching):
+@given(
+    workload=workloads,
+    num_blocks=st.integers(10, 40),
+    block_size=st.sampled_from([2, 4, 8]),
+    max_num_seqs=st.integers(1, 5),
+    prefix_caching=st.booleans(),
+)
+def test_random_workloads_keep_the_pool_consistent(
+    small_model, workload, num_blocks, block_size, max_num_seqs, prefix_caching
+):
     model, tokenizer = small_model
     rng = random.Random(len(workload) * 1000 + num_blocks)
     shared = [rng.randrange(tokenizer.vocab_size) for _ in range(8)]  # some prompts share a prefix
@@ -202,16 +227,23 @@ def test_random_workloads_keep_the_pool_consistent(small_model, workload, num_bl
         tail = [rng.randrange(tokenizer.vocab_size) for _ in range(length)]
         prompts.append(shared + tail if rng.random() < 0.5 else tail)
         params.append(SamplingParams(temperature=temperature, n=n, max_tokens=max_tokens, seed=length))
-    llm = LLM((model, tokenizer), num_kv_blocks=num_blocks, kv_block_size=block_size, max_num_seqs=max_num_seqs,
-              enable_prefix_caching=prefix_caching, hooks=EngineHooks(scheduler=CheckingScheduler))
+    llm = LLM(
+        (model, tokenizer),
+        num_kv_blocks=num_blocks,
+        kv_block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=prefix_caching,
+        hooks=EngineHooks(scheduler=CheckingScheduler),
+    )
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == prompts
     for out, p in zip(outputs, params):
         assert out.error is None or "does not fit" in out.error
         if out.error is None:
             assert len(out.outputs) == p.n
-            assert all(c.finish_reason in ("stop", "length") and 1 <= len(c.token_ids) <= p.max_tokens
-                       for c in out.outputs)
+            assert all(
+                c.finish_reason in ("stop", "length") and 1 <= len(c.token_ids) <= p.max_tokens for c in out.outputs
+            )
     assert llm.allocator.num_free == llm.allocator.num_blocks, "blocks leaked"
     llm.allocator.check_invariants([])
 
@@ -221,10 +253,11 @@ def test_thousand_request_stress_run(small_model):
     model, tokenizer = small_model
     rng = random.Random(1)
     system = [rng.randrange(tokenizer.vocab_size) for _ in range(12)]
-    prompts = [system + [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 6))]
-               for _ in range(1000)]
-    params = [SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randint(1, 4), seed=i,
-                             ignore_eos=True) for i in range(1000)]
+    prompts = [system + [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 6))] for _ in range(1000)]
+    params = [
+        SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randint(1, 4), seed=i, ignore_eos=True)
+        for i in range(1000)
+    ]
     llm = LLM((model, tokenizer), num_kv_blocks=64, kv_block_size=4, max_num_seqs=32)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert all(o.error is None and len(o.outputs[0].token_ids) == p.max_tokens for o, p in zip(outputs, params))
@@ -236,16 +269,21 @@ def test_speculative_engine_greedy_identity_and_no_leaks(small_model):
     """Greedy speculative decoding in the batched engine gives the target's own greedy tokens,
     for every k, with a tight pool (preemption and fallback steps included)."""
     model, tokenizer = small_model
-    draft = random_model(seed=11, vocab_size=tokenizer.vocab_size, max_position_embeddings=256,
-                         num_hidden_layers=1)
+    draft = random_model(seed=11, vocab_size=tokenizer.vocab_size, max_position_embeddings=256, num_hidden_layers=1)
     # A draft that often agrees with the target: the target itself, so acceptance is ~1.
     rng = random.Random(2)
     prompts = [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(3, 30))] for _ in range(6)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     expected = LLM((model, tokenizer), num_kv_blocks=200, kv_block_size=4).generate(prompts, params, use_tqdm=False)
     for drafter, k, blocks in [(draft, 1, 200), (draft, 3, 40), (model, 4, 200), (model, 2, 30)]:
-        llm = LLM((model, tokenizer), num_kv_blocks=blocks, kv_block_size=4, speculative_model=drafter,
-                  num_speculative_tokens=k, hooks=EngineHooks(scheduler=CheckingScheduler))
+        llm = LLM(
+            (model, tokenizer),
+            num_kv_blocks=blocks,
+            kv_block_size=4,
+            speculative_model=drafter,
+            num_speculative_tokens=k,
+            hooks=EngineHooks(scheduler=CheckingScheduler),
+        )
         got = llm.generate(prompts, params, use_tqdm=False)
         for p, a, b in zip(prompts, expected, got):
             check_greedy_agreement(p, b.outputs[0].token_ids, a.outputs[0].token_ids, [last_logits_fn(model)])
@@ -258,10 +296,10 @@ def test_speculative_engine_greedy_identity_and_no_leaks(small_model):
 
 def test_speculative_engine_sampling_runs_with_n(small_model):
     model, tokenizer = small_model
-    llm = LLM((model, tokenizer), num_kv_blocks=64, kv_block_size=4, speculative_model=model,
-              num_speculative_tokens=3)
-    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=1.0, n=2, seed=1, max_tokens=9,
-                                                          ignore_eos=True), use_tqdm=False)[0]
+    llm = LLM((model, tokenizer), num_kv_blocks=64, kv_block_size=4, speculative_model=model, num_speculative_tokens=3)
+    out = llm.generate(
+        [[1, 2, 3, 4, 5]], SamplingParams(temperature=1.0, n=2, seed=1, max_tokens=9, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [len(c.token_ids) for c in out.outputs] == [9, 9]
     assert llm.allocator.num_free == llm.allocator.num_blocks
 
@@ -270,8 +308,8 @@ def test_speculative_engine_sampling_runs_with_n(small_model):
 def test_quantized_engine_matches_quantized_single_request(quantization):
     """quantization= swaps the linear layers; the batched engine must still equal the same
     quantized model decoding one request at a time."""
-    from decodelab.model.registry import load
     from decodelab.model.quantization import quantize_model
+    from decodelab.model.registry import load
 
     llm = LLM("tiny", quantization=quantization, num_kv_blocks=64)
     reference, tokenizer = load("tiny")
@@ -304,10 +342,12 @@ def test_linear_hook_builds_the_quantized_layers():
     assert llm.model.lm_head.weight is llm.model.model.embed_tokens.weight
     prompts = [llm.tokenizer.encode(t) for t in ("def fibonacci(n):", "import os\n", "class Stack:")]
     params = SamplingParams(temperature=0, max_tokens=12)
-    for p, ours, theirs in zip(prompts, llm.generate(prompts, params, use_tqdm=False),
-                               library.generate(prompts, params, use_tqdm=False)):
-        check_greedy_agreement(p, ours.outputs[0].token_ids, theirs.outputs[0].token_ids,
-                               [last_logits_fn(library.model)])
+    for p, ours, theirs in zip(
+        prompts, llm.generate(prompts, params, use_tqdm=False), library.generate(prompts, params, use_tqdm=False)
+    ):
+        check_greedy_agreement(
+            p, ours.outputs[0].token_ids, theirs.outputs[0].token_ids, [last_logits_fn(library.model)]
+        )
     with pytest.raises(ValueError, match="needs quantization='int8'"):
         LLM((library.model, library.tokenizer), hooks=EngineHooks(linear=factory))
     assert EngineHooks().linear is None
@@ -350,5 +390,6 @@ def test_engine_args_are_llms_keywords_and_build_the_same_engine(small_model):
     assert (built.allocator.num_blocks, built.max_seq_len) == (direct.allocator.num_blocks, direct.max_seq_len)
     params = SamplingParams(temperature=0, max_tokens=6)
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8]]
-    assert [o.outputs[0].token_ids for o in built.generate(prompts, params, use_tqdm=False)] == \
-        [o.outputs[0].token_ids for o in direct.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in built.generate(prompts, params, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in direct.generate(prompts, params, use_tqdm=False)
+    ]

@@ -2,15 +2,15 @@
 (`decodelab.engine.speculative.FeatureBatchSpeculator`): the target's own greedy tokens whatever
 the drafter guesses, through prefix caching, preemption, siblings and the plain-decode fallback;
 and with SmolLM2's trained drafter, as many accepted drafts as the one-request loop."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
-import torch
 
 from decodelab import LLM, SamplingParams
-from decodelab.decoding.eagle import FeatureDrafter, load_drafter
+from decodelab.decoding.eagle import load_drafter
 from decodelab.decoding.generate import encode_prompt
 from decodelab.decoding.speculative import speculative_generate
 from decodelab.engine.llm import EngineHooks
@@ -20,8 +20,9 @@ from decodelab.engine.speculative import FeatureBatchSpeculator
 def tiny_prompts(vocab_size: int) -> list[list[int]]:
     rng = random.Random(3)
     shared = [rng.randrange(vocab_size) for _ in range(20)]  # a prefix the cache shares
-    return [shared + [rng.randrange(vocab_size) for _ in range(rng.randint(1, 12))] for _ in range(4)] + \
-           [[rng.randrange(vocab_size) for _ in range(rng.randint(2, 25))] for _ in range(3)]
+    return [shared + [rng.randrange(vocab_size) for _ in range(rng.randint(1, 12))] for _ in range(4)] + [
+        [rng.randrange(vocab_size) for _ in range(rng.randint(2, 25))] for _ in range(3)
+    ]
 
 
 @pytest.mark.parametrize("blocks, k", [(200, 3), (40, 2)])  # roomy; tight: preemption and fallback steps
@@ -30,8 +31,9 @@ def test_greedy_tokens_are_the_targets_whatever_the_drafter_guesses(tiny_pair, b
     prompts = tiny_prompts(tokenizer.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = LLM((target, tokenizer), num_kv_blocks=200, kv_block_size=4).generate(prompts, params, use_tqdm=False)
-    llm = LLM((target, tokenizer), num_kv_blocks=blocks, kv_block_size=4, speculative_model=drafter,
-              num_speculative_tokens=k)
+    llm = LLM(
+        (target, tokenizer), num_kv_blocks=blocks, kv_block_size=4, speculative_model=drafter, num_speculative_tokens=k
+    )
     assert isinstance(llm.speculator, FeatureBatchSpeculator)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
@@ -46,17 +48,20 @@ def test_greedy_tokens_are_the_targets_whatever_the_drafter_guesses(tiny_pair, b
 def test_siblings_sampling_and_the_penalty_fallback_run(tiny_pair):
     target, drafter, tokenizer = tiny_pair
     prompts = tiny_prompts(tokenizer.vocab_size)[:3]
-    llm = LLM((target, tokenizer), num_kv_blocks=120, kv_block_size=4, speculative_model=drafter,
-              num_speculative_tokens=3)
-    sampled = llm.generate(prompts, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, n=2, seed=5,
-                                                   ignore_eos=True), use_tqdm=False)
+    llm = LLM(
+        (target, tokenizer), num_kv_blocks=120, kv_block_size=4, speculative_model=drafter, num_speculative_tokens=3
+    )
+    sampled = llm.generate(
+        prompts, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, n=2, seed=5, ignore_eos=True), use_tqdm=False
+    )
     assert all(len(o.outputs) == 2 and all(len(c.token_ids) == 16 for c in o.outputs) for o in sampled)
     calls = llm.speculator.stats()["target_calls"]
-    penalised = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3,
-                                                     ignore_eos=True), use_tqdm=False)
+    penalised = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3, ignore_eos=True), use_tqdm=False
+    )
     plain = LLM((target, tokenizer), num_kv_blocks=120, kv_block_size=4).generate(
-        prompts, SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3, ignore_eos=True),
-        use_tqdm=False)
+        prompts, SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3, ignore_eos=True), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in penalised] == [o.outputs[0].token_ids for o in plain]
     assert llm.speculator.stats()["target_calls"] == calls, "a penalty decodes plainly: no verify pass"
     assert llm.allocator.num_free == llm.allocator.num_blocks
@@ -72,8 +77,12 @@ def test_bad_combinations_are_refused(tiny_pair):
     with pytest.raises(ValueError, match="hidden_size"):
         LLM((target, tokenizer), num_kv_blocks=16, speculative_model="smollm2-eagle")  # trained for SmolLM2
     with pytest.raises(ValueError, match="hidden states"):
-        LLM((target, tokenizer), num_kv_blocks=16, speculative_model=drafter,
-            hooks=EngineHooks(forward=lambda *args: None))
+        LLM(
+            (target, tokenizer),
+            num_kv_blocks=16,
+            speculative_model=drafter,
+            hooks=EngineHooks(forward=lambda *args: None),
+        )
 
 
 def test_smollm2_drafter_in_the_engine_accepts_as_in_one_request(smollm2):
@@ -83,8 +92,13 @@ def test_smollm2_drafter_in_the_engine_accepts_as_in_one_request(smollm2):
     prompts = [encode_prompt(tokenizer, p, chat=True) for p in ("What is gravity?", "List three colors.")]
     params = SamplingParams(temperature=0, max_tokens=32)
     plain = LLM((model, tokenizer), num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
-    llm = LLM((model, tokenizer), num_kv_blocks=64, speculative_model="smollm2-eagle", num_speculative_tokens=3,
-              enable_prefix_caching=False)
+    llm = LLM(
+        (model, tokenizer),
+        num_kv_blocks=64,
+        speculative_model="smollm2-eagle",
+        num_speculative_tokens=3,
+        enable_prefix_caching=False,
+    )
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     drafter = load_drafter(model, "smollm2-eagle")

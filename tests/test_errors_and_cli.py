@@ -1,4 +1,5 @@
 """Errors that name the problem, and the command line as a user (or a script) sees it."""
+
 from __future__ import annotations
 
 import json
@@ -10,19 +11,26 @@ import sys
 
 import pytest
 import torch
+from notebooks import ROOT
+from oracles import check_greedy_agreement, hf_greedy, last_logits_fn, random_model
 from safetensors.torch import load_file, save_file
 
 from decodelab.config import ConfigError
 from decodelab.decoding.generate import PromptTooLongError, stream_token_ids
 from decodelab.model.registry import UnknownModelError, resolve_model
-from decodelab.params import SamplingParams
 from decodelab.model.weights import WeightsError, load_model, save_model
+from decodelab.params import SamplingParams
 from decodelab.paths import PACKAGE_DATA
-from notebooks import ROOT
-from oracles import check_greedy_agreement, hf_greedy, last_logits_fn, random_model
 
-GOOD_CONFIG = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+GOOD_CONFIG = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 # ------------------------------------------------------------------ model names
@@ -46,18 +54,31 @@ def _broken(**changes):
     return {k: v for k, v in raw.items() if v is not ...}
 
 
-@pytest.mark.parametrize("raw, message", [
-    ("{not json", "is not valid JSON"),
-    ("[1, 2]", "config must be a JSON object, got list"),
-    (_broken(hidden_size=...), r"missing required field\(s\): hidden_size"),
-    (_broken(num_hidden_layers=-2), "num_hidden_layers must be a positive integer, got -2"),
-    (_broken(vocab_size="97"), "vocab_size must be a positive integer, got '97'"),
-    (_broken(num_key_value_heads=3), r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
-    (_broken(rms_norm_eps=0), "rms_norm_eps must be > 0"),
-    (_broken(model_type="gpt2"), "model_type 'gpt2' is not supported"),
-    (_broken(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn' is not supported"),
-], ids=["bad_json", "not_object", "missing_field", "negative", "wrong_type", "heads_not_divisible",
-        "zero_eps", "model_type", "rope_type"])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ("{not json", "is not valid JSON"),
+        ("[1, 2]", "config must be a JSON object, got list"),
+        (_broken(hidden_size=...), r"missing required field\(s\): hidden_size"),
+        (_broken(num_hidden_layers=-2), "num_hidden_layers must be a positive integer, got -2"),
+        (_broken(vocab_size="97"), "vocab_size must be a positive integer, got '97'"),
+        (_broken(num_key_value_heads=3), r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+        (_broken(rms_norm_eps=0), "rms_norm_eps must be > 0"),
+        (_broken(model_type="gpt2"), "model_type 'gpt2' is not supported"),
+        (_broken(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn' is not supported"),
+    ],
+    ids=[
+        "bad_json",
+        "not_object",
+        "missing_field",
+        "negative",
+        "wrong_type",
+        "heads_not_divisible",
+        "zero_eps",
+        "model_type",
+        "rope_type",
+    ],
+)
 def test_malformed_config(tmp_path, raw, message):
     (tmp_path / "config.json").write_text(raw if isinstance(raw, str) else json.dumps(raw))
     with pytest.raises(ConfigError, match=message):
@@ -87,8 +108,11 @@ def test_misshaped_tensor(saved_model):
     state = load_file(saved_model / "model.safetensors")
     state["model.layers.0.mlp.up_proj.weight"] = torch.zeros(95, 64)
     save_file(state, saved_model / "model.safetensors")
-    with pytest.raises(WeightsError, match=r"tensor model\.layers\.0\.mlp\.up_proj\.weight has shape "
-                                           r"\(95, 64\), config expects \(96, 64\)"):
+    with pytest.raises(
+        WeightsError,
+        match=r"tensor model\.layers\.0\.mlp\.up_proj\.weight has shape "
+        r"\(95, 64\), config expects \(96, 64\)",
+    ):
         load_model(saved_model)
 
 
@@ -125,16 +149,19 @@ def test_bad_prompt_ids(short_context_model):
 
 
 # ---------------------------------------------------------------------- sampling
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(top_p=0), r"top_p must be in \(0, 1\], got 0"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
-    (dict(temperature=-1), "temperature must be >= 0"),
-    (dict(temperature=float("nan")), "temperature must be >= 0"),
-    (dict(top_k=-5), "top_k must be an integer >= 1, or 0 / -1 to disable, got -5"),
-    (dict(top_k=2.5), "top_k must be an integer"),
-    (dict(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
-    (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(top_p=0), r"top_p must be in \(0, 1\], got 0"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+        (dict(temperature=-1), "temperature must be >= 0"),
+        (dict(temperature=float("nan")), "temperature must be >= 0"),
+        (dict(top_k=-5), "top_k must be an integer >= 1, or 0 / -1 to disable, got -5"),
+        (dict(top_k=2.5), "top_k must be an integer"),
+        (dict(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
+        (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
+    ],
+)
 def test_invalid_sampling_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
@@ -149,8 +176,9 @@ def test_valid_sampling_edges():
 def run_cli(*args, timeout=240):
     """`python -m decodelab ARGS` with this checkout's decodelab (args may be bytes: a raw argv)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "lib"), str(ROOT)]))
-    return subprocess.run([sys.executable, "-m", "decodelab", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "decodelab", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 def cli_json(*args):
@@ -171,11 +199,14 @@ def capital_of_france(smollm2_folder):
 def test_cli_generate_json(smollm2, hf_gguf_model, capital_of_france):
     model, tok = smollm2
     out = capital_of_france
-    expected_prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    expected_prompt = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    )
     assert out["prompt_ids"] == expected_prompt and out["prompt_ids"][0] == 1  # <|im_start|>
     ref = hf_greedy(hf_gguf_model, out["prompt_ids"], 16, eos_token_id=tok.eos_token_id)
-    check_greedy_agreement(out["prompt_ids"], out["output_ids"], ref,
-                           [last_logits_fn(model), last_logits_fn(hf_gguf_model)])
+    check_greedy_agreement(
+        out["prompt_ids"], out["output_ids"], ref, [last_logits_fn(model), last_logits_fn(hf_gguf_model)]
+    )
     assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True)
     assert "Paris" in out["text"]
     # the model ends its turn itself: the stop token is the last id and not part of the text
@@ -199,11 +230,17 @@ def one_error_line(stderr: str) -> str:
 
 # The verbatim command, as a shell runs it: a prompt whose bytes are not UTF-8 (argv as the OS gives
 # it), and a command that does not exist. Every other bad input is checked in-process below.
-@pytest.mark.parametrize("args, message", [
-    (["generate", b"caf\xe9 \xff", "--model", "tiny", "--device", "cpu", "--json"],
-     r"argument prompt: must be UTF-8 text, got byte 0xe9 at byte 3"),
-    (["bogus", "--json"], r"unknown command 'bogus': use one of generate, prepare, progress, hints, serve"),
-], ids=["non_utf8_prompt", "unknown_command"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["generate", b"caf\xe9 \xff", "--model", "tiny", "--device", "cpu", "--json"],
+            r"argument prompt: must be UTF-8 text, got byte 0xe9 at byte 3",
+        ),
+        (["bogus", "--json"], r"unknown command 'bogus': use one of generate, prepare, progress, hints, serve"),
+    ],
+    ids=["non_utf8_prompt", "unknown_command"],
+)
 def test_cli_bad_input_is_one_line_and_exit_2(args, message):
     proc = run_cli(*args)
     assert proc.returncode == 2 and proc.stdout == "", (proc.stdout, proc.stderr)
@@ -226,7 +263,10 @@ BAD_GENERATE = [  # (flags after `generate PROMPT --model tiny --device cpu --js
     (["--seed", "1.5"], r"argument --seed: .*, got '1\.5'"),
     (["--temperature", "inf"], r"argument --temperature: must be a finite number >= 0, got 'inf'"),
     (["--temperature", "nan"], r"argument --temperature: must be a finite number >= 0, got 'nan'"),
-    (["--temperature", "-0.5"], r"argument --temperature: must be >= 0: 0 \(greedy\) or a number in \[1e-08, 1e\+08\].*, got -0\.5"),
+    (
+        ["--temperature", "-0.5"],
+        r"argument --temperature: must be >= 0: 0 \(greedy\) or a number in \[1e-08, 1e\+08\].*, got -0\.5",
+    ),
     (["--top-p", "0"], r"argument --top-p: must be in \(0, 1\], got 0\.0"),
     (["--top-p", "1.5"], r"argument --top-p: must be in \(0, 1\], got 1\.5"),
     (["--top-k", "-3"], r"argument --top-k: must be an integer >= 1, or 0 / -1 to disable, got -3"),
@@ -235,10 +275,16 @@ BAD_GENERATE = [  # (flags after `generate PROMPT --model tiny --device cpu --js
     (["--max-new-tokens", "-2"], r"argument --max-new-tokens: must be an integer >= 1, got -2"),
     (["--repetition-penalty", "inf"], r"argument --repetition-penalty: must be a finite number > 0, got 'inf'"),
     (["--device", NO_CUDA], rf"argument --device: device '{NO_CUDA}' asked for, but .*use device='cpu'"),
-    (["--device", "tpu"], r"argument --device: device 'tpu' is not a torch device name: use 'cpu', 'cuda', 'cuda:N' or 'mps'"),
+    (
+        ["--device", "tpu"],
+        r"argument --device: device 'tpu' is not a torch device name: use 'cpu', 'cuda', 'cuda:N' or 'mps'",
+    ),
     (["--model", "nope"], r"unknown model 'nope': use one of smollm2, tiny, tiny-draft, or a folder"),
     (["--model", "/no/such/folder"], r"unknown model '/no/such/folder'"),
-    (["--model", "{corrupt_weights}"], r"tiny/model\.safetensors is not a readable safetensors file .*corrupt or truncated"),
+    (
+        ["--model", "{corrupt_weights}"],
+        r"tiny/model\.safetensors is not a readable safetensors file .*corrupt or truncated",
+    ),
     (["--model", "{corrupt_tokenizer}"], r"tiny/tokenizer\.json is not a readable tokenizer file \(EOF while parsing"),
     (["--model", "{corrupt_config}"], r"config\.json is not valid JSON"),
     (["--dtype", "int3"], r"unknown dtype 'int3'"),
@@ -247,13 +293,19 @@ BAD_GENERATE = [  # (flags after `generate PROMPT --model tiny --device cpu --js
 ]
 
 
-@pytest.mark.parametrize("flags, message", BAD_GENERATE,
-                         ids=[f"{flags[0].lstrip('-')}={flags[1].strip('{}')[:16]}" for flags, _ in BAD_GENERATE])
+@pytest.mark.parametrize(
+    "flags, message",
+    BAD_GENERATE,
+    ids=[f"{flags[0].lstrip('-')}={flags[1].strip('{}')[:16]}" for flags, _ in BAD_GENERATE],
+)
 def test_cli_bad_generate_input(tmp_path, capsys, flags, message):
     from decodelab.cli import main
 
-    corrupt = {"{corrupt_weights}": ("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"),
-               "{corrupt_tokenizer}": ("tokenizer.json", b'{"model": '), "{corrupt_config}": ("config.json", b"{")}
+    corrupt = {
+        "{corrupt_weights}": ("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"),
+        "{corrupt_tokenizer}": ("tokenizer.json", b'{"model": '),
+        "{corrupt_config}": ("config.json", b"{"),
+    }
     flags = [tiny_folder_with(tmp_path, *corrupt[f]) if f in corrupt else f for f in flags]
     prompt = flags.pop(flags.index("--prompt") + 1) if "--prompt" in flags else "hello"
     flags = [f for f in flags if f != "--prompt"]
@@ -266,11 +318,15 @@ def test_cli_bad_generate_input(tmp_path, capsys, flags, message):
 def test_cli_bad_commands_in_process(capsys):
     from decodelab.cli import main
 
-    for argv, message in [([], "no command given: use one of generate, prepare, progress, hints, serve"),
-                          (["generate"], "the following arguments are required: prompt"),
-                          (["generate", "hi", "--tempreature", "1"], "unrecognized arguments: --tempreature 1"),
-                          (["progress", "--course", ".", "--timeout", "0"],
-                           "argument --timeout: must be a number of seconds > 0, got '0'")]:
+    for argv, message in [
+        ([], "no command given: use one of generate, prepare, progress, hints, serve"),
+        (["generate"], "the following arguments are required: prompt"),
+        (["generate", "hi", "--tempreature", "1"], "unrecognized arguments: --tempreature 1"),
+        (
+            ["progress", "--course", ".", "--timeout", "0"],
+            "argument --timeout: must be a number of seconds > 0, got '0'",
+        ),
+    ]:
         assert main(argv) == 2, argv
         out, err = capsys.readouterr()
         assert out == "" and one_error_line(err).startswith(f"decodelab: error: {message}")
@@ -280,7 +336,29 @@ def test_cli_bad_commands_in_process(capsys):
 def test_cli_edge_values_are_accepted(capsys):
     from decodelab.cli import MAX_SEED, main
 
-    assert main(["generate", "hello", "--model", "tiny", "--device", "cpu", "--json", "--max-new-tokens", "3",
-                 "--seed", str(MAX_SEED), "--temperature", "0.7", "--top-k", "-1", "--top-p", "1e-6"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "hello",
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+                "--json",
+                "--max-new-tokens",
+                "3",
+                "--seed",
+                str(MAX_SEED),
+                "--temperature",
+                "0.7",
+                "--top-k",
+                "-1",
+                "--top-p",
+                "1e-6",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 1 and len(json.loads(out)["output_ids"]) == 3, (out, err)

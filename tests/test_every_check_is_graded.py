@@ -6,6 +6,7 @@ apply_temperature and probs, tests/test_scheduler_admit.py's admit).
 One module is exempt by design: `speed` grades no notebook of its own. Speed credit is an
 instructor's choice, added to a hidden cell of their own (autograder/checks/speed.py's docstring);
 tests/test_speed_credit.py calls each of its checks on the solutions and on planted slow or wrong code."""
+
 from __future__ import annotations
 
 import importlib
@@ -43,5 +44,7 @@ def test_the_opt_in_checks_are_called_by_their_own_tests():
     tests_text = (ROOT / "tests" / "test_speed_credit.py").read_text(encoding="utf-8")
     for topic in OPT_IN_MODULES:
         module = importlib.import_module(f"autograder.checks.{topic}")
-        untested = [name for name in module.__all__ if name.startswith("check_") and f"{topic}.{name}" not in tests_text]
+        untested = [
+            name for name in module.__all__ if name.startswith("check_") and f"{topic}.{name}" not in tests_text
+        ]
         assert not untested, f"opt-in checks no test calls: {untested}"

@@ -19,6 +19,7 @@ nbgrader_config.py on JUPYTER_CONFIG_PATH, as a JupyterHub would set them for ev
 The notebook is 00_meet_the_model, the quickest to grade (bench/results/grading.json). Needs
 root (useradd, the sandbox); skipped otherwise.
 """
+
 from __future__ import annotations
 
 import csv
@@ -36,22 +37,24 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from notebooks import ROOT, by_hand_points, grade_id, read, solution_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 NAME = "00_meet_the_model"
 ROLES = ("solver", "idle", "late")
-FIRST_UID = 60100            # students' uids: below the sandbox's 61000 + slot (autograder/slots.py)
+FIRST_UID = 60100  # students' uids: below the sandbox's 61000 + slot (autograder/slots.py)
 LAST_UID = 60999
 HINTS = {"ex_count_parameters": 2, "ex_decode_tokens_per_second_bound": 1}
 COMMAND_TIMEOUT = 240
 
 
 def _max_points() -> float:
-    return sum(float(c.metadata.nbgrader.get("points", 0)) for c in read(solution_path(NAME)).cells
-               if c.get("metadata", {}).get("nbgrader", {}).get("grade"))
+    return sum(
+        float(c.metadata.nbgrader.get("points", 0))
+        for c in read(solution_path(NAME)).cells
+        if c.get("metadata", {}).get("nbgrader", {}).get("grade")
+    )
 
 
 MAX = _max_points()
@@ -75,25 +78,29 @@ def _requirements() -> str | None:
 
 # --------------------------------------------------------------------------- commands
 
+
 def _run(argv: list[str], cwd: Path, env: dict, what: str) -> subprocess.CompletedProcess:
     result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
-    assert result.returncode == 0, \
+    assert result.returncode == 0, (
         f"{what} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    )
     return result
 
 
 def _run_all(commands: dict[str, tuple[list[str], Path, dict]], what: str) -> dict[str, subprocess.CompletedProcess]:
     """Run the students' commands at once (the class does not queue); each must succeed."""
-    started = {key: (subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True), argv)
-               for key, (argv, cwd, env) in commands.items()}
+    started = {
+        key: (subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), argv)
+        for key, (argv, cwd, env) in commands.items()
+    }
     done = {}
     for key, (process, argv) in started.items():
         out, err = process.communicate(timeout=COMMAND_TIMEOUT)
         done[key] = subprocess.CompletedProcess(argv, process.returncode, out, err)
     for key, result in done.items():
-        assert result.returncode == 0, f"{what} as {key} failed ({result.returncode}):\n{result.stdout[-3000:]}\n" \
-                                       f"{result.stderr[-5000:]}"
+        assert result.returncode == 0, (
+            f"{what} as {key} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        )
     return done
 
 
@@ -108,10 +115,12 @@ class Course:
         self.site = top / "etc" / "jupyter"
         self.course = top / "course"
         self.homes = top / "home"
-        self.students: dict[str, str] = {}    # role -> user name
-        self.instructor_env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent),
-                                                                    os.environ.get("PATH", "")]),
-                                   JUPYTER_CONFIG_PATH=os.pathsep.join([str(ROOT), str(self.site)]))
+        self.students: dict[str, str] = {}  # role -> user name
+        self.instructor_env = dict(
+            os.environ,
+            PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+            JUPYTER_CONFIG_PATH=os.pathsep.join([str(ROOT), str(self.site)]),
+        )
         self.instructor_env.pop("PYTHONPATH", None)
 
     # ---- set-up
@@ -123,7 +132,8 @@ class Course:
         (self.site / "nbgrader_config.py").write_text(
             "c = get_config()  # noqa: F821\n"
             f"c.Exchange.root = {str(self.exchange)!r}\n"
-            f"c.CourseDirectory.course_id = {self.course_id!r}\n")
+            f"c.CourseDirectory.course_id = {self.course_id!r}\n"
+        )
         for folder in (self.top / "etc", self.site):
             os.chmod(folder, 0o755)
         self.homes.mkdir(mode=0o755)
@@ -139,9 +149,22 @@ class Course:
                 continue
             except KeyError:
                 pass
-            made = subprocess.run(["useradd", "--uid", str(uid), "--user-group", "--no-create-home",
-                                   "--home-dir", str(home), "--shell", "/usr/sbin/nologin", name],
-                                  capture_output=True, text=True)
+            made = subprocess.run(
+                [
+                    "useradd",
+                    "--uid",
+                    str(uid),
+                    "--user-group",
+                    "--no-create-home",
+                    "--home-dir",
+                    str(home),
+                    "--shell",
+                    "/usr/sbin/nologin",
+                    name,
+                ],
+                capture_output=True,
+                text=True,
+            )
             if made.returncode == 0:
                 break
             if made.returncode != 4:  # 4: the uid was taken meanwhile (another run): try the next
@@ -167,12 +190,24 @@ class Course:
         return self.homes / self.students[role]
 
     def student_env(self, role: str) -> dict:
-        return {"PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
-                "HOME": str(self.home(role)), "LANG": "C.UTF-8", "JUPYTER_CONFIG_PATH": str(self.site)}
+        return {
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
+            "HOME": str(self.home(role)),
+            "LANG": "C.UTF-8",
+            "JUPYTER_CONFIG_PATH": str(self.site),
+        }
 
     def as_student(self, role: str, *args: str) -> tuple[list[str], Path, dict]:
-        argv = [sys.executable, str(ROOT / "tests" / "as_user.py"), self.students[role], "--",
-                sys.executable, "-m", "nbgrader", *args]
+        argv = [
+            sys.executable,
+            str(ROOT / "tests" / "as_user.py"),
+            self.students[role],
+            "--",
+            sys.executable,
+            "-m",
+            "nbgrader",
+            *args,
+        ]
         return argv, self.home(role), self.student_env(role)
 
     def students_run(self, roles, *args: str) -> dict[str, subprocess.CompletedProcess]:
@@ -189,12 +224,18 @@ class Course:
         """The student answers every answer cell (the solution's code, without nbgrader's markers)."""
         path = self.fetched(role)
         nb = nbformat.read(str(path), as_version=4)
-        solved = {grade_id(c): c.source for c in read(solution_path(NAME)).cells
-                  if c.get("metadata", {}).get("nbgrader", {}).get("solution")}
+        solved = {
+            grade_id(c): c.source
+            for c in read(solution_path(NAME)).cells
+            if c.get("metadata", {}).get("nbgrader", {}).get("solution")
+        }
         for cell in nb.cells:
             if grade_id(cell) in solved:
-                cell.source = "\n".join(line for line in solved[grade_id(cell)].splitlines()
-                                        if "### BEGIN SOLUTION" not in line and "### END SOLUTION" not in line)
+                cell.source = "\n".join(
+                    line
+                    for line in solved[grade_id(cell)].splitlines()
+                    if "### BEGIN SOLUTION" not in line and "### END SOLUTION" not in line
+                )
         nbformat.write(nb, str(path))
 
     def open_hints(self, role: str, counts: dict[str, int]) -> None:
@@ -264,12 +305,36 @@ def flow(exchange_class):
     mark = time.perf_counter()
     out = c.course / "grades.csv"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "lib")]), OMP_WAIT_POLICY="PASSIVE")
-    graded = _run([sys.executable, "-m", "autograder", "grade", "--assignment", NAME,
-                   "--submissions", str(c.course / "submitted"), "--out", str(out),
-                   "--feedback", str(c.course / "feedback"), "--workers", "2", "--cell-timeout", "120",
-                   "--memory", "2", "--quiet", "--due", due.strftime("%Y-%m-%d %H:%M:%S UTC"),
-                   "--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay", "--PointsPerDay.points=1"],
-                  c.course, env, "python -m autograder grade")
+    graded = _run(
+        [
+            sys.executable,
+            "-m",
+            "autograder",
+            "grade",
+            "--assignment",
+            NAME,
+            "--submissions",
+            str(c.course / "submitted"),
+            "--out",
+            str(out),
+            "--feedback",
+            str(c.course / "feedback"),
+            "--workers",
+            "2",
+            "--cell-timeout",
+            "120",
+            "--memory",
+            "2",
+            "--quiet",
+            "--due",
+            due.strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay",
+            "--PointsPerDay.points=1",
+        ],
+        c.course,
+        env,
+        "python -m autograder grade",
+    )
     took["grade"] = time.perf_counter() - mark
     mark = time.perf_counter()
     c.instructor("release_feedback", NAME)
@@ -286,6 +351,7 @@ def _row(flow, role: str) -> dict:
 
 
 # --------------------------------------------------------------------------- the tests
+
 
 @pytest.mark.slow
 def test_students_are_who_nbgrader_says(flow):
@@ -347,8 +413,9 @@ def test_feedback_in_nbgrader_layout(flow):
     for role in ROLES:
         folder = c.course / "feedback" / c.students[role] / NAME
         submitted = c.course / "submitted" / c.students[role] / NAME
-        assert sorted(p.name for p in folder.iterdir()) == sorted([f"{NAME}.html", "submission_secret.txt",
-                                                                   "timestamp.txt"])
+        assert sorted(p.name for p in folder.iterdir()) == sorted(
+            [f"{NAME}.html", "submission_secret.txt", "timestamp.txt"]
+        )
         for name in ("timestamp.txt", "submission_secret.txt"):
             assert (folder / name).read_bytes() == (submitted / name).read_bytes()
     released = list((c.exchange / c.course_id / "feedback").glob("*.html"))
@@ -363,7 +430,7 @@ def test_each_student_fetches_their_own_feedback(flow):
         stamps = [p.name for p in feedback.iterdir()]
         newest = c.submissions_in_cache(role)[-1]
         assert stamps == [newest.name.split("+")[2]], stamps  # the graded submission's, and only it
-        page = (feedback / stamps[0] / f"{NAME}.html")
+        page = feedback / stamps[0] / f"{NAME}.html"
         assert page.stat().st_uid == pwd.getpwnam(c.students[role]).pw_uid
         text = page.read_text()
         assert f"{NAME} (Score: {round(score, 2)} / {round(MAX, 2)})" in text, (role, text[:2000])

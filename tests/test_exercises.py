@@ -1,16 +1,17 @@
 """The course's one table of exercises (decodelab.course.exercises) agrees with everything that names
 exercises: the notebooks' exercise cells (in order), the hint ladders' keys, the checks modules'
 REFERENCES, the engine's stages, and the references themselves exist."""
+
 from __future__ import annotations
 
 import importlib
 import json
 
 import pytest
+from notebooks import COURSE, ROOT, SOLUTIONS, grade_id, read
 
 from decodelab.course import exercises, parts, progress
 from decodelab.paths import PACKAGE_DATA
-from notebooks import COURSE, ROOT, SOLUTIONS, grade_id, read
 
 
 def exercise_cells(root, notebook) -> list[str]:
@@ -65,7 +66,8 @@ def test_parts_and_stages_are_read_from_the_table():
     assert fed <= hooks and fed == {stage.hook for stage in parts.STAGES}
     for stage in parts.STAGES:
         assert [(stage.notebook, name) for name in stage.exercises] == [
-            (e.notebook, e.name) for e in exercises.EXERCISES if e.stage == stage.hook]
+            (e.notebook, e.name) for e in exercises.EXERCISES if e.stage == stage.hook
+        ]
 
 
 def test_a_name_the_table_lacks_is_a_clear_error():

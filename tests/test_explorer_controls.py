@@ -1,5 +1,6 @@
 """`finish_explorer` (decodelab.course.widgets.controls): the one place every explorer is wired,
 laid out and drawn, so that each notebook's explorer can be driven without a browser."""
+
 from __future__ import annotations
 
 import ipywidgets as widgets

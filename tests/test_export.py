@@ -2,6 +2,7 @@
 gradebook export filled and kept importable, students matched by SIS Login ID, SIS User ID, then
 ID, everyone missing on either side reported; the long format from nbgrader's gradebook; and a
 clear error for every bad input."""
+
 from __future__ import annotations
 
 import csv
@@ -13,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from gradebooks import make_gradebook
 
 from autograder import export
-from gradebooks import make_gradebook
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +66,7 @@ def test_canvas_fills_the_column_and_keeps_the_rest(tmp_path, capsys):
     col = before[0].index("02_sampling (1201)")
     assert [r[col] for r in after[2:]] == ["8", "6.5", "10", "7", ""]  # ali by login, bo by SIS id, cy by ID
     for b, a in zip(before, after):  # nothing else changed
-        assert b[:col] + b[col + 1:] == a[:col] + a[col + 1:]
+        assert b[:col] + b[col + 1 :] == a[:col] + a[col + 1 :]
     assert "1 graded student(s) not in the roster (by SIS Login ID, SIS User ID or ID): zed" in err
     assert "1 roster student(s) not in the grades (left as they were): Turing, Alan (aturing)" in err
     assert "Test" not in err  # Canvas's Student View user is not a student
@@ -75,8 +76,17 @@ def test_canvas_explicit_column_and_semicolons_and_bom(tmp_path, capsys):
     roster = ROSTER.replace(",", ";").replace('"Lovelace; Ada"', '"Lovelace, Ada"')
     roster = roster.replace("Babbage; Charles", "Babbage, Charles").replace("Hopper; Grace", "Hopper, Grace")
     roster = roster.replace("Turing; Alan", "Turing, Alan").replace("Student; Test", "Student, Test")
-    code, _, err = _export(tmp_path, capsys, "--format", "canvas", "--assignment", "00_meet_the_model",
-                           "--column", "Quiz 1 (1190)", roster="\ufeff" + roster)
+    code, _, err = _export(
+        tmp_path,
+        capsys,
+        "--format",
+        "canvas",
+        "--assignment",
+        "00_meet_the_model",
+        "--column",
+        "Quiz 1 (1190)",
+        roster="\ufeff" + roster,
+    )
     assert code == 0, err
     raw = (tmp_path / "out.csv").read_bytes()
     assert raw.startswith(b"\xef\xbb\xbf") and b";" in raw.splitlines()[0]
@@ -98,17 +108,24 @@ def test_canvas_duplicate_login_matches_nobody(tmp_path, capsys):
     assert code == 0 and "ali: 2 roster rows have SIS Login ID 'ali'; none filled" in err
 
 
-@pytest.mark.parametrize("args, roster, grades, message", [
-    (["--assignment", "03_kv_cache"], ROSTER, GRADES, "no rows for assignment '03_kv_cache'"),
-    ([], ROSTER, GRADES, "no column for assignment '00_meet_the_model'"),
-    (["--assignment", "02_sampling", "--column", "Quiz 9 (1)"], ROSTER, GRADES, "no such assignment column"),
-    (["--column", "Quiz 1 (1190)"], ROSTER, GRADES, "--column fills one assignment"),
-    (["--assignment", "02_sampling"], "Name,Score\nali,3\n", GRADES, "not a Canvas gradebook export"),
-    (["--assignment", "02_sampling"], ROSTER + "short,row\n", GRADES, "line 8 has 2 cells"),
-    (["--assignment", "02_sampling"], ROSTER, "who,what\nali,3\n", "not a grades CSV"),
-    (["--assignment", "02_sampling"], ROSTER.replace("Quiz 1 (1190)", "02_sampling (1300)"), GRADES,
-     "several columns for assignment '02_sampling'"),
-])
+@pytest.mark.parametrize(
+    "args, roster, grades, message",
+    [
+        (["--assignment", "03_kv_cache"], ROSTER, GRADES, "no rows for assignment '03_kv_cache'"),
+        ([], ROSTER, GRADES, "no column for assignment '00_meet_the_model'"),
+        (["--assignment", "02_sampling", "--column", "Quiz 9 (1)"], ROSTER, GRADES, "no such assignment column"),
+        (["--column", "Quiz 1 (1190)"], ROSTER, GRADES, "--column fills one assignment"),
+        (["--assignment", "02_sampling"], "Name,Score\nali,3\n", GRADES, "not a Canvas gradebook export"),
+        (["--assignment", "02_sampling"], ROSTER + "short,row\n", GRADES, "line 8 has 2 cells"),
+        (["--assignment", "02_sampling"], ROSTER, "who,what\nali,3\n", "not a grades CSV"),
+        (
+            ["--assignment", "02_sampling"],
+            ROSTER.replace("Quiz 1 (1190)", "02_sampling (1300)"),
+            GRADES,
+            "several columns for assignment '02_sampling'",
+        ),
+    ],
+)
 def test_canvas_clear_errors(tmp_path, capsys, args, roster, grades, message):
     code, _, err = _export(tmp_path, capsys, "--format", "canvas", *args, roster=roster, grades=grades)
     assert code == 2 and message in err, err
@@ -116,13 +133,33 @@ def test_canvas_clear_errors(tmp_path, capsys, args, roster, grades, message):
 
 
 def test_missing_and_unreadable_files(tmp_path, capsys):
-    code = export.main(["--format", "canvas", "--grades", str(tmp_path / "nope.csv"), "--roster",
-                        str(tmp_path / "nope2.csv"), "--out", str(tmp_path / "o.csv")])
+    code = export.main(
+        [
+            "--format",
+            "canvas",
+            "--grades",
+            str(tmp_path / "nope.csv"),
+            "--roster",
+            str(tmp_path / "nope2.csv"),
+            "--out",
+            str(tmp_path / "o.csv"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "--grades" in err and "no such file" in err
     (tmp_path / "latin1.csv").write_bytes(b"Student,ID\n\xe9,1\n")
-    code = export.main(["--format", "canvas", "--grades", str(_write(tmp_path, "grades.csv", GRADES)), "--roster",
-                        str(tmp_path / "latin1.csv"), "--out", str(tmp_path / "o.csv")])
+    code = export.main(
+        [
+            "--format",
+            "canvas",
+            "--grades",
+            str(_write(tmp_path, "grades.csv", GRADES)),
+            "--roster",
+            str(tmp_path / "latin1.csv"),
+            "--out",
+            str(tmp_path / "o.csv"),
+        ]
+    )
     assert code == 2 and "not UTF-8" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: canvas needs --roster
         export.main(["--format", "canvas", "--grades", "g.csv", "--out", "o.csv"])
@@ -137,20 +174,31 @@ FORMULA_NAMES = ["=cmd|' /C calc'!A0", "+1", "@SUM(A1)", "-x", "\tab"]  # studen
 def gradebook(tmp_path_factory):
     """One gradebook for the long tests (making one takes seconds): ali, bo, and FORMULA_NAMES."""
     path = tmp_path_factory.mktemp("long") / "gradebook.db"
-    make_gradebook(path, "02_sampling", {"test_top_k": 6, "test_top_p": 4},
-                   {"ali": {"test_top_k": 6, "test_top_p": 2}, "bo": {"test_top_k": 0, "test_top_p": 4},
-                    **{name: {"test_top_k": 6, "test_top_p": 4} for name in FORMULA_NAMES}})
+    make_gradebook(
+        path,
+        "02_sampling",
+        {"test_top_k": 6, "test_top_p": 4},
+        {
+            "ali": {"test_top_k": 6, "test_top_p": 2},
+            "bo": {"test_top_k": 0, "test_top_p": 4},
+            **{name: {"test_top_k": 6, "test_top_p": 4} for name in FORMULA_NAMES},
+        },
+    )
     return path
 
 
 def test_long_one_row_per_student_and_test_cell(tmp_path, capsys, gradebook):
-    code, out, err = _export(tmp_path, capsys, "--format", "long", "--assignment", "02_sampling",
-                             "--gradebook", str(gradebook), roster=None)
+    code, out, err = _export(
+        tmp_path, capsys, "--format", "long", "--assignment", "02_sampling", "--gradebook", str(gradebook), roster=None
+    )
     assert code == 0 and "wrote 4 cell grade(s) of 2 submission(s)" in out
     rows = list(csv.DictReader(open(tmp_path / "out.csv", newline="")))
     assert [tuple(r.values()) for r in rows] == [
-        ("ali", "02_sampling", "test_top_k", "6", "6"), ("ali", "02_sampling", "test_top_p", "2", "4"),
-        ("bo", "02_sampling", "test_top_k", "0", "6"), ("bo", "02_sampling", "test_top_p", "4", "4")]
+        ("ali", "02_sampling", "test_top_k", "6", "6"),
+        ("ali", "02_sampling", "test_top_p", "2", "4"),
+        ("bo", "02_sampling", "test_top_k", "0", "6"),
+        ("bo", "02_sampling", "test_top_p", "4", "4"),
+    ]
     assert "cy: no 02_sampling submission in the gradebook" in err and "zed:" in err
 
 
@@ -175,13 +223,15 @@ def test_long_clear_errors(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- hostile input
 
+
 def _grades_csv(*rows: tuple) -> str:
     """A grades.csv of these (student, score, status, notes) rows of 02_sampling, max 10."""
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
     writer.writerow(["student", "assignment", "score", "max_score", "status", "notes", "submitted_at", "late_penalty"])
-    writer.writerows([student, "02_sampling", score, 10, status, notes, "", ""]
-                     for student, score, status, notes in rows)
+    writer.writerows(
+        [student, "02_sampling", score, 10, status, notes, "", ""] for student, score, status, notes in rows
+    )
     return text.getvalue()
 
 
@@ -197,24 +247,56 @@ def _canvas_column(path, login: str) -> str:
 
 GRADED = GRADES.encode()
 HOSTILE = {  # id: (grades.csv's bytes, None: no file; the roster; --out; words of the error)
-    "score not a number": (GRADED.replace(b"ali,02_sampling,8,", b"ali,02_sampling,abc,"), ROSTER, "out.csv",
-                           "line 2 (ali, 02_sampling): the score 'abc' is not a number >= 0"),
-    "score a formula": (GRADED.replace(b"ali,02_sampling,8,", b'ali,02_sampling,"=HYPERLINK(""http://x"",""y"")",'),
-                        ROSTER, "out.csv", "line 2 (ali, 02_sampling): the score '=HYPERLINK("),
-    "score negative": (GRADED.replace(b"cy,02_sampling,10,", b"cy,02_sampling,-3,"), ROSTER, "out.csv",
-                       "line 4 (cy, 02_sampling): the score '-3' is not a number >= 0"),
-    "score empty": (GRADED.replace(b"bo,02_sampling,6.5,", b"bo,02_sampling,,"), ROSTER, "out.csv",
-                    "line 3 (bo, 02_sampling): the score '' is not a number"),
-    "quote never closed": (GRADED.replace(b"bo,02_sampling,6.5,", b'bo,02_sampling,"6.5,'), ROSTER, "out.csv",
-                           "grades.csv: line 3: not valid CSV (a quote opened here is never closed)"),
-    "text after a quote": (GRADED.replace(b"bo,02_sampling,6.5,", b'bo,02_sampling,"6.5"x,'), ROSTER, "out.csv",
-                           "line 3: not valid CSV"),
-    "row too short": (GRADED.replace(b"cy,02_sampling,10,10,ok,,,", b"cy,02_sampling,10"), ROSTER, "out.csv",
-                      "line 4 has 3 cells, the header 8"),
+    "score not a number": (
+        GRADED.replace(b"ali,02_sampling,8,", b"ali,02_sampling,abc,"),
+        ROSTER,
+        "out.csv",
+        "line 2 (ali, 02_sampling): the score 'abc' is not a number >= 0",
+    ),
+    "score a formula": (
+        GRADED.replace(b"ali,02_sampling,8,", b'ali,02_sampling,"=HYPERLINK(""http://x"",""y"")",'),
+        ROSTER,
+        "out.csv",
+        "line 2 (ali, 02_sampling): the score '=HYPERLINK(",
+    ),
+    "score negative": (
+        GRADED.replace(b"cy,02_sampling,10,", b"cy,02_sampling,-3,"),
+        ROSTER,
+        "out.csv",
+        "line 4 (cy, 02_sampling): the score '-3' is not a number >= 0",
+    ),
+    "score empty": (
+        GRADED.replace(b"bo,02_sampling,6.5,", b"bo,02_sampling,,"),
+        ROSTER,
+        "out.csv",
+        "line 3 (bo, 02_sampling): the score '' is not a number",
+    ),
+    "quote never closed": (
+        GRADED.replace(b"bo,02_sampling,6.5,", b'bo,02_sampling,"6.5,'),
+        ROSTER,
+        "out.csv",
+        "grades.csv: line 3: not valid CSV (a quote opened here is never closed)",
+    ),
+    "text after a quote": (
+        GRADED.replace(b"bo,02_sampling,6.5,", b'bo,02_sampling,"6.5"x,'),
+        ROSTER,
+        "out.csv",
+        "line 3: not valid CSV",
+    ),
+    "row too short": (
+        GRADED.replace(b"cy,02_sampling,10,10,ok,,,", b"cy,02_sampling,10"),
+        ROSTER,
+        "out.csv",
+        "line 4 has 3 cells, the header 8",
+    ),
     "not UTF-8": (GRADED.replace(b"ali,", "é,".encode("latin-1")), ROSTER, "out.csv", "not UTF-8 text"),
     "no grades file": (None, ROSTER, "out.csv", "grades.csv: no such file"),
-    "roster quote never closed": (GRADED, ROSTER + '"Lamarr, Hedy,106,S-6,hlamarr,B,,,,\n', "out.csv",
-                                  "roster.csv: line 8: not valid CSV (a quote opened here is never closed)"),
+    "roster quote never closed": (
+        GRADED,
+        ROSTER + '"Lamarr, Hedy,106,S-6,hlamarr,B,,,,\n',
+        "out.csv",
+        "roster.csv: line 8: not valid CSV (a quote opened here is never closed)",
+    ),
     "out a folder": (GRADED, ROSTER, "folder", "folder: a folder; give the name of the file to write"),
     "out in no folder": (GRADED, ROSTER, "nowhere/out.csv", "/nowhere does not exist"),
     "out the grades": (GRADED, ROSTER, "grades.csv", "the --grades file itself"),
@@ -230,29 +312,45 @@ def test_canvas_hostile_input_one_line_error_and_nothing_written(tmp_path, capsy
     _write(tmp_path, "out.csv", "an earlier export\n")
     (tmp_path / "folder").mkdir()
     before = _snapshot(tmp_path)
-    code = export.main(["--format", "canvas", "--assignment", "02_sampling", "--grades", str(tmp_path / "grades.csv"),
-                        "--roster", str(tmp_path / "roster.csv"), "--out", str(tmp_path / out)])
+    code = export.main(
+        [
+            "--format",
+            "canvas",
+            "--assignment",
+            "02_sampling",
+            "--grades",
+            str(tmp_path / "grades.csv"),
+            "--roster",
+            str(tmp_path / "roster.csv"),
+            "--out",
+            str(tmp_path / out),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("autograder export: error: ") and err.count("\n") == 1, err
     assert message in err, err
     assert _snapshot(tmp_path) == before  # inputs byte-identical, the earlier export kept, no temporary file
 
 
-@pytest.mark.parametrize("status, notes, cell", [
-    ("grader_error", "grader: the worker was lost on each of 3 tries: KilledWorker", ""),
-    ("missing", "no 02_sampling/02_sampling.ipynb; found: nothing", ""),
-    ("unreadable", "not read: 02_sampling.ipynb cannot be opened (EACCES)", ""),
-    ("unreadable", "not read: [Errno 5] Input/output error: '02_sampling.ipynb'", ""),
-    ("unreadable", "", ""),
-    ("unreadable", "not read: 02_sampling.ipynb is a link (not followed)", "0"),
-    ("unreadable", "not read: 02_sampling is not a folder (a link or a file; not followed)", "0"),
-    ("unreadable", "not read: 02_sampling.ipynb is not a regular file", "0"),
-    ("unreadable", "not read: 02_sampling.ipynb is larger than 67,108,864 bytes", "0"),
-    ("unreadable", "02_sampling.ipynb is not a valid notebook: Expecting value: line 1 column 1 (char 0)", "0"),
-    ("crashed", "the kernel died", "0"),
-])
-def test_canvas_leaves_blank_and_lists_a_row_with_no_grade_of_the_students_making(tmp_path, capsys, status,
-                                                                                  notes, cell):
+@pytest.mark.parametrize(
+    "status, notes, cell",
+    [
+        ("grader_error", "grader: the worker was lost on each of 3 tries: KilledWorker", ""),
+        ("missing", "no 02_sampling/02_sampling.ipynb; found: nothing", ""),
+        ("unreadable", "not read: 02_sampling.ipynb cannot be opened (EACCES)", ""),
+        ("unreadable", "not read: [Errno 5] Input/output error: '02_sampling.ipynb'", ""),
+        ("unreadable", "", ""),
+        ("unreadable", "not read: 02_sampling.ipynb is a link (not followed)", "0"),
+        ("unreadable", "not read: 02_sampling is not a folder (a link or a file; not followed)", "0"),
+        ("unreadable", "not read: 02_sampling.ipynb is not a regular file", "0"),
+        ("unreadable", "not read: 02_sampling.ipynb is larger than 67,108,864 bytes", "0"),
+        ("unreadable", "02_sampling.ipynb is not a valid notebook: Expecting value: line 1 column 1 (char 0)", "0"),
+        ("crashed", "the kernel died", "0"),
+    ],
+)
+def test_canvas_leaves_blank_and_lists_a_row_with_no_grade_of_the_students_making(
+    tmp_path, capsys, status, notes, cell
+):
     grades = _grades_csv(("aturing", "0", status, notes), ("ali", "8", "ok", ""))
     code, _, err = _export(tmp_path, capsys, "--format", "canvas", grades=grades)
     assert code == 0, err
@@ -275,7 +373,10 @@ def test_canvas_scores_written_as_plain_numbers(tmp_path, capsys):
     code, _, err = _export(tmp_path, capsys, "--format", "canvas", grades=grades)
     assert code == 0, err
     assert [_canvas_column(tmp_path / "out.csv", login) for login in ("ALI", "cbabbage", "ghopper")] == [
-        "8", "0.00001", "2.50"]
+        "8",
+        "0.00001",
+        "2.50",
+    ]
 
 
 @pytest.mark.parametrize("delimiter", [",", ";", "\t"])
@@ -289,20 +390,37 @@ def test_canvas_delimiter_inside_a_quoted_column_name(tmp_path, capsys, delimite
     csv.writer(text, delimiter=delimiter).writerows(rows)
     roster, grades = _write(tmp_path, "roster.csv", text.getvalue(), newline=""), _write(tmp_path, "grades.csv", GRADES)
     before = _snapshot(tmp_path)
-    code = export.main(["--format", "canvas", "--assignment", "02_sampling", "--column", name, "--roster", str(roster),
-                        "--grades", str(grades), "--out", str(tmp_path / "out.csv")])
+    code = export.main(
+        [
+            "--format",
+            "canvas",
+            "--assignment",
+            "02_sampling",
+            "--column",
+            name,
+            "--roster",
+            str(roster),
+            "--grades",
+            str(grades),
+            "--out",
+            str(tmp_path / "out.csv"),
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     with open(tmp_path / "out.csv", newline="") as f:
         assert list(csv.reader(f, delimiter=delimiter)) == [rows[0], rows[1][:4] + ["8"]]
     assert _snapshot(tmp_path) == before | {"out.csv": (tmp_path / "out.csv").read_bytes()}  # nothing else written
 
 
-@pytest.mark.parametrize("header, delimiter", [
-    ('Student,ID,"Lab; a; b; c (1)"', ","),
-    ('Student;ID;"Lab, a, b, c (1)"', ";"),
-    ('Student\tID\t"a, b; c (1)"', "\t"),
-    ("Student,ID,Section", ","),
-])
+@pytest.mark.parametrize(
+    "header, delimiter",
+    [
+        ('Student,ID,"Lab; a; b; c (1)"', ","),
+        ('Student;ID;"Lab, a, b, c (1)"', ";"),
+        ('Student\tID\t"a, b; c (1)"', "\t"),
+        ("Student,ID,Section", ","),
+    ],
+)
 def test_sniff_delimiter_and_its_fallback(monkeypatch, header, delimiter):
     assert export.sniff_delimiter(f"{header}\n{delimiter.join(['Ada', '1', 'A'])}\n") == delimiter
 
@@ -315,8 +433,9 @@ def test_sniff_delimiter_and_its_fallback(monkeypatch, header, delimiter):
 
 def test_long_neutralises_formulas_in_names(tmp_path, capsys, gradebook):
     grades = _grades_csv(*((name, "10", "ok", "") for name in [*FORMULA_NAMES, "ali"]))
-    code, _, err = _export(tmp_path, capsys, "--format", "long", "--gradebook", str(gradebook), grades=grades,
-                           roster=None)
+    code, _, err = _export(
+        tmp_path, capsys, "--format", "long", "--gradebook", str(gradebook), grades=grades, roster=None
+    )
     assert code == 0, err
     with open(tmp_path / "out.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -327,8 +446,9 @@ def test_long_neutralises_formulas_in_names(tmp_path, capsys, gradebook):
 def test_the_command_line_lists_its_commands():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "lib")]))
     run = [sys.executable, "-m", "autograder"]
-    helped = subprocess.run([*run, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-                            check=False)
+    helped = subprocess.run(
+        [*run, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False
+    )
     assert helped.returncode == 0 and helped.stderr == ""
     for command in ("grade", "export", "report", "scheduler", "worker"):
         assert re.search(rf"^  {command} +\w.+$", helped.stdout, re.MULTILINE), helped.stdout

@@ -1,17 +1,18 @@
 """The engine runs notebook 01's forward pass: `EngineHooks(forward=..., attention=...)` put the
 decoder written as functions of the state dict, and attention written against a contiguous
 cache, inside the batched engine over paged blocks, with the library's greedy tokens."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from oracles import check_greedy_agreement, last_logits_fn
 
 from decodelab.decoding.generate import encode_prompt, stream_token_ids
 from decodelab.engine.llm import LLM, EngineHooks
 from decodelab.lessons import forward_pass as fp
 from decodelab.model.toy import random_llama
 from decodelab.params import SamplingParams
-from oracles import check_greedy_agreement, last_logits_fn
 
 QUESTIONS = ["What is gravity?", "Name three colours.", "Write a haiku about the sea."]
 
@@ -46,8 +47,11 @@ def test_lesson_forward_and_attention_serve_smollm2_with_the_library_tokens(smol
     prompts = [encode_prompt(tokenizer, q, chat=True) for q in QUESTIONS]
     expected = [single_greedy(model, tokenizer, p, 12) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=12)
-    for hooks in (EngineHooks(forward=fp.forward), EngineHooks(attention=fp.attention),
-                  EngineHooks(forward=fp.forward, attention=fp.attention)):
+    for hooks in (
+        EngineHooks(forward=fp.forward),
+        EngineHooks(attention=fp.attention),
+        EngineHooks(forward=fp.forward, attention=fp.attention),
+    ):
         llm = LLM((model, tokenizer), num_kv_blocks=64, hooks=hooks)
         for _ in range(2):  # the second round reads the template's blocks from the prefix cache
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -71,15 +75,17 @@ def test_the_attention_hook_gets_each_sequences_whole_context():
     prompts = [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15, 16, 17]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     library = LLM((model, Tokens()), num_kv_blocks=32, kv_block_size=4).generate(prompts, params, use_tqdm=False)
-    hooked = LLM((model, Tokens()), num_kv_blocks=32, kv_block_size=4,
-                 hooks=EngineHooks(attention=recording)).generate(prompts, params, use_tqdm=False)
+    hooked = LLM((model, Tokens()), num_kv_blocks=32, kv_block_size=4, hooks=EngineHooks(attention=recording)).generate(
+        prompts, params, use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in hooked] == [o.outputs[0].token_ids for o in library]
     # layer 0 of the first step prefills the three prompts: nothing held, all their tokens new
     assert seen[:3] == [(0, 0, 5), (0, 0, 3), (0, 0, 7)]
     assert (0, 5 + 5, 1) in seen  # a decode step late in the first prompt: its 10 tokens held, one new
 
-    forgetful = LLM((model, Tokens()), num_kv_blocks=32, kv_block_size=4,
-                    hooks=EngineHooks(attention=attention_of_new_tokens_only)).generate(prompts, params, use_tqdm=False)
+    forgetful = LLM(
+        (model, Tokens()), num_kv_blocks=32, kv_block_size=4, hooks=EngineHooks(attention=attention_of_new_tokens_only)
+    ).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in forgetful] != [o.outputs[0].token_ids for o in library]
 
 
@@ -104,7 +110,8 @@ def test_repetition_penalty_hook_is_called_with_the_history():
         return logits
 
     LLM((model, Tokens()), num_kv_blocks=8, kv_block_size=4, hooks=EngineHooks(repetition_penalty=penalty)).generate(
-        [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, repetition_penalty=1.3), use_tqdm=False)
+        [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, repetition_penalty=1.3), use_tqdm=False
+    )
     assert [len(ids) for ids, _ in calls] == [3, 4, 5] and {v for _, v in calls} == {1.3}
     assert calls[0][0] == [1, 2, 3]
     assert torch.equal(torch.tensor(calls[-1][0][:3]), torch.tensor([1, 2, 3]))

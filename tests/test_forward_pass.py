@@ -3,12 +3,14 @@ LlamaForCausalLM: random toy Llamas with grouped-query heads (logits within 1e-5
 with its real weights (within 1e-3, the same greedy tokens), and a KV-cached pass equal to one
 pass over the whole sequence. Also the attend interface: the same layer code over the library's
 own cache and over the engine's paged batch."""
+
 from __future__ import annotations
 
 import functools
 
 import pytest
 import torch
+from oracles import random_ids
 
 from decodelab.config import ModelConfig
 from decodelab.decoding.generate import generate_with_cache
@@ -17,7 +19,6 @@ from decodelab.lessons import forward_pass as fp
 from decodelab.model.kv_cache import KVCache
 from decodelab.model.rope import inverse_frequencies, plain_inverse_frequencies
 from decodelab.model.toy import random_llama
-from oracles import random_ids
 
 TOYS = [  # config overrides: grouped, multi-query, multi-head, tied, a bias, odd sizes
     dict(),
@@ -54,7 +55,7 @@ def test_cached_pass_equals_one_pass(overrides):
     full = fp.forward(weights, config, ids, _attend(config, 2, 12))
     attend, pieces, held = _attend(config, 2, 12), [], 0
     for n in (5, 3, 1, 1, 1, 1):
-        pieces.append(fp.forward(weights, config, ids[:, held:held + n], attend, torch.arange(held, held + n)))
+        pieces.append(fp.forward(weights, config, ids[:, held : held + n], attend, torch.arange(held, held + n)))
         held += n
     assert (torch.cat(pieces, 1) - full).abs().max().item() < 1e-5
     assert (full - model(ids)).abs().max().item() < 1e-5
@@ -90,8 +91,14 @@ def test_rope_matches_the_model_tables_at_any_positions():
     from decodelab.model.rope import apply_rope
 
     assert torch.equal(fp.rope(x, positions, 100000.0), apply_rope(x, cos, sin))
-    config = ModelConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
-                         num_attention_heads=1, rope_theta=100000.0)
+    config = ModelConfig(
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        rope_theta=100000.0,
+    )
     assert torch.equal(plain_inverse_frequencies(64, 100000.0), inverse_frequencies(config))
 
 
@@ -112,8 +119,9 @@ def test_the_same_layers_run_over_paged_blocks():
     store = PagedKVStore(config, num_blocks=8, block_size=4)
     tables = [[3, 0], [5, 6]]  # blocks 3, 0 hold sequence a; 5, 6 hold b
     slots = [tables[0][i // 4] * 4 + i % 4 for i in range(7)] + [tables[1][i // 4] * 4 + i % 4 for i in range(5)]
-    batch = PagedBatch(store, [SequenceSlice(0, 7, 7, tables[0]), SequenceSlice(7, 5, 5, tables[1])],
-                       torch.tensor(slots))
+    batch = PagedBatch(
+        store, [SequenceSlice(0, 7, 7, tables[0]), SequenceSlice(7, 5, 5, tables[1])], torch.tensor(slots)
+    )
     packed = torch.cat([a, b])[None]  # [1, 12]
     positions = torch.cat([torch.arange(7), torch.arange(5)])
     got = fp.forward(weights, config, packed, batch.attend, positions)[0]  # [12, V]
@@ -142,7 +150,13 @@ def test_greedy_generate_uses_the_given_parts():
         calls.append(q.shape[2])
         return fp.attention(cache, layer_index, q, k, v)
 
-    ids = fp.greedy_generate(model.state_dict(), model.config, [1, 2, 3], 4,
-                             forward_fn=functools.partial(fp.forward), attention_fn=counting_attention)
+    ids = fp.greedy_generate(
+        model.state_dict(),
+        model.config,
+        [1, 2, 3],
+        4,
+        forward_fn=functools.partial(fp.forward),
+        attention_fn=counting_attention,
+    )
     assert ids == generate_with_cache(model, [1, 2, 3], 4)
     assert calls == [3] * 2 + [1] * 2 * 3  # the prompt once per layer, then one token per layer and step

@@ -1,6 +1,7 @@
 """Notebook 01's hidden checks (the forward pass): they pass on the library's references and on
 other valid ways to write each part, and catch every kept bug (tests/fixtures/buggy_forward_pass.py)
 with a message that names the case."""
+
 from __future__ import annotations
 
 import math
@@ -8,11 +9,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from oracles import expect_bug_caught, load_fixture
 
 from autograder.checks import forward_pass as checks
 from decodelab.lessons import forward_pass as fp
 from decodelab.model.attention import causal_attention
-from oracles import expect_bug_caught, load_fixture
 
 buggy = load_fixture("buggy_forward_pass")
 
@@ -49,7 +50,7 @@ def test_other_valid_solutions_pass():
         inv_freq = 1.0 / rope_theta ** (torch.arange(0, d, 2).float() / d)
         table = torch.arange(int(positions.max()) + 1).float()[:, None] * inv_freq[None, :]
         angles = torch.cat([table, table], -1)[positions]
-        x1, x2 = x[..., :d // 2], x[..., d // 2:]
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
         rotated = torch.cat([-x2, x1], -1)
         return x * angles.cos().to(x.dtype) + rotated * angles.sin().to(x.dtype)
 
@@ -136,8 +137,9 @@ def test_forward_that_skips_attend_is_named():
     def forward_without_attend(weights, config, input_ids, attend, positions=None):
         from decodelab.model.kv_cache import KVCache
 
-        return fp.forward(weights, config, input_ids, fp.cache_attend(KVCache(config, input_ids.shape[0], 64)),
-                          positions)
+        return fp.forward(
+            weights, config, input_ids, fp.cache_attend(KVCache(config, input_ids.shape[0], 64)), positions
+        )
 
     with pytest.raises(AssertionError, match=r"one call attend\(layer_index, q, k, v\) per layer"):
         checks.check_forward(forward_without_attend)
@@ -162,7 +164,9 @@ def test_widgets_run_on_the_references():
 def test_predictions_are_graded_against_the_library():
     checks.check_q_layer_params(3_540_096)  # the sum of the shapes layer 0 of the real checkpoint prints
     checks.check_q_rope_slowest_period(2 * math.pi * 100000 ** (62 / 64))
-    for check, wrong in ((checks.check_q_layer_params, 3_540_096 + 2 * 576 * 384),  # k and v counted with 9 heads
-                         (checks.check_q_rope_slowest_period, 100000 ** (62 / 64))):  # one radian, not 2 pi
+    for check, wrong in (
+        (checks.check_q_layer_params, 3_540_096 + 2 * 576 * 384),  # k and v counted with 9 heads
+        (checks.check_q_rope_slowest_period, 100000 ** (62 / 64)),
+    ):  # one radian, not 2 pi
         with pytest.raises(AssertionError, match="you predicted"):
             check(wrong)

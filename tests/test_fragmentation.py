@@ -1,21 +1,24 @@
 """Notebook 07's fragmentation simulation (decodelab.lessons.fragmentation) and its pool pictures'
 helpers (decodelab.course.widgets.paged_kv): the shares add up, each layout loses memory the way
 its definition says, and a snapshot of the pool refuses an allocator whose counts are wrong."""
+
 from __future__ import annotations
 
 import pytest
+from oracles import load_fixture
 
 from decodelab.course.widgets import paged_kv as widgets
 from decodelab.engine.block_allocator import BlockAllocator, kv_waste
 from decodelab.lessons.fragmentation import simulate
-from oracles import load_fixture
 
 LENGTHS = widgets.uniform_lengths(300, 50, 2047, seed=0)
 POOL = 32 * 2048
 
 
-@pytest.mark.parametrize("layout, kwargs", [("preallocate", {"max_len": 2048}), ("exact", {}),
-                                            ("paged", {"block_size": 16}), ("paged", {"block_size": 32})])
+@pytest.mark.parametrize(
+    "layout, kwargs",
+    [("preallocate", {"max_len": 2048}), ("exact", {}), ("paged", {"block_size": 16}), ("paged", {"block_size": 32})],
+)
 def test_shares_add_up(layout, kwargs):
     r = simulate(LENGTHS, layout, POOL, **kwargs)
     assert abs(r.tokens + r.internal + r.external + r.idle - 1) < 1e-9
@@ -47,8 +50,13 @@ def test_bad_arguments():
 def test_story_and_snapshots_read_any_allocator():
     """The picture reads an allocator through its interface only, so a learner's works."""
     base = load_fixture("buggy_paged_kv").AllocatorBase
-    story = [("A", "arrive", "A", list(range(1, 12))), ("B", "arrive", "B", [1, 2, 3, 4, 50]),
-             ("fork", "fork", "B2", "B"), ("grow", "grow", "B2", [60]), ("A ends", "finish", "A")]
+    story = [
+        ("A", "arrive", "A", list(range(1, 12))),
+        ("B", "arrive", "B", [1, 2, 3, 4, 50]),
+        ("fork", "fork", "B2", "B"),
+        ("grow", "grow", "B2", [60]),
+        ("A ends", "finish", "A"),
+    ]
     for cls in (BlockAllocator, base):
         snapshots = widgets.play_block_story(cls(8, 4), story)
         held = [sorted(h for holders in s["holders"] for h in holders) for s in snapshots]

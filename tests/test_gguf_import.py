@@ -2,6 +2,7 @@
 (q/k rows permuted per head, F32 tensors, llama.* metadata, a byte-level BPE in
 tokenizer.ggml.*) converts back to the very model and tokenizer it came from.
 """
+
 from __future__ import annotations
 
 import json
@@ -9,13 +10,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from oracles import random_ids, random_model
 
 import decodelab.model.gguf_import as gguf_import
 from decodelab.model.gguf_import import GGUFError, convert_gguf, permute_rows, unpermute_rows
 from decodelab.model.gguf_tensors import read_gguf_tensors
 from decodelab.model.tokenizer import Tokenizer
 from decodelab.model.weights import load_model
-from oracles import random_ids, random_model
 
 gguf = pytest.importorskip("gguf")
 tokenizers = pytest.importorskip("tokenizers")
@@ -23,10 +24,12 @@ pytest.importorskip("hypothesis")  # dev extra; `make gpu-check` may run without
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-EPS = 2.0 ** -17  # exactly representable in float32, as GGUF stores it
-CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
-                 "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+EPS = 2.0**-17  # exactly representable in float32, as GGUF stores it
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
@@ -46,14 +49,23 @@ TEXTS = [
 
 def byte_level_bpe():
     """A small byte-level BPE trained here; SmolLM-style digit splitting before GPT-2's regex."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = Backend(models.BPE(fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     return tok
 
@@ -123,8 +135,15 @@ def source_tokenizer():
 def source(request, tmp_path_factory, source_tokenizer):
     """(source model, its GGUF file): GQA with 4 query and 2 KV heads, random O(1) weights."""
     tied = request.param == "tied"
-    model = random_model(seed=11, vocab_size=source_tokenizer.get_vocab_size(), rms_norm_eps=EPS,
-                         rope_theta=5000.0, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    model = random_model(
+        seed=11,
+        vocab_size=source_tokenizer.get_vocab_size(),
+        rms_norm_eps=EPS,
+        rope_theta=5000.0,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     path = write_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", model, source_tokenizer)
     return model, path
 
@@ -285,8 +304,13 @@ def test_interrupted_conversion_leaves_no_half_written_folder(source, tmp_path, 
 def _same_tensors(fast, slow):
     assert [t.name for t in fast] == [t.name for t in slow]
     for a, b in zip(fast, slow):
-        assert (a.tensor_type, a.shape.tolist(), a.n_elements, a.n_bytes, a.data_offset) == \
-            (b.tensor_type, b.shape.tolist(), b.n_elements, b.n_bytes, b.data_offset), a.name
+        assert (a.tensor_type, a.shape.tolist(), a.n_elements, a.n_bytes, a.data_offset) == (
+            b.tensor_type,
+            b.shape.tolist(),
+            b.n_elements,
+            b.n_bytes,
+            b.data_offset,
+        ), a.name
         assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data), a.name
 
 
@@ -308,8 +332,11 @@ def test_read_gguf_tensors_of_quantized_tensors(tmp_path):
     writer.add_token_types([1, 1, 3])
     writer.add_float32("llama.rope.freq_base", 5000.0)
     rng = np.random.default_rng(0)
-    for name, shape, kind in (("blk.0.ffn_up.weight", (8, 64), Q.Q4_1), ("token_embd.weight", (5, 96), Q.Q8_0),
-                              ("blk.0.attn_norm.weight", (64,), Q.F32)):
+    for name, shape, kind in (
+        ("blk.0.ffn_up.weight", (8, 64), Q.Q4_1),
+        ("token_embd.weight", (5, 96), Q.Q8_0),
+        ("blk.0.attn_norm.weight", (64,), Q.F32),
+    ):
         values = rng.standard_normal(shape).astype(np.float32)
         data = values if kind == Q.F32 else quantize(values, kind)
         writer.add_tensor(name, data, raw_dtype=kind)

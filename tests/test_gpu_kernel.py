@@ -2,6 +2,7 @@
 interpreter on a CPU, compiled on CUDA: the tests marked `cuda`, run by `make gpu-check`), the
 oracles agree with each other and with the engine's gather, the inputs are checked, and the module
 imports where triton is missing."""
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,14 @@ def _random_case(seed: int) -> dict:
     pick = lambda low, high: int(torch.randint(low, high + 1, (1,), generator=gen))  # noqa: E731
     kv_heads, group, block_size = pick(1, 3), pick(1, 5), 2 ** pick(0, 4)
     lengths = [pick(1, 70) for _ in range(pick(1, 4))]
-    return gk.random_paged_batch(lengths, num_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=2 ** pick(0, 5),
-                                 block_size=block_size, seed=seed)
+    return gk.random_paged_batch(
+        lengths,
+        num_heads=kv_heads * group,
+        num_kv_heads=kv_heads,
+        head_dim=2 ** pick(0, 5),
+        block_size=block_size,
+        seed=seed,
+    )
 
 
 @needs_triton
@@ -64,12 +71,12 @@ def test_random_batches_shuffle_the_pool_and_pad_with_other_blocks():
     batch = gk.random_paged_batch([17, 40, 3], block_size=8, seed=1)
     tables, lens = batch["block_tables"].tolist(), batch["context_lens"].tolist()
     num_blocks = batch["key_cache"].shape[0]
-    owned = [table[:-(-n // 8)] for table, n in zip(tables, lens)]
+    owned = [table[: -(-n // 8)] for table, n in zip(tables, lens)]
     flat = [block for blocks in owned for block in blocks]
     assert len(flat) == len(set(flat)), "two sequences share a block"
     assert any(blocks != list(range(blocks[0], blocks[0] + len(blocks))) for blocks in owned), "tables in order"
     for table, blocks in zip(tables, owned):
-        padding = table[len(blocks):]
+        padding = table[len(blocks) :]
         assert all(0 <= p < num_blocks and p not in blocks for p in padding), (table, blocks)
 
 
@@ -77,16 +84,25 @@ def test_kv_bytes_read_counts_keys_and_values_once():
     assert gk.kv_bytes_read([4096] * 32, num_kv_heads=3, head_dim=64, bytes_per_value=2) == 2 * 32 * 4096 * 3 * 64 * 2
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda b: b.update(key_cache=b["key_cache"][0]), r"key_cache must be \[num_blocks"),
-    (lambda b: b.update(value_cache=b["value_cache"][:-1]), r"value_cache .* must have key_cache's shape"),
-    (lambda b: b.update(context_lens=torch.tensor([0, 5], dtype=torch.int32)), r"context_lens must lie in 1 \.\. 24"),
-    (lambda b: b.update(context_lens=torch.tensor([25, 5], dtype=torch.int32)), r"context_lens must lie in 1 \.\. 24"),
-    (lambda b: b.update(block_tables=b["block_tables"] + 100), r"block ids in 0 \.\. 5"),
-    (lambda b: b.update(block_tables=b["block_tables"].float()), r"must hold integers"),
-    (lambda b: b.update(q=torch.randn(2, 3, 8)), r"the 3 query heads must be a multiple of the 2 KV heads"),
-    (lambda b: b.update(q=b["q"][:1]), r"q must be \[B, H, D\]"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda b: b.update(key_cache=b["key_cache"][0]), r"key_cache must be \[num_blocks"),
+        (lambda b: b.update(value_cache=b["value_cache"][:-1]), r"value_cache .* must have key_cache's shape"),
+        (
+            lambda b: b.update(context_lens=torch.tensor([0, 5], dtype=torch.int32)),
+            r"context_lens must lie in 1 \.\. 24",
+        ),
+        (
+            lambda b: b.update(context_lens=torch.tensor([25, 5], dtype=torch.int32)),
+            r"context_lens must lie in 1 \.\. 24",
+        ),
+        (lambda b: b.update(block_tables=b["block_tables"] + 100), r"block ids in 0 \.\. 5"),
+        (lambda b: b.update(block_tables=b["block_tables"].float()), r"must hold integers"),
+        (lambda b: b.update(q=torch.randn(2, 3, 8)), r"the 3 query heads must be a multiple of the 2 KV heads"),
+        (lambda b: b.update(q=b["q"][:1]), r"q must be \[B, H, D\]"),
+    ],
+)
 def test_bad_input_is_named(change, message):
     batch = gk.random_paged_batch([20, 5], num_heads=4, num_kv_heads=2, head_dim=8, block_size=8, spare_blocks=2)
     change(batch)
@@ -139,6 +155,7 @@ def test_a_compiled_stub_reads_as_not_written_yet():
             def run(*args, **kwargs):
                 node = ast.parse(self.src).body[0].body[0]
                 raise UnsupportedLanguageConstruct(self.src, node, "unsupported AST node type: Raise")
+
             return run
 
     with pytest.raises(NotImplementedError, match=r"paged_attention_kernel is not written yet"):
@@ -146,20 +163,22 @@ def test_a_compiled_stub_reads_as_not_written_yet():
 
 
 def test_the_module_imports_without_triton():
-    block = ("import importlib.abc, sys\n"
-             "class NoTriton(importlib.abc.MetaPathFinder):\n"
-             "    def find_spec(self, name, path=None, target=None):\n"
-             "        if name.split('.')[0] == 'triton':\n"
-             "            raise ImportError('no triton here')\n"
-             "sys.meta_path.insert(0, NoTriton())\n"
-             "from decodelab.lessons import gpu_kernel as gk\n"
-             "import torch\n"
-             "batch = gk.random_paged_batch([5], num_heads=2, num_kv_heads=1, head_dim=8, block_size=4)\n"
-             "print(gk.triton is None, gk.sdpa_by_gather(**batch).shape)\n"
-             "try:\n"
-             "    gk.paged_attention(**batch)\n"
-             "except ImportError as exc:\n"
-             "    print(exc)\n")
+    block = (
+        "import importlib.abc, sys\n"
+        "class NoTriton(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'triton':\n"
+        "            raise ImportError('no triton here')\n"
+        "sys.meta_path.insert(0, NoTriton())\n"
+        "from decodelab.lessons import gpu_kernel as gk\n"
+        "import torch\n"
+        "batch = gk.random_paged_batch([5], num_heads=2, num_kv_heads=1, head_dim=8, block_size=4)\n"
+        "print(gk.triton is None, gk.sdpa_by_gather(**batch).shape)\n"
+        "try:\n"
+        "    gk.paged_attention(**batch)\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
     run = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     first, second = run.stdout.strip().splitlines()
@@ -175,7 +194,9 @@ def test_the_module_imports_without_triton():
 def test_compiled_kernel_matches_sdpa_on_cuda(dtype, tol):
     """SmolLM2's heads, blocks of 16, batch 32 with ragged contexts up to 4,096 tokens."""
     assert not gk.interpreter_active(), "with CUDA the kernels must be compiled"
-    lengths = [1, 15, 16, 17, 4096] + [int(n) for n in torch.randint(1, 4097, (27,), generator=torch.Generator().manual_seed(0))]
+    lengths = [1, 15, 16, 17, 4096] + [
+        int(n) for n in torch.randint(1, 4097, (27,), generator=torch.Generator().manual_seed(0))
+    ]
     batch = gk.random_paged_batch(lengths, device="cuda", dtype=dtype)
     got = gk.paged_attention(**batch)
     assert got.dtype == dtype

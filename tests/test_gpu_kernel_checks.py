@@ -1,15 +1,17 @@
 """The bonus notebook 12's hidden checks: they pass on the library's kernels and launcher (run under
 Triton's interpreter on a CPU) and catch every kept bug (tests/fixtures/buggy_gpu_kernel.py) with a
 message that names the case."""
+
 from __future__ import annotations
 
 import pytest
 
 pytest.importorskip("triton")
 
+from oracles import expect_bug_caught, load_fixture  # noqa: E402
+
 from autograder.checks import gpu_kernel as checks  # noqa: E402
 from decodelab.lessons import gpu_kernel as gk  # noqa: E402
-from oracles import expect_bug_caught, load_fixture  # noqa: E402
 
 buggy = load_fixture("buggy_gpu_kernel")
 
@@ -36,8 +38,10 @@ def test_growing_keys_raise_the_max_block_by_block():
     for b, n in enumerate(lengths):
         table, q, keys = batch["block_tables"][b].tolist(), batch["q"][b], batch["key_cache"]
         for head in range(h):
-            best = [float((keys[table[j], :min(block_size, n - j * block_size), head * h_kv // h] @ q[head]).max())
-                    for j in range(-(-n // block_size))]
+            best = [
+                float((keys[table[j], : min(block_size, n - j * block_size), head * h_kv // h] @ q[head]).max())
+                for j in range(-(-n // block_size))
+            ]
             assert len(best) > 2 and all(y > x for x, y in zip(best, best[1:])), (b, head, best)
 
 

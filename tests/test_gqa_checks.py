@@ -1,14 +1,15 @@
 """Notebook 05's hidden checks: they pass on the library's reference implementations and catch
 every kept bug (tests/fixtures/buggy_gqa.py) with a message that names the case."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from oracles import expect_bug_caught, load_fixture
 
 from autograder.checks import gqa as checks
 from decodelab.lessons import gqa
 from decodelab.model.attention import causal_attention
-from oracles import expect_bug_caught, load_fixture
 
 buggy = load_fixture("buggy_gqa")
 
@@ -56,12 +57,16 @@ def test_messages_name_the_case():
         attention(buggy.gqa_round_robin)
     with pytest.raises(AssertionError, match=r"right heads in the wrong order"):
         attention(buggy.gqa_heads_wrong_order)
-    with pytest.raises(AssertionError,
-                       match=r"bfloat16 q \[2, 9, 3, 64\].*expected .*within bfloat16 rounding.*got .*float32"):
+    with pytest.raises(
+        AssertionError, match=r"bfloat16 q \[2, 9, 3, 64\].*expected .*within bfloat16 rounding.*got .*float32"
+    ):
         attention(buggy.gqa_softmax_in_half)
     for bug in (buggy.gqa_copies_with_repeat_kv, buggy.gqa_copies_with_repeat_interleave, buggy.gqa_matmul_broadcasts):
-        with pytest.raises(AssertionError, match=r"q \[1, 8, 1, 64\], k and v \[1, 2, 2048, 64\].* took [\d.]+ MiB at "
-                                                 r"once .*expected at most 2\.00 MiB"):
+        with pytest.raises(
+            AssertionError,
+            match=r"q \[1, 8, 1, 64\], k and v \[1, 2, 2048, 64\].* took [\d.]+ MiB at "
+            r"once .*expected at most 2\.00 MiB",
+        ):
             attention(bug)
     with pytest.raises(AssertionError, match=r"torch.matmul expands and copies"):
         attention(buggy.gqa_matmul_broadcasts)
@@ -71,8 +76,11 @@ def test_messages_name_the_case():
         checks.check_pool_kv_heads(buggy.library_bugs.pool_kv_heads_strided)
     with pytest.raises(AssertionError, match=r"new head \d should be the mean of old heads"):
         checks.check_pool_kv_heads(buggy.pool_kv_heads_first_of_group)
-    with pytest.raises(AssertionError, match=r"should raise ValueError \(4 does not divide the 6 KV heads\); it raised "
-                                             r"RuntimeError"):
+    with pytest.raises(
+        AssertionError,
+        match=r"should raise ValueError \(4 does not divide the 6 KV heads\); it raised "
+        r"RuntimeError",
+    ):
         checks.check_pool_kv_heads(buggy.pool_kv_heads_unchecked)
 
 
@@ -90,9 +98,18 @@ def test_pool_model_uses_the_given_pool():
     from decodelab.model.llama import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                         max_position_embeddings=32)).eval()
+    model = LlamaForCausalLM(
+        ModelConfig(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=32,
+        )
+    ).eval()
     calls = []
 
     def pool(weight, new, head_dim):
@@ -107,8 +124,11 @@ def test_pool_model_uses_the_given_pool():
 
 
 def test_decode_step_messages_name_the_case():
-    with pytest.raises(AssertionError, match=r"bytes_read expected 3,072 \(2 for K and V x B 2 x H_kv 2 x 6 "
-                                             r"positions x D 16 x 4 bytes\), got 12288"):
+    with pytest.raises(
+        AssertionError,
+        match=r"bytes_read expected 3,072 \(2 for K and V x B 2 x H_kv 2 x 6 "
+        r"positions x D 16 x 4 bytes\), got 12288",
+    ):
         checks.check_gqa_decode_step(buggy.decode_bytes_of_query_heads)
     with pytest.raises(AssertionError, match=r"written at position 3 \(only there\) at positions \[3, 4\]"):
         checks.check_gqa_decode_step(buggy.decode_writes_one_late)

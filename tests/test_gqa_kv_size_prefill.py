@@ -5,6 +5,7 @@ reference modules and catch the kept buggy versions in fixtures/library/buggy_gq
 The two that notebook 05 grades (`check_broadcast_gqa_attention`, `check_pool_kv_heads`) are its
 graded checks, imported from autograder/checks/gqa.py rather than copied.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,21 +16,20 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from autograder.checks.gqa import check_broadcast_gqa_attention, check_pool_kv_heads  # graded (notebook 05), not copied
-from decodelab.lessons import gqa, kv_size
-from decodelab.lessons import prefill_decode as pf
-from decodelab.model.attention import causal_attention
-from decodelab.config import ModelConfig
-from decodelab.decoding.generate import stream_token_ids
-from decodelab.model.kv_cache import KVCache
-from decodelab.lessons.measure import Roofline
-from decodelab.lessons.tiled_attention import measure_tensor_memory
-from decodelab.model.llama import LlamaForCausalLM
-from decodelab.params import SamplingParams
-from decodelab.model.toy import random_llama
 from oracles import load_fixture
 
+from autograder.checks.gqa import check_broadcast_gqa_attention, check_pool_kv_heads  # graded (notebook 05), not copied
+from decodelab.config import ModelConfig
+from decodelab.decoding.generate import stream_token_ids
+from decodelab.lessons import gqa, kv_size
+from decodelab.lessons import prefill_decode as pf
+from decodelab.lessons.measure import Roofline
+from decodelab.lessons.tiled_attention import measure_tensor_memory
+from decodelab.model.attention import causal_attention
+from decodelab.model.kv_cache import KVCache
+from decodelab.model.llama import LlamaForCausalLM
+from decodelab.model.toy import random_llama
+from decodelab.params import SamplingParams
 
 buggy = load_fixture("library/buggy_gqa_kv_size_prefill")
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -46,7 +46,9 @@ def random_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
 def check_group_query_attention(fn):
     torch.manual_seed(1)
     cases = [  # (batch, heads, kv_heads, queries, q_offset, head_dim)
-        (2, 8, 2, 5, 0, 16), (1, 8, 2, 1, 9, 16), (2, 8, 4, 3, 6, 8),  # GQA, prompt / decode / chunk
+        (2, 8, 2, 5, 0, 16),
+        (1, 8, 2, 1, 9, 16),
+        (2, 8, 4, 3, 6, 8),  # GQA, prompt / decode / chunk
         (1, 6, 6, 4, 3, 8),  # MHA
         (2, 4, 1, 4, 5, 8),  # MQA
     ]
@@ -55,22 +57,29 @@ def check_group_query_attention(fn):
         k, v = torch.randn(b, h_kv, offset + t, d), torch.randn(b, h_kv, offset + t, d)
         got, want = fn(q, k, v, offset), causal_attention(q, k, v, offset)
         err = (got - want).abs().max().item()
-        assert err < 1e-5, (f"attention with {h} query heads over {h_kv} KV heads, {t} queries at "
-                            f"q_offset={offset}: differs from causal_attention by {err:.3g}")
+        assert err < 1e-5, (
+            f"attention with {h} query heads over {h_kv} KV heads, {t} queries at "
+            f"q_offset={offset}: differs from causal_attention by {err:.3g}"
+        )
 
 
 def check_kv_bytes(fn):
     seed = {  # (preset, tokens, batch): bytes
-        ("Llama-3.1-8B", 1, 1): 128 * KiB, ("Llama-3.1-8B", 4096, 1): 512 * MiB,
-        ("Llama-3.1-8B", 128 * 1024, 1): 16 * GiB, ("Llama-3.1-8B", 4096, 32): 16 * GiB,
-        ("Qwen3-8B", 1, 1): 144 * KiB, ("GPT-3-175B", 2048, 1): 2 * 96 * 12288 * 2048 * 2,
+        ("Llama-3.1-8B", 1, 1): 128 * KiB,
+        ("Llama-3.1-8B", 4096, 1): 512 * MiB,
+        ("Llama-3.1-8B", 128 * 1024, 1): 16 * GiB,
+        ("Llama-3.1-8B", 4096, 32): 16 * GiB,
+        ("Qwen3-8B", 1, 1): 144 * KiB,
+        ("GPT-3-175B", 2048, 1): 2 * 96 * 12288 * 2048 * 2,
         # gpt-oss-20b: 12 full layers hold all 131072 positions, 12 windowed layers 128
         ("gpt-oss-20b", 131072, 1): 2 * 8 * 64 * 2 * (12 * 131072 + 12 * 128),
     }
     for (preset, tokens, batch), want in seed.items():
         got = fn(preset, tokens, batch=batch, dtype="fp16")
-        assert got == want, (f"{preset}, {tokens} tokens x {batch} sequences in fp16: expected "
-                             f"{want:,} bytes ({kv_size.format_bytes(want)}), got {got:,}")
+        assert got == want, (
+            f"{preset}, {tokens} tokens x {batch} sequences in fp16: expected "
+            f"{want:,} bytes ({kv_size.format_bytes(want)}), got {got:,}"
+        )
 
 
 def check_prefill(fn):
@@ -95,8 +104,16 @@ REFERENCE = {
 }
 
 
-CHECKS = {check.__name__: check for check in (
-    check_group_query_attention, check_broadcast_gqa_attention, check_pool_kv_heads, check_kv_bytes, check_prefill)}
+CHECKS = {
+    check.__name__: check
+    for check in (
+        check_group_query_attention,
+        check_broadcast_gqa_attention,
+        check_pool_kv_heads,
+        check_kv_bytes,
+        check_prefill,
+    )
+}
 
 
 @pytest.mark.parametrize("check_name", sorted(REFERENCE))
@@ -116,29 +133,43 @@ def test_bug_is_caught(bug):
 
 
 @settings(max_examples=25, deadline=None)
-@given(batch=st.integers(1, 2), kv_heads=st.sampled_from([1, 2, 3, 4]), group=st.sampled_from([1, 2, 3]),
-       queries=st.integers(1, 6), q_offset=st.integers(0, 7), head_dim=st.sampled_from([2, 8, 16]),
-       seed=st.integers(0, 2**16))
+@given(
+    batch=st.integers(1, 2),
+    kv_heads=st.sampled_from([1, 2, 3, 4]),
+    group=st.sampled_from([1, 2, 3]),
+    queries=st.integers(1, 6),
+    q_offset=st.integers(0, 7),
+    head_dim=st.sampled_from([2, 8, 16]),
+    seed=st.integers(0, 2**16),
+)
 def test_explicit_gqa_equals_sdpa_path(batch, kv_heads, group, queries, q_offset, head_dim, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, kv_heads * group, queries, head_dim, generator=g)
     k = torch.randn(batch, kv_heads, q_offset + queries, head_dim, generator=g)
     v = torch.randn(batch, kv_heads, q_offset + queries, head_dim, generator=g)
-    torch.testing.assert_close(gqa.group_query_attention(q, k, v, q_offset),
-                               causal_attention(q, k, v, q_offset), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        gqa.group_query_attention(q, k, v, q_offset), causal_attention(q, k, v, q_offset), atol=1e-5, rtol=1e-5
+    )
 
 
 @settings(max_examples=25, deadline=None)
-@given(batch=st.integers(1, 2), kv_heads=st.sampled_from([1, 2, 3, 4]), group=st.sampled_from([1, 2, 3, 4]),
-       queries=st.integers(1, 6), q_offset=st.integers(0, 40), head_dim=st.sampled_from([2, 8, 16]),
-       seed=st.integers(0, 2**16))
+@given(
+    batch=st.integers(1, 2),
+    kv_heads=st.sampled_from([1, 2, 3, 4]),
+    group=st.sampled_from([1, 2, 3, 4]),
+    queries=st.integers(1, 6),
+    q_offset=st.integers(0, 40),
+    head_dim=st.sampled_from([2, 8, 16]),
+    seed=st.integers(0, 2**16),
+)
 def test_broadcast_gqa_equals_sdpa_path(batch, kv_heads, group, queries, q_offset, head_dim, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, kv_heads * group, queries, head_dim, generator=g)
     k = torch.randn(batch, kv_heads, q_offset + queries, head_dim, generator=g)
     v = torch.randn(batch, kv_heads, q_offset + queries, head_dim, generator=g)
-    torch.testing.assert_close(gqa.broadcast_gqa_attention(q, k, v, q_offset),
-                               causal_attention(q, k, v, q_offset), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        gqa.broadcast_gqa_attention(q, k, v, q_offset), causal_attention(q, k, v, q_offset), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("kv_heads", [8, 4, 2, 1])
@@ -158,7 +189,8 @@ def test_broadcast_gqa_allocates_no_repeated_kv(kv_heads):
     # K and V repeated to H heads (for MQA repeat_kv's reshape is still a view: the copy happens in matmul)
     assert copied.peak_bytes >= (repeated if g > 1 else 0), copied
     _, matmul = measure_tensor_memory(  # the same scores by @ on a broadcast axis: matmul copies K inside
-        lambda q, k: q.view(batch, kv_heads, g, 1, dim) @ k.unsqueeze(2).transpose(-2, -1), q, k)
+        lambda q, k: q.view(batch, kv_heads, g, 1, dim) @ k.unsqueeze(2).transpose(-2, -1), q, k
+    )
     assert matmul.peak_bytes >= (repeated if g > 1 else 0), matmul
 
 
@@ -272,8 +304,11 @@ def test_seed_figures_exactly():
     assert kv_size.kv_bytes("Llama-3.1-8B", 128 * 1024) == 16 * GiB
     assert kv_size.kv_bytes("Llama-3.1-8B", 4096, batch=32) == 16 * GiB
     assert kv_size.kv_bytes("Qwen3-8B", 1) == 144 * KiB
-    assert [kv_size.format_bytes(kv_size.kv_bytes("Llama-3.1-8B", n)) for n in (1, 4096, 131072)] \
-        == ["128 KiB", "512 MiB", "16 GiB"]
+    assert [kv_size.format_bytes(kv_size.kv_bytes("Llama-3.1-8B", n)) for n in (1, 4096, 131072)] == [
+        "128 KiB",
+        "512 MiB",
+        "16 GiB",
+    ]
     gpt3 = kv_size.kv_bytes("GPT-3-175B", 2048)
     assert gpt3 == 9_663_676_416  # 2 * 96 * 12288 * 2048 * 2 = 9.66e9 bytes = 9 GiB
     # The seed's "9.6 GB" truncates 9.66 GB (rounding would say 9.7 GB); the per-token figure is 4.5 MiB.
@@ -315,15 +350,35 @@ def test_70b_decode_bound_from_the_roofline():
     assert round(Roofline(bandwidth=2e12, peak_flops=312e12).decode_tokens_per_second(weights)) == 14
 
 
-@pytest.mark.parametrize("overrides", [
-    {}, {"tie_word_embeddings": True}, {"attention_bias": True}, {"model_type": "qwen2"},
-    {"num_key_value_heads": 1}, {"num_key_value_heads": 8, "head_dim": 8},
-    {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": None,
-     "tie_word_embeddings": True, "attention_bias": True},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"tie_word_embeddings": True},
+        {"attention_bias": True},
+        {"model_type": "qwen2"},
+        {"num_key_value_heads": 1},
+        {"num_key_value_heads": 8, "head_dim": 8},
+        {
+            "hidden_size": 48,
+            "num_attention_heads": 6,
+            "num_key_value_heads": 3,
+            "head_dim": None,
+            "tie_word_embeddings": True,
+            "attention_bias": True,
+        },
+    ],
+)
 def test_parameter_count_matches_the_model(overrides):
-    fields = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    fields = dict(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     fields.update(overrides)
     config = ModelConfig(**fields)
     model = LlamaForCausalLM(config)
@@ -351,6 +406,7 @@ def test_parameter_count_published_models():
 def test_tiny_preset_matches_the_trained_model():
     from decodelab.paths import PACKAGE_DATA
     from decodelab.training.train_tiny import MODELS
+
     preset = kv_size.PRESETS["tiny"]
     assert {k: preset[k] for k in MODELS["target"][1]} == MODELS["target"][1]
     path = PACKAGE_DATA / "tiny" / "config.json"
@@ -367,14 +423,14 @@ def test_prefill_equals_one_by_one():
     model = random_model(9)
     ids = torch.randint(0, 97, (2, 20))  # a batch of two prompts
     fast, slow = KVCache(model.config, 2, 24), KVCache(model.config, 2, 24)
-    torch.testing.assert_close(pf.prefill(model, ids, fast), pf.feed_one_by_one(model, ids, slow),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(pf.prefill(model, ids, fast), pf.feed_one_by_one(model, ids, slow), atol=1e-5, rtol=0)
     assert fast.seq_len == slow.seq_len == 20
     torch.testing.assert_close(fast.keys, slow.keys, atol=1e-5, rtol=0)
     torch.testing.assert_close(fast.values, slow.values, atol=1e-5, rtol=0)
     with torch.inference_mode():  # and the same as no cache at all
-        torch.testing.assert_close(model(ids)[:, -1], pf.prefill(model, ids, KVCache(model.config, 2, 24)),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            model(ids)[:, -1], pf.prefill(model, ids, KVCache(model.config, 2, 24)), atol=1e-5, rtol=0
+        )
 
 
 def test_reuse_prefix_equals_recompute():
@@ -410,8 +466,12 @@ def test_arithmetic_intensity():
     intensities = [pf.arithmetic_intensity("tiny", t, 0, 4) for t in (1, 8, 64, 512)]
     assert intensities == sorted(intensities)
     config = random_model(12).config
-    want = 2 * kv_size.parameter_count(config) * 4 / (kv_size.parameter_count(config) * 4
-                                                       + kv_size.kv_bytes(config, 14, dtype="fp32"))
+    want = (
+        2
+        * kv_size.parameter_count(config)
+        * 4
+        / (kv_size.parameter_count(config) * 4 + kv_size.kv_bytes(config, 14, dtype="fp32"))
+    )
     assert pf.arithmetic_intensity(config, 4, 10, "fp32") == pytest.approx(want)
     with pytest.raises(ValueError, match="num_tokens"):
         pf.arithmetic_intensity("tiny", 0, 0, 2)

@@ -13,6 +13,7 @@ Their answers also feed the similarity notes, and the graded class feeds the exp
 The sandbox needs root (its own uid per worker, namespaces, cgroups). Not as root, these tests
 check the refusal and grade the cases that do not need isolation with --no-sandbox instead.
 """
+
 from __future__ import annotations
 
 import collections
@@ -31,9 +32,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from notebooks import ROOT, by_hand_points, read, release_path, solution_path
 
 from autograder.grades_csv import COLUMNS
-from notebooks import ROOT, by_hand_points, read, release_path, solution_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:Object of type .* not in session")
 
@@ -56,8 +57,11 @@ def _solution_source(gid: str) -> str:
 
 def _points(grade_id: str | None = None) -> float:
     """Points of one graded cell of the notebook, or of all of them (grade_id None)."""
-    return sum(float(c.metadata.nbgrader.get("points", 0)) for c in read(solution_path(NAME)).cells
-               if c.get("metadata", {}).get("nbgrader", {}).get("grade") and grade_id in (None, _gid(c)))
+    return sum(
+        float(c.metadata.nbgrader.get("points", 0))
+        for c in read(solution_path(NAME)).cells
+        if c.get("metadata", {}).get("nbgrader", {}).get("grade") and grade_id in (None, _gid(c))
+    )
 
 
 # The class below varies two exercises (count_parameters, decode_tokens_per_second_bound: 2 points each);
@@ -70,9 +74,11 @@ OTHER = MAX - _points("test_count_parameters") - _points("test_decode_tokens_per
 
 SOL_COUNT = _solution_source("ex_count_parameters")
 SOL_BOUND = _solution_source("ex_decode_tokens_per_second_bound")
-WRONG_COUNT = ("def count_parameters(config):\n"
-               "    V, E = config.vocab_size, config.hidden_size\n"
-               "    return V * E  # forgets the layers\n")
+WRONG_COUNT = (
+    "def count_parameters(config):\n"
+    "    V, E = config.vocab_size, config.hidden_size\n"
+    "    return V * E  # forgets the layers\n"
+)
 REFERENCE_BOUND = "from decodelab.lessons.measure import decode_tokens_per_second_bound  # the library's own\n"
 
 
@@ -88,8 +94,10 @@ def _trimmed(count: str = SOL_COUNT, bound: str = SOL_BOUND):
     solution = read(solution_path(NAME))
     for cell in solution.cells:  # every other answer cell: the solution's
         gid = _gid(cell)
-        if cell.metadata.get("nbgrader", {}).get("solution") and gid not in ("ex_count_parameters",
-                                                                              "ex_decode_tokens_per_second_bound"):
+        if cell.metadata.get("nbgrader", {}).get("solution") and gid not in (
+            "ex_count_parameters",
+            "ex_decode_tokens_per_second_bound",
+        ):
             _answer(nb, gid, cell.source)
     _answer(nb, "ex_count_parameters", count)
     _answer(nb, "ex_decode_tokens_per_second_bound", bound)
@@ -106,7 +114,8 @@ def _cell(nb, gid: str):
 
 def _escape_source(paths: dict[str, str]) -> str:
     """An answer cell that tries every way out, prints what happened, then answers correctly."""
-    return f"""
+    return (
+        f"""
 import os, pathlib
 def attempt(name, fn):
     try:
@@ -118,26 +127,29 @@ def _append(path):
     with open(path, "ab") as f:
         f.write(b"{MARK}")
 def _read_neighbour():
-    print(pathlib.Path({paths['neighbour']!r}).read_text()[-3000:])
-attempt("gradebook", lambda: _append({paths['gradebook']!r}))
+    print(pathlib.Path({paths["neighbour"]!r}).read_text()[-3000:])
+attempt("gradebook", lambda: _append({paths["gradebook"]!r}))
 attempt("neighbour", _read_neighbour)
-attempt("submissions", lambda: _append({paths['own_submission']!r}))
-attempt("grades-folder", lambda: _append({paths['out_dir'] + '/pwned.txt'!r}))
-attempt("course-files", lambda: _append({paths['repo_file']!r}))
-attempt("tmp", lambda: _append({paths['tmp_marker']!r}))
-attempt("shm", lambda: _append({paths['shm_marker']!r}))
+attempt("submissions", lambda: _append({paths["own_submission"]!r}))
+attempt("grades-folder", lambda: _append({paths["out_dir"] + "/pwned.txt"!r}))
+attempt("course-files", lambda: _append({paths["repo_file"]!r}))
+attempt("tmp", lambda: _append({paths["tmp_marker"]!r}))
+attempt("shm", lambda: _append({paths["shm_marker"]!r}))
 attempt("chmod-scratch", lambda: os.chmod("..", 0o777))
 def _read_all(pattern):
     found = sorted(pathlib.Path("/").glob(pattern.lstrip("/")))
     assert found, "nothing there"
     print(found[0].read_text()[:200])
-attempt("read-solutions", lambda: _read_all({paths['solutions'] + '/*/*.ipynb'!r}))
-attempt("read-grader", lambda: _read_all({paths['grader']!r}))
-attempt("read-git", lambda: _read_all({paths['git'] + '/*'!r}))
-""" + SOL_COUNT
+attempt("read-solutions", lambda: _read_all({paths["solutions"] + "/*/*.ipynb"!r}))
+attempt("read-grader", lambda: _read_all({paths["grader"]!r}))
+attempt("read-git", lambda: _read_all({paths["git"] + "/*"!r}))
+"""
+        + SOL_COUNT
+    )
 
 
-SOCKET_SOURCE = """
+SOCKET_SOURCE = (
+    """
 import socket
 for address in [("127.0.0.1", {port}), ("8.8.8.8", 53), ("localhost", {port})]:
     try:
@@ -145,32 +157,43 @@ for address in [("127.0.0.1", {port}), ("8.8.8.8", 53), ("localhost", {port})]:
         print("CONNECTED", address)
     except OSError as e:
         print("no network", address, type(e).__name__)
-""" + SOL_COUNT
+"""
+    + SOL_COUNT
+)
 
-SILENCED_SOURCE = """
+SILENCED_SOURCE = (
+    """
 ip = get_ipython()
 ip.showtraceback = lambda *a, **k: None      # no traceback on screen
 ip._showtraceback = lambda *a, **k: None
 import decodelab.course.checking, autograder.run
 decodelab.course.checking.expect_int = lambda *a, **k: None   # patch the visible-test helper
 autograder.run.hidden = lambda *a, **k: None           # and the hidden-test entry point
-""" + WRONG_COUNT
+"""
+    + WRONG_COUNT
+)
 
 BIG_OUTPUT_COUNT = SOL_COUNT.replace(
     "def count_parameters(config: ModelConfig) -> int:",
     "import sys\nprint('x' * 3_000_000)\nprint('e' * 3_000_000, file=sys.stderr)\n"
-    "def count_parameters(config: ModelConfig) -> int:\n    print('counting (a note on stderr)', file=sys.stderr)")
+    "def count_parameters(config: ModelConfig) -> int:\n    print('counting (a note on stderr)', file=sys.stderr)",
+)
 
-SWALLOW_BOUND = """
+SWALLOW_BOUND = (
+    """
 import time
 while True:   # swallows the grader's interrupt
     try:
         time.sleep(0.05)
     except KeyboardInterrupt:
         pass
-""" + SOL_BOUND
+"""
+    + SOL_BOUND
+)
 
-FORK_BOMB_BOUND = SOL_BOUND + """
+FORK_BOMB_BOUND = (
+    SOL_BOUND
+    + """
 import os
 children = 0
 try:
@@ -185,6 +208,7 @@ try:
 except OSError as e:
     print("fork refused after", children, "children:", type(e).__name__)
 """
+)
 
 # student -> (status, score on the two varied exercises, 4 points); the sandbox-only ones are graded only as
 # root. _expected_score adds the OTHER points of the answers every _trimmed submission has right.
@@ -211,22 +235,36 @@ EXPECTED = {
     "linked_folder": ("missing", 0),
 }
 NEEDS_SANDBOX = {"memory_bomb", "fork_bomb", "socket", "escape"}
-NOTHING_RIGHT = {"stub", "malformed_json", "empty_file", "wrong_file_name", "linked_notebook", "linked_folder"}  # no answer of theirs is graded
+NOTHING_RIGHT = {
+    "stub",
+    "malformed_json",
+    "empty_file",
+    "wrong_file_name",
+    "linked_notebook",
+    "linked_folder",
+}  # no answer of theirs is graded
 
 
 def _expected_score(student: str) -> float:
     return EXPECTED[student][1] + (0 if student in NOTHING_RIGHT else OTHER)
 
+
 DUE = "2026-03-01 17:00 Europe/Berlin"  # 16:00 UTC
-LATE_SETTINGS = ("--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay", "--PointsPerDay.points=1",
-                 "--PointsPerDay.cutoff_days=7")
+LATE_SETTINGS = (
+    "--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay",
+    "--PointsPerDay.points=1",
+    "--PointsPerDay.cutoff_days=7",
+)
 TIMESTAMPS = {  # nbgrader's timestamp.txt of a few students
-    "correct": "2026-03-01 16:59:00.000000 CET",         # a minute early
-    "big_output": "2026-03-03 05:00:00.000000 CET",      # 1.5 days late: 2 points off
-    "stripped_metadata": "2026-03-12 12:00:00 UTC",      # past the cut-off: the whole score
-    "edited_test": "yesterday at noon",                  # malformed: a note, no penalty
+    "correct": "2026-03-01 16:59:00.000000 CET",  # a minute early
+    "big_output": "2026-03-03 05:00:00.000000 CET",  # 1.5 days late: 2 points off
+    "stripped_metadata": "2026-03-12 12:00:00 UTC",  # past the cut-off: the whole score
+    "edited_test": "yesterday at noon",  # malformed: a note, no penalty
 }
-LATE_PENALTY = {"big_output": 2, "stripped_metadata": _expected_score("stripped_metadata")}  # past the cut-off: all it earned
+LATE_PENALTY = {
+    "big_output": 2,
+    "stripped_metadata": _expected_score("stripped_metadata"),
+}  # past the cut-off: all it earned
 
 
 def build_class(root: Path, port: int, out_dir: Path) -> Path:
@@ -274,10 +312,18 @@ def build_class(root: Path, port: int, out_dir: Path) -> Path:
     put("big_output", _trimmed(count=BIG_OUTPUT_COUNT))
     put("socket", _trimmed(count=SOCKET_SOURCE.format(port=port)))
     escape_nb = put("escape", _trimmed())
-    paths = {"gradebook": str(out_dir / "gradebook.db"), "neighbour": str(neighbour), "own_submission": str(escape_nb),
-             "out_dir": str(out_dir), "repo_file": str(ROOT / "autograder" / "run.py"),
-             "tmp_marker": f"/tmp/{MARK}", "shm_marker": f"/dev/shm/{MARK}", "solutions": str(ROOT / "solutions"),
-             "grader": str(ROOT / "autograder" / "grade.py"), "git": str(ROOT / ".git")}
+    paths = {
+        "gradebook": str(out_dir / "gradebook.db"),
+        "neighbour": str(neighbour),
+        "own_submission": str(escape_nb),
+        "out_dir": str(out_dir),
+        "repo_file": str(ROOT / "autograder" / "run.py"),
+        "tmp_marker": f"/tmp/{MARK}",
+        "shm_marker": f"/dev/shm/{MARK}",
+        "solutions": str(ROOT / "solutions"),
+        "grader": str(ROOT / "autograder" / "grade.py"),
+        "git": str(ROOT / ".git"),
+    }
     nb = _trimmed(count=_escape_source(paths))
     nbformat.write(nb, str(escape_nb))
     for shadow in ("decodelab.py", "autograder.py"):  # sent beside the notebook: must not shadow imports
@@ -310,9 +356,31 @@ def _snapshot(*folders: Path, files: tuple[Path, ...] = ()) -> dict[str, str]:
 
 def _grade(subs: Path, out: Path, *extra: str, timeout: int = 1800) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "lib")]), OMP_WAIT_POLICY="PASSIVE")
-    cmd = [sys.executable, "-m", "autograder", "grade", "--assignment", NAME, "--submissions", str(subs),
-           "--out", str(out), "--workers", "2", "--cell-timeout", str(CELL_TIMEOUT), "--notebook-timeout", "240",
-           "--memory", str(MEMORY_GIB), "--max-processes", "96", "--output-limit", "200000", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "autograder",
+        "grade",
+        "--assignment",
+        NAME,
+        "--submissions",
+        str(subs),
+        "--out",
+        str(out),
+        "--workers",
+        "2",
+        "--cell-timeout",
+        str(CELL_TIMEOUT),
+        "--notebook-timeout",
+        "240",
+        "--memory",
+        str(MEMORY_GIB),
+        "--max-processes",
+        "96",
+        "--output-limit",
+        "200000",
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -346,8 +414,12 @@ def graded(tmp_path_factory):
     if not AS_ROOT:
         for student in NEEDS_SANDBOX:
             subprocess.run(["rm", "-rf", str(subs / student)], check=True)
-    watched_files = (ROOT / "autograder" / "run.py", Path(f"/tmp/{MARK}"), Path(f"/dev/shm/{MARK}"),
-                     out_dir / "pwned.txt")
+    watched_files = (
+        ROOT / "autograder" / "run.py",
+        Path(f"/tmp/{MARK}"),
+        Path(f"/dev/shm/{MARK}"),
+        out_dir / "pwned.txt",
+    )
     before = _snapshot(subs, files=watched_files)
     out = out_dir / "grades.csv"
     feedback = root / "feedback"
@@ -357,8 +429,17 @@ def graded(tmp_path_factory):
     thread.join()
     listener.close()
     assert result.returncode == 0, f"grading failed:\n{result.stdout}\n{result.stderr[-5000:]}"
-    return dict(rows=_rows(out), out=out, subs=subs, feedback=feedback, before=before,
-                after=_snapshot(subs, files=watched_files), accepted=accepted, result=result, out_dir=out_dir)
+    return dict(
+        rows=_rows(out),
+        out=out,
+        subs=subs,
+        feedback=feedback,
+        before=before,
+        after=_snapshot(subs, files=watched_files),
+        accepted=accepted,
+        result=result,
+        out_dir=out_dir,
+    )
 
 
 @pytest.mark.parametrize("student", sorted(EXPECTED))
@@ -377,8 +458,16 @@ def test_one_row_per_student_and_progress(graded):
     expected = {s for s in EXPECTED if AS_ROOT or s not in NEEDS_SANDBOX}
     with open(graded["out"], newline="") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == ["student", "assignment", "score", "max_score", "status", "notes", "submitted_at",
-                             "late_penalty"]
+    assert list(rows[0]) == [
+        "student",
+        "assignment",
+        "score",
+        "max_score",
+        "status",
+        "notes",
+        "submitted_at",
+        "late_penalty",
+    ]
     assert sorted(r["student"] for r in rows) == sorted(expected)
     assert "grading 00_meet_the_model" in graded["result"].stderr  # the progress bar
     assert "graded 20 submissions" in graded["result"].stdout or not AS_ROOT
@@ -415,8 +504,10 @@ def test_links_are_never_followed(graded):
 
 def test_integrity_flags(graded):
     notes = {s: r["notes"] for s, r in graded["rows"].items()}
-    assert "integrity: ex_decode_tokens_per_second_bound uses the reference decodelab.lessons.measure." \
-           "decode_tokens_per_second_bound" in notes["wrong"]
+    assert (
+        "integrity: ex_decode_tokens_per_second_bound uses the reference decodelab.lessons.measure."
+        "decode_tokens_per_second_bound" in notes["wrong"]
+    )
     assert "integrity: ex_count_parameters touches the grader's files (autograder/)" in notes["silenced_tracebacks"]
     flagged = {s for s, n in notes.items() if "integrity:" in n}
     assert flagged <= {"wrong", "silenced_tracebacks", "escape"}, flagged
@@ -429,8 +520,9 @@ def test_version_notes(graded):
     import decodelab
 
     notes = {s: r["notes"] for s, r in graded["rows"].items()}
-    assert f"version: the notebook records no decodelab version (graded with {decodelab.__version__})" \
-        in notes["correct"].split("; ")
+    assert f"version: the notebook records no decodelab version (graded with {decodelab.__version__})" in notes[
+        "correct"
+    ].split("; ")
     assert not any("version:" in notes[s] for s in ("stub", "wrong", "edited_test")), notes
     assert f"1 submission(s) not released for decodelab {decodelab.__version__}" in graded["result"].stdout
     assert graded["result"].stdout.rstrip().endswith(": correct")
@@ -454,13 +546,17 @@ def test_late_penalties(graded):
 
     rows = graded["rows"]
     got = {s: (rows[s]["submitted_at"], rows[s]["late_penalty"], float(rows[s]["score"])) for s in TIMESTAMPS}
-    assert got == {"correct": ("2026-03-01T15:59:00+00:00", "0", _expected_score("correct")),
-                   "big_output": ("2026-03-03T04:00:00+00:00", "2", _expected_score("big_output") - 2),
-                   "stripped_metadata": ("2026-03-12T12:00:00+00:00", f"{_expected_score('stripped_metadata'):g}", 0.0),
-                   "edited_test": ("", "", _expected_score("edited_test"))}
+    assert got == {
+        "correct": ("2026-03-01T15:59:00+00:00", "0", _expected_score("correct")),
+        "big_output": ("2026-03-03T04:00:00+00:00", "2", _expected_score("big_output") - 2),
+        "stripped_metadata": ("2026-03-12T12:00:00+00:00", f"{_expected_score('stripped_metadata'):g}", 0.0),
+        "edited_test": ("", "", _expected_score("edited_test")),
+    }
     notes = {s: r["notes"].split("; ") for s, r in rows.items()}
-    assert ("late: submitted 2026-03-03T04:00:00+00:00, 1.5 day(s) after the due date 2026-03-01T16:00:00+00:00: "
-            "2 point(s) off (PointsPerDay: 1 point(s) per day, score 0 past 7 day(s))") in notes["big_output"]
+    assert (
+        "late: submitted 2026-03-03T04:00:00+00:00, 1.5 day(s) after the due date 2026-03-01T16:00:00+00:00: "
+        "2 point(s) off (PointsPerDay: 1 point(s) per day, score 0 past 7 day(s))"
+    ) in notes["big_output"]
     assert any(n.startswith("late: timestamp.txt is malformed") for n in notes["edited_test"])
     assert "late: no timestamp.txt in the submission folder: not checked, no penalty" in notes["stub"]
     assert not any(n.startswith("late:") for n in notes["correct"])
@@ -468,8 +564,10 @@ def test_late_penalties(graded):
     with Gradebook(f"sqlite:///{graded['out_dir'] / 'gradebook.db'}") as gb:
         assert gb.find_submission_notebook(NAME, NAME, "big_output").late_submission_penalty == 2
         assert gb.find_submission(NAME, "big_output").total_seconds_late == 1.5 * 86400
-    assert "2 late submission(s) with points off (late_penalty; score is net): big_output, stripped_metadata" \
+    assert (
+        "2 late submission(s) with points off (late_penalty; score is net): big_output, stripped_metadata"
         in graded["result"].stdout
+    )
 
 
 def test_similarity_notes(graded):
@@ -488,31 +586,72 @@ def test_exports_of_the_graded_class(graded, tmp_path):
     """`export --format long` reads the gradebook grade left; `--format canvas` fills a roster."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "lib")]))
     long_out = tmp_path / "cells.csv"
-    result = subprocess.run([sys.executable, "-m", "autograder", "export", "--format", "long", "--grades",
-                             str(graded["out"]), "--out", str(long_out)], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autograder",
+            "export",
+            "--format",
+            "long",
+            "--grades",
+            str(graded["out"]),
+            "--out",
+            str(long_out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     with open(long_out, newline="") as f:
         cells = list(csv.DictReader(f))
     wrong = {r["grade_id"]: (r["points"], r["max_points"]) for r in cells if r["student"] == "wrong"}
-    assert (wrong.pop("test_count_parameters"), wrong.pop("test_decode_tokens_per_second_bound")) == (("0", "2"),
-                                                                                                     ("2", "2"))
+    assert (wrong.pop("test_count_parameters"), wrong.pop("test_decode_tokens_per_second_bound")) == (
+        ("0", "2"),
+        ("2", "2"),
+    )
     assert {g: wrong.pop(g) for g in BY_HAND} == {g: ("0", f"{p:g}") for g, p in BY_HAND.items()}  # for a TA
     assert all(points == max_points for points, max_points in wrong.values()), wrong  # the solution's answers
     for student, row in graded["rows"].items():  # per-cell points add up to the score before the penalty
         raw = float(row["score"]) + float(row["late_penalty"] or 0)
         assert sum(float(r["points"]) for r in cells if r["student"] == student) == raw, student
     roster = tmp_path / "roster.csv"
-    roster.write_text(f"Student,ID,SIS User ID,SIS Login ID,Section,{NAME} (77),Current Score\n"
-                      f"    Points Possible,,,,,{MAX:g},(read only)\n"
-                      "One,1,,correct,A,,90\nTwo,2,wrong,w2,A,,80\nThree,3,,nobody,A,1,70\n")
-    result = subprocess.run([sys.executable, "-m", "autograder", "export", "--format", "canvas", "--grades",
-                             str(graded["out"]), "--roster", str(roster), "--out", str(tmp_path / "canvas.csv")],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    roster.write_text(
+        f"Student,ID,SIS User ID,SIS Login ID,Section,{NAME} (77),Current Score\n"
+        f"    Points Possible,,,,,{MAX:g},(read only)\n"
+        "One,1,,correct,A,,90\nTwo,2,wrong,w2,A,,80\nThree,3,,nobody,A,1,70\n"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autograder",
+            "export",
+            "--format",
+            "canvas",
+            "--grades",
+            str(graded["out"]),
+            "--roster",
+            str(roster),
+            "--out",
+            str(tmp_path / "canvas.csv"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     filled = (tmp_path / "canvas.csv").read_text().splitlines()
-    assert filled[2:] == [f"One,1,,correct,A,{_expected_score('correct'):g},90", f"Two,2,wrong,w2,A,{_expected_score('wrong'):g},80",
-                          "Three,3,,nobody,A,1,70"]
+    assert filled[2:] == [
+        f"One,1,,correct,A,{_expected_score('correct'):g},90",
+        f"Two,2,wrong,w2,A,{_expected_score('wrong'):g},80",
+        "Three,3,,nobody,A,1,70",
+    ]
     assert "not in the roster" in result.stderr and "Three (nobody)" in result.stderr
 
 
@@ -524,9 +663,28 @@ def test_report_numbers_equal_the_gradebook(graded, tmp_path):
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "lib")]))
     out = tmp_path / "report.json"
-    result = subprocess.run([sys.executable, "-m", "autograder", "report", "--assignment", NAME, "--grades",
-                             str(graded["out"]), "--submissions", str(graded["subs"]), "--json", "--out", str(out)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autograder",
+            "report",
+            "--assignment",
+            NAME,
+            "--grades",
+            str(graded["out"]),
+            "--submissions",
+            str(graded["subs"]),
+            "--json",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     got = json.loads(out.read_text())
     rows = graded["rows"]
@@ -540,8 +698,9 @@ def test_report_numbers_equal_the_gradebook(graded, tmp_path):
                     waiting = grade.auto_score is None and grade.manual_score is None
                     expected.setdefault(grade.name, []).append(None if waiting else grade.score == grade.max_score)
     cells = {c["grade_id"]: c for c in got["cells"]}
-    assert {g: (c["graded"], c["full_marks"], c["waiting"]) for g, c in cells.items()} == \
-           {g: (sum(x is not None for x in v), sum(x is True for x in v), v.count(None)) for g, v in expected.items()}
+    assert {g: (c["graded"], c["full_marks"], c["waiting"]) for g, c in cells.items()} == {
+        g: (sum(x is not None for x in v), sum(x is True for x in v), v.count(None)) for g, v in expected.items()
+    }
     # none scored by hand yet: no full marks; a submission that lost the cell scores 0 (graded), not waiting
     assert all(cells[g]["waiting"] > 0 and cells[g]["full_marks"] == 0 for g in BY_HAND), {g: cells[g] for g in BY_HAND}
     failing = {g for g, v in expected.items() if False in v and not g.startswith("test_q_")}
@@ -552,9 +711,25 @@ def test_report_numbers_equal_the_gradebook(graded, tmp_path):
     for prediction in got["predictions"]:
         assert prediction["answers"]["correct"] == pytest.approx(prediction["truth"]), prediction
         assert prediction["answers"]["stub"] is None
-    page = subprocess.run([sys.executable, "-m", "autograder", "report", "--assignment", NAME, "--grades",
-                           str(graded["out"]), "--out", str(tmp_path / "report.html")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    page = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autograder",
+            "report",
+            "--assignment",
+            NAME,
+            "--grades",
+            str(graded["out"]),
+            "--out",
+            str(tmp_path / "report.html"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert page.returncode == 0 and "Failed most" in (tmp_path / "report.html").read_text(), page.stderr
 
 
@@ -566,8 +741,9 @@ def test_sandbox_held(graded):
     page = next(graded["feedback"].glob("escape/*/*.html")).read_text()
     attempts = re.findall(r"ATTEMPT (\S+) (SUCCEEDED|blocked)", page)
     # its private /tmp and /dev/shm may be written (they vanish with it); nothing else
-    assert len(attempts) == 11 and all(outcome == "blocked" for name, outcome in attempts
-                                       if name not in ("tmp", "shm")), attempts
+    assert len(attempts) == 11 and all(
+        outcome == "blocked" for name, outcome in attempts if name not in ("tmp", "shm")
+    ), attempts
     assert SECRET not in page, "the escape student read its neighbour's notebook"
     socket_page = next(graded["feedback"].glob("socket/*/*.html")).read_text()
     # what the cell printed (its source shows the same words without the parenthesis)
@@ -631,8 +807,9 @@ def test_regrade_keeps_manual_scores_late_policy_and_columns(graded, tmp_path):
         gb.find_grade(written, NAME, NAME, student).manual_score = 1.5
         gb.find_comment(written, NAME, NAME, student).manual_comment = comment
         gb.db.commit()
-    assert f"by hand: {written} ({BY_HAND[written]:g} points) to grade in formgrader (not in the score yet)" in \
-        graded["rows"][student]["notes"].split("; ")
+    assert f"by hand: {written} ({BY_HAND[written]:g} points) to grade in formgrader (not in the score yet)" in graded[
+        "rows"
+    ][student]["notes"].split("; ")
     feedback = tmp_path / "feedback"
     result = _grade(subs, out, "--feedback", str(feedback), *([] if AS_ROOT else ["--no-sandbox"]))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -669,12 +846,20 @@ def test_graded_notebooks_wait_for_formgrader(graded):
             assert "BEGIN HIDDEN TESTS" not in text and 'hidden("meet_the_model.' not in text, student
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--PointsPerDay.points=3"], "the late penalty plugin is nbgrader.plugins.latesubmission.LateSubmissionPlugin"),
-    (["--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay", "--PointsPerDay.point=1"],
-     "PointsPerDay has no setting 'point'"),
-    (["--NoSuchClass.points=1"], "only the late policy's settings can be given here"),
-])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (
+            ["--PointsPerDay.points=3"],
+            "the late penalty plugin is nbgrader.plugins.latesubmission.LateSubmissionPlugin",
+        ),
+        (
+            ["--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay", "--PointsPerDay.point=1"],
+            "PointsPerDay has no setting 'point'",
+        ),
+        (["--NoSuchClass.points=1"], "only the late policy's settings can be given here"),
+    ],
+)
 def test_late_flags_that_would_be_ignored_are_refused(tmp_path, flags, says):
     subs = tmp_path / "subs"
     (subs / "someone" / NAME).mkdir(parents=True)
@@ -693,8 +878,11 @@ def test_a_regrade_under_another_late_policy_is_refused(graded, tmp_path):
     other = ("--AssignLatePenalties.plugin_class=autograder.late.PointsPerDay", "--PointsPerDay.points=3")
     result = _grade(graded["subs"], out, "--no-sandbox", *other, timeout=300)
     assert result.returncode != 0, result.stdout[-2000:]
-    assert "was first graded with the late policy \"PointsPerDay: 1 point(s) per day, score 0 past 7 day(s)" \
-        in result.stderr and "--replace-late-policy" in result.stderr, result.stderr[-2000:]
+    assert (
+        'was first graded with the late policy "PointsPerDay: 1 point(s) per day, score 0 past 7 day(s)'
+        in result.stderr
+        and "--replace-late-policy" in result.stderr
+    ), result.stderr[-2000:]
     assert out.read_bytes() == before
 
 

@@ -6,6 +6,7 @@ recipe, run word for word in a user's shell (no PYTHONPATH: `python -m autograde
 again, and the row says so); the host-wide slot allocator; the refusal of a scheduler that is
 neither TLS nor on the loopback.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from notebooks import ROOT
 from test_grading import AS_ROOT, AUTOGRADED, MAX, NAME, OTHER, SOL_BOUND, WRONG_COUNT, _grade, _rows, _trimmed
 
@@ -71,8 +71,11 @@ def test_local_cluster_grades_like_the_pool(tmp_path, by_pool):
     assert result.returncode == 0, result.stderr[-3000:]
     by_dask = _rows(dask)
     assert _triples(by_dask) == _triples(by_pool)
-    assert _triples(by_dask) == {"correct": ("ok", AUTOGRADED, MAX), "wrong": ("ok", 2 + OTHER, MAX),
-                                 "malformed": ("unreadable", 0, MAX)}
+    assert _triples(by_dask) == {
+        "correct": ("ok", AUTOGRADED, MAX),
+        "wrong": ("ok", 2 + OTHER, MAX),
+        "malformed": ("unreadable", 0, MAX),
+    }
     assert not any("grader:" in r["notes"] for r in by_dask.values()), by_dask
     assert list(by_dask) == list(by_pool)  # the same row order
     for rows in (by_pool, by_dask):  # the hint counter beside the notebook reaches the worker
@@ -87,8 +90,11 @@ def _executing(dask_worker) -> list[str]:
 def users_shell() -> dict:
     """The environment of a user's shell after `make` or an activated venv: the venv's bin first on
     PATH, HOME, LANG (and where the model cache is, if they set it); no PYTHONPATH."""
-    env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
-           "HOME": os.environ.get("HOME", "/root"), "LANG": os.environ.get("LANG", "C.UTF-8")}
+    env = {
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
+        "HOME": os.environ.get("HOME", "/root"),
+        "LANG": os.environ.get("LANG", "C.UTF-8"),
+    }
     env.update({name: os.environ[name] for name in ("DECODELAB_CACHE", "XDG_CACHE_HOME") if name in os.environ})
     return env
 
@@ -102,14 +108,15 @@ def readme_recipe(scheduler_file: Path) -> dict[str, list[str]]:
     recipe = {}
     for name in ("scheduler", "worker", "grade"):
         start = ["python", "-m", "autograder", name]
-        words = next(words for words in commands if words[:len(start)] == start)
+        words = next(words for words in commands if words[: len(start)] == start)
         recipe[name] = [str(scheduler_file) if word == "sched.json" else word for word in words]
     return recipe
 
 
 def _start(cmd: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=users_shell(), stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=users_shell(), stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -141,11 +148,31 @@ def test_readme_recipe_and_a_lost_worker(tmp_path, by_pool):
         processes.append(_start(recipe["worker"], tmp_path / "workers.log"))
         out = tmp_path / "grades.csv"
         at = recipe["grade"].index("...")
-        arguments = ["--assignment", NAME, "--submissions", str(subs), "--out", str(out), "--cell-timeout", "120",
-                     "--notebook-timeout", "300", "--memory", "2", "--quiet", *SANDBOX]
-        grader = subprocess.Popen(recipe["grade"][:at] + arguments + recipe["grade"][at + 1:], cwd=ROOT,
-                                  env=users_shell(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  start_new_session=True)
+        arguments = [
+            "--assignment",
+            NAME,
+            "--submissions",
+            str(subs),
+            "--out",
+            str(out),
+            "--cell-timeout",
+            "120",
+            "--notebook-timeout",
+            "300",
+            "--memory",
+            "2",
+            "--quiet",
+            *SANDBOX,
+        ]
+        grader = subprocess.Popen(
+            recipe["grade"][:at] + arguments + recipe["grade"][at + 1 :],
+            cwd=ROOT,
+            env=users_shell(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         processes.append(grader)
         killed = None
         with Client(json.loads(file.read_text())["address"], timeout="30s") as client:
@@ -174,9 +201,11 @@ def test_readme_recipe_and_a_lost_worker(tmp_path, by_pool):
             _stop(process)
 
 
-SLOT_HOLDER = ("import sys, time; sys.path[:0] = {paths!r}\n"
-               "from autograder import slots\n"
-               "s = slots.acquire(folder={folder!r}); print(s.number, flush=True); time.sleep(60)\n")
+SLOT_HOLDER = (
+    "import sys, time; sys.path[:0] = {paths!r}\n"
+    "from autograder import slots\n"
+    "s = slots.acquire(folder={folder!r}); print(s.number, flush=True); time.sleep(60)\n"
+)
 
 
 def test_slots_are_host_wide_and_freed(tmp_path):
@@ -215,8 +244,11 @@ def test_refuses_a_remote_scheduler_without_tls(tmp_path):
     assert not (tmp_path / "grades.csv").exists()
     for ok in ("tcp://127.0.0.1:8786", "localhost:8786", "tcp://[::1]:8786", "local"):
         check(Cluster(scheduler=ok))
-    for bad, why in [("grader.example.org:8786", "loopback"), ("tls://grader.example.org:8786", "client certificate"),
-                     ("tcp://127.0.0.1:1", "not tls://")]:
+    for bad, why in [
+        ("grader.example.org:8786", "loopback"),
+        ("tls://grader.example.org:8786", "client certificate"),
+        ("tcp://127.0.0.1:1", "not tls://"),
+    ]:
         with pytest.raises(ClusterError, match=why):
             check(Cluster(scheduler=bad, tls_ca_file="ca.pem" if bad.endswith(":1") else None))
     file = tmp_path / "scheduler.json"
@@ -227,7 +259,8 @@ def test_refuses_a_remote_scheduler_without_tls(tmp_path):
 
 def test_a_worker_refuses_another_version_or_no_model(tmp_path, monkeypatch):
     """grader_error, first in the precedence, with the reason; nothing is run."""
-    from autograder import cluster, submission as grade
+    from autograder import cluster
+    from autograder import submission as grade
     from decodelab.model.registry import SMOLLM2_DIR_NAME
 
     assert cluster.SMOLLM2_DIR == SMOLLM2_DIR_NAME

@@ -1,6 +1,7 @@
 """The hint ladders (decodelab/course/hints.py, decodelab/data/hints.json): every exercise has at
 least two rungs and none gives its solution away; `python -m decodelab hints`; the button,
 driven without a browser; the counter file; progress's `hints_used`; the grader's note."""
+
 from __future__ import annotations
 
 import difflib
@@ -12,9 +13,9 @@ import subprocess
 import sys
 
 import pytest
+from notebooks import COURSE, ROOT, SOLUTIONS, grade_id, read
 
 from decodelab.course import hints, progress
-from notebooks import COURSE, ROOT, SOLUTIONS, grade_id, read
 
 MIN_LEAK = 15  # a solution line (or its right-hand side) this long, normalised, must not appear in a hint
 NEAR_COPY = 0.9  # a hint's code this similar (difflib's ratio) to such a line is a near-copy of it
@@ -90,8 +91,11 @@ def leaks(rung: str, pieces: tuple[list[str], list[str]]) -> list[str]:
     text = normalised(rung)
     found = [line for line in whole if line in text]
     for code in code_in(rung):
-        found += [line for line in whole if line not in found
-                  and difflib.SequenceMatcher(None, code, line).ratio() >= NEAR_COPY]
+        found += [
+            line
+            for line in whole
+            if line not in found and difflib.SequenceMatcher(None, code, line).ratio() >= NEAR_COPY
+        ]
         found += [expression for expression in right if expression not in found and expression in code]
     return found
 
@@ -117,13 +121,16 @@ def test_the_leak_rule_catches_a_copied_line(monkeypatch):
         test_no_hint_gives_the_solution_away("02_sampling")
 
 
-@pytest.mark.parametrize("hint", [
-    "`gate = x @ gate_weight.T`",  # a short line, whitespace aside
-    "then `gate * torch.sigmoid(gate) * up` is hidden",  # a right-hand side
-    "`gate=x @ gate_weights.T`",  # a near-copy in code
-    "`(x32 * torch.rsqrt(mean_square + eps))`",  # an assignment's right-hand side, in code
-    "```\nup = x @ up_weight.T\n```",  # a fenced block
-])
+@pytest.mark.parametrize(
+    "hint",
+    [
+        "`gate = x @ gate_weight.T`",  # a short line, whitespace aside
+        "then `gate * torch.sigmoid(gate) * up` is hidden",  # a right-hand side
+        "`gate=x @ gate_weights.T`",  # a near-copy in code
+        "`(x32 * torch.rsqrt(mean_square + eps))`",  # an assignment's right-hand side, in code
+        "```\nup = x @ up_weight.T\n```",  # a fenced block
+    ],
+)
 def test_the_leak_rule_catches_short_lines_and_near_copies(hint):
     pieces = [solution_pieces(EXERCISES["01_forward_pass"][ex]) for ex in ("ex_mlp", "ex_rms_norm")]
     assert any(leaks(hint, p) for p in pieces)
@@ -165,8 +172,9 @@ def test_every_notebook_has_a_button_after_each_exercise(folder):
             if cell.cell_type == "code" and gid.startswith("ex_"):
                 after = cells[index + 1]
                 expected = f'course.hint_button("{notebook}", "{gid}")'
-                assert after.cell_type == "code" and after.source.strip() == expected, \
+                assert after.cell_type == "code" and after.source.strip() == expected, (
                     f"{folder.name}/{notebook}: no `{expected}` cell right after {gid}"
+                )
         assert len(buttons) == len(EXERCISES[notebook]), f"{notebook}: {len(buttons)} buttons"
 
 
@@ -175,8 +183,14 @@ def test_every_notebook_has_a_button_after_each_exercise(folder):
 
 def run_cli(*args) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "lib"), str(ROOT)]))
-    return subprocess.run([sys.executable, "-m", "decodelab", "hints", *args], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "decodelab", "hints", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
 
 
 def test_cli_json_is_the_data_file():
@@ -247,6 +261,7 @@ def test_button_in_a_read_only_folder_does_not_raise(tmp_path):
 @pytest.mark.parametrize("broken", ["mkstemp", "replace"])
 def test_a_failed_write_does_not_raise(tmp_path, monkeypatch, broken):
     """The same as a read-only folder, also as root (who may write anywhere)."""
+
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
@@ -272,8 +287,17 @@ def test_button_defaults_to_the_working_directory_and_tolerates_unknown_exercise
     assert none.button.disabled and "No hints" in none.html.value
 
 
-@pytest.mark.parametrize("text", ["", "not json", "[1, 2]", '{"02_sampling": 3}', '{"02_sampling": {"ex_a": "x"}}',
-                                  '{"02_sampling": {"ex_a": true, "ex_b": -1}}'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "not json",
+        "[1, 2]",
+        '{"02_sampling": 3}',
+        '{"02_sampling": {"ex_a": "x"}}',
+        '{"02_sampling": {"ex_a": true, "ex_b": -1}}',
+    ],
+)
 def test_a_broken_counter_file_reads_as_empty_and_is_rewritten(tmp_path, text):
     (tmp_path / hints.COUNTER_FILE).write_text(text)
     assert hints.read_counts(tmp_path) == {}
@@ -302,7 +326,9 @@ def test_progress_shows_hints_used(tmp_path):
     assert {r.status for r in rows} == {"not started"}  # the release: nothing run, nothing changed
     table = progress.format_table(rows)
     assert table.splitlines()[0].split()[:5] == ["notebook", "exercise", "engine", "part", "hints"]
-    assert any(line.startswith("02_sampling") and " 2 " in line and "top_k_filter" in line for line in table.splitlines())
+    assert any(
+        line.startswith("02_sampling") and " 2 " in line and "top_k_filter" in line for line in table.splitlines()
+    )
     exercises = json.loads(progress.to_json(rows))["exercises"]
     assert next(e for e in exercises if e["exercise"] == "top_k_filter")["hints_used"] == 2
 

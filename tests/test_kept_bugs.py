@@ -10,17 +10,16 @@ the test fails on it, unless UNSTATED lists it with the reason the text cannot p
 behaviour. MESSAGES pins what the visible failure must say for the bugs whose old message pointed
 at the wrong cause.
 """
+
 from __future__ import annotations
 
 import pytest
-
 from notebooks import READY, exercise_test_ids, graded_cells, hidden_calls, read, run_visible, solution_path
 from test_notebooks import _fixture_bugs
 
 # Bug name -> why the notebook's text does not state the behaviour it breaks (so only the hidden
 # check, which may vary data and probe edge cases, holds it). Keep it short and true.
-UNSTATED: dict[str, str] = {
-}
+UNSTATED: dict[str, str] = {}
 
 # Bug name -> words the visible test's failure message must contain: the behaviour it breaks.
 MESSAGES: dict[str, tuple[str, ...]] = {
@@ -57,11 +56,14 @@ def test_visible_tests_catch_what_the_hidden_checks_catch(name):
         words = MESSAGES.get(bug, ())
         if words and not (visible is not None and all(w in str(visible) for w in words)):
             wrong_message.append(f"{gid}: {bug} must fail with a message naming {words}, got {visible!r:.300}")
-    assert not slipped, (f"{name}: the visible tests pass these kept bugs that the hidden checks catch; sharpen the "
-                         "visible test (its message naming the behaviour), or list the bug in UNSTATED with the reason "
-                         "the text does not state it:\n  " + "\n  ".join(slipped))
-    assert not listed_but_caught, (f"{name}: UNSTATED lists bugs the visible tests now catch; drop them:\n  "
-                                   + "\n  ".join(listed_but_caught))
+    assert not slipped, (
+        f"{name}: the visible tests pass these kept bugs that the hidden checks catch; sharpen the "
+        "visible test (its message naming the behaviour), or list the bug in UNSTATED with the reason "
+        "the text does not state it:\n  " + "\n  ".join(slipped)
+    )
+    assert not listed_but_caught, (
+        f"{name}: UNSTATED lists bugs the visible tests now catch; drop them:\n  " + "\n  ".join(listed_but_caught)
+    )
     assert not wrong_message, f"{name}:\n  " + "\n  ".join(wrong_message)
 
 

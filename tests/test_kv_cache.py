@@ -3,19 +3,20 @@
 
 The kept wrong caches in fixtures/library/buggy_kv_cache.py show that these checks catch real bugs.
 """
+
 from __future__ import annotations
 
 import warnings
 
 import pytest
 import torch
+from oracles import load_fixture, random_ids, random_model
 
 from decodelab.decoding.generate import stream_token_ids
+from decodelab.lessons.kv_size import tensor_bytes_held
 from decodelab.model.kv_cache import KVCache, SlidingWindowKVCache
 from decodelab.model.toy import tiny_model
-from decodelab.lessons.kv_size import tensor_bytes_held
 from decodelab.params import SamplingParams
-from oracles import random_ids, random_model, load_fixture
 
 TOL = 1e-5
 SMOLLM2_REL_TOL = 1e-5  # of the largest |logit|; see test_smollm2_cached_logits_equal_full_sequence
@@ -68,7 +69,7 @@ def truncate_vs_fresh(model, a, rejected, c, cache_cls=KVCache) -> float:
     model(rejected, kv_cache=cache)
     cache.truncate(a.shape[1])
     got = model(c, kv_cache=cache)
-    want = model(torch.cat([a, c], dim=1))[:, a.shape[1]:]
+    want = model(torch.cat([a, c], dim=1))[:, a.shape[1] :]
     return (got - want).abs().max().item()
 
 
@@ -77,7 +78,7 @@ def greedy_without_cache(model, prompt_ids, n):
     ids = list(prompt_ids)
     for _ in range(n):
         ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +171,9 @@ def test_checks_catch_buggy_caches(small, bug):
         ids = random_ids(40, small.config.vocab_size, seed=21, batch=2)
         assert cache_vs_full(small, ids, "prefill_then_steps", cache_cls) > 1e-2
     else:
-        a, rejected, c = (random_ids(n, small.config.vocab_size, seed=s, batch=2)
-                          for n, s in ((10, 23), (6, 24), (5, 25)))
+        a, rejected, c = (
+            random_ids(n, small.config.vocab_size, seed=s, batch=2) for n, s in ((10, 23), (6, 24), (5, 25))
+        )
         assert truncate_vs_fresh(small, a, rejected, c, cache_cls) > 1e-2
 
 

@@ -1,22 +1,27 @@
 """Notebook 03's hidden checks: they pass on the library's references (and on a cache written
 another valid way), and catch every kept bug (tests/fixtures/buggy_kv_cache.py) with a message
 that names the case. Also the small library functions the notebook added."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from oracles import expect_bug_caught, load_fixture
 
 from autograder.checks import kv_cache as checks
+from decodelab.course.widgets.kv_cache import (
+    bytes_held_after,
+    cache_class_or_reference,
+    kv_size_calculator,
+    per_token_ms,
+)
 from decodelab.decoding.generate import generate_with_cache, generate_without_cache, stream_token_ids
-from decodelab.model.kv_cache import KVCache, SlidingWindowKVCache
 from decodelab.lessons.kv_size import kv_bytes
-from decodelab.params import SamplingParams
-from decodelab.model.attention import causal_attention
-from decodelab.course.widgets.kv_cache import (bytes_held_after, cache_class_or_reference, kv_size_calculator,
-                                                per_token_ms)
 from decodelab.lessons.measure import CountingModel
+from decodelab.model.attention import causal_attention
+from decodelab.model.kv_cache import KVCache, SlidingWindowKVCache
 from decodelab.model.toy import tiny_model
-from oracles import expect_bug_caught, load_fixture
+from decodelab.params import SamplingParams
 
 buggy = load_fixture("buggy_kv_cache")
 
@@ -32,7 +37,9 @@ def test_references_pass():
 def test_a_list_based_cache_passes():
     """Behaviour is graded, not layout: a torch.cat cache is as right as a preallocated one."""
     checks.check_kv_cache_class(buggy.CacheBase)
-    checks.check_generate_with_cache(lambda m, p, n, cache_class=buggy.CacheBase: generate_with_cache(m, p, n, cache_class))
+    checks.check_generate_with_cache(
+        lambda m, p, n, cache_class=buggy.CacheBase: generate_with_cache(m, p, n, cache_class)
+    )
 
 
 @pytest.mark.parametrize("bug", sorted(buggy.BUGS))
@@ -55,8 +62,11 @@ def test_messages_name_the_case():
         checks.check_kv_cache_bytes(buggy.kv_bytes_ignores_window)
     with pytest.raises(AssertionError, match="the rows held, in order: position 4, position 5, position 2, position 3"):
         checks.check_sliding_window_kv_cache(buggy.RingInSlotOrder)
-    with pytest.raises(AssertionError, match=r"expected shape \[2, 2, 6, 2\] \(the held positions 0..2 then "
-                                             r"the new 3..5.*got \[2, 2, 4, 2\]"):
+    with pytest.raises(
+        AssertionError,
+        match=r"expected shape \[2, 2, 6, 2\] \(the held positions 0..2 then "
+        r"the new 3..5.*got \[2, 2, 4, 2\]",
+    ):
         checks.check_sliding_window_kv_cache(buggy.RingReturnsWindowAfterWrite)
     with pytest.raises(AssertionError, match=r"seq_len .*\(every position seen.*expected 6, got 4"):
         checks.check_sliding_window_kv_cache(buggy.RingSeqLenCountsHeld)
@@ -83,7 +93,7 @@ class _ListRing:
         if k.shape != v.shape or k[:, :, :0].shape != old_k[:, :, :0].shape:
             raise ValueError(f"k, v of shape {list(k.shape)}, {list(v.shape)} do not fit {list(old_k.shape)}")
         k_all, v_all = torch.cat([old_k, k], 2), torch.cat([old_v, v], 2)
-        self.held[layer] = (k_all[:, :, -self.window:].clone(), v_all[:, :, -self.window:].clone())
+        self.held[layer] = (k_all[:, :, -self.window :].clone(), v_all[:, :, -self.window :].clone())
         self.seen[layer] += k.shape[2]
         return k_all, v_all
 
@@ -101,7 +111,7 @@ def test_a_ring_written_another_way_passes_and_a_slice_that_keeps_its_buffer_fai
     class SliceKeepsBuffer(_ListRing):  # the last W rows as a view: the whole growing buffer stays alive
         def append(self, layer, k, v):
             k_all, v_all = _ListRing.append(self, layer, k, v)
-            self.held[layer] = (k_all[:, :, -self.window:], v_all[:, :, -self.window:])
+            self.held[layer] = (k_all[:, :, -self.window :], v_all[:, :, -self.window :])
             return k_all, v_all
 
     with pytest.raises(AssertionError, match="holds tensors of .* bytes .* W=4 slots"):
@@ -173,7 +183,9 @@ def test_an_unfinished_ring_falls_back_to_the_reference(capsys):
 
     assert cache_class_or_reference(Unfinished, SlidingWindowKVCache, sliding_window=2) is SlidingWindowKVCache
     assert "not written yet" in capsys.readouterr().out
-    assert cache_class_or_reference(buggy.RingInSlotOrder, SlidingWindowKVCache, sliding_window=2) is buggy.RingInSlotOrder
+    assert (
+        cache_class_or_reference(buggy.RingInSlotOrder, SlidingWindowKVCache, sliding_window=2) is buggy.RingInSlotOrder
+    )
 
 
 # --------------------------------------------------------------------------- issue 34: a second blind learner
@@ -191,8 +203,11 @@ def test_a_ring_that_offsets_by_seq_len_is_named_by_q_offset():
     naming q_offset, not with the ValueError from inside causal_attention."""
     from notebooks import run_visible
 
-    with pytest.raises(AssertionError, match=r"attention got 9 keys for 4 queries at offset 7\. If causal_attention "
-                                             r"raised it, check attend's q_offset.*min\(S, W\) = 5 here, not seq_len"):
+    with pytest.raises(
+        AssertionError,
+        match=r"attention got 9 keys for 4 queries at offset 7\. If causal_attention "
+        r"raised it, check attend's q_offset.*min\(S, W\) = 5 here, not seq_len",
+    ):
         checks.check_sliding_window_kv_cache(buggy.RingOffsetCountsSeen)
     nb = _notebook()
     assert run_visible(nb, "test_SlidingWindowKVCache", "SlidingWindowKVCache", SlidingWindowKVCache) is None
@@ -225,4 +240,6 @@ def test_the_notebooks_figures_are_computed():
     assert int(stated.group(2)) == round(smollm2 / seed), (stated.group(0), smollm2 / seed)
     request = kv_bytes("GPT-3-175B", 2048, 1, "fp16")
     assert round(request / 1e9, 2) == 9.66 and round(32 * request / 1e9) == 309 and round(9.6 * 32) == 307
-    assert re.search(r"9\.6 GB × 32 ≈ 307 GB for a\s+batch of 32 \(a rounded figure:.*?32\s+take 309 GB\)", text, re.DOTALL)
+    assert re.search(
+        r"9\.6 GB × 32 ≈ 307 GB for a\s+batch of 32 \(a rounded figure:.*?32\s+take 309 GB\)", text, re.DOTALL
+    )

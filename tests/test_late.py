@@ -1,16 +1,17 @@
 """The late policy (autograder/late.py): nbgrader's timestamp.txt read without guessing, due
 dates and time zones, our LateSubmissionPlugin classes chosen the nbgrader way, and what the
 grader writes into nbgrader's gradebook (timestamp, late_submission_penalty, extensions)."""
+
 from __future__ import annotations
 
 import warnings
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from gradebooks import make_gradebook
 from traitlets.config import Config
 
 from autograder import late
-from gradebooks import make_gradebook
 
 DAY = 86400
 DUE = datetime(2026, 3, 1, 16, 0, tzinfo=timezone.utc)  # 17:00 in Berlin (CET)
@@ -22,6 +23,7 @@ def _points(**settings):
 
 # --------------------------------------------------------------------------- the plugins
 
+
 def test_on_time_costs_nothing():
     found = late.assess(DUE - timedelta(minutes=1), None, DUE, 4.0, _points(points=1))
     assert (found.penalty, found.seconds_late, found.note) == (0.0, 0.0, None)
@@ -32,8 +34,10 @@ def test_one_and_a_half_days_late():
     submitted = DUE + timedelta(days=1.5)
     whole = late.assess(submitted, None, DUE, 4.0, _points(points=1))
     assert whole.penalty == 2.0  # a started day counts
-    assert whole.note == ("late: submitted 2026-03-03T04:00:00+00:00, 1.5 day(s) after the due date "
-                          "2026-03-01T16:00:00+00:00: 2 point(s) off (PointsPerDay: 1 point(s) per day)")
+    assert whole.note == (
+        "late: submitted 2026-03-03T04:00:00+00:00, 1.5 day(s) after the due date "
+        "2026-03-01T16:00:00+00:00: 2 point(s) off (PointsPerDay: 1 point(s) per day)"
+    )
     assert late.assess(submitted, None, DUE, 4.0, _points(points=1, partial_days="fraction")).penalty == 1.5
     assert late.assess(submitted, None, DUE, 5.0, late.PercentPerDay(percent=10)).penalty == 1.0  # 2 x 10% of 5
 
@@ -92,15 +96,19 @@ def test_a_wrong_policy_is_refused():
 
 # --------------------------------------------------------------------------- timestamps and time zones
 
-@pytest.mark.parametrize("text, utc", [
-    ("2026-03-01 17:00:00.123456 UTC", "2026-03-01 17:00:00.123456"),  # nbgrader's own format
-    ("2026-03-01 17:00:00.000000 CET", "2026-03-01 16:00:00"),
-    ("2026-03-01 17:00:00 Europe/Berlin", "2026-03-01 16:00:00"),
-    ("2026-07-01 17:00:00 Europe/Berlin", "2026-07-01 15:00:00"),     # summer time
-    ("2026-03-01 17:00:00 -0500", "2026-03-01 22:00:00"),             # nbgrader's parse_utc: 17:08:20
-    ("2026-03-01T17:00:00+01:00", "2026-03-01 16:00:00"),
-    ("2026-03-01T17:00:00Z", "2026-03-01 17:00:00"),
-])
+
+@pytest.mark.parametrize(
+    "text, utc",
+    [
+        ("2026-03-01 17:00:00.123456 UTC", "2026-03-01 17:00:00.123456"),  # nbgrader's own format
+        ("2026-03-01 17:00:00.000000 CET", "2026-03-01 16:00:00"),
+        ("2026-03-01 17:00:00 Europe/Berlin", "2026-03-01 16:00:00"),
+        ("2026-07-01 17:00:00 Europe/Berlin", "2026-07-01 15:00:00"),  # summer time
+        ("2026-03-01 17:00:00 -0500", "2026-03-01 22:00:00"),  # nbgrader's parse_utc: 17:08:20
+        ("2026-03-01T17:00:00+01:00", "2026-03-01 16:00:00"),
+        ("2026-03-01T17:00:00Z", "2026-03-01 17:00:00"),
+    ],
+)
 def test_timestamps_in_any_zone(text, utc):
     assert late.parse_time(text).replace(tzinfo=None) == datetime.fromisoformat(utc)
 
@@ -119,14 +127,17 @@ def test_agrees_with_nbgrader_on_its_own_format():
         assert late.naive_utc(late.parse_time(text)) == parse_utc(text)
 
 
-@pytest.mark.parametrize("text, why", [
-    ("", "not a date"),
-    ("yesterday at noon", "not a date"),
-    ("17:00", "not a date"),
-    ("2026-02-30 10:00:00 UTC", "day is out of range"),
-    ("2026-03-01 17:00:00 BST", "unknown time zone 'BST'"),          # nbgrader's parse_utc: UTC, silently
-    ("2026-03-01 17:00:00+01:00 CET", "both an offset and a zone"),
-])
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("", "not a date"),
+        ("yesterday at noon", "not a date"),
+        ("17:00", "not a date"),
+        ("2026-02-30 10:00:00 UTC", "day is out of range"),
+        ("2026-03-01 17:00:00 BST", "unknown time zone 'BST'"),  # nbgrader's parse_utc: UTC, silently
+        ("2026-03-01 17:00:00+01:00 CET", "both an offset and a zone"),
+    ],
+)
 def test_malformed_timestamps_are_refused(text, why):
     with pytest.raises(ValueError, match=why):
         late.parse_time(text)
@@ -156,12 +167,17 @@ def test_due_dates():
 
 # --------------------------------------------------------------------------- the gradebook
 
+
 def test_recorded_in_nbgraders_gradebook_with_extensions(tmp_path):
     from nbgrader.api import Gradebook
 
-    url = make_gradebook(tmp_path / "gradebook.db", "a1", {"test_a": 2, "test_b": 2},
-                         {"ali": {"test_a": 2, "test_b": 2}, "bo": {"test_a": 2, "test_b": 2}},
-                         duedate="2026-03-01 17:00:00 Europe/Berlin")
+    url = make_gradebook(
+        tmp_path / "gradebook.db",
+        "a1",
+        {"test_a": 2, "test_b": 2},
+        {"ali": {"test_a": 2, "test_b": 2}, "bo": {"test_a": 2, "test_b": 2}},
+        duedate="2026-03-01 17:00:00 Europe/Berlin",
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with Gradebook(url) as gb:

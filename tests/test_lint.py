@@ -1,5 +1,6 @@
 """The pre-commit hook (.githooks/pre-commit) refuses a staged file ruff would change and lets a clean
 one through; `make lint` runs the same checks on the whole tree (pyproject.toml's [tool.ruff])."""
+
 from __future__ import annotations
 
 import os
@@ -33,12 +34,15 @@ def _stage_and_hook(repo: Path, source: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(not RUFF.exists(), reason="ruff is in the dev extra (make setup)")
-@pytest.mark.parametrize("source, passes", [
-    ("import os\n\n\ndef main():\n    return 1\n", False),  # an unused import
-    ("def main():\n    return undefined_name\n", False),  # an undefined name
-    ("def main( ):\n  return 1\n", False),  # not formatted
-    ("import os\n\n\ndef main():\n    return os.sep\n", True),
-])
+@pytest.mark.parametrize(
+    "source, passes",
+    [
+        ("import os\n\n\ndef main():\n    return 1\n", False),  # an unused import
+        ("def main():\n    return undefined_name\n", False),  # an undefined name
+        ("def main( ):\n  return 1\n", False),  # not formatted
+        ("import os\n\n\ndef main():\n    return os.sep\n", True),
+    ],
+)
 def test_the_hook_checks_staged_files(tmp_path, source, passes):
     result = _stage_and_hook(_repo(tmp_path), source)
     assert (result.returncode == 0) == passes, result.stdout + result.stderr

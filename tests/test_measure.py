@@ -1,4 +1,5 @@
 """The timers of `decodelab.lessons.measure`, the one home of the benches' and notebooks' timing."""
+
 from __future__ import annotations
 
 import time

@@ -1,15 +1,14 @@
 """Notebook 00's hidden checks: they pass on the library's reference implementations and catch
 every kept bug (tests/fixtures/buggy_meet_the_model.py) with a message that names the case."""
+
 from __future__ import annotations
 
-
 import pytest
+from oracles import expect_bug_caught, load_fixture
 
 from autograder.checks import meet_the_model as checks
 from decodelab.lessons.kv_size import parameter_count
 from decodelab.lessons.measure import decode_tokens_per_second_bound
-from oracles import expect_bug_caught, load_fixture
-
 
 buggy = load_fixture("buggy_meet_the_model")
 
@@ -23,8 +22,13 @@ def test_model_num_parameters_passes():
     """The oracle itself: counting by building the model agrees with the checks."""
     from decodelab.model.llama import LlamaForCausalLM
 
-    checks.check_count_parameters(lambda config: LlamaForCausalLM(config).num_parameters()
-                                  if config.vocab_size * config.hidden_size < 10**6 else parameter_count(config))
+    checks.check_count_parameters(
+        lambda config: (
+            LlamaForCausalLM(config).num_parameters()
+            if config.vocab_size * config.hidden_size < 10**6
+            else parameter_count(config)
+        )
+    )
 
 
 @pytest.mark.parametrize("bug", sorted(buggy.BUGS))
@@ -54,8 +58,10 @@ def test_real_checkpoint_count_matches_the_loaded_model(smollm2):
 def test_predictions_are_graded_within_five_percent():
     checks.check_q_embedding_share_percent(21.0)  # 28,311,552 of 134,515,008
     checks.check_q_llama8b_tokens_per_s(3.35e12 / (8e9 * 2))  # a round 8 billion is close enough
-    for check, wrong in ((checks.check_q_embedding_share_percent, 10.5),  # the table counted as half its size
-                         (checks.check_q_llama8b_tokens_per_s, 3.35e12 / 8.03e9)):  # one byte per weight, not two
+    for check, wrong in (
+        (checks.check_q_embedding_share_percent, 10.5),  # the table counted as half its size
+        (checks.check_q_llama8b_tokens_per_s, 3.35e12 / 8.03e9),
+    ):  # one byte per weight, not two
         with pytest.raises(AssertionError, match="you predicted"):
             check(wrong)
 

@@ -11,6 +11,7 @@
 
 Notebooks run with nbclient in a temporary copy, in their own folder, with DECODELAB_FAST=1.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,10 +27,26 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
-from notebooks import (COURSE, READY, REFERENCES, ROOT, SOLUTIONS, errors, execute, exercise_test_ids,
-                       grade_id, graded_cells, hidden_calls, kernel_env, prediction_test_ids, read, release_path,
-                       run_visible, solution_path, stderr_outputs)
+from notebooks import (
+    COURSE,
+    READY,
+    REFERENCES,
+    ROOT,
+    SOLUTIONS,
+    errors,
+    execute,
+    exercise_test_ids,
+    grade_id,
+    graded_cells,
+    hidden_calls,
+    kernel_env,
+    prediction_test_ids,
+    read,
+    release_path,
+    run_visible,
+    solution_path,
+    stderr_outputs,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TIMINGS: dict[str, float] = {}
@@ -59,11 +76,12 @@ def further_reading(nb) -> list[str] | None:
     so; one list item per source), or None if it has none."""
     for cell in nb.cells:
         lines = cell.source.splitlines() if cell.cell_type == "markdown" else []
-        heading = next((i for i, line in enumerate(lines) if line.startswith("#") and "further reading" in line.lower()),
-                       None)
+        heading = next(
+            (i for i, line in enumerate(lines) if line.startswith("#") and "further reading" in line.lower()), None
+        )
         if heading is not None:
             entries: list[str] = []
-            for line in lines[heading + 1:]:
+            for line in lines[heading + 1 :]:
                 if m := READING_ENTRY.match(line):
                     entries.append(m.group(1))
                 elif entries and line.startswith((" ", "\t")) and line.strip():  # an entry's next line
@@ -81,41 +99,48 @@ def test_conventions(name):
     by_hand = {g for g in answers if g.startswith("explain_")}
     tests = exercise_test_ids(nb)
     assert 2 <= len(tests) <= 7, f"{name}: {len(tests)} graded exercises; the course wants 2 to 7"
-    assert answers == solutions | predictions | by_hand, \
+    assert answers == solutions | predictions | by_hand, (
         f"{name}: solution cells must be named ex_<function>, q_<prediction> or explain_<topic>: {sorted(answers)}"
+    )
     for gid in sorted(by_hand):  # a written answer a person grades in formgrader (issue 32)
         cell = next(c for c in nb.cells if grade_id(c) == gid)
         role = cell.metadata["nbgrader"]
-        assert cell.cell_type == "markdown" and role.get("grade") and role.get("points", 0) > 0, \
+        assert cell.cell_type == "markdown" and role.get("grade") and role.get("points", 0) > 0, (
             f"{name}/{gid}: a by-hand answer is a graded markdown answer cell with points"
-    assert {g.removeprefix("ex_") for g in solutions} == {g.removeprefix("test_") for g in tests}, \
+        )
+    assert {g.removeprefix("ex_") for g in solutions} == {g.removeprefix("test_") for g in tests}, (
         f"{name}: every ex_<function> needs a test_<function> and back: {sorted(solutions)} vs {sorted(tests)}"
+    )
     for gid in sorted(tests):
         cell, function = graded_cells(nb)[gid], gid.removeprefix("test_")
         calls = hidden_calls(cell.source)
         assert calls, f"{name}/{gid}: no `hidden(check, function)` call in a ### BEGIN HIDDEN TESTS block"
         assert all(fn == function for _, fn in calls), f"{name}/{gid}: hidden tests must test {function}: {calls}"
         module, _, check = calls[0][0].rpartition(".")
-        assert hasattr(importlib.import_module(f"autograder.checks.{module}"), check), \
+        assert hasattr(importlib.import_module(f"autograder.checks.{module}"), check), (
             f"{name}/{gid}: autograder.checks.{module} has no {check}"
+        )
         assert function in REFERENCES, f"{function}: add its library reference to tests/notebooks.py REFERENCES"
         source = next(c.source for c in nb.cells if grade_id(c) == f"ex_{function}")
         assert f"def {function}(" in source or f"class {function}" in source  # an exercise may be a class (KVCache)
-    assert {f"test_{q}" for q in predictions} == prediction_test_ids(nb), \
+    assert {f"test_{q}" for q in predictions} == prediction_test_ids(nb), (
         f"{name}: every q_<name> needs a graded test_q_<name> and back"
+    )
     for q in sorted(predictions):
         answer = next(c.source for c in nb.cells if grade_id(c) == q)
         assert re.search(rf"^{q}\s*=", answer, re.M), f"{name}/{q}: the answer cell must assign {q}"
         calls = hidden_calls(graded_cells(nb)[f"test_{q}"].source)
-        assert calls and all(check.endswith(f".check_{q}") and fn == q for check, fn in calls), \
-            f"{name}/test_{q}: its hidden block must call hidden(\"<topic>.check_{q}\", {q}), got {calls}"
+        assert calls and all(check.endswith(f".check_{q}") and fn == q for check, fn in calls), (
+            f'{name}/test_{q}: its hidden block must call hidden("<topic>.check_{q}", {q}), got {calls}'
+        )
         module, _, check = calls[0][0].rpartition(".")
-        assert hasattr(importlib.import_module(f"autograder.checks.{module}"), check), \
+        assert hasattr(importlib.import_module(f"autograder.checks.{module}"), check), (
             f"{name}/test_{q}: autograder.checks.{module} has no {check}"
+        )
     if name not in LEARNING_SUPPORT_PENDING:
         assert len(predictions) >= 2, f"{name}: {len(predictions)} graded predictions (q_ cells); the course wants 2+"
         reading = further_reading(nb)
-        assert reading is not None, f"{name}: no markdown cell with a \"Further reading\" heading"
+        assert reading is not None, f'{name}: no markdown cell with a "Further reading" heading'
         assert len(reading) >= 3, f"{name}: {len(reading)} further-reading entries; the course wants 3 to 6"
         undated = [entry[:60] for entry in reading if not YEAR.search(entry)]
         assert not undated, f"{name}: further-reading entries without a year: {undated}"
@@ -146,8 +171,11 @@ def _unnamed_errors(nb) -> list[str]:
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
-            raised = {r.exc.func.id for r in ast.walk(node) if isinstance(r, ast.Raise) and isinstance(r.exc, ast.Call)
-                      and isinstance(r.exc.func, ast.Name)} - {"NotImplementedError"}
+            raised = {
+                r.exc.func.id
+                for r in ast.walk(node)
+                if isinstance(r, ast.Raise) and isinstance(r.exc, ast.Call) and isinstance(r.exc.func, ast.Name)
+            } - {"NotImplementedError"}
             doc = ast.get_docstring(node) or (ast.get_docstring(owners[id(node)]) if id(node) in owners else "") or ""
             found += [f"{grade_id(cell)}: {node.name} raises {error}" for error in sorted(raised) if error not in doc]
     return found
@@ -185,8 +213,9 @@ def test_predictions_are_graded_against_their_answer(name):
         exec(compile(next(c.source for c in nb.cells if grade_id(c) == q), f"<{q}>", "exec"), namespace)  # noqa: S102
         check = hidden_calls(graded_cells(nb)[gid].source)[0][0]
         value = namespace[q]
-        assert _run(check, value) is None, f"{name}/{q}: the hidden check rejects the solution's {value!r}: " \
-                                           f"{_run(check, value)}"
+        assert _run(check, value) is None, (
+            f"{name}/{q}: the hidden check rejects the solution's {value!r}: {_run(check, value)}"
+        )
         for wrong in (None, "a lot", 2 * value + 1):
             assert _run(check, wrong) is not None, f"{name}/{q}: the hidden check accepts {wrong!r}"
 
@@ -195,8 +224,11 @@ def test_predictions_are_graded_against_their_answer(name):
 @pytest.mark.parametrize("name", READY)
 def test_committed_without_outputs(name, folder):
     nb = read((SOLUTIONS if folder == "solutions" else COURSE) / name / f"{name}.ipynb")
-    dirty = [i for i, c in enumerate(nb.cells)
-             if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
+    dirty = [
+        i
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)
+    ]
     assert not dirty, f"{folder}/{name}: cells {dirty} carry outputs; clear them before committing"
 
 
@@ -220,10 +252,15 @@ def test_release_in_sync(tmp_path):
     _timed("release: generate all ready notebooks", started)
     for name in READY:
         fresh, committed = tmp_path / name, COURSE / name
-        assert sorted(p.name for p in fresh.iterdir()) == sorted(p.name for p in committed.iterdir()), \
+        assert sorted(p.name for p in fresh.iterdir()) == sorted(p.name for p in committed.iterdir()), (
             f"course/{name}: the files differ from a fresh release; run `make release`"
+        )
         for file in fresh.iterdir():
-            got = json.loads((committed / file.name).read_text()) if file.suffix == ".ipynb" else (committed / file.name).read_bytes()
+            got = (
+                json.loads((committed / file.name).read_text())
+                if file.suffix == ".ipynb"
+                else (committed / file.name).read_bytes()
+            )
             want = json.loads(file.read_text()) if file.suffix == ".ipynb" else file.read_bytes()
             assert got == want, f"course/{name}/{file.name} is stale: run `make release` and commit course/"
 
@@ -294,8 +331,9 @@ def test_solution_runs_clean(name, autograded_solution):
     the full-marks one): no cell fails, nothing reaches stderr."""
     nb = autograded_solution(name)["notebook"]
     assert not errors(nb), f"solutions/{name}: cells failed:\n  {_report(errors(nb))}"
-    assert not stderr_outputs(nb), f"solutions/{name}: output on stderr (nbgrader scores such a test cell 0):\n  " \
-                                   + _report(stderr_outputs(nb))
+    assert not stderr_outputs(nb), (
+        f"solutions/{name}: output on stderr (nbgrader scores such a test cell 0):\n  " + _report(stderr_outputs(nb))
+    )
 
 
 @pytest.mark.slow
@@ -311,13 +349,16 @@ def test_release_fails_exactly_on_exercise_tests(name):
     assert failed == expected, (
         f"course/{name}: expected exactly the exercise tests to fail (not the unanswered predictions).\n"
         f"  unexpected failures: {sorted(failed - expected)}\n  tests that passed on a stub: {sorted(expected - failed)}\n"
-        f"  errors:\n  {_report(errors(nb))}")
+        f"  errors:\n  {_report(errors(nb))}"
+    )
     for cell in nb.cells:
         if grade_id(cell) in prediction_test_ids(nb):
             shown = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("name") == "stdout")
             assert "is unanswered (still None)" in shown, f"course/{name}/{grade_id(cell)} printed {shown!r}"
     stub_failures = [e for e in errors(nb) if e.ename != "NotImplementedError"]
-    assert not stub_failures, f"course/{name}: exercise tests should fail on the stub itself:\n  {_report(stub_failures)}"
+    assert not stub_failures, (
+        f"course/{name}: exercise tests should fail on the stub itself:\n  {_report(stub_failures)}"
+    )
     assert not stderr_outputs(nb), f"course/{name}: output on stderr:\n  {_report(stderr_outputs(nb))}"
 
 
@@ -338,8 +379,10 @@ def autograde(name: str, submission: Path, course_root: Path, student: str = "st
     config = load_config()
     config.CourseDirectory.root = str(course_root)
     api = NbGraderAPI(CourseDirectory(config=config), config=config)
-    for step, call in (("generate_assignment", lambda: api.generate_assignment(name)),
-                       ("autograde", lambda: api.autograde(name, student))):
+    for step, call in (
+        ("generate_assignment", lambda: api.generate_assignment(name)),
+        ("autograde", lambda: api.autograde(name, student)),
+    ):
         result = call()
         assert result["success"], f"nbgrader {step} {name} failed:\n{result.get('error')}\n{result.get('log')}"
     with Gradebook(f"sqlite:///{course_root / 'gradebook.db'}") as gradebook:
@@ -383,10 +426,14 @@ def test_autograde_solution_full_marks(name, autograded_solution):
     result = autograded_solution(name)
     assert result["max_score"] > 0
     nb = read(solution_path(name))
-    by_hand = {grade_id(c): float(c.metadata["nbgrader"]["points"]) for c in nb.cells
-               if (grade_id(c) or "").startswith("explain_") and c.metadata["nbgrader"].get("solution")}  # written answers wait for a person: 0 until then
+    by_hand = {
+        grade_id(c): float(c.metadata["nbgrader"]["points"])
+        for c in nb.cells
+        if (grade_id(c) or "").startswith("explain_") and c.metadata["nbgrader"].get("solution")
+    }  # written answers wait for a person: 0 until then
     assert result["score"] == result["max_score"] - sum(by_hand.values()), (
-        f"{name}: autograde gave {result['score']} / {result['max_score']}; cells that lost points: {result['lost']}")
+        f"{name}: autograde gave {result['score']} / {result['max_score']}; cells that lost points: {result['lost']}"
+    )
     assert set(result["lost"]) == set(by_hand), f"{name}: cells that lost points: {result['lost']}"
 
 
@@ -405,8 +452,12 @@ def test_solution_feedback_agrees_with_its_grade(name, autograded_solution):
     result = autograded_solution(name)
     nb = result["notebook"]
     printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stdout")
-    shown_again = [c.source[:60] for c in nb.cells for o in c.get("outputs", [])
-                   if o.get("output_type") == "execute_result" and ": the answer is" in str(o.get("data", {}))]
+    shown_again = [
+        c.source[:60]
+        for c in nb.cells
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "execute_result" and ": the answer is" in str(o.get("data", {}))
+    ]
     assert not shown_again, f"{name}: feedback shown twice (as a cell's value too): {shown_again}"
     lines = {}
     for match in ANSWER_LINE.finditer(printed):
@@ -418,8 +469,9 @@ def test_solution_feedback_agrees_with_its_grade(name, autograded_solution):
         check = hidden_calls(graded_cells(read(solution_path(name)))[f"test_{q}"].source)[0][0]
         topic = importlib.import_module(f"autograder.checks.{check.rpartition('.')[0]}")
         answer = getattr(topic, f"answer_{q}")()
-        assert float(match.group(2).replace(",", "")) == pytest.approx(answer, rel=1e-3), \
+        assert float(match.group(2).replace(",", "")) == pytest.approx(answer, rel=1e-3), (
             f"{name}/{q}: the notebook's answer differs from the grader's {answer}: {match.group(0)}"
+        )
         assert match.group(0).endswith("it passes"), f"{name}/{q}: {match.group(0)}"
         assert f"test_{q}" not in result["lost"] and QUESTIONS[q].notebook == name, f"{name}/{q}: {result['lost']}"
 
@@ -441,18 +493,32 @@ def test_claims_hold_in_the_run(name, autograded_solution):
 def test_nbgrader_finds_the_config_from_any_folder(tmp_path):
     """`nbgrader validate` from another folder, with the repository on JUPYTER_CONFIG_PATH (as
     `make lab` sets it), loads nbgrader_config.py: its PYTHONPATH makes autograder importable."""
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                           "language": "python"}})
+    nb = nbformat.v4.new_notebook(
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+    )
     cell = nbformat.v4.new_code_cell("import autograder.run\nprint('config loaded')")
-    cell.metadata["nbgrader"] = {"grade": True, "grade_id": "check_config", "locked": True, "points": 1,
-                                 "schema_version": 3, "solution": False, "task": False}
+    cell.metadata["nbgrader"] = {
+        "grade": True,
+        "grade_id": "check_config",
+        "locked": True,
+        "points": 1,
+        "schema_version": 3,
+        "solution": False,
+        "task": False,
+    }
     nb.cells.append(cell)
     nbformat.write(nb, str(tmp_path / "probe.ipynb"))
     env = {k: v for k, v in kernel_env().items() if k != "PYTHONPATH"}
     env["JUPYTER_CONFIG_PATH"] = str(ROOT)
     bin_dir = Path(sys.executable).parent
-    result = subprocess.run([str(bin_dir / "nbgrader"), "validate", "probe.ipynb", "--Application.log_level=DEBUG"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [str(bin_dir / "nbgrader"), "validate", "probe.ipynb", "--Application.log_level=DEBUG"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = result.stdout + result.stderr
     assert f"Loaded config file: {ROOT / 'nbgrader_config.py'}" in log, log[-3000:]
     assert "Success! Your notebook passes all the tests." in log, log[-3000:]
@@ -460,8 +526,11 @@ def test_nbgrader_finds_the_config_from_any_folder(tmp_path):
 
 def test_readme_course_table_lists_every_notebook():
     """The README's course table (the way in) has a row per notebook, with a time estimate."""
-    rows = {line.split("`")[1]: line for line in (ROOT / "README.md").read_text().splitlines()
-            if line.startswith("| `") and line.split("`")[1][:2].isdigit()}
+    rows = {
+        line.split("`")[1]: line
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.startswith("| `") and line.split("`")[1][:2].isdigit()
+    }
     names = sorted(p.name for p in SOLUTIONS.iterdir() if (p / f"{p.name}.ipynb").exists())
     assert sorted(rows) == names, f"README course table rows {sorted(rows)} vs notebooks {names}"
     for name, line in rows.items():
@@ -471,11 +540,17 @@ def test_readme_course_table_lists_every_notebook():
 def test_notebook_00_gives_the_readme_plan():
     """Notebook 00's plan (time per notebook) is the README's course table: one plan, two places a
     learner meets it, kept equal here."""
-    readme = {line.split("`")[1]: line.split("|")[2].strip() for line in (ROOT / "README.md").read_text().splitlines()
-              if line.startswith("| `") and line.split("`")[1][:2].isdigit()}
+    readme = {
+        line.split("`")[1]: line.split("|")[2].strip()
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.startswith("| `") and line.split("`")[1][:2].isdigit()
+    }
     intro = read(solution_path("00_meet_the_model")).cells[0].source
-    plan = {line.split("`")[1]: line.split("|")[2].strip() for line in intro.splitlines()
-            if line.startswith("| `") and line.split("`")[1][:2].isdigit()}
+    plan = {
+        line.split("`")[1]: line.split("|")[2].strip()
+        for line in intro.splitlines()
+        if line.startswith("| `") and line.split("`")[1][:2].isdigit()
+    }
     assert plan == readme, f"notebook 00's plan {plan} differs from the README's course table {readme}"
     for tool in ("Validate", "Show hint", "Predict first", "decodelab progress"):
         assert tool in intro, f"notebook 00's introduction does not explain {tool!r}"

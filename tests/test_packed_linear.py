@@ -1,21 +1,23 @@
 """Prepacked oneDNN weights (CPU, bfloat16): the same products as plain linear layers, the
 caller's model left alone, and the engine's greedy output unchanged."""
+
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
+from oracles import check_greedy_agreement, random_ids, random_model
 from torch import nn
 
-from decodelab.engine.llm import LLM
 from decodelab.decoding.generate import encode_prompt
+from decodelab.engine.llm import LLM
 from decodelab.model.packed_linear import PackedLinear, can_prepack, prepack_linear_layers, prepacked_copy
 from decodelab.params import SamplingParams
-from oracles import check_greedy_agreement, random_ids, random_model
 
-pytestmark = pytest.mark.skipif(not can_prepack("cpu", torch.bfloat16),
-                                reason="this torch build has no oneDNN bfloat16 packing on CPU")
+pytestmark = pytest.mark.skipif(
+    not can_prepack("cpu", torch.bfloat16), reason="this torch build has no oneDNN bfloat16 packing on CPU"
+)
 
 
 def bf16_linear(in_features: int, out_features: int, bias: bool, seed: int) -> nn.Linear:
@@ -37,7 +39,7 @@ def test_packed_linear_equals_linear(shape, bias):
     exact = x.double() @ linear.weight.double().T + (linear.bias.double() if bias else 0)
     assert ours.shape == plain.shape == (*shape[:-1], 1536) and ours.dtype == torch.bfloat16
     scale = exact.abs().max()
-    assert (ours.double() - exact).abs().max() <= 2 ** -7 * scale  # bf16 has an 8-bit significand
+    assert (ours.double() - exact).abs().max() <= 2**-7 * scale  # bf16 has an 8-bit significand
     assert (ours.double() - exact).abs().max() <= 1.01 * (plain.double() - exact).abs().max() + 1e-6
 
 
@@ -71,8 +73,10 @@ def test_engine_with_packed_weights_keeps_greedy_output_smollm2(smollm2):
     greedy tokens (a swap allowed only at a near-tie of the plain model's logits)."""
     model, tokenizer = smollm2
     bf16_model = copy.deepcopy(model).to(torch.bfloat16)  # the shared fixture stays float32
-    prompts = [encode_prompt(tokenizer, p, chat=True) for p in ("What is gravity?", "Name three colours.",
-                                                                "Write a haiku about the sea.")]
+    prompts = [
+        encode_prompt(tokenizer, p, chat=True)
+        for p in ("What is gravity?", "Name three colours.", "Write a haiku about the sea.")
+    ]
     params = SamplingParams(temperature=0, max_tokens=24)
     plain = LLM((bf16_model, tokenizer), prepack_weights=False).generate(prompts, params, use_tqdm=False)
     packed_llm = LLM((bf16_model, tokenizer))

@@ -2,16 +2,17 @@
 stands on: `MaskedPass` (one pass without a cache under a given mask, model/attention.py) and
 `scramble_rope_` (model/toy.py). The oracles: each prompt run alone, and `transformers`' own
 `generate` on the same left-padded batch."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from oracles import quiet_transformers
 
 from decodelab.config import ModelConfig
 from decodelab.lessons import padded_batch
 from decodelab.model.attention import MaskedPass, causal_mask
 from decodelab.model.toy import random_llama, scramble_rope_
-from oracles import quiet_transformers
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [9, 3, 4, 4, 8]]
 
@@ -45,12 +46,14 @@ def test_scrambled_rope_makes_a_uniform_shift_show():
     torch.testing.assert_close(plain(ids, positions=shift), plain(ids), atol=1e-4, rtol=0)
     scrambled = scramble_rope_(random_llama(2))
     assert (scrambled(ids, positions=shift) - scrambled(ids)).abs().max() > 0.1
-    torch.testing.assert_close(scrambled.rope_cos ** 2 + scrambled.rope_sin ** 2,
-                               torch.ones_like(scrambled.rope_cos), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        scrambled.rope_cos**2 + scrambled.rope_sin**2, torch.ones_like(scrambled.rope_cos), atol=1e-6, rtol=0
+    )
 
 
-@pytest.mark.parametrize("overrides", [{}, {"sliding_window": 3}, {"num_key_value_heads": 1}],
-                         ids=["gqa", "sliding-window", "one-kv-head"])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"sliding_window": 3}, {"num_key_value_heads": 1}], ids=["gqa", "sliding-window", "one-kv-head"]
+)
 @torch.inference_mode()
 def test_each_row_is_its_prompt_alone(overrides):
     for model in (random_llama(3, **overrides), scramble_rope_(random_llama(3, **overrides))):
@@ -65,8 +68,12 @@ def test_each_row_is_its_prompt_alone(overrides):
 
 def test_bad_input_is_an_error():
     model = random_llama(0)
-    for prompts, pad_id, message in (([], 0, "at least one prompt"), ([[1], []], 0, "at least one token"),
-                                     ([[1]], 97, "pad_id must be in"), ([[1, 97]], 0, "token id must be in")):
+    for prompts, pad_id, message in (
+        ([], 0, "at least one prompt"),
+        ([[1], []], 0, "at least one token"),
+        ([[1]], 97, "pad_id must be in"),
+        ([[1, 97]], 0, "token id must be in"),
+    ):
         with pytest.raises(ValueError, match=message):
             padded_batch.padded_prefill(model, prompts, pad_id)
 
@@ -87,15 +94,33 @@ def test_transformers_generate_on_the_same_left_padded_batch_gives_the_same_logi
     with quiet_transformers() as transformers:
         hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32).eval()
         with torch.no_grad():
-            out = hf.generate(ids, attention_mask=attention_mask, max_new_tokens=1, do_sample=False,
-                              pad_token_id=pad_id, output_logits=True, return_dict_in_generate=True,
-                              top_p=None, top_k=None, temperature=None)
+            out = hf.generate(
+                ids,
+                attention_mask=attention_mask,
+                max_new_tokens=1,
+                do_sample=False,
+                pad_token_id=pad_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+                top_p=None,
+                top_k=None,
+                temperature=None,
+            )
     torch.testing.assert_close(ours, out.logits[0].float(), atol=1e-4, rtol=0)
 
 
 def test_default_pad_id_and_batch_padding_by_hand():
-    config = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
-                  num_key_value_heads=1, max_position_embeddings=16, rms_norm_eps=1e-5, rope_theta=1e4)
+    config = dict(
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+    )
     assert padded_batch.default_pad_id(ModelConfig(**config, pad_token_id=2, eos_token_id=3)) == 2
     assert padded_batch.default_pad_id(ModelConfig(**config, eos_token_id=3)) == 3
     assert padded_batch.default_pad_id(ModelConfig(**config, eos_token_id=[4, 3])) == 4
@@ -104,7 +129,8 @@ def test_default_pad_id_and_batch_padding_by_hand():
     prompts = [[1, 2], [1, 2, 3, 4], [5, 6, 7, 8], [9]]
     # arrival order: [2, 4] pads 2 of 8 slots, [4, 1] pads 3 of 8; by length: [1, 2] 1 of 4, [4, 4] 0 of 8
     assert padded_batch.batch_padding(padded_batch.padded_prefill, model, prompts, 2) == pytest.approx(5 / 16)
-    assert padded_batch.batch_padding(padded_batch.padded_prefill, model, prompts, 2, by_length=True) == \
-        pytest.approx(1 / 12)
+    assert padded_batch.batch_padding(padded_batch.padded_prefill, model, prompts, 2, by_length=True) == pytest.approx(
+        1 / 12
+    )
     with pytest.raises(ValueError, match="batch_size"):
         padded_batch.batch_padding(padded_batch.padded_prefill, model, prompts, 0)

@@ -1,5 +1,6 @@
 """`PagedBatch.attend` against plain causal attention over each sequence's whole context, for
 packed batches that mix decode rows (one new token) and prefill rows (several) in any order."""
+
 from __future__ import annotations
 
 import random
@@ -7,10 +8,10 @@ import random
 import pytest
 import torch
 
-from decodelab.model.attention import causal_attention
 from decodelab.config import ModelConfig
 from decodelab.engine.block_allocator import blocks_needed
 from decodelab.engine.paged_attention import PagedBatch, PagedKVStore, SequenceSlice, group_by_length
+from decodelab.model.attention import causal_attention
 
 H, H_KV, D, BLOCK = 6, 2, 8, 4
 
@@ -20,8 +21,16 @@ def make_case(new_lengths: list[int], seed: int, sliding_window: int | None = No
     tokens packed in the given order -> (PagedBatch, q, k, v, the oracle output [1, H, N, D])."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    config = ModelConfig(vocab_size=32, hidden_size=H * D, intermediate_size=8, num_hidden_layers=1,
-                         num_attention_heads=H, num_key_value_heads=H_KV, head_dim=D, max_position_embeddings=256)
+    config = ModelConfig(
+        vocab_size=32,
+        hidden_size=H * D,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=H,
+        num_key_value_heads=H_KV,
+        head_dim=D,
+        max_position_embeddings=256,
+    )
     store = PagedKVStore(config, num_blocks=64, block_size=BLOCK)
     free = list(range(64))
     rng.shuffle(free)
@@ -61,8 +70,9 @@ class OneGroupPerLength(PagedBatch):
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("batch_class", [PagedBatch, OneGroupPerLength])
 def test_packed_attention_equals_per_sequence_attention(new_lengths, sliding_window, batch_class):
-    batch, q, k, v, expected = make_case(new_lengths, seed=len(new_lengths), sliding_window=sliding_window,
-                                         batch_class=batch_class)
+    batch, q, k, v, expected = make_case(
+        new_lengths, seed=len(new_lengths), sliding_window=sliding_window, batch_class=batch_class
+    )
     assert batch.decode_only == all(n == 1 for n in new_lengths)
     if batch_class is OneGroupPerLength and new_lengths.count(1) >= 5:
         assert len(batch.decode_groups) > 1  # the case this class exists for
@@ -97,7 +107,7 @@ def partitions(items: list[int]):
     for partition in partitions(rest):
         yield [[first]] + partition
         for i in range(len(partition)):
-            yield partition[:i] + [[first] + partition[i]] + partition[i + 1:]
+            yield partition[:i] + [[first] + partition[i]] + partition[i + 1 :]
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -120,8 +130,15 @@ def test_group_by_length_finds_the_cheapest_partition(seed):
 # (decodelab.lessons.paged_kv, notebook 07's exercise: the whole batch at once, no loop over sequences)
 
 
-def decode_batch_case(lengths: list[int], num_heads: int, num_kv_heads: int, block_size: int, seed: int,
-                      shared_prefix: int = 0, spare_blocks: int = 1):
+def decode_batch_case(
+    lengths: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    seed: int,
+    shared_prefix: int = 0,
+    spare_blocks: int = 1,
+):
     """Sequences with contiguous K/V [H_kv, length, D] each (the first shared_prefix tokens the same
     K/V and the same blocks in every sequence long enough), written into a shuffled pool full of
     stale numbers. -> (q [B, H, D], key_cache, value_cache, ragged block tables, the oracle [B, H, D]):
@@ -142,14 +159,19 @@ def decode_batch_case(lengths: list[int], num_heads: int, num_kv_heads: int, blo
         k, v = (torch.randn(num_kv_heads, n, D, generator=gen) for _ in range(2))
         shares = needed[b] > shared_blocks and shared_blocks > 0
         if shares:
-            k[:, :shared_blocks * block_size], v[:, :shared_blocks * block_size] = prefix_k, prefix_v
-        table = (prefix_table if shares else []) + [free.pop() for _ in range(needed[b] - (shared_blocks if shares else 0))]
+            k[:, : shared_blocks * block_size], v[:, : shared_blocks * block_size] = prefix_k, prefix_v
+        table = (prefix_table if shares else []) + [
+            free.pop() for _ in range(needed[b] - (shared_blocks if shares else 0))
+        ]
         for position in range(n):
             slot = table[position // block_size] * block_size + position % block_size
             pool_k[slot], pool_v[slot] = k[:, position], v[:, position]
         group = num_heads // num_kv_heads
-        expected.append(torch.nn.functional.scaled_dot_product_attention(
-            q[b][:, None], k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0))[:, 0])
+        expected.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q[b][:, None], k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+            )[:, 0]
+        )
         tables.append(table)
     shape = (num_blocks, block_size, num_kv_heads, D)
     return q, pool_k.view(shape), pool_v.view(shape), tables, torch.stack(expected)
@@ -173,8 +195,9 @@ DECODE_CASES = [  # (context lengths, H, H_kv, block size, shared prefix tokens)
 def test_paged_decode_attention_equals_per_sequence_sdpa(lengths, num_heads, num_kv_heads, block_size, shared):
     from decodelab.lessons.paged_kv import paged_decode_attention, per_sequence_decode_attention
 
-    q, key_cache, value_cache, tables, expected = decode_batch_case(lengths, num_heads, num_kv_heads, block_size,
-                                                                    seed=len(lengths), shared_prefix=shared)
+    q, key_cache, value_cache, tables, expected = decode_batch_case(
+        lengths, num_heads, num_kv_heads, block_size, seed=len(lengths), shared_prefix=shared
+    )
     assert any(sorted(t) != t for t in tables), "the case should hold a table out of order"
     if shared:
         held = [b for t in tables for b in t]
@@ -183,8 +206,9 @@ def test_paged_decode_attention_equals_per_sequence_sdpa(lengths, num_heads, num
     for block_tables, context_lens in ((tables, lengths), (padded_with(tables, -1), torch.tensor(lengths))):
         got = paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(per_sequence_decode_attention(q, key_cache, value_cache, tables, lengths), expected,
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        per_sequence_decode_attention(q, key_cache, value_cache, tables, lengths), expected, atol=1e-5, rtol=1e-5
+    )
     assert before[0] == tables and torch.equal(before[1], key_cache) and torch.equal(before[2], value_cache)
 
 
@@ -197,11 +221,14 @@ def test_paged_decode_attention_keeps_q_dtype_and_softmaxes_in_float32():
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("tables, lengths, message", [
-    ([[0, 1], [2]], [9, 4], r"context_lens \[9, 4\] must each lie in 1 \.\. .* \[8, 4\]"),
-    ([[0, 1], [2]], [8, 0], "must each lie in 1"),
-    ([[0, 1]], [8, 4], "q holds 2 sequences; got 1 block tables and 2 context lengths"),
-])
+@pytest.mark.parametrize(
+    "tables, lengths, message",
+    [
+        ([[0, 1], [2]], [9, 4], r"context_lens \[9, 4\] must each lie in 1 \.\. .* \[8, 4\]"),
+        ([[0, 1], [2]], [8, 0], "must each lie in 1"),
+        ([[0, 1]], [8, 4], "q holds 2 sequences; got 1 block tables and 2 context lengths"),
+    ],
+)
 def test_paged_decode_attention_names_bad_input(tables, lengths, message):
     from decodelab.lessons.paged_kv import paged_decode_attention
 

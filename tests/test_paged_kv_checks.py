@@ -1,19 +1,24 @@
 """Notebook 07's hidden checks: they pass on the library's reference implementations (and on an
 allocator written another valid way), and catch every kept bug (tests/fixtures/buggy_paged_kv.py)
 with a message that names the case; the notebook's visible allocator tests catch the bugs too."""
+
 from __future__ import annotations
 
 import pytest
+from oracles import expect_bug_caught, load_fixture
 
 from autograder.checks import paged_kv as checks
 from decodelab.engine.block_allocator import BlockAllocator, kv_waste
 from decodelab.engine.paged_attention import gather_kv
 from decodelab.lessons.paged_kv import paged_decode_attention
-from oracles import expect_bug_caught, load_fixture
 
 buggy = load_fixture("buggy_paged_kv")
-CHECK_OF = {"kv_waste": "check_kv_waste", "gather_kv": "check_gather_kv",
-            "paged_decode_attention": "check_paged_decode_attention", "BlockAllocator": "check_block_allocator"}
+CHECK_OF = {
+    "kv_waste": "check_kv_waste",
+    "gather_kv": "check_gather_kv",
+    "paged_decode_attention": "check_paged_decode_attention",
+    "BlockAllocator": "check_block_allocator",
+}
 
 
 def test_reference_passes():
@@ -48,22 +53,34 @@ def test_messages_name_the_case():
     with pytest.raises(AssertionError, match=r"token 0 should come from slot 20 \(block 5, offset 0\)"):
         checks.check_gather_kv(buggy.gather_kv_adds_offset_to_block_id)
     # A decode batch: the call, the sequence and head, and which sequences differ (here: the padded ones).
-    with pytest.raises(AssertionError, match=r"block_tables=\[\[5, 1\], \[3\], \[0, 4, 2\]\] \(lists\), "
-                                             r"context_lens=\[5, 1, 11\]\): sequence 0 .*Sequences that differ: "
-                                             r"\[0, 1\] of 3; .*\(padded\): \[0, 1\]"):
+    with pytest.raises(
+        AssertionError,
+        match=r"block_tables=\[\[5, 1\], \[3\], \[0, 4, 2\]\] \(lists\), "
+        r"context_lens=\[5, 1, 11\]\): sequence 0 .*Sequences that differ: "
+        r"\[0, 1\] of 3; .*\(padded\): \[0, 1\]",
+    ):
         checks.check_paged_decode_attention(buggy.decode_attention_padding_unmasked)
     with pytest.raises(AssertionError, match=r"query head 1 \(it reads KV head 1 // 2 = 0\)"):
         checks.check_paged_decode_attention(buggy.decode_attention_heads_modulo)
     # The allocator's messages: the operations so far, then what was expected and what came back.
-    with pytest.raises(AssertionError, match=r"(?s)1\. A = allocate\(\[1, 2, 3, 4, 5, 6, 7, 8, 100, 101, 102\]\).*"
-                                             r"free_sequence\(A's table .*ref_count\(\d+\): expected 1 "
-                                             r"\(block \d+ is held by B\), got 2"):
+    with pytest.raises(
+        AssertionError,
+        match=r"(?s)1\. A = allocate\(\[1, 2, 3, 4, 5, 6, 7, 8, 100, 101, 102\]\).*"
+        r"free_sequence\(A's table .*ref_count\(\d+\): expected 1 "
+        r"\(block \d+ is held by B\), got 2",
+    ):
         checks.check_block_allocator(buggy.FreeForgetsSharedBlocks)
-    with pytest.raises(AssertionError, match=r"A2 must now write the K/V of its token 6 into block \d+ .* which A "
-                                             r"and A3 also hold"):
+    with pytest.raises(
+        AssertionError,
+        match=r"A2 must now write the K/V of its token 6 into block \d+ .* which A "
+        r"and A3 also hold",
+    ):
         checks.check_block_allocator(buggy.CowWritesShared)
-    with pytest.raises(AssertionError, match=r"is_cached\(\d+\), A's entry 2 \(partly filled: 3 of 4 tokens\): "
-                                             r"expected False, got True"):
+    with pytest.raises(
+        AssertionError,
+        match=r"is_cached\(\d+\), A's entry 2 \(partly filled: 3 of 4 tokens\): "
+        r"expected False, got True",
+    ):
         checks.check_block_allocator(buggy.PartialBlockCached)
     with pytest.raises(AssertionError, match=r"the number of cached tokens: expected 8 \(2 full blocks"):
         checks.check_block_allocator(buggy.CachesLastToken)
@@ -72,16 +89,25 @@ def test_messages_name_the_case():
     with pytest.raises(AssertionError, match=r"can_allocate\(\[1, 2, .*\]\): expected False, got True"):
         checks.check_block_allocator(buggy.CanAllocateIgnoresCachedFree)
     # A speculative step: reserve for the drafts, shrink back to the accepted ones.
-    with pytest.raises(AssertionError, match=r"reserve\(A's table \[\d+, \d+, \d+\], 5 \+ 10 drafts\): expected "
-                                             r"False, got True\n  \(5 new blocks .* and a copy of its shared last "
-                                             r"block, 5 free\)"):
+    with pytest.raises(
+        AssertionError,
+        match=r"reserve\(A's table \[\d+, \d+, \d+\], 5 \+ 10 drafts\): expected "
+        r"False, got True\n  \(5 new blocks .* and a copy of its shared last "
+        r"block, 5 free\)",
+    ):
         checks.check_block_allocator(buggy.ReserveWritesSharedTail)
-    with pytest.raises(AssertionError, match=r"it returned False, so it must change nothing, but A's table went "
-                                             r"from \[\d+, \d+, \d+\] to \[(\d+, ){6}\d+\]"):
+    with pytest.raises(
+        AssertionError,
+        match=r"it returned False, so it must change nothing, but A's table went "
+        r"from \[\d+, \d+, \d+\] to \[(\d+, ){6}\d+\]",
+    ):
         checks.check_block_allocator(buggy.ReserveTakesBeforeChecking)
-    with pytest.raises(AssertionError, match=r"1 of 4 drafts accepted and 30 sampled, 6 computed\): "
-                                             r"is_cached\(\d+\), A's entry 2 \(full: \[5, 6\] after 4 tokens\): "
-                                             r"expected True, got False"):
+    with pytest.raises(
+        AssertionError,
+        match=r"1 of 4 drafts accepted and 30 sampled, 6 computed\): "
+        r"is_cached\(\d+\), A's entry 2 \(full: \[5, 6\] after 4 tokens\): "
+        r"expected True, got False",
+    ):
         checks.check_block_allocator(buggy.ShrinkForgetsNames)
 
 
@@ -102,7 +128,9 @@ def _notebook_visible_test():
     return setup, visible_part(graded_cells(nb)["test_BlockAllocator"].source)
 
 
-@pytest.mark.parametrize("bug", sorted(bug for bug, (_, check, _) in buggy.BUGS.items() if check == "check_block_allocator"))
+@pytest.mark.parametrize(
+    "bug", sorted(bug for bug, (_, check, _) in buggy.BUGS.items() if check == "check_block_allocator")
+)
 def test_the_notebooks_visible_tests_catch_each_allocator_bug(bug):
     """Not only one bug per exercise (tests/test_notebooks.py): every kept allocator bug fails the
     visible tests a learner runs, with an AssertionError (a friendly message, not a crash)."""
@@ -123,13 +151,15 @@ def test_the_notebooks_visible_tests_catch_each_allocator_bug(bug):
         assert not should_fail, f"the visible tests pass on {bug}"
 
 
-@pytest.mark.parametrize("bug", sorted(bug for bug, (_, check, _) in buggy.BUGS.items()
-                                       if check == "check_paged_decode_attention"))
+@pytest.mark.parametrize(
+    "bug", sorted(bug for bug, (_, check, _) in buggy.BUGS.items() if check == "check_paged_decode_attention")
+)
 def test_the_notebooks_visible_tests_catch_each_decode_attention_bug(bug):
     """Every kept bug of paged_decode_attention fails the visible tests with an AssertionError."""
-    from notebooks import graded_cells, read, solution_path, visible_part
     import contextlib
     import io
+
+    from notebooks import graded_cells, read, solution_path, visible_part
 
     nb = read(solution_path("07_paged_kv"))
     setup = next(c.source for c in nb.cells if c.cell_type == "code")

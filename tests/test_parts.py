@@ -1,6 +1,7 @@
 """The learner's engine (decodelab.course.parts): the bill of materials from progress's rows, and
 `python -m decodelab progress --serve`, whose engine made of the solutions' parts writes the tokens
 of `python -m decodelab generate`, and falls back stage by stage to the library."""
+
 from __future__ import annotations
 
 import json
@@ -10,18 +11,19 @@ import subprocess
 import sys
 
 import pytest
+from notebooks import COURSE, ROOT, SOLUTIONS
 
 from decodelab.course import parts, progress
 from decodelab.engine.scheduler import Scheduler
-from notebooks import COURSE, ROOT, SOLUTIONS
 
 PROMPT = "What is gravity?"
 
 
 def run_module(*args, timeout=600) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "lib"), str(ROOT)]))
-    run = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=env,
-                         timeout=timeout, cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout)
 
@@ -51,8 +53,10 @@ def test_every_stage_names_exercises_of_its_notebook_and_a_hook():
 def test_a_stage_is_yours_only_when_all_its_exercises_pass():
     rows = [r for r in all_passing() if r.notebook != "07_paged_kv"]  # 07 is not in the folder
     rows = [row(r.notebook, r.exercise, "not started") if r.exercise == "rope" else r for r in rows]
-    rows = [row(r.notebook, r.exercise, "failing: top_p_filter kept 3 tokens") if r.exercise == "top_p_filter" else r
-            for r in rows]
+    rows = [
+        row(r.notebook, r.exercise, "failing: top_p_filter kept 3 tokens") if r.exercise == "top_p_filter" else r
+        for r in rows
+    ]
     bill = {e.stage.name: e for e in parts.bill_of_materials(rows)}
     assert bill["forward pass"].source == "reference" and bill["forward pass"].why == "rope: not started"
     assert bill["attention"].source == "yours"  # the same notebook, but its own exercise passes
@@ -61,8 +65,12 @@ def test_a_stage_is_yours_only_when_all_its_exercises_pass():
     assert bill["block allocator"].source == "reference" and "no 07_paged_kv notebook" in bill["block allocator"].why
     assert bill["int8 linear layer"].source == "reference" and "float32" in bill["int8 linear layer"].why
     assert not bill["speculative acceptance"].in_engine and bill["speculative acceptance"].passing
-    assert {n for n, e in bill.items() if e.source == "yours"} == {"attention", "repetition penalty", "scheduler",
-                                                                     "engine step"}
+    assert {n for n, e in bill.items() if e.source == "yours"} == {
+        "attention",
+        "repetition penalty",
+        "scheduler",
+        "engine step",
+    }
     int8 = {e.stage.name: e for e in parts.bill_of_materials(all_passing(), quantization="int8")}
     assert int8["int8 linear layer"].source == "yours" and int8["forward pass"].source == "reference"
     assert "reads float weights" in int8["forward pass"].why
@@ -74,8 +82,14 @@ def test_a_stage_is_yours_only_when_all_its_exercises_pass():
 
 def test_quantization_without_serve_is_a_usage_error():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "lib"), str(ROOT)]))
-    run = subprocess.run([sys.executable, "-m", "decodelab", "progress", "--course", str(COURSE), "--quantization",
-                          "int8"], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, "-m", "decodelab", "progress", "--course", str(COURSE), "--quantization", "int8"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert run.returncode == 2 and "--quantization goes with --serve" in run.stderr and run.stdout == ""
 
 
@@ -111,8 +125,11 @@ def test_serve_with_every_part_yours_writes_generates_tokens(filled_course):
     served = run["serve"]
     assert served["prompt_ids"] == generated["prompt_ids"]
     assert served["output_ids"] == generated["output_ids"] and len(served["output_ids"]) == 32
-    assert served["parts"] == {stage.name: "reference" if stage.hook == "linear" else "yours"
-                               for stage in parts.STAGES if stage.hook != "accept_draft_tokens"}
+    assert served["parts"] == {
+        stage.name: "reference" if stage.hook == "linear" else "yours"
+        for stage in parts.STAGES
+        if stage.hook != "accept_draft_tokens"
+    }
 
 
 LOAD_AND_SERVE = """
@@ -144,11 +161,16 @@ def test_a_released_notebook_reads_reference_and_the_tokens_stay(filled_course):
     rows = [r for r in run["exercises"] if r["notebook"] != "01_forward_pass"] + [vars(r) for r in fresh]
     served = run_module("-c", LOAD_AND_SERVE, folder, json.dumps(rows), PROMPT)
     assert served["output_ids"] == generated["output_ids"]
-    expected = {stage.name: "reference" if stage.hook == "linear" or stage.notebook == "01_forward_pass" else "yours"
-                for stage in parts.STAGES if stage.hook != "accept_draft_tokens"}
+    expected = {
+        stage.name: "reference" if stage.hook == "linear" or stage.notebook == "01_forward_pass" else "yours"
+        for stage in parts.STAGES
+        if stage.hook != "accept_draft_tokens"
+    }
     assert served["parts"] == expected
-    assert served["why"]["forward pass"] == "rms_norm: not started; rope: not started; mlp: not started; " \
-                                            "forward: not started"
+    assert (
+        served["why"]["forward pass"] == "rms_norm: not started; rope: not started; mlp: not started; "
+        "forward: not started"
+    )
     for name, source in expected.items():  # a stage of yours runs code from your notebook's module
         module = served["hook_modules"][name]
         if source == "yours":
@@ -172,7 +194,7 @@ def test_int8_serves_your_int8_linear_with_the_library_int8_tokens(filled_course
 
 # --------------------------------------------------------------------------- a part that breaks in the engine
 
-BROKEN_PARTS = '''
+BROKEN_PARTS = """
 import torch
 
 def sample(*args, **kwargs):
@@ -180,7 +202,7 @@ def sample(*args, **kwargs):
 
 def apply_repetition_penalty(logits, token_ids, penalty):
     return None  # passes a test that only checks it does not raise; the engine reads its logits
-'''
+"""
 
 
 def planted(*stages: str) -> parts.Assembly:
@@ -192,8 +214,10 @@ def planted(*stages: str) -> parts.Assembly:
     sampling = {"__name__": "_decodelab_yours_02_sampling"}
     exec(compile(BROKEN_PARTS, "<02_sampling cells>", "exec"), sampling)
     # an innocent stage: 08's methods, as the library writes them
-    scheduling = {"__name__": "_decodelab_yours_08", **{name: getattr(Scheduler, name)
-                                                        for name in parts.stage_exercises("scheduler")[1]}}
+    scheduling = {
+        "__name__": "_decodelab_yours_08",
+        **{name: getattr(Scheduler, name) for name in parts.stage_exercises("scheduler")[1]},
+    }
     namespaces = {"02_sampling": sampling, "08_continuous_batching": scheduling}
     hooks = parts.EngineHooks()
     for entry in bill:
@@ -206,8 +230,9 @@ def tiny_run(hooks):
     from decodelab import LLM, SamplingParams
 
     llm = LLM("tiny", hooks=hooks)
-    out = llm.generate([[1, 5, 9, 4]], SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [[1, 5, 9, 4]], SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3), use_tqdm=False
+    )[0]
     return out.outputs[0].token_ids
 
 

@@ -1,6 +1,7 @@
 """decodelab.course.pictures: the engine map is built from PARTS and EngineHooks (every part on
 it, a notebook's own highlighted, a new part or hook shows up by itself), and each flow picture
 draws a real object's state (it changes when the state does) and refuses bad input."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,8 +55,18 @@ def test_the_highlight_is_exactly_the_notebooks_parts(notebook):
 def test_stages_come_in_serving_order_and_name_every_hook():
     svg = pictures.engine_map().svg
     order = [e.get("data-stage") for e in find_by_class(svg, "stage")]
-    pipeline = ["request", "tokenizer", "scheduler", "paged_kv", "forward", "attention", "linear", "sampling",
-                "speculative", "stream"]
+    pipeline = [
+        "request",
+        "tokenizer",
+        "scheduler",
+        "paged_kv",
+        "forward",
+        "attention",
+        "linear",
+        "sampling",
+        "speculative",
+        "stream",
+    ]
     assert [stage for stage in order if stage in pipeline] == pipeline
     hooks = {e.get("data-hook") for e in find_by_class(svg, "stage")}
     assert {f.name for f in dataclasses.fields(engine_llm.EngineHooks)} <= hooks
@@ -71,9 +82,11 @@ def test_every_part_has_a_stage_today_and_the_code_named_exists():
 
 def test_a_new_notebook_and_a_new_hook_appear_by_themselves(monkeypatch):
     monkeypatch.setitem(PARTS, ("12_disaggregation", "hand_off"), "disaggregation: hand-off between machines")
-    hooks = dataclasses.make_dataclass("EngineHooks", [(f.name, f.type, f) for f in
-                                                       dataclasses.fields(engine_llm.EngineHooks)]
-                                       + [("detokenize", object, dataclasses.field(default=None))])
+    hooks = dataclasses.make_dataclass(
+        "EngineHooks",
+        [(f.name, f.type, f) for f in dataclasses.fields(engine_llm.EngineHooks)]
+        + [("detokenize", object, dataclasses.field(default=None))],
+    )
     monkeypatch.setattr(engine_llm, "EngineHooks", hooks)
     svg = pictures.engine_map("12_disaggregation").svg
     assert parts_of(svg, "highlight") - {(None, None)} == {("12_disaggregation", "hand_off")}
@@ -129,8 +142,10 @@ def test_kv_cache_flow_of_a_long_deep_cache_draws_a_window():
 def test_block_table_picture_follows_the_pool():
     allocator = BlockAllocator(12, 4)
     system = list(range(1, 9))  # two full blocks, shared by prefix caching
-    tables = {"A": allocator.allocate(system + [100, 101, 102])[0],
-              "B": allocator.allocate(system + [200, 201, 202, 203, 204])[0]}
+    tables = {
+        "A": allocator.allocate(system + [100, 101, 102])[0],
+        "B": allocator.allocate(system + [200, 201, 202, 203, 204])[0],
+    }
     svg = pictures.block_table_picture(allocator, tables).svg
     shared = {int(e.get("data-block")) for e in find_by_class(svg, "shared")}
     assert shared == set(tables["A"][:2]) == set(tables["B"][:2])
@@ -142,7 +157,9 @@ def test_block_table_picture_follows_the_pool():
     assert len(find_by_class(after, "free")) + len(find_by_class(after, "cached")) == allocator.num_free
     big = BlockAllocator(200, 4)
     big_tables = {"A": big.allocate(list(range(30)))[0]}
-    drawn = [int(e.get("data-block")) for e in find_by_class(pictures.block_table_picture(big, big_tables).svg, "block")]
+    drawn = [
+        int(e.get("data-block")) for e in find_by_class(pictures.block_table_picture(big, big_tables).svg, "block")
+    ]
     assert drawn == list(range(60))  # a big pool: the blocks from 0, past the highest one held
     with pytest.raises(ValueError, match="outside the pool"):
         pictures.block_table_picture(allocator, {"B": tables["B"] + [12]})
@@ -160,20 +177,24 @@ def test_draft_verify_picture_of_a_real_greedy_step():
         speculative.prefill(target, target_cache, ids[:-1])
         speculative.prefill(draft, draft_cache, ids[:-1])
     greedy, k = SamplingParams(temperature=0), 4
-    trace = pictures.trace_speculative_step(speculative.speculative_step, target, draft, target_cache, draft_cache,
-                                            ids, k, greedy)
+    trace = pictures.trace_speculative_step(
+        speculative.speculative_step, target, draft, target_cache, draft_cache, ids, k, greedy
+    )
     # oracles: at temperature 0 the drafts are the draft's greedy tokens, the output the target's
-    assert trace.drafted == list(stream_token_ids(draft, ids, SamplingParams(temperature=0, max_tokens=k,
-                                                                             ignore_eos=True)))
-    assert trace.emitted == list(stream_token_ids(target, ids, SamplingParams(
-        temperature=0, max_tokens=len(trace.emitted), ignore_eos=True)))
+    assert trace.drafted == list(
+        stream_token_ids(draft, ids, SamplingParams(temperature=0, max_tokens=k, ignore_eos=True))
+    )
+    assert trace.emitted == list(
+        stream_token_ids(target, ids, SamplingParams(temperature=0, max_tokens=len(trace.emitted), ignore_eos=True))
+    )
     assert trace.target_cache == (len(ids) - 1, len(ids) + k, len(ids) + len(trace.emitted) - 1)
     svg = pictures.draft_verify_picture(trace, tokenizer).svg
     ET.fromstring(svg)
     proposed = [e for e in find_by_class(svg, "token") if e.get("id", "").startswith("propose-")]
     assert [e.get("data-kind") for e in proposed[1:]].count("accepted") == trace.num_accepted
-    assert len(find_by_class(svg, "rolled-back")) == (trace.target_cache[1] - trace.target_cache[2]
-                                                      + trace.draft_cache[1] - trace.draft_cache[2])
+    assert len(find_by_class(svg, "rolled-back")) == (
+        trace.target_cache[1] - trace.target_cache[2] + trace.draft_cache[1] - trace.draft_cache[2]
+    )
     too_long = dataclasses.replace(trace, emitted=trace.drafted + [1, 2])
     with pytest.raises(ValueError, match="emits"):
         pictures.draft_verify_picture(too_long)

@@ -2,6 +2,7 @@
 stating its unit and tolerance, the grader and the notebook's feedback applying the same rule to the
 same answer, and each comparison printed once. The notebook runs themselves are checked in
 tests/test_notebooks.py (test_solution_feedback_agrees_with_its_grade)."""
+
 from __future__ import annotations
 
 import ast
@@ -9,10 +10,10 @@ import importlib
 import re
 
 import pytest
+from notebooks import COURSE, SOLUTIONS, grade_id, graded_cells, hidden_calls, read
 
 from decodelab.course import predictions
 from decodelab.course.predictions import QUESTIONS
-from notebooks import COURSE, SOLUTIONS, grade_id, graded_cells, hidden_calls, read
 
 
 def _q_cells(folder) -> dict[str, dict[str, object]]:
@@ -32,7 +33,7 @@ def _answer_and_check(name: str):
     """(the grader's answer_q_<name>(), its check_q_<name>) for one question, found through the
     notebook's hidden call."""
     nb = read(SOLUTIONS / QUESTIONS[name].notebook / f"{QUESTIONS[name].notebook}.ipynb")
-    (check, _), = hidden_calls(graded_cells(nb)[f"test_{name}"].source)
+    ((check, _),) = hidden_calls(graded_cells(nb)[f"test_{name}"].source)
     topic, _, function = check.rpartition(".")
     module = importlib.import_module(f"autograder.checks.{topic}")
     return getattr(module, f"answer_{name}")(), getattr(module, function)
@@ -55,16 +56,18 @@ def _grade(check, value) -> bool:
 def test_every_q_cell_is_in_the_table():
     asked = {(notebook, name) for notebook, cells in SOLUTION_Q.items() for name in cells}
     table = {(q.notebook, name) for name, q in QUESTIONS.items()}
-    assert asked == table, f"q_ cells without a row: {sorted(asked - table)}; rows without a q_ cell: " \
-                           f"{sorted(table - asked)}"
+    assert asked == table, (
+        f"q_ cells without a row: {sorted(asked - table)}; rows without a q_ cell: {sorted(table - asked)}"
+    )
 
 
 @pytest.mark.parametrize("folder", [SOLUTIONS, COURSE])
 def test_each_q_cell_states_its_unit_and_tolerance(folder):
     for notebook, cells in _q_cells(folder).items():
         for name, cell in cells.items():
-            assert f"# {QUESTIONS[name].statement}" in cell.source, \
+            assert f"# {QUESTIONS[name].statement}" in cell.source, (
                 f"{folder.name}/{notebook}/{name} does not state {QUESTIONS[name].statement!r}"
+            )
 
 
 @pytest.mark.parametrize("name", sorted(QUESTIONS))
@@ -82,8 +85,10 @@ def test_solution_feedback_and_grade_agree_around_the_answer(name, capsys):
         predictions.show_answer(name, value, answer)
         (line,) = capsys.readouterr().out.splitlines()  # one line per comparison
         says_pass = line.endswith("it passes")
-        assert says_pass == _grade(check, value), f"{name}: for {value!r} the feedback says {line!r}, the grade " \
-                                                  f"{'passes' if _grade(check, value) else 'fails'}"
+        assert says_pass == _grade(check, value), (
+            f"{name}: for {value!r} the feedback says {line!r}, the grade "
+            f"{'passes' if _grade(check, value) else 'fails'}"
+        )
         assert ("you predicted" not in line) or f"graded {q.tolerance_text}" in line, line
     assert not _grade(check, answer + 1.02 * tolerance) and _grade(check, answer + 0.98 * tolerance)
 

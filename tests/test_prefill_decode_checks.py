@@ -2,6 +2,7 @@
 every kept bug (tests/fixtures/buggy_prefill_decode.py) with a message that names the case. Also the
 two small library functions the notebook added (latencies_from_timestamps, decode_greedy), and the
 rule that each exercise has exactly its reference's signature and docstring."""
+
 from __future__ import annotations
 
 import ast
@@ -11,15 +12,15 @@ import re
 
 import pytest
 import torch
-
-from autograder.checks import prefill_decode as checks
-from decodelab.lessons import prefill_decode as pf
-from decodelab.lessons.detokenize import CountingTokenizer, sentencepiece_style_tokenizer
-from decodelab.decoding.generate import stream_token_ids
-from decodelab.model.kv_cache import KVCache
-from decodelab.params import SamplingParams
 from notebooks import grade_id, read, solution_path
 from oracles import expect_bug_caught, load_fixture, random_model
+
+from autograder.checks import prefill_decode as checks
+from decodelab.decoding.generate import stream_token_ids
+from decodelab.lessons import prefill_decode as pf
+from decodelab.lessons.detokenize import CountingTokenizer, sentencepiece_style_tokenizer
+from decodelab.model.kv_cache import KVCache
+from decodelab.params import SamplingParams
 
 buggy = load_fixture("buggy_prefill_decode")
 NAME = "04_prefill_decode"
@@ -94,7 +95,9 @@ def test_exercises_have_the_references_signature_and_docstring():
     assert set(defs) == set(checks.REFERENCES) | {"prefill"}
     for function, node in defs.items():
         reference = pf.prefill if function == "prefill" else _reference(function)
-        assert ast.get_docstring(node) == inspect.getdoc(reference), f"{function}: docstring differs from the reference's"
+        assert ast.get_docstring(node) == inspect.getdoc(reference), (
+            f"{function}: docstring differs from the reference's"
+        )
         source = ast.parse(inspect.getsource(reference).lstrip()).body[0]
         if isinstance(node, ast.ClassDef):  # a class: the same methods, each with the same signature and docstring
             methods = {n.name: n for n in node.body if isinstance(n, ast.FunctionDef)}
@@ -153,8 +156,10 @@ def test_decode_greedy_continues_a_prefill_like_the_generator():
     assert got == want and cache.seq_len == 7 + 5  # the last token is never fed back
     stop = want[2]
     cache = KVCache(model.config, 1, 13)
-    assert pf.decode_greedy(model, cache, pf.prefill(model, prompt, cache), 6, stop_token_ids=[stop]) == \
-        want[:want.index(stop) + 1]
+    assert (
+        pf.decode_greedy(model, cache, pf.prefill(model, prompt, cache), 6, stop_token_ids=[stop])
+        == want[: want.index(stop) + 1]
+    )
     with pytest.raises(ValueError, match="max_tokens"):
         pf.decode_greedy(model, cache, torch.zeros(1, 97), 0)
 
@@ -175,15 +180,18 @@ def test_timed_generate_with_the_real_clock():
     model = random_model(16)
     prompt = torch.randint(0, 97, (6,)).tolist()
     run = pf.timed_generate(model, prompt, 4, KVCache(model.config, 1, 10))
-    assert run["token_ids"] == list(stream_token_ids(model, prompt, SamplingParams(temperature=0, max_tokens=4,
-                                                                                  ignore_eos=True)))
+    assert run["token_ids"] == list(
+        stream_token_ids(model, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    )
     assert run["start_s"] <= run["token_times_s"][0] and run["token_times_s"] == sorted(run["token_times_s"])
 
 
 def test_predictions_are_graded_within_five_percent():
     checks.check_q_kv_share_percent(21.1)
     checks.check_q_prefill_tokens_to_ridge(296)
-    for check, wrong in ((checks.check_q_kv_share_percent, 100 * 4.3e9 / 16.06e9),  # K/V over the weights alone
-                         (checks.check_q_prefill_tokens_to_ridge, 2 * 296)):  # 1 FLOP per token and weight
+    for check, wrong in (
+        (checks.check_q_kv_share_percent, 100 * 4.3e9 / 16.06e9),  # K/V over the weights alone
+        (checks.check_q_prefill_tokens_to_ridge, 2 * 296),
+    ):  # 1 FLOP per token and weight
         with pytest.raises(AssertionError, match="you predicted"):
             check(wrong)

@@ -1,6 +1,7 @@
 """`python -m decodelab progress`: every exercise of a learner's folder as passing, failing (with
 the first line of its message) or not started; robust to the learner's hangs, crashes, prints
 and broken notebooks; refuses to run as root over someone else's folder."""
+
 from __future__ import annotations
 
 import inspect
@@ -17,18 +18,24 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
-from decodelab.course import progress
 from notebooks import COURSE, ROOT, SOLUTIONS, grade_id, read
 from oracles import load_fixture
+
+from decodelab.course import progress
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def run_progress(*args, timeout=240) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "lib"), str(ROOT)]))
-    return subprocess.run([sys.executable, "-m", "decodelab", "progress", *map(str, args)], capture_output=True,
-                          text=True, env=env, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "decodelab", "progress", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def statuses(run: subprocess.CompletedProcess) -> dict[tuple[str, str], str]:
@@ -83,8 +90,14 @@ def test_set_up_is_the_code_before_the_first_numbered_section_or_exercise():
     # its logits. The cells under "## 1." are demonstrations, not set-up.
     assert [i for i, _ in plan.setup] == [1, 2, 4]
     assert "course.setup_notebook()" in plan.setup[0][1]
-    assert [name for name, _, _ in plan.cells] == ["top_k_filter", "top_p_filter", "apply_repetition_penalty",
-                                                   "process_logits", "sample", "beam_search"]
+    assert [name for name, _, _ in plan.cells] == [
+        "top_k_filter",
+        "top_p_filter",
+        "apply_repetition_penalty",
+        "process_logits",
+        "sample",
+        "beam_search",
+    ]
     assert all(cells[i].metadata.nbgrader.grade_id == f"ex_{name}" for name, i, _ in plan.cells)
     for name, visible in plan.tests.items():
         assert "hidden(" not in visible and progress.HIDDEN_BEGIN not in visible and f"{name}(" in visible
@@ -128,7 +141,8 @@ def test_solutions_pass_and_a_kept_bug_fails(tmp_path):
     found = statuses(run)
     assert {nb for nb, _ in found} == {"02_sampling", "03_kv_cache"}
     assert found.pop(("02_sampling", "top_k_filter")).startswith(
-        "failing: top_k_filter(logits [3, 1, 2, 2, 0.5], k=2): tokens 2 and 3 tie for 2nd place")
+        "failing: top_k_filter(logits [3, 1, 2, 2, 0.5], k=2): tokens 2 and 3 tie for 2nd place"
+    )
     found.pop(("02_sampling", "sample"))  # the solution's sample calls the buggy top_k_filter
     assert len(found) == 9 and set(found.values()) == {"passing"}, found
 
@@ -139,19 +153,25 @@ def test_solutions_pass_and_a_kept_bug_fails(tmp_path):
 
 @pytest.mark.slow
 def test_an_endless_loop_times_out_and_other_notebooks_keep_their_rows(tmp_path):
-    looping = ("def count_parameters(config):\n"
-               "    print('thinking...')\n"
-               "    while True:\n"
-               "        pass\n")
+    looping = "def count_parameters(config):\n    print('thinking...')\n    while True:\n        pass\n"
     copy_notebook(COURSE, "00_meet_the_model", tmp_path, replace={"ex_count_parameters": looping})
     copy_notebook(SOLUTIONS, "11_tiled_attention", tmp_path)  # runs, in its own subprocess
     found = statuses(run_progress("--course", tmp_path, "--timeout", "15", "--json"))
-    assert found == {("00_meet_the_model", "bpe_encode"): "not started",
-                     ("00_meet_the_model", "count_parameters"): "failing: timed out after 15 s",
-                     ("00_meet_the_model", "decode_tokens_per_second_bound"): "not started",
-                     **{("11_tiled_attention", name): "passing"
-                        for name in ["attention_memory_bytes", "online_softmax_update", "tiled_attention", "tiled_causal_attention",
-                                     "combine_partial_attention"]}}
+    assert found == {
+        ("00_meet_the_model", "bpe_encode"): "not started",
+        ("00_meet_the_model", "count_parameters"): "failing: timed out after 15 s",
+        ("00_meet_the_model", "decode_tokens_per_second_bound"): "not started",
+        **{
+            ("11_tiled_attention", name): "passing"
+            for name in [
+                "attention_memory_bytes",
+                "online_softmax_update",
+                "tiled_attention",
+                "tiled_causal_attention",
+                "combine_partial_attention",
+            ]
+        },
+    }
 
 
 # Synthetic notebooks (no torch): the learner's crashes, prints and mistakes, quickly.
@@ -168,8 +188,15 @@ def synthetic_notebook(path: Path, cells: list[tuple[str, str, str | None]], rel
         cell = nbformat.v4.new_code_cell(textwrap.dedent(source))
         if gid:
             graded = gid.startswith("test_")
-            cell.metadata["nbgrader"] = {"grade": graded, "grade_id": gid, "locked": graded, "solution": not graded,
-                                         "schema_version": 3, "task": False, **({"points": 1} if graded else {})}
+            cell.metadata["nbgrader"] = {
+                "grade": graded,
+                "grade_id": gid,
+                "locked": graded,
+                "solution": not graded,
+                "schema_version": 3,
+                "task": False,
+                **({"points": 1} if graded else {}),
+            }
         if gid in (released or {}):
             as_released = nbformat.v4.new_code_cell(textwrap.dedent(released[gid]), metadata=dict(cell.metadata))
             cell.metadata["nbgrader"]["checksum"] = progress.release_checksum(as_released)
@@ -179,9 +206,15 @@ def synthetic_notebook(path: Path, cells: list[tuple[str, str, str | None]], rel
 
 
 def exercise(name: str, body: str, test: str) -> list[tuple[str, str, str | None]]:
-    return [("code", body, f"ex_{name}"),
-            ("code", f"{textwrap.dedent(test)}\n### BEGIN HIDDEN TESTS\nraise AssertionError('hidden tests ran')\n"
-                     "### END HIDDEN TESTS\n", f"test_{name}")]
+    return [
+        ("code", body, f"ex_{name}"),
+        (
+            "code",
+            f"{textwrap.dedent(test)}\n### BEGIN HIDDEN TESTS\nraise AssertionError('hidden tests ran')\n"
+            "### END HIDDEN TESTS\n",
+            f"test_{name}",
+        ),
+    ]
 
 
 COUNTER = """\
@@ -195,33 +228,54 @@ class Counter:
 
 
 def test_crashes_prints_and_mistakes_cost_only_their_rows(tmp_path):
-    synthetic_notebook(tmp_path / "90_mistakes" / "90_mistakes.ipynb", [
-        ("markdown", "# 90 · Mistakes\n## 0. Set-up", None),
-        ("code", "import os, sys\nBASE = 10\nprint('set-up says hi' * 1000)\nprint('noise', file=sys.stderr)", None),
-        ("markdown", "## 1. First", None),
-        ("code", "raise RuntimeError('an explorer cell: never run by progress')", None),
-        *exercise("add", "def add(x):\n    print('{\"not\": \"json\"}')\n    return x + BASE\n",
-                  "assert add(1) == 11, 'add(1) should be 11'"),
-        ("code", "raise RuntimeError('an experiment between exercises: never run')", None),
-        *exercise("stub", "def stub():\n    # YOUR CODE HERE\n    raise NotImplementedError('write it')\n",
-                  "stub()"),
-        *exercise("uses_stub", "def uses_stub():\n    return stub() + 1\n", "uses_stub()"),
-        *exercise("wrong", "def wrong(x):\n    return x\n",
-                  "assert wrong(2) == 3, 'wrong(2): expected 3, got ' + str(wrong(2))\nprint('not reached')"),
-        *exercise("exits", "import os\ndef exits():\n    os._exit(3)\n", "exits()"),
-        *exercise("segfaults", "import ctypes\ndef segfaults():\n    ctypes.string_at(0)\n", "segfaults()"),
-        *exercise("after_crash", "def after_crash():\n    return BASE\n", "assert after_crash() == 10"),
-        *exercise("typo", "def typo(:\n    pass\n", "typo()"),
-        *exercise("quits", "import sys\ndef quits():\n    sys.exit('bye')\n", "quits()"),
-        ("code", "def orphan():\n    return 1\n", "ex_orphan"),
-        *exercise("Counter", COUNTER.replace("        raise NotImplementedError('write it')\n", "        self.n = 0\n", 1),
-                  "c = Counter()\nc.bump()"),
-        *exercise("untouched", "def untouched():\n    return 1\n", "raise AssertionError('an unchanged cell ran')"),
-    ], released={"ex_Counter": COUNTER, "ex_untouched": "def untouched():\n    return 1\n"})
-    synthetic_notebook(tmp_path / "91_broken_setup" / "91_broken_setup.ipynb", [
-        ("code", "import nothing_called_this", None),
-        *exercise("fine", "def fine():\n    return 1\n", "assert fine() == 1"),
-    ])
+    synthetic_notebook(
+        tmp_path / "90_mistakes" / "90_mistakes.ipynb",
+        [
+            ("markdown", "# 90 · Mistakes\n## 0. Set-up", None),
+            (
+                "code",
+                "import os, sys\nBASE = 10\nprint('set-up says hi' * 1000)\nprint('noise', file=sys.stderr)",
+                None,
+            ),
+            ("markdown", "## 1. First", None),
+            ("code", "raise RuntimeError('an explorer cell: never run by progress')", None),
+            *exercise(
+                "add",
+                'def add(x):\n    print(\'{"not": "json"}\')\n    return x + BASE\n',
+                "assert add(1) == 11, 'add(1) should be 11'",
+            ),
+            ("code", "raise RuntimeError('an experiment between exercises: never run')", None),
+            *exercise(
+                "stub", "def stub():\n    # YOUR CODE HERE\n    raise NotImplementedError('write it')\n", "stub()"
+            ),
+            *exercise("uses_stub", "def uses_stub():\n    return stub() + 1\n", "uses_stub()"),
+            *exercise(
+                "wrong",
+                "def wrong(x):\n    return x\n",
+                "assert wrong(2) == 3, 'wrong(2): expected 3, got ' + str(wrong(2))\nprint('not reached')",
+            ),
+            *exercise("exits", "import os\ndef exits():\n    os._exit(3)\n", "exits()"),
+            *exercise("segfaults", "import ctypes\ndef segfaults():\n    ctypes.string_at(0)\n", "segfaults()"),
+            *exercise("after_crash", "def after_crash():\n    return BASE\n", "assert after_crash() == 10"),
+            *exercise("typo", "def typo(:\n    pass\n", "typo()"),
+            *exercise("quits", "import sys\ndef quits():\n    sys.exit('bye')\n", "quits()"),
+            ("code", "def orphan():\n    return 1\n", "ex_orphan"),
+            *exercise(
+                "Counter",
+                COUNTER.replace("        raise NotImplementedError('write it')\n", "        self.n = 0\n", 1),
+                "c = Counter()\nc.bump()",
+            ),
+            *exercise("untouched", "def untouched():\n    return 1\n", "raise AssertionError('an unchanged cell ran')"),
+        ],
+        released={"ex_Counter": COUNTER, "ex_untouched": "def untouched():\n    return 1\n"},
+    )
+    synthetic_notebook(
+        tmp_path / "91_broken_setup" / "91_broken_setup.ipynb",
+        [
+            ("code", "import nothing_called_this", None),
+            *exercise("fine", "def fine():\n    return 1\n", "assert fine() == 1"),
+        ],
+    )
     found = statuses(run_progress("--course", tmp_path, "--timeout", "60", "--json"))
     assert found == {
         ("90_mistakes", "add"): "passing",
@@ -237,7 +291,7 @@ def test_crashes_prints_and_mistakes_cost_only_their_rows(tmp_path):
         ("90_mistakes", "Counter"): "failing: Counter.bump is not written yet",  # edited, half written
         ("90_mistakes", "untouched"): "not started",  # as released: not even run
         ("91_broken_setup", "fine"): "failing: the set-up cell 0 raised ModuleNotFoundError: "
-                                     "No module named 'nothing_called_this'",
+        "No module named 'nothing_called_this'",
     }
 
 
@@ -248,18 +302,24 @@ def test_a_malformed_notebook_says_so_and_the_rest_still_run(tmp_path):
     found = statuses(run_progress("--course", tmp_path, "--json"))
     assert len(found) == 9  # 00's three exercises and 02's six
     assert {s for (nb, _), s in found.items() if nb == "00_meet_the_model"} == {"not started"}
-    assert {s.split(":")[:2] == ["failing", " the notebook cannot be read"]
-            for (nb, _), s in found.items() if nb == "02_sampling"} == {True}
+    assert {
+        s.split(":")[:2] == ["failing", " the notebook cannot be read"]
+        for (nb, _), s in found.items()
+        if nb == "02_sampling"
+    } == {True}
     table = run_progress("--course", tmp_path)
     assert table.returncode == 0 and "sampling: top-k" in table.stdout and "cannot be read" in table.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--course", "/no/such/folder"], "is not a folder"),
-    (["--course", "{empty}"], "no course notebooks"),
-    (["--course", str(COURSE), "--notebooks", "99_nothing"], "no notebook 99_nothing"),
-    (["--course", str(COURSE), "--timeout", "0"], "--timeout"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--course", "/no/such/folder"], "is not a folder"),
+        (["--course", "{empty}"], "no course notebooks"),
+        (["--course", str(COURSE), "--notebooks", "99_nothing"], "no notebook 99_nothing"),
+        (["--course", str(COURSE), "--timeout", "0"], "--timeout"),
+    ],
+)
 def test_bad_input_exits_2(tmp_path, args, message):
     run = run_progress(*[a.replace("{empty}", str(tmp_path)) for a in args])
     assert run.returncode == 2 and message in run.stderr and run.stdout == "", (run.stdout, run.stderr)
@@ -267,12 +327,15 @@ def test_bad_input_exits_2(tmp_path, args, message):
 
 # --------------------------------------------------------------------------- as root; what the code starts
 
-as_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root (to chown, and to be refused)")
+as_root = pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root (to chown, and to be refused)"
+)
 NOBODY = 65534  # a uid that is not root's: the student
 
 
-def one_exercise_course(folder: Path, name: str = "90_one", body: str = "def one():\n    return 1\n",
-                        test: str = "assert one() == 1") -> Path:
+def one_exercise_course(
+    folder: Path, name: str = "90_one", body: str = "def one():\n    return 1\n", test: str = "assert one() == 1"
+) -> Path:
     path = folder / name / f"{name}.ipynb"
     synthetic_notebook(path, exercise(name.split("_", 1)[1], body, test))
     return path
@@ -287,7 +350,8 @@ def test_root_refuses_a_students_notebook_in_roots_folder(tmp_path):
     user = pwd.getpwuid(NOBODY).pw_name
     assert run.stderr.strip() == (
         f"decodelab: error: {notebook} belongs to {user} (uid {NOBODY}), and progress would run the code in it as "
-        f"root. Run it as that user instead: sudo -u {user} python -m decodelab progress --course {tmp_path / 'course'}")
+        f"root. Run it as that user instead: sudo -u {user} python -m decodelab progress --course {tmp_path / 'course'}"
+    )
 
 
 def _students_module(course, notebook):
@@ -308,19 +372,34 @@ def _students_subfolder(course, notebook):
 
 
 @as_root
-@pytest.mark.parametrize("change, refused", [
-    (_students_module, "90_one/helpers.py belongs to"),
-    (_link_to_students_file, "elsewhere.py belongs to"),
-    (_students_subfolder, "90_one/data/deeper/mod.py belongs to"),
-    (lambda course, notebook: os.chown(course.parent, NOBODY, NOBODY), "home belongs to"),  # could swap course/
-    (lambda course, notebook: os.chmod(notebook.parent, 0o777), "90_one can be written by every user (mode 777)"),
-    (lambda course, notebook: os.chmod(notebook.parent, 0o1777), "90_one can be written by every user (mode 1777)"),
-    (lambda course, notebook: (os.chown(notebook, 0, NOBODY), os.chmod(notebook, 0o664)),
-     "90_one.ipynb can be written by the group"),
-    (lambda course, notebook: os.chmod(course.parent, 0o1777), None),  # shared like /tmp, on the way only
-    (lambda course, notebook: os.chmod(notebook, 0o664), None),  # root's own group
-], ids=["module", "symlink", "subfolder", "folder_on_the_way", "world_writable", "sticky_code_folder",
-        "group_writable", "sticky_on_the_way", "roots_group"])
+@pytest.mark.parametrize(
+    "change, refused",
+    [
+        (_students_module, "90_one/helpers.py belongs to"),
+        (_link_to_students_file, "elsewhere.py belongs to"),
+        (_students_subfolder, "90_one/data/deeper/mod.py belongs to"),
+        (lambda course, notebook: os.chown(course.parent, NOBODY, NOBODY), "home belongs to"),  # could swap course/
+        (lambda course, notebook: os.chmod(notebook.parent, 0o777), "90_one can be written by every user (mode 777)"),
+        (lambda course, notebook: os.chmod(notebook.parent, 0o1777), "90_one can be written by every user (mode 1777)"),
+        (
+            lambda course, notebook: (os.chown(notebook, 0, NOBODY), os.chmod(notebook, 0o664)),
+            "90_one.ipynb can be written by the group",
+        ),
+        (lambda course, notebook: os.chmod(course.parent, 0o1777), None),  # shared like /tmp, on the way only
+        (lambda course, notebook: os.chmod(notebook, 0o664), None),  # root's own group
+    ],
+    ids=[
+        "module",
+        "symlink",
+        "subfolder",
+        "folder_on_the_way",
+        "world_writable",
+        "sticky_code_folder",
+        "group_writable",
+        "sticky_on_the_way",
+        "roots_group",
+    ],
+)
 def test_root_runs_only_code_that_root_alone_can_change(tmp_path, change, refused):
     course = tmp_path / "home" / "course"
     notebook = one_exercise_course(course)
@@ -340,8 +419,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-ESCAPE = ("import subprocess; print(subprocess.Popen(['sleep', '300'], start_new_session=True, "
-          "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")  # in a session of its own, its parent gone
+ESCAPE = (
+    "import subprocess; print(subprocess.Popen(['sleep', '300'], start_new_session=True, "
+    "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"
+)  # in a session of its own, its parent gone
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: /proc and the child subreaper")

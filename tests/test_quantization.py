@@ -12,6 +12,7 @@ Error bounds, derived: round-to-nearest puts x / s within 1/2 of its level q, so
 rounding error of at most eps / 2 (eps = 2^-23), i.e. at most eps * max|x| in all; the
 checks allow s / 2 + 2 eps max|x|.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,18 +24,18 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import load_fixture, random_ids, random_model
 
 from autograder.checks.quantization import (  # the graded checks of notebook 06, not copies of them
     check_quantize_int4_groupwise,
     check_quantize_int8_per_channel,
     check_quantize_int8_per_tensor,
 )
-from decodelab.model import quantization as quant
 from decodelab.decoding.generate import stream_token_ids
+from decodelab.lessons.perplexity import heldout_text, perplexity, token_nlls
+from decodelab.model import quantization as quant
 from decodelab.model.kv_cache import KVCache
 from decodelab.params import SamplingParams
-from decodelab.lessons.perplexity import heldout_text, perplexity, token_nlls
-from oracles import random_ids, random_model, load_fixture
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -80,8 +81,9 @@ def check_dequantize_int8(fn):
     for scale in (torch.tensor(0.03), torch.rand(5, 1, generator=g)):
         got = fn(q, scale)
         assert got.dtype == torch.float32, f"expected float32, got {got.dtype}"
-        assert torch.allclose(got, q.float() * scale, rtol=1e-6, atol=0), \
+        assert torch.allclose(got, q.float() * scale, rtol=1e-6, atol=0), (
             f"expected q * scale for scale shape {tuple(scale.shape)}, got a different result"
+        )
 
 
 # --------------------------------------------------------------------------- checks: int4
@@ -97,25 +99,31 @@ def check_pack_int4(fn):
     assert got.dtype == torch.uint8, f"packed data must be uint8, got {got.dtype}"
     assert torch.equal(got, expected), (
         f"pack_int4([[-1, 7, -8, 0]]) should be bytes [0x7F, 0x08] (even column in the low nibble, "
-        f"4-bit two's complement), got {[hex(b) for b in got.flatten().tolist()]}")
+        f"4-bit two's complement), got {[hex(b) for b in got.flatten().tolist()]}"
+    )
     got = fn(ALL_PAIRS)
     bad = (got != ALL_PAIR_BYTES).flatten().nonzero().flatten()
-    assert bad.numel() == 0, f"pair {ALL_PAIRS[bad[0]].tolist()} packed to {hex(int(got[bad[0]]))}, " \
-                             f"expected {hex(int(ALL_PAIR_BYTES[bad[0]]))}"
+    assert bad.numel() == 0, (
+        f"pair {ALL_PAIRS[bad[0]].tolist()} packed to {hex(int(got[bad[0]]))}, "
+        f"expected {hex(int(ALL_PAIR_BYTES[bad[0]]))}"
+    )
     _expect_value_error(fn, torch.zeros(2, 3, dtype=torch.int8), what="an odd number of columns")
 
 
 def check_unpack_int4(fn):
     got = fn(ALL_PAIR_BYTES)
-    assert got.dtype == torch.int8 and tuple(got.shape) == (256, 2), \
+    assert got.dtype == torch.int8 and tuple(got.shape) == (256, 2), (
         f"expected int8 [256, 2] from uint8 [256, 1], got {got.dtype} {tuple(got.shape)}"
+    )
     bad = (got != ALL_PAIRS).any(dim=1).nonzero().flatten()
     assert bad.numel() == 0, (
         f"byte {hex(int(ALL_PAIR_BYTES[bad[0]]))} unpacked to {got[bad[0]].tolist()}, expected "
-        f"{ALL_PAIRS[bad[0]].tolist()} (a nibble >= 8 is negative: 0xF is -1)")
+        f"{ALL_PAIRS[bad[0]].tolist()} (a nibble >= 8 is negative: 0xF is -1)"
+    )
     got = fn(torch.tensor([[0x21, 0x43]], dtype=torch.uint8))
-    assert got.tolist() == [[1, 2, 3, 4]], \
+    assert got.tolist() == [[1, 2, 3, 4]], (
         f"bytes [[0x21, 0x43]] unpacked to {got.tolist()}, expected [[1, 2, 3, 4]] (low nibble first, byte by byte)"
+    )
 
 
 def check_dequantize_int4(fn):
@@ -125,8 +133,9 @@ def check_dequantize_int4(fn):
     scale = torch.rand(3, 4, generator=g)
     got = fn(packed, scale, 32)
     expected = (levels.float().reshape(3, 4, 32) * scale[..., None]).reshape(3, 128)
-    assert got.dtype == torch.float32 and got.shape == expected.shape, \
+    assert got.dtype == torch.float32 and got.shape == expected.shape, (
         f"expected float32 [3, 128], got {got.dtype} {tuple(got.shape)}"
+    )
     assert torch.allclose(got, expected, rtol=1e-6, atol=0), "dequantize_int4 differs from level * scale of its group"
 
 
@@ -140,8 +149,9 @@ def check_quantized_linear(cls):
             layer = cls.from_linear(linear, bits=bits, group_size=group or 64)
             w = layer.dequantized_weight()
             got, expected = layer(x), F.linear(x, w, linear.bias)
-            assert got.shape == (2, 3, 40) and torch.allclose(got, expected, rtol=1e-5, atol=1e-5), \
+            assert got.shape == (2, 3, 40) and torch.allclose(got, expected, rtol=1e-5, atol=1e-5), (
                 f"bits={bits} bias={bias}: forward differs from F.linear(x, dequantized weight, bias)"
+            )
             scale_bytes = 4 * 40 * (1 if bits == 8 else 128 // group)
             expected_bytes = 40 * 128 * bits // 8 + scale_bytes
             assert layer.nbytes == expected_bytes, f"bits={bits}: nbytes {layer.nbytes}, expected {expected_bytes}"
@@ -160,9 +170,19 @@ REFERENCE = {
 }
 
 
-CHECKS = {check.__name__: check for check in (
-    check_quantize_int8_per_tensor, check_quantize_int8_per_channel, check_dequantize_int8, check_pack_int4,
-    check_unpack_int4, check_quantize_int4_groupwise, check_dequantize_int4, check_quantized_linear)}
+CHECKS = {
+    check.__name__: check
+    for check in (
+        check_quantize_int8_per_tensor,
+        check_quantize_int8_per_channel,
+        check_dequantize_int8,
+        check_pack_int4,
+        check_unpack_int4,
+        check_quantize_int4_groupwise,
+        check_dequantize_int4,
+        check_quantized_linear,
+    )
+}
 
 
 @pytest.mark.parametrize("check_name", sorted(REFERENCE))
@@ -332,7 +352,9 @@ def test_int4_linear_scales_each_group_without_a_float_weight(group_size):
     layer = quant.Int4Linear.from_linear(linear, group_size)
     assert layer.group_size == group_size and layer.nbytes == 640 * 256 + 4 * 640 * 512 // group_size
     for k in range(512 // group_size):
-        assert torch.equal(layer.unpack_group(k), quant.unpack_int4(layer.weight_q)[:, k * group_size:(k + 1) * group_size])
+        assert torch.equal(
+            layer.unpack_group(k), quant.unpack_int4(layer.weight_q)[:, k * group_size : (k + 1) * group_size]
+        )
     x = torch.randn(3, 5, 512, generator=g)
     with torch.no_grad():
         got, exact = layer(x), linear(x)
@@ -354,10 +376,12 @@ def test_int4_linear_in_the_engine_writes_the_library_int4_tokens():
     for hooks in (None, EngineHooks(linear=quant.Int4Linear.from_linear)):
         llm = LLM("tiny", quantization="int4", num_kv_blocks=64, hooks=hooks)
         if hooks:
-            assert all(isinstance(m, quant.Int4Linear) for m in llm.model.model.layers.modules()
-                       if hasattr(m, "weight_q"))
-        outputs.append([r.outputs[0].token_ids for r in llm.generate(["def fibonacci(n):", "import os\n"], params,
-                                                                     use_tqdm=False)])
+            assert all(
+                isinstance(m, quant.Int4Linear) for m in llm.model.model.layers.modules() if hasattr(m, "weight_q")
+            )
+        outputs.append(
+            [r.outputs[0].token_ids for r in llm.generate(["def fibonacci(n):", "import os\n"], params, use_tqdm=False)]
+        )
     assert outputs[0] == outputs[1]
 
 
@@ -430,7 +454,7 @@ def test_quantized_kv_cache_random(kv_dtype):
     with torch.no_grad():
         ref = torch.cat([model(ids[:, :12], kv_cache=ref_cache), model(ids[:, 12:], kv_cache=ref_cache)], 1)
         prefill = model(ids[:, :12], kv_cache=cache)
-        got = torch.cat([prefill] + [model(ids[:, i:i + 1], kv_cache=cache) for i in range(12, 20)], 1)
+        got = torch.cat([prefill] + [model(ids[:, i : i + 1], kv_cache=cache) for i in range(12, 20)], 1)
     assert (got - ref).abs().max() < {"int8": 0.05, "fp8": 0.2, "fp16": 1e-3}[kv_dtype] * ref.abs().max()
     d = cfg.head_dim
     payload, scales = (1, 4) if kv_dtype != "fp16" else (2, 0)

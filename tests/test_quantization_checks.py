@@ -3,18 +3,21 @@ reference implementations and catch every kept bug, those of tests/fixtures/bugg
 and those of tests/fixtures/library/buggy_quantization.py whose check the notebook grades, with a message
 that names the case; the notebook's visible tests of the int8 and int4 layers and of replace_linears catch
 each of their kept bugs too."""
+
 from __future__ import annotations
 
 import importlib
 
 import pytest
 import torch
-
-from autograder.checks import quantization as checks
 from oracles import expect_bug_caught, load_fixture
 
+from autograder.checks import quantization as checks
+
 buggy = load_fixture("buggy_quantization")
-buggy_library = load_fixture("library/buggy_quantization")  # tests/test_quantization.py's kept bugs, graded here as well
+buggy_library = load_fixture(
+    "library/buggy_quantization"
+)  # tests/test_quantization.py's kept bugs, graded here as well
 
 GRADED_CHECKS = {
     "quantize_int8_per_tensor": "check_quantize_int8_per_tensor",
@@ -75,7 +78,7 @@ def test_messages_name_the_case():
 LAYER_MESSAGES = {
     "int8_linear_scale_per_input": r"weight_scale has shape \(1, 256\).*expected float32 \(1024, 1\): one scale per output row",
     "int8_linear_dequantizes_whole": r"took 2,097,152 bytes at once .* at most 524,288 bytes, half of a float32 copy "
-                                     r"of the weight \(1,048,576 bytes\)",
+    r"of the weight \(1,048,576 bytes\)",
     "int8_linear_scale_twice": "multiplied by its row's scale twice",
     "int8_linear_no_bias": "misses exactly the bias",
     "int8_linear_truncates": "truncates toward zero",
@@ -85,9 +88,9 @@ LAYER_MESSAGES = {
     "int4_linear_unsigned": r"two's complement: 0x8..0xF are -8..-1",
     "int4_linear_first_group_scale": "scaled by group 0's scale",
     "int4_linear_dequantizes_whole": r"took [\d,]+ bytes at once .* at most 851,968 bytes, what unpacking one group "
-                                     r"of 32 inputs at a time needs: 6 groups of levels \[1024, 32\] in float32",
+    r"of 32 inputs at a time needs: 6 groups of levels \[1024, 32\] in float32",
     "int4_linear_unpacks_whole": r"took 4,194,304 bytes at once .* at most 851,968 bytes.* an int8 copy of the whole "
-                                 r"weight is 2,097,152 bytes",
+    r"weight is 2,097,152 bytes",
     "replace_linears_lm_head_too": "the lm_head was replaced too",
     "replace_linears_children_only": "make_linear was called 0 times",
     "replace_linears_first_layer": r"make_linear was called 7 times .* expected once for each of the 14",
@@ -175,9 +178,14 @@ def _notebook_visible_tests():
     return setup, {gid: visible_part(cell.source) for gid, cell in graded_cells(nb).items()}
 
 
-@pytest.mark.parametrize("bug", sorted(bug for bug, (_, check, _) in buggy.BUGS.items()
-                                       if check in ("check_int8_linear", "check_int4_linear", "check_replace_linears",
-                                                    "check_int8_kv_cache")))
+@pytest.mark.parametrize(
+    "bug",
+    sorted(
+        bug
+        for bug, (_, check, _) in buggy.BUGS.items()
+        if check in ("check_int8_linear", "check_int4_linear", "check_replace_linears", "check_int8_kv_cache")
+    ),
+)
 def test_the_notebooks_visible_tests_catch_each_layer_bug(bug):
     """Not only one bug per exercise (tests/test_notebooks.py): every kept bug of the int8 and int4 layers,
     of replace_linears and of the int8 KV cache fails the visible tests a learner runs, with an AssertionError."""
@@ -185,8 +193,11 @@ def test_the_notebooks_visible_tests_catch_each_layer_bug(bug):
     import io
 
     fn, check_name, _ = buggy.BUGS[bug]
-    function = {"check_int8_linear": "Int8Linear", "check_int4_linear": "Int4Linear",
-                "check_int8_kv_cache": "Int8KVCache"}.get(check_name, "replace_linears")
+    function = {
+        "check_int8_linear": "Int8Linear",
+        "check_int4_linear": "Int4Linear",
+        "check_int8_kv_cache": "Int8KVCache",
+    }.get(check_name, "replace_linears")
     setup, visible = _notebook_visible_tests()
     for candidate, should_fail in ((_reference(function), False), (fn, True)):
         namespace = {"__name__": "__visible_test__"}

@@ -1,21 +1,26 @@
 """Batched sampling (`decoding.sampling.sample_batch`, the engine's): every row with its own settings
 and generator gives the token `sample` gives that row alone, so the engine's batched step keeps
 greedy and seeded outputs as they were row by row."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from decodelab.decoding.sampling import (apply_repetition_penalty, filter_logits, process_logits, sample,
-                                         sample_batch)
+from decodelab.decoding.sampling import apply_repetition_penalty, filter_logits, process_logits, sample, sample_batch
 from decodelab.engine.hooks import EngineHooks, sample_one
 from decodelab.engine.llm import LLM
 from decodelab.params import SamplingParams
 
-MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9),
-         SamplingParams(temperature=1.3, top_k=50), SamplingParams(temperature=0.9, repetition_penalty=1.3),
-         SamplingParams(temperature=0.55, top_k=20, top_p=0.8, repetition_penalty=0.8),
-         SamplingParams(temperature=0, repetition_penalty=1.5), SamplingParams(temperature=1.0)]
+MIXED = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.3, top_k=50),
+    SamplingParams(temperature=0.9, repetition_penalty=1.3),
+    SamplingParams(temperature=0.55, top_k=20, top_p=0.8, repetition_penalty=0.8),
+    SamplingParams(temperature=0, repetition_penalty=1.5),
+    SamplingParams(temperature=1.0),
+]
 
 
 def one_row(logits, params, generator, history):
@@ -71,10 +76,12 @@ def test_the_engine_samples_a_batch_as_it_does_row_by_row():
     """The library's sampling (batched) against the same function as a learner's hook (row by row):
     the same tokens for a mixed, seeded batch with n = 2 and greedy rows."""
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [3, 4]]
-    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=1, max_tokens=12, ignore_eos=True, n=2),
-              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=1.2, top_k=5, repetition_penalty=1.3, seed=7, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=12, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=1, max_tokens=12, ignore_eos=True, n=2),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=5, repetition_penalty=1.3, seed=7, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=12, ignore_eos=True),
+    ]
     batched = LLM("tiny", device="cpu")
     row_by_row = LLM("tiny", device="cpu", hooks=EngineHooks(sample=lambda logits, p, g: sample_one(logits, p, g)))
     assert batched.hooks.samples_with_library_code and not row_by_row.hooks.samples_with_library_code

@@ -3,17 +3,18 @@
 `apply_temperature` and `probs` are no notebook's exercise, so no hidden check grades them: their
 checks live here, built on notebook 02's graded oracles and message helpers
 (autograder/checks/sampling.py), and catch the kept bugs of fixtures/library/buggy_sampling.py."""
+
 from __future__ import annotations
 
 import re
 
 import pytest
 import torch
+from oracles import load_fixture
 
 from autograder.checks import sampling as graded
 from decodelab.decoding import sampling
 from decodelab.params import SamplingParams
-from oracles import load_fixture
 
 library_bugs = load_fixture("library/buggy_sampling")
 
@@ -65,8 +66,12 @@ def test_sampling_params_defaults_and_switches():
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(), SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.3, top_p=0.8),
-     SamplingParams(temperature=0.9, top_k=20, top_p=0.6)],
+    [
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.6),
+    ],
     ids=["plain", "top_k", "top_p", "both"],
 )
 def test_probs_is_softmax_of_filtered_logits(params):
@@ -128,8 +133,14 @@ def check_apply_temperature(fn) -> None:
         graded._compare(desc, x, expected, got, source=source)
     x = torch.tensor([1.0, 2.0, 3.0])
     for t in (0.0, -1.0):
-        graded.expect_raises(f"apply_temperature(logits, temperature={t})", ValueError,
-                      "temperature must be > 0; 0 means greedy decoding, which never divides", fn, x, t)
+        graded.expect_raises(
+            f"apply_temperature(logits, temperature={t})",
+            ValueError,
+            "temperature must be > 0; 0 means greedy decoding, which never divides",
+            fn,
+            x,
+            t,
+        )
 
 
 def check_probs(fn) -> None:
@@ -154,15 +165,21 @@ def check_probs(fn) -> None:
             rows = lambda v: v.reshape(-1, x.shape[-1])[r]  # noqa: E731
             raise AssertionError(
                 f"{desc}: wrong distribution{graded._row_name(r, x.shape[:-1])}"
-                + (" (temperature 0: a one-hot on the argmax, lowest id among ties)" if t == 0 else
-                   " (temperature, then top-k, then top-p, then softmax; filtered tokens get exactly 0)")
+                + (
+                    " (temperature 0: a one-hot on the argmax, lowest id among ties)"
+                    if t == 0
+                    else " (temperature, then top-k, then top-p, then softmax; filtered tokens get exactly 0)"
+                )
                 + f"\n  input:    {graded.format_values(rows(x))}"
                 + f"\n  expected: {graded.format_values([round(v, 6) for v in rows(expected).tolist()])}"
-                + f"\n  got:      {graded.format_values([round(v, 6) for v in rows(g).tolist()])}")
+                + f"\n  got:      {graded.format_values([round(v, 6) for v in rows(g).tolist()])}"
+            )
 
 
-LIBRARY_CHECKS = {"check_apply_temperature": (check_apply_temperature, sampling.apply_temperature),
-                  "check_probs": (check_probs, sampling.probs)}
+LIBRARY_CHECKS = {
+    "check_apply_temperature": (check_apply_temperature, sampling.apply_temperature),
+    "check_probs": (check_probs, sampling.probs),
+}
 
 
 @pytest.mark.parametrize("check_name", sorted(LIBRARY_CHECKS))

@@ -1,18 +1,19 @@
 """Notebook 02's hidden checks (autograder/checks/sampling.py) pass on the references
 `decodelab.decoding.sampling` (and `decodelab.lessons.beam_search`) and catch the kept buggy versions
 (tests/fixtures/buggy_sampling.py), with and without transformers, with messages that give the input, the expected and the got."""
+
 from __future__ import annotations
 
 import sys
 
 import pytest
 import torch
+from oracles import load_fixture
 
 from autograder.checks import sampling as checks
 from decodelab.decoding import sampling
-from decodelab.lessons.beam_search import beam_search
 from decodelab.decoding.sampling import process_logits
-from oracles import load_fixture
+from decodelab.lessons.beam_search import beam_search
 
 buggy = load_fixture("buggy_sampling")
 
@@ -135,8 +136,9 @@ def test_only_the_first_b_candidates_may_finish():
     nb = _notebook()
     assert run_visible(nb, "test_beam_search", "beam_search", beam_search) is None
     failure = run_visible(nb, "test_beam_search", "beam_search", buggy.beam_any_rank_finishes)
-    assert isinstance(failure, AssertionError) and "Only a candidate ranked among the first num_beams" in str(failure), \
+    assert isinstance(failure, AssertionError) and "Only a candidate ranked among the first num_beams" in str(
         failure
+    ), failure
 
 
 def test_reproducibility_failures_name_the_first_difference():
@@ -165,11 +167,14 @@ def test_the_penalty_text_credits_the_sign_aware_rule_rightly():
     logit and multiplying a negative one is Hugging Face's RepetitionPenaltyLogitsProcessor and vLLM's. The
     notebook says so where it teaches the rule, in the docstring and in its further reading."""
     nb = _notebook()
-    section = next(c.source for c in nb.cells if c.cell_type == "markdown" and "## 4. The repetition penalty" in c.source)
+    section = next(
+        c.source for c in nb.cells if c.cell_type == "markdown" and "## 4. The repetition penalty" in c.source
+    )
     assert "CTRL paper's repetition penalty" not in section
     assert "whatever its sign" in section and "Hugging Face" in section and "vLLM" in section
-    exercise = next(c.source for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id")
-                    == "ex_apply_repetition_penalty")
+    exercise = next(
+        c.source for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "ex_apply_repetition_penalty"
+    )
     assert "CTRL's rule" not in exercise
     reading = next(c.source for c in nb.cells if c.cell_type == "markdown" and "## Further reading" in c.source)
     assert "and why it divides the logits" not in reading

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server (`decodelab.serving`) as the official `openai` client sees it: one
 server on the tiny model for the module, every answer set beside what a second engine on the same
 weights gives through `LLM.generate` / `LLM.chat` (the oracle), token for token."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,10 +16,11 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from servers import TINY_CHAT_TEMPLATE, get, metric, served, wait_for  # noqa: E402
+
 from decodelab import SamplingParams  # noqa: E402
 from decodelab.serving.app import build_app  # noqa: E402
 from decodelab.serving.server import ServeSettings, load_engine  # noqa: E402
-from servers import TINY_CHAT_TEMPLATE, get, metric, served, wait_for  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n    "
 MESSAGES = [{"role": "user", "content": "Write a function that adds two numbers."}]
@@ -94,8 +96,10 @@ def finished_total(url: str, reason: str) -> float:
 
 
 def wait_until_idle(url: str) -> None:
-    wait_for(lambda: metric(url, "decodelab_kv_blocks_used") == 0
-             and metric(url, "decodelab_num_requests_running") == 0, what="every KV block back in the pool")
+    wait_for(
+        lambda: metric(url, "decodelab_kv_blocks_used") == 0 and metric(url, "decodelab_num_requests_running") == 0,
+        what="every KV block back in the pool",
+    )
 
 
 # --------------------------------------------------------------------------- answers
@@ -144,43 +148,56 @@ def stop_across_a_token_boundary(reference) -> str:
     so that a streamed answer must hold back the first half until the second arrives."""
     out = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
     boundary = len(reference.tokenizer.decode(out.token_ids[:5]))
-    return out.text[boundary - 2:boundary + 2]
+    return out.text[boundary - 2 : boundary + 2]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_stop_strings(client, reference, stream):
     stop = stop_across_a_token_boundary(reference)
-    expected = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, stop=[stop, "@@@"]),
-                                  use_tqdm=False)[0]
+    expected = reference.generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=24, stop=[stop, "@@@"]), use_tqdm=False
+    )[0]
     assert expected.outputs[0].finish_reason == "stop" and stop not in expected.outputs[0].text
-    expect_answer(ask(client, "completions", stream, prompt=PROMPT, max_tokens=24, temperature=0,
-                      stop=[stop, "@@@"]), expected)
+    expect_answer(
+        ask(client, "completions", stream, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "@@@"]), expected
+    )
     alone = ask(client, "completions", stream, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop)
     assert alone.texts == [expected.outputs[0].text]  # a lone string, as OpenAI allows
 
 
 def test_max_tokens_and_max_completion_tokens(client):
-    answer = ask(client, "completions", False, prompt=PROMPT, max_tokens=3, temperature=0,
-                 extra_body={"ignore_eos": True})
+    answer = ask(
+        client, "completions", False, prompt=PROMPT, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert (answer.usage.completion_tokens, answer.finish_reasons) == (3, ["length"])
-    answer = ask(client, "chat", True, messages=MESSAGES, max_completion_tokens=2, temperature=0,
-                 extra_body={"ignore_eos": True})
+    answer = ask(
+        client, "chat", True, messages=MESSAGES, max_completion_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert (answer.usage.completion_tokens, answer.finish_reasons) == (2, ["length"])
 
 
 def test_repetition_penalty_and_top_k_as_extra_fields(client, reference):
     params = dict(temperature=0.7, top_k=5, repetition_penalty=1.3, seed=3, max_tokens=16)
     expected = reference.generate(PROMPT, SamplingParams(**params), use_tqdm=False)[0]
-    answer = ask(client, "completions", False, prompt=PROMPT, temperature=0.7, seed=3, max_tokens=16,
-                 extra_body={"top_k": 5, "repetition_penalty": 1.3})
+    answer = ask(
+        client,
+        "completions",
+        False,
+        prompt=PROMPT,
+        temperature=0.7,
+        seed=3,
+        max_tokens=16,
+        extra_body={"top_k": 5, "repetition_penalty": 1.3},
+    )
     expect_answer(answer, expected)
 
 
 # --------------------------------------------------------------------------- clients that go away
 def test_a_stream_closed_after_two_chunks_frees_its_blocks(server, client):
     aborted = finished_total(server.url, "abort")
-    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=500, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=500, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     received = iter(stream)
     chunks = [next(received), next(received)]
     assert all(chunk.choices[0].finish_reason is None for chunk in chunks)
@@ -196,8 +213,10 @@ def test_a_client_that_hangs_up_on_a_whole_answer_is_aborted(server):
     body = b'{"prompt": "def f(x):", "max_tokens": 800, "temperature": 0, "ignore_eos": true}'
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         wait_for(lambda: metric(server.url, "decodelab_kv_blocks_used") > 0, what="the request running")
     wait_until_idle(server.url)
     assert finished_total(server.url, "abort") == aborted + 1
@@ -215,8 +234,14 @@ def test_64_concurrent_streams_each_get_their_own_tokens(server, reference):
 
     async def one_stream(client, prompt):
         text, usage = "", None
-        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True})
+        stream = await client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         async for chunk in stream:
             text += "".join(choice.text for choice in chunk.choices)
             usage = chunk.usage or usage
@@ -254,30 +279,54 @@ BAD_PARAMS = [
     ("completions", dict(top_p=1.5), "top_p", r"top_p must be in \(0, 1\], got 1.5"),
     ("completions", dict(n=0), "n", r"n must be an integer >= 1, got 0"),
     ("completions", dict(max_tokens=0), "max_tokens", r"max_tokens must be an integer >= 1, got 0"),
-    ("chat", dict(max_completion_tokens=-5), "max_completion_tokens",
-     r"max_completion_tokens must be an integer >= 1, got -5"),
+    (
+        "chat",
+        dict(max_completion_tokens=-5),
+        "max_completion_tokens",
+        r"max_completion_tokens must be an integer >= 1, got -5",
+    ),
     ("completions", dict(seed=-1), "seed", r"seed must be an integer in 0..2\*\*63-1, or None, got -1"),
     ("completions", dict(stop=[""]), "stop", r"stop must be a string or a list of non-empty strings"),
-    ("completions", dict(presence_penalty=0.5), "presence_penalty",
-     r"presence_penalty=0.5 is not supported: OpenAI's presence penalty .* use repetition_penalty"),
+    (
+        "completions",
+        dict(presence_penalty=0.5),
+        "presence_penalty",
+        r"presence_penalty=0.5 is not supported: OpenAI's presence penalty .* use repetition_penalty",
+    ),
     ("chat", dict(frequency_penalty=1.0), "frequency_penalty", r"frequency_penalty=1.0 is not supported"),
     ("completions", dict(logprobs=2), "logprobs", r"logprobs=2 is not supported: .*log-probabilities"),
-    ("completions", dict(extra_body={"repetition_penalty": 0}), "repetition_penalty",
-     r"repetition_penalty must be > 0.*got 0"),
+    (
+        "completions",
+        dict(extra_body={"repetition_penalty": 0}),
+        "repetition_penalty",
+        r"repetition_penalty must be > 0.*got 0",
+    ),
     ("completions", dict(extra_body={"mystery": 1}), "mystery", r"unknown parameter 'mystery'"),
     ("completions", dict(prompt=[]), "prompt", r"prompt must be a string, a list of strings"),
-    ("completions", dict(prompt="x " * 1500), "prompt", r"prompt: prompt of \d+ tokens does not fit the model's "
-                                                        r"context of 1024 tokens"),
-    ("completions", dict(max_tokens=1020), "max_tokens",
-     r"the model's context is 1024 tokens, but 10\d\d were asked for \(\d+ in the prompt, 1020 for the completion\)"),
+    (
+        "completions",
+        dict(prompt="x " * 1500),
+        "prompt",
+        r"prompt: prompt of \d+ tokens does not fit the model's "
+        r"context of 1024 tokens",
+    ),
+    (
+        "completions",
+        dict(max_tokens=1020),
+        "max_tokens",
+        r"the model's context is 1024 tokens, but 10\d\d were asked for \(\d+ in the prompt, 1020 for the completion\)",
+    ),
     ("chat", dict(messages=[{"role": "user"}]), "messages", r"messages\[0\]\.content must be a string"),
-    ("completions", dict(stream=False, stream_options={"include_usage": True}), "stream_options",
-     r"stream_options is only allowed with stream=true"),
+    (
+        "completions",
+        dict(stream=False, stream_options={"include_usage": True}),
+        "stream_options",
+        r"stream_options is only allowed with stream=true",
+    ),
 ]
 
 
-@pytest.mark.parametrize("endpoint, kwargs, param, phrase", BAD_PARAMS,
-                         ids=[f"{e}-{p}" for e, _, p, _ in BAD_PARAMS])
+@pytest.mark.parametrize("endpoint, kwargs, param, phrase", BAD_PARAMS, ids=[f"{e}-{p}" for e, _, p, _ in BAD_PARAMS])
 def test_bad_params_are_400_in_openais_shape(client, endpoint, kwargs, param, phrase):
     base = dict(prompt=PROMPT) if endpoint == "completions" else dict(messages=MESSAGES)
     create = client.completions.create if endpoint == "completions" else client.chat.completions.create
@@ -285,18 +334,28 @@ def test_bad_params_are_400_in_openais_shape(client, endpoint, kwargs, param, ph
         create(model="tiny", **{**base, **kwargs})
     error = caught.value.body
     assert set(error) == {"message", "type", "param", "code"}
-    assert (caught.value.status_code, error["type"], error["param"], error["code"]) == \
-        (400, "invalid_request_error", param, None)
+    assert (caught.value.status_code, error["type"], error["param"], error["code"]) == (
+        400,
+        "invalid_request_error",
+        param,
+        None,
+    )
     assert re.search(phrase, error["message"]), error["message"]
 
 
-@pytest.mark.parametrize("body, phrase", [(b"{not json", "the request body is not valid JSON"),
-                                          (b"[1, 2]", "the request body must be a JSON object, got list")])
+@pytest.mark.parametrize(
+    "body, phrase",
+    [
+        (b"{not json", "the request body is not valid JSON"),
+        (b"[1, 2]", "the request body must be a JSON object, got list"),
+    ],
+)
 def test_a_body_that_is_not_a_json_object_is_400(server, body, phrase):
     import urllib.request
 
-    request = urllib.request.Request(f"{server.url}/v1/completions", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{server.url}/v1/completions", data=body, method="POST", headers={"Content-Type": "application/json"}
+    )
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(request, timeout=30)
     assert caught.value.code == 400
@@ -315,14 +374,21 @@ def test_metrics_are_prometheus_text(server, client):
     status, headers, text = get(f"{server.url}/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
     families = {family.name: family for family in parser.text_string_to_metric_families(text)}
-    for name in ("decodelab_num_requests_running", "decodelab_num_requests_waiting", "decodelab_kv_blocks_used",
-                 "decodelab_kv_blocks_total"):
+    for name in (
+        "decodelab_num_requests_running",
+        "decodelab_num_requests_waiting",
+        "decodelab_kv_blocks_used",
+        "decodelab_kv_blocks_total",
+    ):
         assert families[name].type == "gauge"
     assert families["decodelab_kv_blocks_total"].samples[0].value == server.llm.allocator.num_blocks
     for name in ("decodelab_time_to_first_token_seconds", "decodelab_inter_token_latency_seconds"):
         assert families[name].type == "histogram"
         count = next(s.value for s in families[name].samples if s.name == f"{name}_count")
         assert count >= 1
-    finished = {s.labels["finish_reason"]: s.value for s in families["decodelab_request_finished"].samples
-                if s.name == "decodelab_request_finished_total"}
+    finished = {
+        s.labels["finish_reason"]: s.value
+        for s in families["decodelab_request_finished"].samples
+        if s.name == "decodelab_request_finished_total"
+    }
     assert set(finished) == {"stop", "length", "error", "abort"} and finished["length"] >= 1

@@ -1,6 +1,7 @@
 """`python -m decodelab serve` as the README gives it: the command and the curl call are read out of
 README.md (so the two cannot drift), run on a free port in one subprocess, and stopped with SIGTERM.
 Then the command line's own errors: one line, exit status 2."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from decodelab import cli  # noqa: E402
 from notebooks import ROOT  # noqa: E402
+
+from decodelab import cli  # noqa: E402
 
 
 def readme_serve_block() -> tuple[list[str], list[str]]:
@@ -112,14 +114,20 @@ def occupied_port():
     return sock
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--port", "70000"], "argument --port: must be a port number in 0..65535 (0: any free port), got '70000'"),
-    (["--max-queue", "0"], "argument --max-queue: must be an integer >= 1, got '0'"),
-    (["--model", "nope", "--port", "0"], "unknown model 'nope': use one of smollm2, tiny"),
-    (["--model", "tiny", "--port", "0", "--chat-template", "nonsense"],
-     "--chat-template 'nonsense' is neither a file nor a Jinja template"),
-    (["--port", "{taken}"], "cannot listen on 127.0.0.1:{taken}: Address already in use"),
-], ids=["port", "max_queue", "model", "chat_template", "port_taken"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--port", "70000"], "argument --port: must be a port number in 0..65535 (0: any free port), got '70000'"),
+        (["--max-queue", "0"], "argument --max-queue: must be an integer >= 1, got '0'"),
+        (["--model", "nope", "--port", "0"], "unknown model 'nope': use one of smollm2, tiny"),
+        (
+            ["--model", "tiny", "--port", "0", "--chat-template", "nonsense"],
+            "--chat-template 'nonsense' is neither a file nor a Jinja template",
+        ),
+        (["--port", "{taken}"], "cannot listen on 127.0.0.1:{taken}: Address already in use"),
+    ],
+    ids=["port", "max_queue", "model", "chat_template", "port_taken"],
+)
 def test_serve_errors_are_one_line(capsys, args, message):
     with occupied_port() as taken:
         port = taken.getsockname()[1]

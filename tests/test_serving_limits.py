@@ -1,6 +1,7 @@
 """The server's limits, as a client meets them: an API key (401 without it), a bounded queue (503 with
 Retry-After when it is full), and an engine step that fails (each request in flight gets the error,
 the next ones are served). One server on the tiny model, `--api-key` and `--max-queue 2`."""
+
 from __future__ import annotations
 
 import threading
@@ -11,11 +12,12 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from servers import get, metric, served, wait_for  # noqa: E402
+
 from decodelab import SamplingParams  # noqa: E402
 from decodelab.serving.app import build_app  # noqa: E402
 from decodelab.serving.engine_loop import EngineLoop, EngineUnavailableError, Submission  # noqa: E402
 from decodelab.serving.server import ServeSettings, load_engine  # noqa: E402
-from servers import get, metric, served, wait_for  # noqa: E402
 
 KEY = "sesame-1234"
 MAX_QUEUE = 2
@@ -68,8 +70,10 @@ def test_a_full_queue_is_503_with_retry_after(server):
         waiting = [threading.Thread(target=ask, daemon=True) for _ in range(MAX_QUEUE)]
         for thread in waiting:
             thread.start()
-        wait_for(lambda: metric(server.url, "decodelab_num_requests_waiting") == MAX_QUEUE,
-                 what=f"{MAX_QUEUE} requests waiting")
+        wait_for(
+            lambda: metric(server.url, "decodelab_num_requests_waiting") == MAX_QUEUE,
+            what=f"{MAX_QUEUE} requests waiting",
+        )
         with pytest.raises(openai.InternalServerError) as caught:
             client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
     finally:

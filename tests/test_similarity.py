@@ -2,6 +2,7 @@
 cell, and the class-wide notes on small classes built from notebook 02's release (its
 `top_p_filter` answer written four independent ways, copied with renamed variables, and copied
 from the library)."""
+
 from __future__ import annotations
 
 import inspect
@@ -9,19 +10,23 @@ import textwrap
 
 import nbformat
 import pytest
+from notebooks import read, release_path
 
 from autograder import similarity
-from notebooks import read, release_path
 
 NAME = "02_sampling"
 GID = "ex_top_p_filter"
-REFS = {"top_p_filter": "decodelab.decoding.sampling:top_p_filter",
-        "top_k_filter": "decodelab.decoding.sampling:top_k_filter"}
+REFS = {
+    "top_p_filter": "decodelab.decoding.sampling:top_p_filter",
+    "top_k_filter": "decodelab.decoding.sampling:top_k_filter",
+}
 LIBRARY = "the library's decodelab.decoding.sampling.top_p_filter"
 HEAD = "def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:\n"
 
 # Four ways to write top-p that share no code (0.35-0.74 against each other and the library).
-CUMSUM_SHIFT = HEAD + '''\
+CUMSUM_SHIFT = (
+    HEAD
+    + """\
     if p <= 0 or p > 1:
         raise ValueError("p must be in (0, 1]")
     probs = torch.softmax(logits, dim=-1)
@@ -31,9 +36,12 @@ CUMSUM_SHIFT = HEAD + '''\
     keep_sorted = shifted < p
     keep = torch.zeros_like(keep_sorted).scatter(-1, sorted_idx, keep_sorted)
     return torch.where(keep, logits, torch.full_like(logits, float("-inf")))
-'''
+"""
+)
 # the same, variables renamed, another message, a comment, other line breaks
-CUMSUM_SHIFT_RENAMED = HEAD + '''\
+CUMSUM_SHIFT_RENAMED = (
+    HEAD
+    + """\
     # my own work!
     if p <= 0 or p > 1:
         raise ValueError("top-p: expected 0 < p <= 1")
@@ -45,8 +53,11 @@ CUMSUM_SHIFT_RENAMED = HEAD + '''\
     ks = before < p
     mask = torch.zeros_like(ks).scatter(-1, si, ks)
     return torch.where(mask, logits, torch.full_like(logits, float("-inf")))
-'''
-ROW_LOOP = HEAD + '''\
+"""
+)
+ROW_LOOP = (
+    HEAD
+    + """\
     if not (0 < p <= 1):
         raise ValueError(f"bad p {p}")
     out = logits.clone()
@@ -63,8 +74,11 @@ ROW_LOOP = HEAD + '''\
             total += v
         row[indices[cut:]] = float("-inf")
     return out
-'''
-SHIFTED_MASK = HEAD + '''\
+"""
+)
+SHIFTED_MASK = (
+    HEAD
+    + """\
     if not 0 < p <= 1:
         raise ValueError("p out of range")
     if p == 1:
@@ -76,7 +90,8 @@ SHIFTED_MASK = HEAD + '''\
     drop[..., 0] = False
     mask = drop.scatter(-1, order, drop)
     return logits.masked_fill(mask, -float("inf"))
-'''
+"""
+)
 
 
 def _library_copy() -> str:
@@ -108,17 +123,20 @@ def _class(tmp_path, answers: dict[str, str | None]) -> dict:
 
 # --------------------------------------------------------------------------- the normal form
 
+
 def test_renamed_variables_and_changed_literals_give_the_same_normal_form():
     ours = similarity.normal_form(CUMSUM_SHIFT)
     assert similarity.normal_form(CUMSUM_SHIFT_RENAMED) == ours
     assert "softmax" in ours and "descending=True" in ours and "float(" in ours  # attributes, keywords, builtins kept
-    assert "probs" not in ours and "p must" not in ours and "-inf" not in ours     # names and literals gone
+    assert "probs" not in ours and "p must" not in ours and "-inf" not in ours  # names and literals gone
 
 
 def test_formatting_comments_and_docstrings_do_not_count():
     plain = "def f(x, y):\n    total = x + 2 * y\n    return total\n"
-    dressed = ('def g(a,\n      b):\n    """Adds."""\n    # a comment\n    s = (a +\n         7 * b)  # more\n'
-               '    "a bare string"\n    return s\n')
+    dressed = (
+        'def g(a,\n      b):\n    """Adds."""\n    # a comment\n    s = (a +\n         7 * b)  # more\n'
+        '    "a bare string"\n    return s\n'
+    )
     assert similarity.normal_form(plain) == similarity.normal_form(dressed)
 
 
@@ -141,10 +159,20 @@ def test_the_learners_part_leaves_out_the_release():
 
 # --------------------------------------------------------------------------- a class
 
+
 def test_copies_are_flagged_with_whom(tmp_path):
     near = _library_copy().replace("        return logits\n", "        return logits.clone()\n")
-    paths = _class(tmp_path, {"ali": CUMSUM_SHIFT, "bo": CUMSUM_SHIFT_RENAMED, "cy": _library_copy(),
-                              "dee": near, "eve": ROW_LOOP, "broken": None})
+    paths = _class(
+        tmp_path,
+        {
+            "ali": CUMSUM_SHIFT,
+            "bo": CUMSUM_SHIFT_RENAMED,
+            "cy": _library_copy(),
+            "dee": near,
+            "eve": ROW_LOOP,
+            "broken": None,
+        },
+    )
     paths["gone"] = tmp_path / "gone" / NAME / f"{NAME}.ipynb"  # never submitted: skipped
     notes = similarity.class_notes(read(release_path(NAME)), paths)
     assert notes == {

@@ -3,14 +3,15 @@
 transformers does its own dequantization and q/k un-permutation, so agreement here checks
 our GGUF import, model, RoPE, attention, KV-cache decoding, tokenizer and chat template at once.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from oracles import check_greedy_agreement, hf_greedy, last_logits_fn, random_ids, random_model, top2
 
 from decodelab.decoding.generate import stream_token_ids
 from decodelab.params import SamplingParams
-from oracles import check_greedy_agreement, hf_greedy, last_logits_fn, random_ids, random_model, top2
 
 LOGIT_TOL = 1e-4
 
@@ -40,11 +41,15 @@ of a long one. Summarize the passage above in two sentences, then explain the co
 
 CONVERSATIONS = {
     "short": [{"role": "user", "content": "What is gravity?"}],
-    "system": [{"role": "system", "content": "You are a terse assistant. Answer in one line."},
-               {"role": "user", "content": "Name three prime numbers."}],
-    "multi_turn": [{"role": "user", "content": "Hi! Can you help me with Python?"},
-                   {"role": "assistant", "content": "Of course. What do you need?"},
-                   {"role": "user", "content": "How do I reverse a list in place?"}],
+    "system": [
+        {"role": "system", "content": "You are a terse assistant. Answer in one line."},
+        {"role": "user", "content": "Name three prime numbers."},
+    ],
+    "multi_turn": [
+        {"role": "user", "content": "Hi! Can you help me with Python?"},
+        {"role": "assistant", "content": "Of course. What do you need?"},
+        {"role": "user", "content": "How do I reverse a list in place?"},
+    ],
     "long": [{"role": "user", "content": LONG_TEXT}],
 }
 
@@ -76,8 +81,9 @@ def test_logits_match_transformers(smollm2, hf_gguf_model, prompt_ids, name):
 def test_greedy_generation_matches_transformers(smollm2, hf_gguf_model, prompt_ids):
     model, tok = smollm2
     ids, n = prompt_ids["system"], 24
-    ours = list(stream_token_ids(model, ids, SamplingParams(temperature=0, max_tokens=n),
-                                 stop_token_ids=tok.stop_token_ids()))
+    ours = list(
+        stream_token_ids(model, ids, SamplingParams(temperature=0, max_tokens=n), stop_token_ids=tok.stop_token_ids())
+    )
     ref = hf_greedy(hf_gguf_model, ids, n, eos_token_id=tok.eos_token_id)
     agreed = check_greedy_agreement(ids, ours, ref, [last_logits_fn(model), last_logits_fn(hf_gguf_model)])
     assert agreed >= 4, (ours, ref)
@@ -143,5 +149,4 @@ def test_chat_template_renders_like_transformers(smollm2, hf_gguf_tokenizer, nam
     assert ours == ref
     assert ours.startswith("<|im_start|>") and ours.endswith("<|im_start|>assistant\n")
     no_prompt = tok.apply_chat_template(messages, add_generation_prompt=False)
-    assert no_prompt == hf_gguf_tokenizer.apply_chat_template(messages, tokenize=False,
-                                                              add_generation_prompt=False)
+    assert no_prompt == hf_gguf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)

@@ -1,27 +1,38 @@
 """Speculative decoding: the acceptance rule keeps the target's distribution (and kept buggy
 rules do not), greedy output equals target-only greedy (and kept buggy loops do not), the
 verify pass equals one-token-at-a-time decoding, the theory helpers, the lookup drafter."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracles import load_fixture
 
 from decodelab.decoding import speculative
 from decodelab.decoding.generate import stream_token_ids
-from decodelab.model.kv_cache import KVCache
 from decodelab.decoding.lookup import propose_from_prompt
+from decodelab.decoding.speculative import (
+    SpeculativeStats,
+    SpeculativeSteps,
+    accept_draft_tokens,
+    accept_draft_tokens_batched,
+    acceptance_rate,
+    expected_speedup,
+    expected_tokens_per_call,
+    greedy_accept,
+    speculative_generate,
+    stream_speculative,
+    truncated_draft,
+    tvd,
+)
+from decodelab.model.kv_cache import KVCache
 from decodelab.model.llama import LlamaForCausalLM
 from decodelab.model.toy import random_llama
 from decodelab.params import SamplingParams
-from decodelab.decoding.speculative import (SpeculativeStats, SpeculativeSteps, accept_draft_tokens,
-                                            accept_draft_tokens_batched, acceptance_rate, expected_speedup,
-                                            expected_tokens_per_call, greedy_accept, speculative_generate,
-                                            stream_speculative, truncated_draft, tvd)
-from oracles import load_fixture
-
 
 buggy = load_fixture("library/buggy_speculative")
 
@@ -30,13 +41,17 @@ buggy = load_fixture("library/buggy_speculative")
 # token, whenever a step emits one, must be distributed exactly as P[j]. Position 0 has a low
 # acceptance rate (0.35: rejections and the residual matter), later ones a high one (0.9, so
 # that enough steps reach the bonus position), and neighbouring rows differ (TVD >= 0.4).
-P = torch.tensor([[0.50, 0.30, 0.10, 0.05, 0.03, 0.02],
-                  [0.10, 0.40, 0.20, 0.10, 0.10, 0.10],
-                  [0.05, 0.05, 0.50, 0.20, 0.10, 0.10],
-                  [0.30, 0.05, 0.05, 0.05, 0.05, 0.50]])
-Q = torch.tensor([[0.05, 0.10, 0.15, 0.20, 0.25, 0.25],
-                  [0.20, 0.30, 0.20, 0.10, 0.10, 0.10],
-                  [0.05, 0.15, 0.40, 0.20, 0.10, 0.10]])
+P = torch.tensor(
+    [
+        [0.50, 0.30, 0.10, 0.05, 0.03, 0.02],
+        [0.10, 0.40, 0.20, 0.10, 0.10, 0.10],
+        [0.05, 0.05, 0.50, 0.20, 0.10, 0.10],
+        [0.30, 0.05, 0.05, 0.05, 0.05, 0.50],
+    ]
+)
+Q = torch.tensor(
+    [[0.05, 0.10, 0.15, 0.20, 0.25, 0.25], [0.20, 0.30, 0.20, 0.10, 0.10, 0.10], [0.05, 0.15, 0.40, 0.20, 0.10, 0.10]]
+)
 N_STEPS = 40_000
 FAILURE_PROB = 1e-6
 
@@ -57,8 +72,7 @@ def emitted_position_laws(accept_batched, k: int, n: int = N_STEPS, seed: int = 
     (empirical law of the j-th emitted token [V], number of steps that emitted one)."""
     generator = torch.Generator().manual_seed(seed)
     drafts = torch.multinomial(Q[:k], n, replacement=True, generator=generator).T  # [n, k]
-    num_accepted, next_token = accept_batched(drafts, Q[:k].expand(n, k, 6), P[:k + 1].expand(n, k + 1, 6),
-                                              generator)
+    num_accepted, next_token = accept_batched(drafts, Q[:k].expand(n, k, 6), P[: k + 1].expand(n, k + 1, 6), generator)
     laws = []
     for j in range(k + 1):
         reached = num_accepted >= j
@@ -70,8 +84,10 @@ def emitted_position_laws(accept_batched, k: int, n: int = N_STEPS, seed: int = 
 def check_preserves_target(accept_batched, k: int) -> None:
     for j, (law, count) in enumerate(emitted_position_laws(accept_batched, k)):
         distance, bound = float(tvd(law, P[j].double())), tvd_noise_bound(6, count)
-        assert distance <= bound, (f"k={k}: emitted token {j} is off the target's distribution: TVD "
-                                   f"{distance:.4f} over {count} draws, noise bound {bound:.4f}")
+        assert distance <= bound, (
+            f"k={k}: emitted token {j} is off the target's distribution: TVD "
+            f"{distance:.4f} over {count} draws, noise bound {bound:.4f}"
+        )
 
 
 def first_token_law(accept_prob: torch.Tensor, residual: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -106,8 +122,9 @@ def test_bug_biases_are_far_above_the_noise_bound():
     biases = {
         "resample_from_target": tvd(first_token_law(ratio, p, q), p),
         "residual_abs": tvd(first_token_law(ratio, (p - q).abs() / (p - q).abs().sum(), q), p),
-        "residual_not_normalized": tvd(first_token_law(ratio, (p - q).clamp(min=0) + (1 - (p - q).clamp(min=0).sum())
-                                                       * torch.eye(6)[5], q), p),  # the rest falls on token 5
+        "residual_not_normalized": tvd(
+            first_token_law(ratio, (p - q).clamp(min=0) + (1 - (p - q).clamp(min=0).sum()) * torch.eye(6)[5], q), p
+        ),  # the rest falls on token 5
         "inverted_ratio": tvd(first_token_law((q / p).clamp(max=1), residual, q), p),
         "bonus_from_previous_row": min(tvd(P[j], P[j - 1]) for j in (1, 2, 3)),
     }
@@ -131,8 +148,9 @@ def test_measured_acceptance_matches_sum_of_minimum():
         alpha = float(acceptance_rate(p, q))
         assert abs(alpha - (1 - float(tvd(p, q)))) < 1e-6
         drafts = torch.multinomial(q, n, replacement=True, generator=generator)[:, None]  # [n, 1]
-        num_accepted, _ = accept_draft_tokens_batched(drafts, q.expand(n, 1, 6),
-                                                      torch.stack([p, p]).expand(n, 2, 6), generator)
+        num_accepted, _ = accept_draft_tokens_batched(
+            drafts, q.expand(n, 1, 6), torch.stack([p, p]).expand(n, 2, 6), generator
+        )
         measured = num_accepted.double().mean().item()
         assert abs(measured - alpha) <= bound, f"alpha {alpha:.4f}, measured {measured:.4f}, bound {bound:.4f}"
 
@@ -142,8 +160,7 @@ def test_expected_tokens_per_call_matches_simulation():
     n, k = 200_000, 2
     generator = torch.Generator().manual_seed(2)
     drafts = torch.multinomial(Q[1:3], n, replacement=True, generator=generator).T
-    num_accepted, _ = accept_draft_tokens_batched(drafts, Q[1:3].expand(n, k, 6), P[1:4].expand(n, k + 1, 6),
-                                                  generator)
+    num_accepted, _ = accept_draft_tokens_batched(drafts, Q[1:3].expand(n, k, 6), P[1:4].expand(n, k + 1, 6), generator)
     expected = expected_tokens_per_call(0.9, k)  # 1 + 0.9 + 0.81
     assert abs((num_accepted + 1).double().mean().item() - expected) < 0.01
 
@@ -155,9 +172,9 @@ def test_single_step_distribution_and_contract():
     first = torch.zeros(6)
     for _ in range(n):
         drafts = torch.multinomial(Q[:k], 1, generator=generator)[:, 0]
-        out = accept_draft_tokens(drafts, Q[:k], P[:k + 1], generator)
+        out = accept_draft_tokens(drafts, Q[:k], P[: k + 1], generator)
         assert out.dtype == torch.int64 and out.dim() == 1 and 1 <= len(out) <= k + 1
-        assert torch.equal(out[:-1], drafts[:len(out) - 1])
+        assert torch.equal(out[:-1], drafts[: len(out) - 1])
         first[out[0]] += 1
     assert float(tvd(first / n, P[0])) <= tvd_noise_bound(6, n)
 
@@ -201,16 +218,28 @@ def test_greedy_accept_equals_general_rule_on_one_hots():
     generator = torch.Generator().manual_seed(5)
     for _ in range(50):
         logits = torch.randn(4, 7, generator=generator)  # target, k = 3
-        drafts = torch.where(torch.rand(3, generator=generator) < 0.7, logits[:3].argmax(-1),
-                             torch.randint(0, 7, (3,), generator=generator))
+        drafts = torch.where(
+            torch.rand(3, generator=generator) < 0.7,
+            logits[:3].argmax(-1),
+            torch.randint(0, 7, (3,), generator=generator),
+        )
         one_hot = torch.nn.functional.one_hot
-        general = accept_draft_tokens(drafts, one_hot(drafts, 7).float(), one_hot(logits.argmax(-1), 7).float(),
-                                      generator)
+        general = accept_draft_tokens(
+            drafts, one_hot(drafts, 7).float(), one_hot(logits.argmax(-1), 7).float(), generator
+        )
         assert torch.equal(greedy_accept(drafts, logits), general)
 
 
-@pytest.mark.parametrize("shapes", [((3,), (3, 6), (3, 6)), ((3,), (2, 6), (4, 6)), ((3,), (3, 5), (4, 6)),
-                                    ((1, 3), (3, 6), (4, 6)), ((3,), (3, 6), (4, 6, 1))])
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((3,), (3, 6), (3, 6)),
+        ((3,), (2, 6), (4, 6)),
+        ((3,), (3, 5), (4, 6)),
+        ((1, 3), (3, 6), (4, 6)),
+        ((3,), (3, 6), (4, 6, 1)),
+    ],
+)
 def test_accept_rejects_mismatched_shapes(shapes):
     tokens, q, p = (torch.zeros(s) for s in shapes)
     with pytest.raises(ValueError, match="expected"):
@@ -233,12 +262,15 @@ def test_stats_alpha_counts_judged_drafts_only():
 def test_theory_helpers():
     assert expected_tokens_per_call(0.0, 4) == 1
     assert expected_tokens_per_call(1.0, 4) == 5
-    assert expected_tokens_per_call(0.8, 4) == pytest.approx(sum(0.8 ** i for i in range(5)))
+    assert expected_tokens_per_call(0.8, 4) == pytest.approx(sum(0.8**i for i in range(5)))
     assert expected_speedup(0.8, 4, 0.0) == pytest.approx(expected_tokens_per_call(0.8, 4))
-    assert expected_speedup(0.8, 3, 0.2) == pytest.approx((1 - 0.8 ** 4) / (0.2 * 1.6))
+    assert expected_speedup(0.8, 3, 0.2) == pytest.approx((1 - 0.8**4) / (0.2 * 1.6))
     assert float(tvd(P[0], P[0])) == 0 and float(acceptance_rate(P[0], P[0])) == pytest.approx(1)
-    for bad in [lambda: expected_tokens_per_call(1.5, 2), lambda: expected_tokens_per_call(0.5, -1),
-                lambda: expected_speedup(0.5, 2, -0.1)]:
+    for bad in [
+        lambda: expected_tokens_per_call(1.5, 2),
+        lambda: expected_tokens_per_call(0.5, -1),
+        lambda: expected_speedup(0.5, 2, -0.1),
+    ]:
         with pytest.raises(ValueError):
             bad()
 
@@ -248,9 +280,19 @@ def random_model(seed: int, layers: int = 4, hidden: int = 64, vocab: int = 96) 
     """Every matrix, embeddings included, ~ N(0, 4 / fan_in), plain norms: larger than the default
     init, so that greedy output does not settle into repeating one token and drafts get both
     accepted and rejected."""
-    return random_llama(seed, weight_scale=2.0, norm_jitter=0.0, embedding_std=None, vocab_size=vocab,
-                        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return random_llama(
+        seed,
+        weight_scale=2.0,
+        norm_jitter=0.0,
+        embedding_std=None,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -287,8 +329,11 @@ def assert_same_greedy(target, drafter, prompt_ids, k, reference, steps=None):
 
 @pytest.mark.parametrize("drafter_name", ["truncated", "separate", "lookup"])
 def test_greedy_equals_target_only(target, prompt, reference, drafter_name):
-    drafter = {"truncated": lambda: truncated_draft(target, 2), "separate": lambda: random_model(1, 1, 32),
-               "lookup": lambda: propose_from_prompt}[drafter_name]()
+    drafter = {
+        "truncated": lambda: truncated_draft(target, 2),
+        "separate": lambda: random_model(1, 1, 32),
+        "lookup": lambda: propose_from_prompt,
+    }[drafter_name]()
     totals = SpeculativeStats()
     for k in (1, 2, 3, 4):
         stats = assert_same_greedy(target, drafter, prompt, k, reference)
@@ -378,8 +423,9 @@ def test_speculative_step_one_verify_pass_and_rollback(target, prompt, temperatu
         for k in (3, 1, 4, 2, 0):
             counted_target, counted_draft = CountingModel(target), CountingModel(draft)
             draft_before = draft_cache.seq_len  # len(ids) - 1, or - 2 after a step that accepted every draft
-            emitted = speculative.speculative_step(counted_target, counted_draft, target_cache, draft_cache, ids, k,
-                                                   params, generator)
+            emitted = speculative.speculative_step(
+                counted_target, counted_draft, target_cache, draft_cache, ids, k, params, generator
+            )
             length = len(ids) + len(emitted) - 1
             assert counted_target.tokens_fed() == [k + 1] and len(counted_draft.calls) == k
             assert target_cache.seq_len == length
@@ -393,7 +439,7 @@ def check_verify_logits(target, prompt_ids, drafts, verify=speculative.verify, t
     with torch.inference_mode():
         speculative.prefill(target, cache, prompt_ids[:-1])
         logits = verify(target, cache, torch.tensor(prompt_ids[-1:]), torch.tensor(drafts))
-        reference = target(torch.tensor([prompt_ids + drafts]))[0, len(prompt_ids) - 1:]
+        reference = target(torch.tensor([prompt_ids + drafts]))[0, len(prompt_ids) - 1 :]
     difference = float((logits - reference).abs().max())
     assert difference <= tolerance, f"verify logits differ from full-sequence logits by {difference:.3g}"
     return difference
@@ -410,14 +456,16 @@ def test_stop_tokens_and_max_tokens(target, prompt):
     params = SamplingParams(temperature=0, max_tokens=30)
     reference = list(stream_token_ids(target, prompt, params))
     stop = reference[9]
-    expected = reference[:reference.index(stop) + 1]
+    expected = reference[: reference.index(stop) + 1]
     for k in (1, 3):
         out, stats = speculative_generate(target, truncated_draft(target, 2), prompt, params, k, [stop])
         assert out == expected and stats.generated == len(out)
         params_stop = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop])
         assert speculative_generate(target, truncated_draft(target, 2), prompt, params_stop, k)[0] == expected
-        assert speculative_generate(target, propose_from_prompt, prompt, SamplingParams(temperature=0, max_tokens=7),
-                                    k)[0] == reference[:7]
+        assert (
+            speculative_generate(target, propose_from_prompt, prompt, SamplingParams(temperature=0, max_tokens=7), k)[0]
+            == reference[:7]
+        )
 
 
 def test_sampling_is_seeded_and_runs_with_filters(target, prompt):
@@ -461,6 +509,7 @@ def test_truncated_draft_shares_weights(target):
 def test_greedy_equals_target_only_on_tiny_pair():
     from decodelab.model.registry import load
     from decodelab.paths import PACKAGE_DATA
+
     if not all((PACKAGE_DATA / name / "config.json").exists() for name in ("tiny", "tiny-draft")):
         pytest.skip("the tiny models are not trained yet")
     (model, tokenizer), (draft, _) = load("tiny", device="cpu"), load("tiny-draft", device="cpu")
@@ -474,12 +523,14 @@ def test_greedy_equals_target_only_on_tiny_pair():
 @pytest.mark.slow
 def test_greedy_equals_target_only_on_smollm2():
     from decodelab.model.registry import UnknownModelError, load
+
     try:
         model, tokenizer = load("smollm2", device="cpu")
     except UnknownModelError as error:
         pytest.skip(str(error))
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Repeat exactly: the quick brown fox "
-                                                                      "jumps over the lazy dog."}])
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}]
+    )
     prompt_ids = tokenizer.encode(chat)
     reference = greedy_reference(model, prompt_ids, max_tokens=14)
     draft = truncated_draft(model, 4)
@@ -511,9 +562,9 @@ def test_lookup_falls_back_to_shorter_ngrams():
 def test_lookup_matches_brute_force(ids, k, max_ngram):
     expected = []
     for n in range(max_ngram, 0, -1):
-        starts = [s for s in range(len(ids) - n) if n < len(ids) and ids[s:s + n] == ids[-n:]]
+        starts = [s for s in range(len(ids) - n) if n < len(ids) and ids[s : s + n] == ids[-n:]]
         if starts:
-            expected = ids[max(starts) + n:max(starts) + n + k]
+            expected = ids[max(starts) + n : max(starts) + n + k]
             break
     assert propose_from_prompt(ids, k, max_ngram) == expected
 

@@ -1,17 +1,18 @@
 """Notebook 09's hidden checks: they pass on the library's reference implementations and catch
 every kept bug (tests/fixtures/buggy_speculative_decoding.py) with a message that names the case."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from oracles import expect_bug_caught, load_fixture
 
 from autograder.checks import speculative_decoding as checks
 from decodelab.decoding import speculative
 from decodelab.decoding.lookup import propose_from_prompt
 from decodelab.lessons.speculative_decoding import verify_tree
-from oracles import expect_bug_caught, load_fixture
 
 buggy = load_fixture("buggy_speculative_decoding")
 
@@ -30,10 +31,12 @@ def test_written_out_step_passes():
 
 
 def test_references_name_the_library_functions():
-    assert checks.REFERENCES == {"accept_draft_tokens": "decodelab.decoding.speculative.steps:accept_draft_tokens",
-                                 "speculative_step": "decodelab.decoding.speculative.steps:speculative_step",
-                                 "propose_from_prompt": "decodelab.decoding.lookup:propose_from_prompt",
-                                 "verify_tree": "decodelab.lessons.speculative_decoding:verify_tree"}
+    assert checks.REFERENCES == {
+        "accept_draft_tokens": "decodelab.decoding.speculative.steps:accept_draft_tokens",
+        "speculative_step": "decodelab.decoding.speculative.steps:speculative_step",
+        "propose_from_prompt": "decodelab.decoding.lookup:propose_from_prompt",
+        "verify_tree": "decodelab.lessons.speculative_decoding:verify_tree",
+    }
 
 
 @pytest.mark.parametrize("bug", sorted(buggy.BUGS))
@@ -131,15 +134,19 @@ def test_raw_draft_bias_is_far_above_the_bound():
 def test_distribution_test_catches_a_bias_its_exact_cases_miss():
     """A rule that is exact on the deterministic cases but accepts with min(1, p/q)^2 (too few
     acceptances; the residual then over-weights tokens where p > q): only the frequency test sees it."""
+
     def squared_ratio(draft_tokens, draft_probs, target_probs, generator=None):
         k = len(draft_tokens)
         for i in range(k):
             p, q = target_probs[i, draft_tokens[i]], draft_probs[i, draft_tokens[i]]
             ratio = min(1.0, float(p / q))
-            if torch.rand(1, generator=generator).item() >= ratio ** 2:
+            if torch.rand(1, generator=generator).item() >= ratio**2:
                 residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
-                return torch.cat([draft_tokens[:i], torch.multinomial(residual / residual.sum(), 1, generator=generator)])
+                return torch.cat(
+                    [draft_tokens[:i], torch.multinomial(residual / residual.sum(), 1, generator=generator)]
+                )
         return torch.cat([draft_tokens, torch.multinomial(target_probs[k], 1, generator=generator)])
+
     with pytest.raises(AssertionError, match="noise bound"):
         checks.check_accept_draft_tokens(squared_ratio)
 
@@ -152,8 +159,12 @@ def test_tvd_bound_holds_for_exact_draws_and_is_tight_enough():
     bound = checks.tvd_bound(p, checks.N_STEPS)
     worst = 0.0
     for _ in range(200):
-        law = torch.bincount(torch.multinomial(p, checks.N_STEPS, replacement=True, generator=generator),
-                             minlength=6).double() / checks.N_STEPS
+        law = (
+            torch.bincount(
+                torch.multinomial(p, checks.N_STEPS, replacement=True, generator=generator), minlength=6
+            ).double()
+            / checks.N_STEPS
+        )
         worst = max(worst, float(0.5 * (law - p).abs().sum()))
     assert worst < bound < 0.13 / 1.5, (worst, bound)
     assert math.isclose(checks.tvd_bound(torch.tensor([1.0, 0.0]), 100), math.sqrt(math.log(1e6) / 200))
@@ -189,7 +200,9 @@ def test_tree_oracle_has_no_near_ties_and_runs_deep_paths():
             checks._expected_tree_output(choice_after, case[0], case[1])
         rng = torch.Generator().manual_seed(checks.TREE_PROMPT_SEED)
         for _ in range(checks.TREE_RANDOM_CASES):
-            tree_tokens, parents = checks._guided_tree(rng, choice_after, int(torch.randint(3, 10, (1,), generator=rng)))
+            tree_tokens, parents = checks._guided_tree(
+                rng, choice_after, int(torch.randint(3, 10, (1,), generator=rng))
+            )
             checks._expected_tree_output(choice_after, tree_tokens, parents)
     assert min(margin for _, margin in memo.values()) > 1e-3
     assert set(lengths) >= {0, 1, 2, 3}, lengths

@@ -1,6 +1,7 @@
 """Speed credit on the learner's own machine (decodelab.course.speed_credit, `progress --bench`,
 autograder/checks/speed.py): the solutions time like the library, a planted slow part shows, the
 roofline fractions are fractions, and the speed check credits only the reference's work."""
+
 from __future__ import annotations
 
 import json
@@ -11,18 +12,18 @@ import textwrap
 import nbformat
 import pytest
 import torch
+from notebooks import SOLUTIONS, grade_id, read
 
 from autograder.checks import speed
 from decodelab import cli
 from decodelab.course import progress, speed_credit, speed_parts
 from decodelab.course.exercises import EXERCISES
-from notebooks import SOLUTIONS, grade_id, read
 
 BENCHED = sorted({part.notebook for part in speed_parts.PARTS})
 
 # A paged attention a learner might write first: right answers, one Python iteration per sequence
 # and head, each gathering its KV head's blocks again.
-LOOP_OVER_HEADS = textwrap.dedent('''
+LOOP_OVER_HEADS = textwrap.dedent("""
     def paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens):
         batch, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
@@ -37,7 +38,7 @@ LOOP_OVER_HEADS = textwrap.dedent('''
                 weights = torch.softmax(keys.float() @ q[b, h].float() / math.sqrt(head_dim), dim=0)
                 out[b, h] = (weights @ values.float()).to(q.dtype)
         return out
-''')
+""")
 
 
 def copy_solutions(dest, notebooks, replace: dict[str, str] | None = None):
@@ -61,8 +62,9 @@ def passing_rows(notebooks) -> list[progress.Row]:
 def test_the_solutions_time_like_the_library_and_sit_under_the_roofline(tmp_path):
     copy_solutions(tmp_path, BENCHED)
     lines = []
-    report = speed_credit.bench_course(tmp_path, passing_rows(BENCHED), size="small", rounds=2, pairs=30,
-                                       on_progress=lines.append)
+    report = speed_credit.bench_course(
+        tmp_path, passing_rows(BENCHED), size="small", rounds=2, pairs=30, on_progress=lines.append
+    )
     assert len(lines) == 2 * len(speed_parts.PARTS) and lines[-1].startswith("round 2/2 · scheduler step: 60 pairs")
     assert 1e8 < report.bandwidth < 1e14, report.bandwidth
     for result in report.results:
@@ -87,8 +89,10 @@ def test_a_planted_slow_part_shows_and_the_missing_ones_say_why(tmp_path):
     slow = by_part.pop("paged attention")
     assert slow.status == "timed" and slow.ratio.median > 1.5, slow.ratio
     assert {r.status for r in by_part.values()} == {
-        "not timed: no 01_forward_pass notebook checked", "not timed: no 06_quantization notebook checked",
-        "not timed: no 08_continuous_batching notebook checked"}
+        "not timed: no 01_forward_pass notebook checked",
+        "not timed: no 06_quantization notebook checked",
+        "not timed: no 08_continuous_batching notebook checked",
+    }
     assert "not timed: no 01_forward_pass notebook checked" in speed_credit.format_report(report)
 
 
@@ -142,8 +146,9 @@ def test_every_timed_part_reads_its_reference_from_the_table_and_counts_its_byte
         reference = speed_parts.reference_namespace(part)
         assert set(reference) - {"__name__"} == set(part.exercises)
         assert all(find(part.notebook, name) for name in part.exercises)
-    workload = speed_parts.paged_attention_workload(speed_parts.reference_namespace(
-        speed_parts.part_named("paged attention"))["paged_decode_attention"], "small", 0)
+    workload = speed_parts.paged_attention_workload(
+        speed_parts.reference_namespace(speed_parts.part_named("paged attention"))["paged_decode_attention"], "small", 0
+    )
     shapes = speed_parts.PAGED_SHAPES["small"]
     least_kv = 2 * shapes["batch"] * (3 * shapes["context"] // 4) * shapes["kv_heads"] * shapes["head_dim"] * 4
     most_kv = least_kv * 4 // 3
@@ -171,9 +176,12 @@ def test_the_speed_check_fails_a_fast_but_wrong_part():
     def fast_but_wrong(q, key_cache, value_cache, block_tables, context_lens):
         return torch.zeros_like(q)  # the right shape at once, none of the work
 
-    with pytest.raises(AssertionError, match=r"fast_but_wrong: the output differs from the reference's by up to "
-                                             r"[0-9.]+ \(allowed 0.0001\) on fresh inputs \(seed \d+\): speed is "
-                                             r"credited only for the reference's work"):
+    with pytest.raises(
+        AssertionError,
+        match=r"fast_but_wrong: the output differs from the reference's by up to "
+        r"[0-9.]+ \(allowed 0.0001\) on fresh inputs \(seed \d+\): speed is "
+        r"credited only for the reference's work",
+    ):
         speed.check_speed_ratio(fast_but_wrong, paged_decode_attention, _paged_inputs)
     with pytest.raises(AssertionError, match="paged attention: the output differs"):
         speed.check_paged_attention_speed(fast_but_wrong)
@@ -184,15 +192,23 @@ def test_the_speed_check_fails_a_fast_but_wrong_part():
 def test_the_speed_check_fails_a_slow_part_with_its_ratio():
     namespace = {"torch": torch, "math": math}
     exec(LOOP_OVER_HEADS, namespace)
-    with pytest.raises(AssertionError, match=r"paged attention: yours took [0-9.]+x the library's time on this machine "
-                                             r"\(median of 5 pairs in alternating order, quartiles .*\); speed credit "
-                                             r"needs at most 1.1x"):
+    with pytest.raises(
+        AssertionError,
+        match=r"paged attention: yours took [0-9.]+x the library's time on this machine "
+        r"\(median of 5 pairs in alternating order, quartiles .*\); speed credit "
+        r"needs at most 1.1x",
+    ):
         speed.check_part_speed("paged attention", namespace["paged_decode_attention"], max_ratio=1.1, pairs=5)
 
 
-@pytest.mark.parametrize("check, part", [(speed.check_int8_linear_speed, "int8 linear"),
-                                         (speed.check_decode_step_speed, "decode step"),
-                                         (speed.check_scheduler_step_speed, "scheduler step")])
+@pytest.mark.parametrize(
+    "check, part",
+    [
+        (speed.check_int8_linear_speed, "int8 linear"),
+        (speed.check_decode_step_speed, "decode step"),
+        (speed.check_scheduler_step_speed, "scheduler step"),
+    ],
+)
 def test_each_parts_check_credits_the_library_itself(check, part):
     """What a hidden cell would pass for the part (the library's own code, built as the learner's
     would be) earns the credit: the same work, and within the ratio of itself."""

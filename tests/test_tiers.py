@@ -1,6 +1,7 @@
 """tests/tiers.py over the whole collection: every test has a tier (`fast` or heavy ones, never
 both), every map entry still gives some test its tier, and the guard stops a fast test that
 loads SmolLM2 or starts the grader, nbgrader, a kernel, Dask or a browser."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import tiers
 from conftest import TIER_TABLE, whole_collection
 
@@ -24,9 +24,14 @@ def table(request, tmp_path_factory) -> dict[str, dict]:
     if whole_collection(config):
         return config.stash[TIER_TABLE]
     out = tmp_path_factory.mktemp("tiers") / "tiers.json"
-    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          str(TESTS)], cwd=TESTS.parent, capture_output=True, text=True, timeout=600,
-                         env={**__import__("os").environ, "DECODELAB_TIERS_OUT": str(out)})
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", str(TESTS)],
+        cwd=TESTS.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "DECODELAB_TIERS_OUT": str(out)},
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     found = json.loads(out.read_text())
     assert found["whole"]
@@ -35,9 +40,13 @@ def table(request, tmp_path_factory) -> dict[str, dict]:
 
 def test_every_test_has_a_tier(table):
     assert len(table) > 1000, "not the whole suite"
-    bad = {node: row["tiers"] for node, row in table.items()
-           if not row["tiers"] or ("fast" in row["tiers"] and len(row["tiers"]) > 1)
-           or any(t not in (*tiers.HEAVY, tiers.FAST) for t in row["tiers"])}
+    bad = {
+        node: row["tiers"]
+        for node, row in table.items()
+        if not row["tiers"]
+        or ("fast" in row["tiers"] and len(row["tiers"]) > 1)
+        or any(t not in (*tiers.HEAVY, tiers.FAST) for t in row["tiers"])
+    }
     assert not bad, f"tests without exactly `fast` or heavy tiers: {bad}"
 
 
@@ -53,10 +62,14 @@ def test_the_tiers_are_registered_markers(request):
 
 def test_the_fast_tier_is_what_is_left(table):
     """Every heavy fixture's users are out of the fast tier; most of the suite is in it."""
-    heavy_fixture_users = [node for node, row in table.items() if any(
-        key.split("::")[-1] in ("smollm2", "hf_gguf_model", "chromium") for key in row["keys"])]
-    assert heavy_fixture_users and all("model" in table[n]["tiers"] or "browser" in table[n]["tiers"]
-                                       for n in heavy_fixture_users)
+    heavy_fixture_users = [
+        node
+        for node, row in table.items()
+        if any(key.split("::")[-1] in ("smollm2", "hf_gguf_model", "chromium") for key in row["keys"])
+    ]
+    assert heavy_fixture_users and all(
+        "model" in table[n]["tiers"] or "browser" in table[n]["tiers"] for n in heavy_fixture_users
+    )
     assert sum(row["tiers"] == ["fast"] for row in table.values()) > len(table) / 2
 
 
@@ -69,19 +82,22 @@ def test_guard_stops_loading_smollm2():
     assert model.num_parameters() < 10_000_000
 
 
-@pytest.mark.parametrize("argv, tier", [
-    ([sys.executable, "-m", "autograder", "grade", "--assignment", "a"], "grader"),
-    ([sys.executable, "-m", "nbgrader", "autograde", "a"], "grader"),
-    ([sys.executable, "-m", "ipykernel_launcher", "-f", "k.json"], "grader"),
-    (["/usr/bin/dask", "worker", "tcp://x"], "grader"),
-    ([sys.executable, "-m", "jupyter", "lab"], "browser"),
-    ([sys.executable, "-m", "decodelab", "generate", "hi"], "model"),
-    ([sys.executable, "-m", "decodelab", "generate", "hi", "--model", "tiny"], None),
-    ([sys.executable, "-m", "autograder", "export", "--format", "long"], None),
-    ([sys.executable, "-c", "print(1)"], None),
-    ("git status", None),
-    (f"{sys.executable} -m nbgrader collect a", "grader"),  # a shell command line
-])
+@pytest.mark.parametrize(
+    "argv, tier",
+    [
+        ([sys.executable, "-m", "autograder", "grade", "--assignment", "a"], "grader"),
+        ([sys.executable, "-m", "nbgrader", "autograde", "a"], "grader"),
+        ([sys.executable, "-m", "ipykernel_launcher", "-f", "k.json"], "grader"),
+        (["/usr/bin/dask", "worker", "tcp://x"], "grader"),
+        ([sys.executable, "-m", "jupyter", "lab"], "browser"),
+        ([sys.executable, "-m", "decodelab", "generate", "hi"], "model"),
+        ([sys.executable, "-m", "decodelab", "generate", "hi", "--model", "tiny"], None),
+        ([sys.executable, "-m", "autograder", "export", "--format", "long"], None),
+        ([sys.executable, "-c", "print(1)"], None),
+        ("git status", None),
+        (f"{sys.executable} -m nbgrader collect a", "grader"),  # a shell command line
+    ],
+)
 def test_guard_knows_heavy_commands(argv, tier):
     found = tiers._command_tier(argv)
     assert (found and found[1]) == tier

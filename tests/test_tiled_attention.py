@@ -1,6 +1,7 @@
 """decodelab.lessons.tiled_attention: the online softmax gives plain attention's result to float
 tolerance, with grouped heads, offsets and ragged last tiles, and never holds the [T, S] scores;
 causal tiling computes about half of a prompt's tiles and masks only the diagonal ones."""
+
 from __future__ import annotations
 
 import math
@@ -9,10 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decodelab.model.attention import causal_attention, repeat_kv
 from decodelab.lessons.gqa import group_query_attention
-from decodelab.lessons.tiled_attention import (attention_memory_bytes, measure_tensor_memory, online_softmax_update,
-                                               tiled_attention, tiled_causal_attention)
+from decodelab.lessons.tiled_attention import (
+    attention_memory_bytes,
+    measure_tensor_memory,
+    online_softmax_update,
+    tiled_attention,
+    tiled_causal_attention,
+)
+from decodelab.model.attention import causal_attention, repeat_kv
 
 
 def _plain(q, k, v, causal=True, q_offset=0):
@@ -44,14 +50,18 @@ def test_random_shapes_match_sdpa(seed):
 def test_tile_sizes_including_ragged_and_oversized(tile):
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 6, 50, 8), torch.randn(2, 2, 50, 8), torch.randn(2, 2, 50, 8)  # 50 is no multiple of 16
-    torch.testing.assert_close(tiled_attention(q, k, v, tile_size=tile), group_query_attention(q, k, v),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        tiled_attention(q, k, v, tile_size=tile), group_query_attention(q, k, v), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_float64_is_exact_to_rounding():
     torch.manual_seed(2)
-    q, k, v = (torch.randn(1, 4, 9, 16, dtype=torch.float64), torch.randn(1, 2, 30, 16, dtype=torch.float64),
-               torch.randn(1, 2, 30, 16, dtype=torch.float64))
+    q, k, v = (
+        torch.randn(1, 4, 9, 16, dtype=torch.float64),
+        torch.randn(1, 2, 30, 16, dtype=torch.float64),
+        torch.randn(1, 2, 30, 16, dtype=torch.float64),
+    )
     got = tiled_attention(q, k, v, tile_size=7, q_offset=21)
     assert got.dtype == torch.float64
     assert (got - _plain(q, k, v, q_offset=21)).abs().max() < 1e-12
@@ -60,11 +70,16 @@ def test_float64_is_exact_to_rounding():
 def test_non_causal_sees_every_key_and_decode_step():
     torch.manual_seed(3)
     q, k, v = torch.randn(1, 3, 4, 8), torch.randn(1, 3, 23, 8), torch.randn(1, 3, 23, 8)
-    torch.testing.assert_close(tiled_attention(q, k, v, tile_size=6, causal=False),
-                               _plain(q, k, v, causal=False).float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        tiled_attention(q, k, v, tile_size=6, causal=False), _plain(q, k, v, causal=False).float(), atol=1e-5, rtol=1e-5
+    )
     one = q[:, :, :1]  # one decode step at the end of a 23-token cache
-    torch.testing.assert_close(tiled_attention(one, k, v, tile_size=4, q_offset=22),
-                               causal_attention(one, k, v, q_offset=22), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        tiled_attention(one, k, v, tile_size=4, q_offset=22),
+        causal_attention(one, k, v, q_offset=22),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_large_scores_do_not_overflow():
@@ -96,10 +111,16 @@ def test_bad_arguments_are_errors():
 
 def test_online_update_equals_softmax_over_both_tiles():
     torch.manual_seed(6)
-    s1, s2 = torch.randn(2, 3, 4, dtype=torch.float64), 3 + torch.randn(2, 3, 5, dtype=torch.float64)  # tile 2 raises the max
+    s1, s2 = (
+        torch.randn(2, 3, 4, dtype=torch.float64),
+        3 + torch.randn(2, 3, 5, dtype=torch.float64),
+    )  # tile 2 raises the max
     v1, v2 = torch.randn(2, 4, 6, dtype=torch.float64), torch.randn(2, 5, 6, dtype=torch.float64)
-    state = (torch.full((2, 3), -math.inf, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float64),
-             torch.zeros(2, 3, 6, dtype=torch.float64))
+    state = (
+        torch.full((2, 3), -math.inf, dtype=torch.float64),
+        torch.zeros(2, 3, dtype=torch.float64),
+        torch.zeros(2, 3, 6, dtype=torch.float64),
+    )
     m, l, o = online_softmax_update(*online_softmax_update(*state, s1, v1), s2, v2)
     scores, values = torch.cat([s1, s2], -1), torch.cat([v1, v2], -2)
     assert torch.equal(m, scores.amax(-1))
@@ -112,8 +133,9 @@ def test_online_update_with_all_masked_tile_keeps_state_and_no_nan():
     masked = torch.full((1, 2, 4), -math.inf)
     m, l, o = online_softmax_update(*state, masked, torch.randn(1, 4, 3))
     assert torch.equal(m, state[0]) and torch.equal(l, state[1]) and torch.equal(o, state[2])
-    m, l, o = online_softmax_update(torch.tensor([[1.0, 2.0]]), torch.tensor([[2.0, 1.0]]), torch.ones(1, 2, 3),
-                                    masked, torch.randn(1, 4, 3))
+    m, l, o = online_softmax_update(
+        torch.tensor([[1.0, 2.0]]), torch.tensor([[2.0, 1.0]]), torch.ones(1, 2, 3), masked, torch.randn(1, 4, 3)
+    )
     assert torch.equal(m, torch.tensor([[1.0, 2.0]])) and torch.equal(l, torch.tensor([[2.0, 1.0]]))
     assert torch.equal(o, torch.ones(1, 2, 3))
 
@@ -135,8 +157,10 @@ def test_measured_peak_grows_linearly_for_tiled_and_quadratically_for_plain():
     peaks = {}
     for n in (128, 256, 512):
         q, k, v = torch.randn(1, 2, n, 16), torch.randn(1, 1, n, 16), torch.randn(1, 1, n, 16)
-        peaks[n] = (measure_tensor_memory(tiled_attention, q, k, v, tile_size=32)[1].peak_bytes,
-                    measure_tensor_memory(group_query_attention, q, k, v)[1].peak_bytes)
+        peaks[n] = (
+            measure_tensor_memory(tiled_attention, q, k, v, tile_size=32)[1].peak_bytes,
+            measure_tensor_memory(group_query_attention, q, k, v)[1].peak_bytes,
+        )
     for n in (128, 256):
         tiled_ratio, plain_ratio = peaks[2 * n][0] / peaks[n][0], peaks[2 * n][1] / peaks[n][1]
         assert 1.8 < tiled_ratio < 2.2, peaks
@@ -150,7 +174,7 @@ def test_tracker_frees_dropped_tensors_and_ignores_inputs():
 
     def make_and_drop(x):
         for _ in range(5):
-            y = x + 1  # 4,000 bytes, dropped at the next iteration
+            y = x + 1  # noqa: F841 - 4,000 bytes, dropped at the next iteration
         return x[:10]  # a view of the input: no new memory
 
     _, seen = measure_tensor_memory(make_and_drop, x)
@@ -206,8 +230,8 @@ def test_explorer_redraws_with_the_first_slider_in_the_title():
 
 
 def test_tiled_cache_generates_the_same_tokens():
-    from decodelab.decoding.generate import generate_with_cache
     from decodelab.course.widgets.tiled_attention import tiled_cache_class
+    from decodelab.decoding.generate import generate_with_cache
     from decodelab.model.toy import random_llama
 
     model = random_llama(0)
@@ -234,9 +258,16 @@ def test_combined_splits_equal_softmax_over_all_keys():
     scores, values = torch.randn(2, 3, 12, dtype=torch.float64), torch.randn(2, 12, 5, dtype=torch.float64)
     scores[..., 4:8] += 1000.0  # the middle split holds the largest scores
     scores[0, 1, 8:] = -math.inf  # query 1 of row 0 sees nothing of the last split
-    states = [online_softmax_update(torch.full((2, 3), -math.inf, dtype=torch.float64),
-                                    torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 3, 5, dtype=torch.float64),
-                                    scores[..., a:b], values[:, a:b]) for a, b in ((0, 4), (4, 8), (8, 12))]
+    states = [
+        online_softmax_update(
+            torch.full((2, 3), -math.inf, dtype=torch.float64),
+            torch.zeros(2, 3, dtype=torch.float64),
+            torch.zeros(2, 3, 5, dtype=torch.float64),
+            scores[..., a:b],
+            values[:, a:b],
+        )
+        for a, b in ((0, 4), (4, 8), (8, 12))
+    ]
     got = combine_partial_attention(*(torch.stack(part) for part in zip(*states)))
     torch.testing.assert_close(got, torch.softmax(scores, -1) @ values)
     with pytest.raises(ValueError, match="must be"):
@@ -246,16 +277,19 @@ def test_combined_splits_equal_softmax_over_all_keys():
 # --------------------------------------------------------------------------- tiled_causal_attention
 
 
-@pytest.mark.parametrize("queries, offset, tile", [
-    (64, 0, 16),  # a prompt, the tile divides it
-    (50, 0, 16),  # a prompt, the tile does not divide it
-    (20, 13, 6),  # a chunk after a prefix, tiles off the boundaries: rows masked whole in diagonal tiles
-    (24, 40, 8),  # a chunk after a prefix, on the boundaries
-    (1, 40, 8),   # a decode step that starts a new key tile
-    (1, 39, 8),   # a decode step at the end of a key tile
-    (7, 0, 64),   # one tile larger than everything
-    (5, 3, 1),    # tiles of a single query and key
-])
+@pytest.mark.parametrize(
+    "queries, offset, tile",
+    [
+        (64, 0, 16),  # a prompt, the tile divides it
+        (50, 0, 16),  # a prompt, the tile does not divide it
+        (20, 13, 6),  # a chunk after a prefix, tiles off the boundaries: rows masked whole in diagonal tiles
+        (24, 40, 8),  # a chunk after a prefix, on the boundaries
+        (1, 40, 8),  # a decode step that starts a new key tile
+        (1, 39, 8),  # a decode step at the end of a key tile
+        (7, 0, 64),  # one tile larger than everything
+        (5, 3, 1),  # tiles of a single query and key
+    ],
+)
 def test_causal_tiles_match_causal_attention(queries, offset, tile):
     torch.manual_seed(queries + offset + tile)
     q = torch.randn(2, 6, queries, 8)

@@ -1,14 +1,15 @@
 """The bonus notebook 11's hidden checks: they pass on the library's reference implementations and
 catch every kept bug (tests/fixtures/buggy_tiled_attention.py) with a message that names the case."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from oracles import expect_bug_caught, load_fixture
 
 from autograder.checks import tiled_attention as checks
 from decodelab.lessons import tiled_attention as tiled
 from decodelab.model.attention import causal_attention
-from oracles import expect_bug_caught, load_fixture
 
 buggy = load_fixture("buggy_tiled_attention")
 
@@ -62,7 +63,7 @@ def test_causal_tile_oracle_counts_half_a_prompt():
     """The check's tile counts from the cut-up causal mask: n(n+1)/2 of n^2 tiles for a prompt of n whole tiles, n
     of them masked; a decode step computes every key tile and masks none; two products of tq * tk * D per tile."""
     for tiles in (1, 2, 5, 16):
-        assert checks._causal_tiles(8 * tiles, 0, 8, 1)[:3] == (tiles * (tiles + 1) // 2, tiles, tiles ** 2)
+        assert checks._causal_tiles(8 * tiles, 0, 8, 1)[:3] == (tiles * (tiles + 1) // 2, tiles, tiles**2)
     assert checks._causal_tiles(1, 40, 8, 1)[:3] == (6, 0, 6)
     assert checks._causal_tiles(1, 39, 8, 1)[:3] == (5, 0, 5)  # a decode step sees every key: nothing to mask
     assert checks._causal_tiles(4, 0, 4, 3)[3] == 2 * 2 * 3 * 4 * 4
@@ -91,8 +92,9 @@ def _notebook_visible_test(gid: str):
     return setup, visible_part(graded_cells(nb)[gid].source)
 
 
-@pytest.mark.parametrize("bug", [None] + sorted(bug for bug, (_, check, _) in buggy.BUGS.items()
-                                                if check == "check_tiled_causal_attention"))
+@pytest.mark.parametrize(
+    "bug", [None] + sorted(bug for bug, (_, check, _) in buggy.BUGS.items() if check == "check_tiled_causal_attention")
+)
 def test_the_notebooks_visible_tests_catch_each_causal_bug(bug):
     """Not only one bug per exercise (tests/test_notebooks.py): every kept tiled_causal_attention bug fails the
     visible tests a learner runs with an AssertionError, and the reference passes them."""

@@ -1,5 +1,6 @@
 """The shipped tiny models (`tiny`, `tiny-draft`): they load, their tokenizer is exact, the
 target predicts held-out Python better than the draft, and `transformers` agrees with us."""
+
 import json
 import math
 
@@ -43,8 +44,13 @@ def test_folders_resolve_to_package_data():
     for name in ("tiny", "tiny-draft"):
         folder = resolve_model(name)
         assert folder == PACKAGE_DATA / name
-        for file in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                     "generation_config.json"):
+        for file in (
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+        ):
             assert (folder / file).exists(), f"{name} lacks {file}"
         assert json.loads((folder / "generation_config.json").read_text()) == {"bos_token_id": 0, "eos_token_id": 0}
     total = sum(f.stat().st_size for n in ("tiny", "tiny-draft") for f in (PACKAGE_DATA / n).iterdir())
@@ -58,7 +64,9 @@ def test_configs(target, draft):
     assert t.vocab_size == d.vocab_size == target[1].vocab_size
     assert t.tie_word_embeddings and d.tie_word_embeddings
     assert t.max_position_embeddings == d.max_position_embeddings == 1024
-    assert (resolve_model("tiny") / "tokenizer.json").read_bytes() == (resolve_model("tiny-draft") / "tokenizer.json").read_bytes()
+    assert (resolve_model("tiny") / "tokenizer.json").read_bytes() == (
+        resolve_model("tiny-draft") / "tokenizer.json"
+    ).read_bytes()
 
 
 def test_tokenizer_round_trips_python_source(target):
@@ -74,7 +82,7 @@ def test_tokenizer_round_trips_python_source(target):
 
 def heldout_loss(model, stream: torch.Tensor, starts: list[int]) -> float:
     """Mean next-token nll (nats) over windows of SEQ_LEN tokens starting at `starts`."""
-    windows = torch.stack([stream[s:s + SEQ_LEN + 1] for s in starts])  # [B, T + 1]
+    windows = torch.stack([stream[s : s + SEQ_LEN + 1] for s in starts])  # [B, T + 1]
     with torch.no_grad():
         logits = model(windows[:, :-1])
     return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()

@@ -1,6 +1,7 @@
 """The package's version has one source, `decodelab.__version__`: the installed metadata reads it,
 each released notebook records it, and the class grader notes a submission released for
 another version (never changing its score)."""
+
 from __future__ import annotations
 
 import copy
@@ -11,12 +12,12 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from notebooks import COURSE, ROOT, read, release_path
 
 import decodelab
 from autograder import release
 from autograder.grade import summary
 from autograder.notes import version_note
-from notebooks import COURSE, ROOT, read, release_path
 
 NAME = "00_meet_the_model"
 
@@ -46,8 +47,9 @@ def test_every_released_notebook_records_the_version():
     released = sorted(COURSE.glob("*/*.ipynb"))
     assert released
     for path in released:
-        assert release.recorded_version(read(path)) == decodelab.__version__, \
+        assert release.recorded_version(read(path)) == decodelab.__version__, (
             f"{path.relative_to(ROOT)} was released for another version: run `make release`"
+        )
 
 
 def test_record_version_changes_only_the_metadata(tmp_path):
@@ -79,19 +81,28 @@ def test_version_note():
             del unrecorded.metadata["decodelab"]
         else:
             unrecorded.metadata["decodelab"] = recorded
-        assert version_note(unrecorded, "0.2.0") == \
-            "version: the notebook records no decodelab version (graded with 0.2.0)", recorded
+        assert (
+            version_note(unrecorded, "0.2.0")
+            == "version: the notebook records no decodelab version (graded with 0.2.0)"
+        ), recorded
     assert all("; " not in version_note(nb, v) for v in ("0.3.0", "1.0.0"))  # the notes column's separator
 
 
 def test_summary_names_the_submissions_of_another_version():
     rows = [
         {"student": "ada", "status": "ok", "notes": ""},
-        {"student": "bob", "status": "ok", "notes": "version: the notebook was released for decodelab 0.1.0 "
-                                                     "(graded with 0.2.0)"},
-        {"student": "cy", "status": "tampered", "notes": "test_x edited: restored from the release; version: the "
-                                                         "notebook records no decodelab version (graded with 0.2.0); "
-                                                         "integrity: ex_x touches the grader's files (autograder/)"},
+        {
+            "student": "bob",
+            "status": "ok",
+            "notes": "version: the notebook was released for decodelab 0.1.0 (graded with 0.2.0)",
+        },
+        {
+            "student": "cy",
+            "status": "tampered",
+            "notes": "test_x edited: restored from the release; version: the "
+            "notebook records no decodelab version (graded with 0.2.0); "
+            "integrity: ex_x touches the grader's files (autograder/)",
+        },
     ]
     lines = summary(rows, NAME, 12.3, Path("grades.csv"), "0.2.0")
     assert lines[0] == f"graded 3 submissions of {NAME} in 12 s: 1 tampered, 2 ok -> grades.csv"

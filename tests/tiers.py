@@ -17,6 +17,7 @@ SmolLM2 or starts a kernel, the grader, nbgrader, Dask or a browser fail with wh
 tests/test_tiers.py checks the maps against the whole collection (every entry still names a
 test, every test has a tier), so the maps cannot silently rot.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,10 @@ FIXTURE_TIERS: dict[str, tuple[str, str]] = {
     "tests/test_notebooks.py::autograded_solution": ("notebook grader", "nbgrader autogrades every solution"),
     "tests/test_grading.py::graded": ("grader", "grades a class with python -m autograder grade"),
     "tests/test_exchange.py::exchange_class": ("grader", "nbgrader's exchange as OS users"),
-    "tests/test_parts.py::filled_course": ("notebook model", "decodelab progress --serve runs the stage notebooks, "
-                                                             "then SmolLM2 serves and generates"),
+    "tests/test_parts.py::filled_course": (
+        "notebook model",
+        "decodelab progress --serve runs the stage notebooks, then SmolLM2 serves and generates",
+    ),
 }
 
 # A test file -> its tiers, for files whose tests (nearly all) do that work without a fixture
@@ -68,36 +71,61 @@ NODE_TIERS: dict[str, tuple[str, str]] = {
     # model: SmolLM2 (its weights, its GGUF, its tokenizer) or transformers as the oracle
     "tests/test_beam_search.py::test_tiny_matches_transformers": ("model", "transformers' beam search as the oracle"),
     "tests/test_forward_pass_checks.py::test_messages_name_the_case": ("model", "reads SmolLM2's GGUF (2 layers)"),
-    "tests/test_forward_pass_checks.py::test_bug_is_caught[load_gguf_float16_arithmetic]":
-        ("model", "dequantizes SmolLM2's GGUF tensors in float16"),
+    "tests/test_forward_pass_checks.py::test_bug_is_caught[load_gguf_float16_arithmetic]": (
+        "model",
+        "dequantizes SmolLM2's GGUF tensors in float16",
+    ),
     "tests/test_meet_the_model_checks.py::test_bpe_*": ("model", "BPE over SmolLM2's 49k-token tokenizer"),
-    "tests/test_tiers.py::test_guard_stops_transformers_loading_smollm2": ("model", "imports transformers' auto classes"),
-    "tests/test_meet_the_model_checks.py::test_bug_is_caught[bpe_from_characters]":
-        ("model", "BPE over SmolLM2's tokenizer, from characters"),
+    "tests/test_tiers.py::test_guard_stops_transformers_loading_smollm2": (
+        "model",
+        "imports transformers' auto classes",
+    ),
+    "tests/test_meet_the_model_checks.py::test_bug_is_caught[bpe_from_characters]": (
+        "model",
+        "BPE over SmolLM2's tokenizer, from characters",
+    ),
     # grader: nbgrader (generate_assignment, its gradebook) in-process
     "tests/test_notebooks.py::test_release_in_sync": ("grader", "nbgrader generate_assignment of every notebook"),
     "tests/test_versions.py::test_release_writes_the_version": ("grader", "nbgrader generate_assignment"),
-    "tests/test_export.py::test_long_one_row_per_student_and_test_cell": ("grader", "an nbgrader gradebook (SQLAlchemy)"),
+    "tests/test_export.py::test_long_one_row_per_student_and_test_cell": (
+        "grader",
+        "an nbgrader gradebook (SQLAlchemy)",
+    ),
     "tests/test_report.py::test_numbers_of_a_small_class": ("grader", "an nbgrader gradebook (SQLAlchemy)"),
     "tests/test_report.py::test_page_escapes_student_text_and_inlines_plotly": ("grader", "an nbgrader gradebook"),
-    "tests/test_report.py::test_cli_writes_json_and_html_and_refuses_bad_input":
-        ("grader", "an nbgrader gradebook, and python -m autograder report in subprocesses"),
+    "tests/test_report.py::test_cli_writes_json_and_html_and_refuses_bad_input": (
+        "grader",
+        "an nbgrader gradebook, and python -m autograder report in subprocesses",
+    ),
     "tests/test_late.py::test_recorded_in_nbgraders_gradebook_with_extensions": ("grader", "an nbgrader gradebook"),
     # notebook: a notebook's cells run
-    "tests/test_notebooks.py::test_visible_tests_pass_on_reference_and_catch_bugs":
-        ("notebook", "runs each notebook's visible test cells on the reference and on every bug"),
-    "tests/test_kept_bugs.py::test_visible_tests_catch_what_the_hidden_checks_catch":
-        ("notebook", "runs each notebook's visible test cells and hidden checks on every kept bug"),
+    "tests/test_notebooks.py::test_visible_tests_pass_on_reference_and_catch_bugs": (
+        "notebook",
+        "runs each notebook's visible test cells on the reference and on every bug",
+    ),
+    "tests/test_kept_bugs.py::test_visible_tests_catch_what_the_hidden_checks_catch": (
+        "notebook",
+        "runs each notebook's visible test cells and hidden checks on every kept bug",
+    ),
     "tests/test_progress.py::test_released_*": ("notebook", "python -m decodelab progress runs the notebooks"),
-    "tests/test_progress.py::test_a_malformed_notebook_says_so_and_the_rest_still_run":
-        ("notebook", "python -m decodelab progress runs the notebooks"),
-    "tests/test_progress.py::test_crashes_prints_and_mistakes_cost_only_their_rows":
-        ("notebook", "python -m decodelab progress runs the notebooks"),
+    "tests/test_progress.py::test_a_malformed_notebook_says_so_and_the_rest_still_run": (
+        "notebook",
+        "python -m decodelab progress runs the notebooks",
+    ),
+    "tests/test_progress.py::test_crashes_prints_and_mistakes_cost_only_their_rows": (
+        "notebook",
+        "python -m decodelab progress runs the notebooks",
+    ),
     # slow: other heavy work
-    "tests/test_architecture.py::test_import_contracts_are_kept": ("slow", "lint-imports, as make test-fast runs first"),
+    "tests/test_architecture.py::test_import_contracts_are_kept": (
+        "slow",
+        "lint-imports, as make test-fast runs first",
+    ),
     "tests/test_architecture.py::test_a_broken_contract_fails_the_lint": ("slow", "lint-imports on a copy, 7 times"),
-    "tests/test_architecture.py::test_engine_and_checks_import_without_ipywidgets_or_plotly":
-        ("slow", "imports the engine and every check in a fresh Python (~12 s)"),
+    "tests/test_architecture.py::test_engine_and_checks_import_without_ipywidgets_or_plotly": (
+        "slow",
+        "imports the engine and every check in a fresh Python (~12 s)",
+    ),
     "tests/test_gpu_kernel.py::test_the_module_imports_without_triton": ("slow", "a fresh Python imports torch"),
     "tests/test_capstone_engine_checks.py::test_reference_passes": ("slow", "every engine scenario on the tiny pair"),
     "tests/test_capstone_engine_checks.py::test_loop_scenarios_test_what_they_name": ("slow", "every loop scenario"),
@@ -108,18 +136,31 @@ NODE_TIERS: dict[str, tuple[str, str]] = {
     "tests/test_speculative_decoding_checks.py::test_written_out_step_passes": ("slow", "acceptance statistics"),
     "tests/test_speculative_decoding_checks.py::test_messages_name_the_case": ("slow", "acceptance statistics"),
     "tests/test_speculative_decoding_checks.py::test_bug_is_caught[step_raw_draft_probs]": ("slow", "statistics"),
-    "tests/test_speculative_decoding_checks.py::test_top_k_one_part_catches_a_draft_that_ignores_the_filters":
-        ("slow", "acceptance statistics"),
-    "tests/test_chunked_prefill.py::test_chunked_matches_whole_prompt_prefill_tiny[32-30-4-True]":
-        ("slow", "many small chunks through the engine"),
-    "tests/test_chunked_prefill.py::test_chunked_matches_whole_prompt_prefill_tiny[5-30-5-False]":
-        ("slow", "many small chunks through the engine"),
+    "tests/test_speculative_decoding_checks.py::test_top_k_one_part_catches_a_draft_that_ignores_the_filters": (
+        "slow",
+        "acceptance statistics",
+    ),
+    "tests/test_chunked_prefill.py::test_chunked_matches_whole_prompt_prefill_tiny[32-30-4-True]": (
+        "slow",
+        "many small chunks through the engine",
+    ),
+    "tests/test_chunked_prefill.py::test_chunked_matches_whole_prompt_prefill_tiny[5-30-5-False]": (
+        "slow",
+        "many small chunks through the engine",
+    ),
     "tests/test_chunked_prefill.py::test_random_workloads_chunked_match_whole_prompt": ("slow", "random workloads"),
-    "tests/test_compiled_decode.py::test_compiled_step_gives_the_eager_tokens_with_one_graph": ("slow", "torch.compile"),
-    "tests/test_engine_feature_drafter.py::test_greedy_tokens_are_the_targets_whatever_the_drafter_guesses[200-3]":
-        ("slow", "200 tokens of tree speculation"),
-    "tests/test_parts.py::test_a_part_that_raises_in_the_engine_falls_back_and_the_bill_says_why":
-        ("slow", "the engine again for each suspect part (1.1-1.8 s)"),
+    "tests/test_compiled_decode.py::test_compiled_step_gives_the_eager_tokens_with_one_graph": (
+        "slow",
+        "torch.compile",
+    ),
+    "tests/test_engine_feature_drafter.py::test_greedy_tokens_are_the_targets_whatever_the_drafter_guesses[200-3]": (
+        "slow",
+        "200 tokens of tree speculation",
+    ),
+    "tests/test_parts.py::test_a_part_that_raises_in_the_engine_falls_back_and_the_bill_says_why": (
+        "slow",
+        "the engine again for each suspect part (1.1-1.8 s)",
+    ),
 }
 
 
@@ -192,9 +233,12 @@ def assign(items) -> dict[str, dict]:
 def stale_entries(table: dict[str, dict]) -> list[str]:
     """Map entries that no longer give any collected test its tier (a renamed test, a moved fixture)."""
     used = {key for row in table.values() for key in row["keys"]}
-    return [f"{name}[{key!r}]" for name, mapping in (("FIXTURE_TIERS", FIXTURE_TIERS), ("FILE_TIERS", FILE_TIERS),
-                                                      ("NODE_TIERS", NODE_TIERS))
-            for key in mapping if key not in used]
+    return [
+        f"{name}[{key!r}]"
+        for name, mapping in (("FIXTURE_TIERS", FIXTURE_TIERS), ("FILE_TIERS", FILE_TIERS), ("NODE_TIERS", NODE_TIERS))
+        for key in mapping
+        if key not in used
+    ]
 
 
 # --------------------------------------------------------------------------- the guard
@@ -203,8 +247,10 @@ class TierError(RuntimeError):
 
 
 def _fail(nodeid: str, what: str, tier: str, fix: str) -> None:
-    raise TierError(f"a fast-tier test {what}: {nodeid}. {fix}, or add it to tests/tiers.py "
-                    f"(NODE_TIERS, tier {tier!r}) so that `make test-fast` leaves it out")
+    raise TierError(
+        f"a fast-tier test {what}: {nodeid}. {fix}, or add it to tests/tiers.py "
+        f"(NODE_TIERS, tier {tier!r}) so that `make test-fast` leaves it out"
+    )
 
 
 HEAVY_WEIGHTS_BYTES = 64 * 2**20  # SmolLM2's safetensors are ~540 MB; the tiny models' a few MB
@@ -221,6 +267,7 @@ def _folder_bytes(folder) -> int:
 def _is_smollm2_path(path) -> bool:
     try:
         from decodelab.model.registry import SMOLLM2_DIR_NAME, smollm2_gguf_path
+
         path = Path(path).resolve()
         if path.name == SMOLLM2_DIR_NAME or path.parent.name == SMOLLM2_DIR_NAME:
             return True
@@ -264,8 +311,8 @@ def _command_tier(argv) -> tuple[str, str] | None:
 def guard(nodeid: str):
     """While a fast test runs (set-up, call, tear-down): loading SmolLM2 or its oracle, and starting
     the grader, nbgrader, a kernel, Dask, Jupyter or a browser raise TierError."""
-    import decodelab.model.weights as weights
     import decodelab.model.gguf_import as gguf_import
+    import decodelab.model.weights as weights
 
     saved = []
 
@@ -293,8 +340,12 @@ def guard(nodeid: str):
     def guarded_popen_init(self, args, *rest, **kwargs):
         heavy = _command_tier(args)
         if heavy is not None:
-            _fail(nodeid, f"{heavy[0]} ({' '.join(map(str, args if not isinstance(args, str) else [args]))[:200]})",
-                  heavy[1], "Give it the fixture that does this")
+            _fail(
+                nodeid,
+                f"{heavy[0]} ({' '.join(map(str, args if not isinstance(args, str) else [args]))[:200]})",
+                heavy[1],
+                "Give it the fixture that does this",
+            )
         popen_init(self, args, *rest, **kwargs)
 
     patch(weights, "read_state_dict", guarded_read_state_dict)
@@ -309,10 +360,14 @@ def guard(nodeid: str):
             path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
             gguf = kwargs.get("gguf_file")
             if isinstance(path, (str, os.PathLike)) and (
-                    gguf and _is_smollm2_path(Path(path) / gguf) or _is_smollm2_path(path)
-                    or _folder_bytes(path) > HEAVY_WEIGHTS_BYTES):
-                _fail(nodeid, f"loads SmolLM2 into transformers ({path})", "model",
-                      "Give it the `hf_gguf_model` fixture")
+                gguf
+                and _is_smollm2_path(Path(path) / gguf)
+                or _is_smollm2_path(path)
+                or _folder_bytes(path) > HEAVY_WEIGHTS_BYTES
+            ):
+                _fail(
+                    nodeid, f"loads SmolLM2 into transformers ({path})", "model", "Give it the `hf_gguf_model` fixture"
+                )
             return from_pretrained.__func__(cls, *args, **kwargs)
 
         patch(modeling.PreTrainedModel, "from_pretrained", guarded_from_pretrained)

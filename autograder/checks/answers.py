@@ -14,6 +14,7 @@ answer cell states it, the notebook's feedback applies it through the same ``pas
 failure message gives the prediction, the answer and the tolerance: a prediction is graded once,
 after the learner has seen the experiment, so the answer is no secret in the feedback.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,9 @@ def expect_answer(name: str, value, expected: float, why: str) -> None:
     if value is None:
         raise AssertionError(f"{name}: no prediction (the cell still says None); {answer} ({why})")
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-        raise AssertionError(f"{name}: expected a number {q.tolerance_text} {expected:,.6g}, got "
-                             f"{type(value).__name__} {value!r}".replace("of the answer ", "of "))
+        raise AssertionError(
+            f"{name}: expected a number {q.tolerance_text} {expected:,.6g}, got "
+            f"{type(value).__name__} {value!r}".replace("of the answer ", "of ")
+        )
     if not passes(name, value, expected):
         raise AssertionError(f"{name}: you predicted {value:,.6g}; {answer} (graded {q.tolerance_text}): {why}")

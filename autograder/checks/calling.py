@@ -18,6 +18,7 @@ reports as a failed hidden test) in one of two shapes, in every notebook:
 A NotImplementedError raised inside an installed library (torch's "not implemented for this
 dtype", a module without `forward`) is a crash, reported with its message.
 """
+
 from __future__ import annotations
 
 import math

@@ -24,6 +24,7 @@ on a small random Llama and on the same with scrambled RoPE tables (`model.toy.s
 RoPE only sees the distance between two tokens, so positions shifted by the pads change the
 plain model's logits by float rounding only; on the scrambled one they change them by O(1).
 """
+
 from __future__ import annotations
 
 import random
@@ -34,18 +35,17 @@ from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
 from decodelab.course.exercises import references
 from decodelab.engine.block_allocator import BlockAllocator, blocks_needed
-from decodelab.params import SamplingParams
 from decodelab.engine.scheduler import Scheduler
 from decodelab.engine.sequence import Sequence, Status
 from decodelab.lessons.measure import CountingModel
 from decodelab.model.toy import random_llama, scramble_rope_
+from decodelab.params import SamplingParams
 
 # exercise -> the library's reference it is graded against (the course's table of exercises). The library's
 # whole-prompt `admit`, no longer an exercise (schedule_chunked admits), is tested by tests/test_scheduler_admit.py.
 REFERENCES = references("08_continuous_batching")
 
-__all__ = ["check_decode_batch", "check_preempt", "check_finish", "check_schedule_chunked",
-           "check_padded_prefill"]
+__all__ = ["check_decode_batch", "check_preempt", "check_finish", "check_schedule_chunked", "check_padded_prefill"]
 
 RANDOM_CASES = 150
 
@@ -60,8 +60,16 @@ def _seq(seq_id: int, prompt_len: int, output_len: int = 0, prompt=None) -> Sequ
     return seq
 
 
-def _state(block_size: int, num_blocks: int, running_lens, waiting_lens, max_num_seqs: int = 8,
-           budget: int = 4096, decoding: bool = False, caching: bool = False):
+def _state(
+    block_size: int,
+    num_blocks: int,
+    running_lens,
+    waiting_lens,
+    max_num_seqs: int = 8,
+    budget: int = 4096,
+    decoding: bool = False,
+    caching: bool = False,
+):
     """A scheduler whose running sequences hold their blocks. running_lens: total tokens of each;
     decoding=True: the newest token of each has no slot yet (it holds len - 1)."""
     allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=caching)
@@ -93,8 +101,13 @@ def _expect(ok: bool, desc: str, what: str, expected, got) -> None:
 def _expect_waiting_then_pool(desc: str, scheduler, waiting: list, free: int) -> None:
     """Each (seq, label) is WAITING with no blocks; the pool has `free` blocks and is consistent."""
     for seq, label in waiting:
-        _expect(seq.status is Status.WAITING and not seq.block_table, desc, label, "WAITING, no blocks",
-                f"{seq.status.name}, {len(seq.block_table)} blocks")
+        _expect(
+            seq.status is Status.WAITING and not seq.block_table,
+            desc,
+            label,
+            "WAITING, no blocks",
+            f"{seq.status.name}, {len(seq.block_table)} blocks",
+        )
     _expect(scheduler.allocator.num_free == free, desc, "free blocks afterwards", free, scheduler.allocator.num_free)
     _pool_consistent(desc, scheduler)
 
@@ -104,8 +117,9 @@ def _pool_consistent(desc: str, scheduler, extra_tables=()) -> None:
     try:
         scheduler.allocator.check_invariants(tables)
     except AssertionError as e:
-        raise AssertionError(f"{desc}: the block pool is inconsistent afterwards (a block leaked or was freed "
-                             f"twice): {e}") from None
+        raise AssertionError(
+            f"{desc}: the block pool is inconsistent afterwards (a block leaked or was freed twice): {e}"
+        ) from None
 
 
 # --------------------------------------------------------------------------- decode_batch
@@ -146,23 +160,47 @@ def _run_decode(fn, desc, block_size, extra_free, lens, waiting=()):
     batch, preempted, free = _expected_decode(lens, extra_free, block_size)
     got = call(desc, fn, scheduler)
     want = [seqs[i].seq_id for i in batch]
-    _expect(isinstance(got, list) and _ids(got) == want, desc, "sequences to decode (seq ids, in order)", want,
-            _ids(got) if isinstance(got, list) else repr(got))
+    _expect(
+        isinstance(got, list) and _ids(got) == want,
+        desc,
+        "sequences to decode (seq ids, in order)",
+        want,
+        _ids(got) if isinstance(got, list) else repr(got),
+    )
     _expect(_ids(scheduler.running) == want, desc, "running afterwards", want, _ids(scheduler.running))
     front = [seqs[i].seq_id for i in reversed(preempted)] + _ids(old_waiting)
-    _expect(_ids(scheduler.waiting) == front, desc, "waiting afterwards (the last preempted first)", front,
-            _ids(scheduler.waiting))
+    _expect(
+        _ids(scheduler.waiting) == front,
+        desc,
+        "waiting afterwards (the last preempted first)",
+        front,
+        _ids(scheduler.waiting),
+    )
     for i in batch:
         need = blocks_needed(lens[i], block_size)
-        _expect(len(seqs[i].block_table) == need, desc, f"blocks of seq {seqs[i].seq_id} ({lens[i]} tokens, the "
-                f"newest needs a slot; block size {block_size})", need, len(seqs[i].block_table))
+        _expect(
+            len(seqs[i].block_table) == need,
+            desc,
+            f"blocks of seq {seqs[i].seq_id} ({lens[i]} tokens, the newest needs a slot; block size {block_size})",
+            need,
+            len(seqs[i].block_table),
+        )
     for i in preempted:
         seq = seqs[i]
-        _expect(seq.status is Status.WAITING and not seq.block_table and seq.num_computed_tokens == 0, desc,
-                f"preempted seq {seq.seq_id}", "WAITING, no blocks, 0 computed tokens",
-                f"{seq.status.name}, {len(seq.block_table)} blocks, {seq.num_computed_tokens} computed")
-    _expect(scheduler.num_preemptions == len(preempted), desc, "scheduler.num_preemptions", len(preempted),
-            scheduler.num_preemptions)
+        _expect(
+            seq.status is Status.WAITING and not seq.block_table and seq.num_computed_tokens == 0,
+            desc,
+            f"preempted seq {seq.seq_id}",
+            "WAITING, no blocks, 0 computed tokens",
+            f"{seq.status.name}, {len(seq.block_table)} blocks, {seq.num_computed_tokens} computed",
+        )
+    _expect(
+        scheduler.num_preemptions == len(preempted),
+        desc,
+        "scheduler.num_preemptions",
+        len(preempted),
+        scheduler.num_preemptions,
+    )
     _expect(scheduler.allocator.num_free == free, desc, "free blocks afterwards", free, scheduler.allocator.num_free)
     _pool_consistent(desc, scheduler)
 
@@ -172,12 +210,28 @@ def check_decode_batch(decode_batch) -> None:
     cases = [
         # (what, block size, free blocks, running lengths (newest token included), waiting)
         ("room in every last block: block size 4, sequences of 6, 7, 3 tokens", 4, 0, [6, 7, 3], []),
-        ("a full last block: block size 4, a sequence of 9 tokens (8 stored) needs a new block, 1 free", 4, 1,
-         [9, 6], []),
-        ("out of blocks: block size 4, 0 free, the first of 3 sequences (9 tokens) needs a block; the most "
-         "recently admitted (the third, 7 tokens, 2 blocks) is preempted", 4, 0, [9, 6, 7], [3]),
-        ("the newest preempts itself: block size 4, 0 free, only the last sequence (5 tokens) needs a block", 4, 0,
-         [6, 7, 5], []),
+        (
+            "a full last block: block size 4, a sequence of 9 tokens (8 stored) needs a new block, 1 free",
+            4,
+            1,
+            [9, 6],
+            [],
+        ),
+        (
+            "out of blocks: block size 4, 0 free, the first of 3 sequences (9 tokens) needs a block; the most "
+            "recently admitted (the third, 7 tokens, 2 blocks) is preempted",
+            4,
+            0,
+            [9, 6, 7],
+            [3],
+        ),
+        (
+            "the newest preempts itself: block size 4, 0 free, only the last sequence (5 tokens) needs a block",
+            4,
+            0,
+            [6, 7, 5],
+            [],
+        ),
         ("several victims: block size 2, 0 free, sequences of 5, 2, 2, 2 tokens", 2, 0, [5, 2, 2, 2], []),
         ("block size 1: every token needs a block, 2 free for 3 sequences", 1, 2, [3, 4, 5], []),
         ("no running sequence", 4, 3, [], [4]),
@@ -190,8 +244,15 @@ def check_decode_batch(decode_batch) -> None:
         lens = [rng.randint(2, 30) for _ in range(rng.randint(1, 6))]
         free = rng.randint(0, 3)
         waiting = [rng.randint(1, 9) for _ in range(rng.randint(0, 2))]
-        _run_decode(decode_batch, f"decode_batch, random case {case}: block size {block_size}, {free} free blocks, "
-                    f"running sequences of {lens} tokens", block_size, free, lens, waiting)
+        _run_decode(
+            decode_batch,
+            f"decode_batch, random case {case}: block size {block_size}, {free} free blocks, "
+            f"running sequences of {lens} tokens",
+            block_size,
+            free,
+            lens,
+            waiting,
+        )
 
 
 # --------------------------------------------------------------------------- preempt
@@ -203,35 +264,75 @@ def check_preempt(preempt) -> None:
     old_waiting = list(scheduler.waiting)
     b.output_token_ids = [4, 4]  # generated so far: must survive
     b_blocks, free = len(b.block_table), scheduler.allocator.num_free
-    desc = ("preempt(scheduler, seq 1) with running seqs [0, 1, 2] holding 6, 9, 5 tokens (block size 4), seq 1 "
-            "with 2 generated tokens, waiting [3, 4]")
+    desc = (
+        "preempt(scheduler, seq 1) with running seqs [0, 1, 2] holding 6, 9, 5 tokens (block size 4), seq 1 "
+        "with 2 generated tokens, waiting [3, 4]"
+    )
     call(desc, preempt, scheduler, b)
     _expect(_ids(scheduler.running) == [0, 2], desc, "running afterwards", [0, 2], _ids(scheduler.running))
-    _expect(_ids(scheduler.waiting) == [1] + _ids(old_waiting), desc, "waiting afterwards (it is next in line)",
-            [1] + _ids(old_waiting), _ids(scheduler.waiting))
+    _expect(
+        _ids(scheduler.waiting) == [1] + _ids(old_waiting),
+        desc,
+        "waiting afterwards (it is next in line)",
+        [1] + _ids(old_waiting),
+        _ids(scheduler.waiting),
+    )
     _expect(b.status is Status.WAITING, desc, "status of seq 1", Status.WAITING, b.status)
     _expect(b.block_table == [], desc, "block table of seq 1", [], b.block_table)
-    _expect(b.num_computed_tokens == 0, desc, "num_computed_tokens of seq 1 (its KV is gone: recompute all)", 0,
-            b.num_computed_tokens)
-    _expect(b.output_token_ids[-2:] == [4, 4], desc, "output tokens of seq 1 (kept, recomputed later)",
-            "... 4, 4", b.output_token_ids)
-    _expect(b.num_preemptions == 1 and scheduler.num_preemptions == 1, desc,
-            "seq.num_preemptions and scheduler.num_preemptions", "1 and 1",
-            f"{b.num_preemptions} and {scheduler.num_preemptions}")
-    _expect(scheduler.allocator.num_free == free + b_blocks, desc, "free blocks afterwards", free + b_blocks,
-            scheduler.allocator.num_free)
+    _expect(
+        b.num_computed_tokens == 0,
+        desc,
+        "num_computed_tokens of seq 1 (its KV is gone: recompute all)",
+        0,
+        b.num_computed_tokens,
+    )
+    _expect(
+        b.output_token_ids[-2:] == [4, 4],
+        desc,
+        "output tokens of seq 1 (kept, recomputed later)",
+        "... 4, 4",
+        b.output_token_ids,
+    )
+    _expect(
+        b.num_preemptions == 1 and scheduler.num_preemptions == 1,
+        desc,
+        "seq.num_preemptions and scheduler.num_preemptions",
+        "1 and 1",
+        f"{b.num_preemptions} and {scheduler.num_preemptions}",
+    )
+    _expect(
+        scheduler.allocator.num_free == free + b_blocks,
+        desc,
+        "free blocks afterwards",
+        free + b_blocks,
+        scheduler.allocator.num_free,
+    )
     _pool_consistent(desc, scheduler)
 
     desc = "preempt seq 2 then seq 0 (after seq 1)"
     call(desc, preempt, scheduler, c)
     call(desc, preempt, scheduler, a)
-    _expect(_ids(scheduler.waiting)[:3] == [0, 2, 1], desc, "the front of waiting (the last preempted first)",
-            [0, 2, 1], _ids(scheduler.waiting)[:3])
-    _expect(scheduler.num_preemptions == 3 and scheduler.running == [], desc,
-            "scheduler.num_preemptions and running", "3 and []", f"{scheduler.num_preemptions} and "
-            f"{_ids(scheduler.running)}")
-    _expect(scheduler.allocator.num_free == scheduler.allocator.num_blocks, desc, "free blocks with nothing running",
-            scheduler.allocator.num_blocks, scheduler.allocator.num_free)
+    _expect(
+        _ids(scheduler.waiting)[:3] == [0, 2, 1],
+        desc,
+        "the front of waiting (the last preempted first)",
+        [0, 2, 1],
+        _ids(scheduler.waiting)[:3],
+    )
+    _expect(
+        scheduler.num_preemptions == 3 and scheduler.running == [],
+        desc,
+        "scheduler.num_preemptions and running",
+        "3 and []",
+        f"{scheduler.num_preemptions} and {_ids(scheduler.running)}",
+    )
+    _expect(
+        scheduler.allocator.num_free == scheduler.allocator.num_blocks,
+        desc,
+        "free blocks with nothing running",
+        scheduler.allocator.num_blocks,
+        scheduler.allocator.num_free,
+    )
     _pool_consistent(desc, scheduler)
 
     # Two samples of one prompt share its blocks: preempting one must leave the other's intact.
@@ -244,8 +345,13 @@ def check_preempt(preempt) -> None:
     free = scheduler.allocator.num_free
     desc = "preempt one of two samples sharing 3 blocks (a prompt of 10 tokens, block size 4)"
     call(desc, preempt, scheduler, sibling)
-    _expect(scheduler.allocator.num_free == free, desc, "free blocks (the shared blocks are still held by the "
-            "other sample)", free, scheduler.allocator.num_free)
+    _expect(
+        scheduler.allocator.num_free == free,
+        desc,
+        "free blocks (the shared blocks are still held by the other sample)",
+        free,
+        scheduler.allocator.num_free,
+    )
     _pool_consistent(desc, scheduler)
 
 
@@ -263,20 +369,39 @@ def check_finish(finish) -> None:
     _expect(_ids(scheduler.running) == [0, 2], desc, "running afterwards", [0, 2], _ids(scheduler.running))
     _expect(_ids(scheduler.waiting) == [3], desc, "waiting afterwards (unchanged)", [3], _ids(scheduler.waiting))
     _expect(b.block_table == [], desc, "block table of seq 1", [], b.block_table)
-    _expect(scheduler.allocator.num_free == free + b_blocks, desc, "free blocks afterwards", free + b_blocks,
-            scheduler.allocator.num_free)
-    _expect(scheduler.num_preemptions == 0, desc, "scheduler.num_preemptions (finishing is not preempting)", 0,
-            scheduler.num_preemptions)
+    _expect(
+        scheduler.allocator.num_free == free + b_blocks,
+        desc,
+        "free blocks afterwards",
+        free + b_blocks,
+        scheduler.allocator.num_free,
+    )
+    _expect(
+        scheduler.num_preemptions == 0,
+        desc,
+        "scheduler.num_preemptions (finishing is not preempting)",
+        0,
+        scheduler.num_preemptions,
+    )
     _pool_consistent(desc, scheduler)
 
     desc = "then finish(scheduler, seq 2, 'length') and finish(scheduler, seq 0, 'length')"
     call(desc, finish, scheduler, c, "length")
     call(desc, finish, scheduler, a, "length")
-    _expect(c.finish_reason == "length" and a.finish_reason == "length", desc, "finish reasons",
-            "'length', 'length'", f"{c.finish_reason!r}, {a.finish_reason!r}")
-    _expect(scheduler.running == [] and scheduler.allocator.num_free == scheduler.allocator.num_blocks, desc,
-            "running and free blocks", f"[] and {scheduler.allocator.num_blocks}",
-            f"{_ids(scheduler.running)} and {scheduler.allocator.num_free}")
+    _expect(
+        c.finish_reason == "length" and a.finish_reason == "length",
+        desc,
+        "finish reasons",
+        "'length', 'length'",
+        f"{c.finish_reason!r}, {a.finish_reason!r}",
+    )
+    _expect(
+        scheduler.running == [] and scheduler.allocator.num_free == scheduler.allocator.num_blocks,
+        desc,
+        "running and free blocks",
+        f"[] and {scheduler.allocator.num_blocks}",
+        f"{_ids(scheduler.running)} and {scheduler.allocator.num_free}",
+    )
     _pool_consistent(desc, scheduler)
 
     # A sequence that is not in `running` (an engine may retire one before it was scheduled).
@@ -285,9 +410,13 @@ def check_finish(finish) -> None:
     loose.block_table, _ = scheduler.allocator.allocate(loose.token_ids)
     desc = "finish a sequence that holds a block but is not in running"
     call(desc, finish, scheduler, loose, "length")
-    _expect(loose.status is Status.FINISHED and loose.block_table == [] and _ids(scheduler.running) == [0], desc,
-            "status, block table, running", "FINISHED, [], [0]",
-            f"{loose.status.name}, {loose.block_table}, {_ids(scheduler.running)}")
+    _expect(
+        loose.status is Status.FINISHED and loose.block_table == [] and _ids(scheduler.running) == [0],
+        desc,
+        "status, block table, running",
+        "FINISHED, [], [0]",
+        f"{loose.status.name}, {loose.block_table}, {_ids(scheduler.running)}",
+    )
     _pool_consistent(desc, scheduler)
 
     # Two samples sharing a prompt's blocks: the one that finishes must not free the other's.
@@ -300,16 +429,28 @@ def check_finish(finish) -> None:
     free = scheduler.allocator.num_free
     desc = "finish one of two samples sharing 3 blocks"
     call(desc, finish, scheduler, first, "stop")
-    _expect(scheduler.allocator.num_free == free, desc, "free blocks (the other sample still holds them)", free,
-            scheduler.allocator.num_free)
+    _expect(
+        scheduler.allocator.num_free == free,
+        desc,
+        "free blocks (the other sample still holds them)",
+        free,
+        scheduler.allocator.num_free,
+    )
     _pool_consistent(desc, scheduler)
 
 
 # --------------------------------------------------------------------------- chunked prefill
 
 
-def _chunk_state(block_size: int, num_blocks: int, running, waiting_lens, max_num_seqs: int = 8,
-                 budget: int = 4096, caching: bool = False):
+def _chunk_state(
+    block_size: int,
+    num_blocks: int,
+    running,
+    waiting_lens,
+    max_num_seqs: int = 8,
+    budget: int = 4096,
+    caching: bool = False,
+):
     """A scheduler whose running sequences are (total tokens, computed tokens) pairs: computed =
     total - 1 is a decoding sequence (its newest token sampled, no slot yet), fewer is a prompt
     being prefilled in slices; each holds blocks for its computed tokens only."""
@@ -326,8 +467,9 @@ def _chunk_state(block_size: int, num_blocks: int, running, waiting_lens, max_nu
     return scheduler
 
 
-def _expected_chunked(running, waiting_lens, free: int, block_size: int, max_num_seqs: int, budget: int,
-                      decodes_only: bool = False):
+def _expected_chunked(
+    running, waiting_lens, free: int, block_size: int, max_num_seqs: int, budget: int, decodes_only: bool = False
+):
     """The step by the rules, on integers -> (scheduled {index: tokens} in batch order, preempted
     indices in order, running indices afterwards, admitted count, free blocks afterwards).
     Indices: running sequences 0 .. len(running) - 1, then the waiting ones."""
@@ -366,41 +508,68 @@ def _expected_chunked(running, waiting_lens, free: int, block_size: int, max_num
     return batch, preempted, order, admitted, free
 
 
-def _run_chunked(fn, desc, block_size, extra_free, running, waiting_lens, max_num_seqs=8, budget=4096,
-                 decodes_only=False):
+def _run_chunked(
+    fn, desc, block_size, extra_free, running, waiting_lens, max_num_seqs=8, budget=4096, decodes_only=False
+):
     num_blocks = sum(blocks_needed(computed, block_size) for _, computed in running) + extra_free
     scheduler = _chunk_state(block_size, max(1, num_blocks), running, waiting_lens, max_num_seqs, budget)
     seqs = list(scheduler.running) + list(scheduler.waiting)
-    batch, preempted, order, admitted, free = _expected_chunked(running, waiting_lens, scheduler.allocator.num_free,
-                                                                block_size, max_num_seqs, budget, decodes_only)
+    batch, preempted, order, admitted, free = _expected_chunked(
+        running, waiting_lens, scheduler.allocator.num_free, block_size, max_num_seqs, budget, decodes_only
+    )
     got = call(desc, fn, scheduler)
     want = [seqs[i].seq_id for i in batch]
-    _expect(isinstance(got, list) and _ids(got) == want, desc, "sequences to run (seq ids, in order)", want,
-            _ids(got) if isinstance(got, list) else repr(got))
+    _expect(
+        isinstance(got, list) and _ids(got) == want,
+        desc,
+        "sequences to run (seq ids, in order)",
+        want,
+        _ids(got) if isinstance(got, list) else repr(got),
+    )
     if not decodes_only:
         tokens = {seqs[i].seq_id: n for i, n in batch.items()}
         got_tokens = {s.seq_id: s.num_scheduled_tokens for s in got}
-        _expect(got_tokens == tokens, desc, "tokens each feeds this step (seq id: num_scheduled_tokens)", tokens,
-                got_tokens)
-    _expect(_ids(scheduler.running) == [seqs[i].seq_id for i in order], desc, "running afterwards",
-            [seqs[i].seq_id for i in order], _ids(scheduler.running))
-    waiting = [seqs[i].seq_id for i in reversed(preempted)] + [s.seq_id for s in seqs[len(running) + admitted:]]
+        _expect(
+            got_tokens == tokens, desc, "tokens each feeds this step (seq id: num_scheduled_tokens)", tokens, got_tokens
+        )
+    _expect(
+        _ids(scheduler.running) == [seqs[i].seq_id for i in order],
+        desc,
+        "running afterwards",
+        [seqs[i].seq_id for i in order],
+        _ids(scheduler.running),
+    )
+    waiting = [seqs[i].seq_id for i in reversed(preempted)] + [s.seq_id for s in seqs[len(running) + admitted :]]
     _expect(_ids(scheduler.waiting) == waiting, desc, "waiting afterwards", waiting, _ids(scheduler.waiting))
     for i, n in batch.items():
         seq = seqs[i]
         computed = running[i][1] if i < len(running) else 0
-        _expect(seq.num_computed_tokens == computed, desc, f"num_computed_tokens of seq {seq.seq_id} (the engine "
-                "advances it after the pass, not the scheduler)", computed, seq.num_computed_tokens)
+        _expect(
+            seq.num_computed_tokens == computed,
+            desc,
+            f"num_computed_tokens of seq {seq.seq_id} (the engine advances it after the pass, not the scheduler)",
+            computed,
+            seq.num_computed_tokens,
+        )
         need = blocks_needed(computed + n, block_size)
-        _expect(len(seq.block_table) == need, desc, f"blocks of seq {seq.seq_id} (it holds {computed} computed "
-                f"tokens and feeds {n}; block size {block_size})", need, len(seq.block_table))
+        _expect(
+            len(seq.block_table) == need,
+            desc,
+            f"blocks of seq {seq.seq_id} (it holds {computed} computed tokens and feeds {n}; block size {block_size})",
+            need,
+            len(seq.block_table),
+        )
     _expect_waiting_then_pool(desc, scheduler, [(seqs[i], f"preempted seq {seqs[i].seq_id}") for i in preempted], free)
 
 
 def _decode_skips_unfinished_prompts(decode_batch) -> None:
     cases = [
-        ("a prompt still being prefilled in slices (seq 1: 20 tokens, 8 computed) is not decoded", 4, 2,
-         [(9, 8), (20, 8), (6, 5)]),
+        (
+            "a prompt still being prefilled in slices (seq 1: 20 tokens, 8 computed) is not decoded",
+            4,
+            2,
+            [(9, 8), (20, 8), (6, 5)],
+        ),
         ("out of blocks: the unfinished prompt, the newest, is the victim", 4, 0, [(9, 8), (6, 5), (30, 12)]),
     ]
     for desc, block_size, free, running in cases:
@@ -417,8 +586,9 @@ def _advance(seqs) -> None:
             seq.output_token_ids.append(5)
 
 
-def _drive(fn, desc, prompt_lens, outputs: int, budget: int, num_blocks: int, block_size: int = 4,
-           max_num_seqs: int = 4) -> None:
+def _drive(
+    fn, desc, prompt_lens, outputs: int, budget: int, num_blocks: int, block_size: int = 4, max_num_seqs: int = 4
+) -> None:
     """Run fn step by step like the engine until every sequence has `outputs` tokens."""
     scheduler = _chunk_state(block_size, num_blocks, [], prompt_lens, max_num_seqs, budget)
     seqs = list(scheduler.waiting)
@@ -428,12 +598,17 @@ def _drive(fn, desc, prompt_lens, outputs: int, budget: int, num_blocks: int, bl
         got = call(f"{desc}, step {step}", fn, scheduler)
         fed = [s.num_scheduled_tokens for s in got]
         what = f"{desc}, step {step}"
-        _expect(sum(fed) <= budget, what, f"tokens fed in all (max_num_batched_tokens={budget})", f"<= {budget}",
-                sum(fed))
+        _expect(
+            sum(fed) <= budget, what, f"tokens fed in all (max_num_batched_tokens={budget})", f"<= {budget}", sum(fed)
+        )
         for seq in got:
-            _expect(1 <= seq.num_scheduled_tokens <= seq.num_new_tokens, what, f"num_scheduled_tokens of seq "
-                    f"{seq.seq_id} ({seq.num_new_tokens} tokens not computed yet)",
-                    f"1..{seq.num_new_tokens}", seq.num_scheduled_tokens)
+            _expect(
+                1 <= seq.num_scheduled_tokens <= seq.num_new_tokens,
+                what,
+                f"num_scheduled_tokens of seq {seq.seq_id} ({seq.num_new_tokens} tokens not computed yet)",
+                f"1..{seq.num_new_tokens}",
+                seq.num_scheduled_tokens,
+            )
         if scheduler.num_preemptions == preemptions:
             starved = [s.seq_id for s in ready if s not in got]
             _expect(not starved, what, "running sequences with a token to decode left out of the step", [], starved)
@@ -444,34 +619,82 @@ def _drive(fn, desc, prompt_lens, outputs: int, budget: int, num_blocks: int, bl
         if not scheduler.has_unfinished():
             break
     lens = [len(s.output_token_ids) for s in seqs]
-    _expect(lens == [outputs] * len(seqs), desc, "output tokens of every sequence at the end", [outputs] * len(seqs),
-            lens)
-    _expect(scheduler.allocator.num_free == num_blocks, desc, "free blocks at the end", num_blocks,
-            scheduler.allocator.num_free)
+    _expect(
+        lens == [outputs] * len(seqs), desc, "output tokens of every sequence at the end", [outputs] * len(seqs), lens
+    )
+    _expect(
+        scheduler.allocator.num_free == num_blocks,
+        desc,
+        "free blocks at the end",
+        num_blocks,
+        scheduler.allocator.num_free,
+    )
 
 
 def check_schedule_chunked(schedule_chunked) -> None:
     cases = [
         # (what, block size, free blocks beyond the held ones, running (total, computed), waiting, slots, budget)
-        ("two decodes and a 20-token newcomer, budget 10: the decodes first, then 8 tokens of the prompt", 4, 20,
-         [(6, 5), (7, 6)], [20], 8, 10),
-        ("a prompt half done (30 tokens, 12 computed), budget 10, one decode: 9 more tokens of it, nobody admitted",
-         4, 20, [(6, 5), (30, 12)], [5], 8, 10),
-        ("the last slice of a prompt (14 tokens, 8 computed) leaves budget for a newcomer", 4, 20, [(14, 8)], [9, 3],
-         8, 12),
-        ("a newcomer whose first slice needs more blocks than are free: it waits, and the next may not overtake",
-         4, 1, [(6, 5)], [12, 2], 8, 10),
+        (
+            "two decodes and a 20-token newcomer, budget 10: the decodes first, then 8 tokens of the prompt",
+            4,
+            20,
+            [(6, 5), (7, 6)],
+            [20],
+            8,
+            10,
+        ),
+        (
+            "a prompt half done (30 tokens, 12 computed), budget 10, one decode: 9 more tokens of it, nobody admitted",
+            4,
+            20,
+            [(6, 5), (30, 12)],
+            [5],
+            8,
+            10,
+        ),
+        (
+            "the last slice of a prompt (14 tokens, 8 computed) leaves budget for a newcomer",
+            4,
+            20,
+            [(14, 8)],
+            [9, 3],
+            8,
+            12,
+        ),
+        (
+            "a newcomer whose first slice needs more blocks than are free: it waits, and the next may not overtake",
+            4,
+            1,
+            [(6, 5)],
+            [12, 2],
+            8,
+            10,
+        ),
         ("every sequence slot taken: budget left, nobody admitted", 4, 20, [(6, 5), (7, 6)], [4], 2, 16),
-        ("the pool runs dry in the middle of a slice: the slice is cut at the last free slot", 4, 1,
-         [(40, 10)], [], 8, 16),
-        ("a decode preempts the unfinished prompt, the newest: nobody is admitted in that step (the victim would "
-         "come straight back)", 4, 0, [(9, 8), (30, 12)], [3], 8, 4),
+        (
+            "the pool runs dry in the middle of a slice: the slice is cut at the last free slot",
+            4,
+            1,
+            [(40, 10)],
+            [],
+            8,
+            16,
+        ),
+        (
+            "a decode preempts the unfinished prompt, the newest: nobody is admitted in that step (the victim would "
+            "come straight back)",
+            4,
+            0,
+            [(9, 8), (30, 12)],
+            [3],
+            8,
+            4,
+        ),
         ("budget exactly spent by the decodes", 2, 10, [(3, 2), (4, 3), (5, 4)], [6], 8, 3),
         ("nothing running: a lone prompt longer than the budget starts with a slice", 8, 10, [], [50], 8, 16),
     ]
     for desc, block_size, free, running, waiting, slots, budget in cases:
-        _run_chunked(schedule_chunked, f"schedule_chunked, {desc}", block_size, free, running, waiting, slots,
-                     budget)
+        _run_chunked(schedule_chunked, f"schedule_chunked, {desc}", block_size, free, running, waiting, slots, budget)
 
     # Prefix caching: the cached tokens of a newcomer are not fed again.
     scheduler = _chunk_state(4, 16, [], [], budget=10, caching=True)
@@ -480,18 +703,29 @@ def check_schedule_chunked(schedule_chunked) -> None:
     scheduler.allocator.free_sequence(old.block_table)  # its full blocks stay cached
     new = _seq(1, 20, prompt=list(range(8)) + list(range(500, 512)))
     scheduler.add(new)
-    desc = ("schedule_chunked with prefix caching, block size 4, budget 10: a 20-token newcomer whose first 8 "
-            "tokens are cached")
+    desc = (
+        "schedule_chunked with prefix caching, block size 4, budget 10: a 20-token newcomer whose first 8 "
+        "tokens are cached"
+    )
     got = call(desc, schedule_chunked, scheduler)
-    _expect(_ids(got) == [1] and (new.num_computed_tokens, new.num_scheduled_tokens) == (8, 2), desc,
-            "(seq ids, its num_computed_tokens, num_scheduled_tokens): the first 10 tokens get blocks, 8 of them "
-            "cached", "([1], 8, 2)", f"({_ids(got)}, {new.num_computed_tokens}, {new.num_scheduled_tokens})")
+    _expect(
+        _ids(got) == [1] and (new.num_computed_tokens, new.num_scheduled_tokens) == (8, 2),
+        desc,
+        "(seq ids, its num_computed_tokens, num_scheduled_tokens): the first 10 tokens get blocks, 8 of them cached",
+        "([1], 8, 2)",
+        f"({_ids(got)}, {new.num_computed_tokens}, {new.num_scheduled_tokens})",
+    )
     _pool_consistent(desc, scheduler)
 
     for desc, prompts, outputs, budget, blocks in [
         ("whole runs: prompts of 30, 5, 17 tokens, 6 tokens each, budget 8, 40 blocks of 4", [30, 5, 17], 6, 8, 40),
-        ("whole runs with a small pool (preemptions): prompts of 22, 19, 9, 14, budget 6, 12 blocks of 4",
-         [22, 19, 9, 14], 8, 6, 12),
+        (
+            "whole runs with a small pool (preemptions): prompts of 22, 19, 9, 14, budget 6, 12 blocks of 4",
+            [22, 19, 9, 14],
+            8,
+            6,
+            12,
+        ),
     ]:
         _drive(schedule_chunked, f"schedule_chunked, {desc}", prompts, outputs, budget, blocks)
 
@@ -506,9 +740,18 @@ def check_schedule_chunked(schedule_chunked) -> None:
         slots = rng.randint(max(1, len(running)), 6)
         budget = rng.randint(slots, 40)
         free = rng.randint(0, 8)
-        _run_chunked(schedule_chunked, f"schedule_chunked, random case {case}: block size {block_size}, {free} free "
-                     f"blocks, running (tokens, computed) {running}, waiting lengths {waiting}, max_num_seqs={slots}, "
-                     f"max_num_batched_tokens={budget}", block_size, free, running, waiting, slots, budget)
+        _run_chunked(
+            schedule_chunked,
+            f"schedule_chunked, random case {case}: block size {block_size}, {free} free "
+            f"blocks, running (tokens, computed) {running}, waiting lengths {waiting}, max_num_seqs={slots}, "
+            f"max_num_batched_tokens={budget}",
+            block_size,
+            free,
+            running,
+            waiting,
+            slots,
+            budget,
+        )
 
 
 # --------------------------------------------------------------------------- padded_prefill
@@ -522,14 +765,18 @@ PADDED_TOLERANCE = 1e-4
 
 def _padded_models() -> dict[str, torch.nn.Module]:
     """A small random Llama (4 query heads over 2 KV heads), and the same with scrambled RoPE tables."""
-    return {"a small random Llama": random_llama(PADDED_SEED),
-            "a small random Llama whose RoPE tables are scrambled (a token's position matters on its own, not only "
-            "distances: each prompt's first real token must be at position 0)":
-                scramble_rope_(random_llama(PADDED_SEED), PADDED_SEED)}
+    return {
+        "a small random Llama": random_llama(PADDED_SEED),
+        "a small random Llama whose RoPE tables are scrambled (a token's position matters on its own, not only "
+        "distances: each prompt's first real token must be at position 0)": scramble_rope_(
+            random_llama(PADDED_SEED), PADDED_SEED
+        ),
+    }
 
 
-def _check_padded_case(padded_prefill, model, model_name: str, prompts: list[list[int]], pad_id: int,
-                       what: str) -> None:
+def _check_padded_case(
+    padded_prefill, model, model_name: str, prompts: list[list[int]], pad_id: int, what: str
+) -> None:
     lengths = [len(prompt) for prompt in prompts]
     batch, longest = len(prompts), max(lengths)
     desc = f"padded_prefill(model, prompts of {lengths} tokens, pad_id={pad_id}){what} on {model_name}"
@@ -539,8 +786,10 @@ def _check_padded_case(padded_prefill, model, model_name: str, prompts: list[lis
         raise AssertionError(f"{desc}: expected a pair (logits [B, V], pad fraction), got {type(got).__name__}")
     logits, fraction = got
     if [tokens for tokens, _ in counting.calls] != [longest]:
-        raise AssertionError(f"{desc}: expected ONE forward pass over the padded batch of {longest} columns, got "
-                             f"{len(counting.calls)} calls feeding {counting.tokens_fed()} tokens a row")
+        raise AssertionError(
+            f"{desc}: expected ONE forward pass over the padded batch of {longest} columns, got "
+            f"{len(counting.calls)} calls feeding {counting.tokens_fed()} tokens a row"
+        )
     vocab_size = model.config.vocab_size
     if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (batch, vocab_size):
         shape = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -555,11 +804,14 @@ def _check_padded_case(padded_prefill, model, model_name: str, prompts: list[lis
                 f"{desc}: row {row} (a prompt of {len(prompt)} tokens after {longest - len(prompt)} pads) should equal "
                 f"the prompt's own next-token logits, run alone: at token {token} expected {float(alone[token]):.5f}, "
                 f"got {float(mine[token]):.5f} (largest difference {float(gap.max()):.3g}, tolerance "
-                f"{PADDED_TOLERANCE:g})")
+                f"{PADDED_TOLERANCE:g})"
+            )
     expected = 1 - sum(lengths) / (batch * longest)
     if not isinstance(fraction, (int, float, torch.Tensor)) or abs(float(fraction) - expected) > 1e-9:
-        raise AssertionError(f"{desc}: pad fraction expected {expected:.6g} ({batch * longest - sum(lengths)} pad "
-                             f"slots of {batch} x {longest}), got {fraction!r}")
+        raise AssertionError(
+            f"{desc}: pad fraction expected {expected:.6g} ({batch * longest - sum(lengths)} pad "
+            f"slots of {batch} x {longest}), got {fraction!r}"
+        )
 
 
 def _padded_cases(vocab_size: int) -> list[tuple[list[list[int]], int, str]]:
@@ -589,10 +841,24 @@ def check_padded_prefill(padded_prefill) -> None:
         model = next(iter(models.values()))
         vocab_size = model.config.vocab_size
         expect_raises("padded_prefill(model, [], pad_id=0)", ValueError, "no prompt", padded_prefill, model, [], 0)
-        expect_raises("padded_prefill(model, [[1, 2], []], pad_id=0)", ValueError, "a prompt without tokens",
-                      padded_prefill, model, [[1, 2], []], 0)
-        expect_raises(f"padded_prefill(model, [[1, 2]], pad_id={vocab_size}) with a vocabulary of {vocab_size}",
-                      ValueError, "pad_id outside the vocabulary", padded_prefill, model, [[1, 2]], vocab_size)
+        expect_raises(
+            "padded_prefill(model, [[1, 2], []], pad_id=0)",
+            ValueError,
+            "a prompt without tokens",
+            padded_prefill,
+            model,
+            [[1, 2], []],
+            0,
+        )
+        expect_raises(
+            f"padded_prefill(model, [[1, 2]], pad_id={vocab_size}) with a vocabulary of {vocab_size}",
+            ValueError,
+            "pad_id outside the vocabulary",
+            padded_prefill,
+            model,
+            [[1, 2]],
+            vocab_size,
+        )
 
 
 # --------------------------------------------------------------------------- predictions (q_ cells)
@@ -605,8 +871,12 @@ def answer_q_throughput_gain_b32() -> float:
 
 def check_q_throughput_gain_b32(value) -> None:
     """Graded q_throughput_gain_b32 (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_throughput_gain_b32", value, answer_q_throughput_gain_b32(),
-                  "(32 / (20 ms + 32 x 1 ms)) / (1 / (20 ms + 1 ms))")
+    expect_answer(
+        "q_throughput_gain_b32",
+        value,
+        answer_q_throughput_gain_b32(),
+        "(32 / (20 ms + 32 x 1 ms)) / (1 / (20 ms + 1 ms))",
+    )
 
 
 def answer_q_chunked_steps() -> float:
@@ -618,7 +888,10 @@ def answer_q_chunked_steps() -> float:
 
 def check_q_chunked_steps(value) -> None:
     """Graded q_chunked_steps (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_chunked_steps", value, answer_q_chunked_steps(),
-                  "steps until a 2,000-token prompt is complete with a budget of 512 and 4 decodes a step (508 "
-                  "prompt tokens a step)")
-
+    expect_answer(
+        "q_chunked_steps",
+        value,
+        answer_q_chunked_steps(),
+        "steps until a 2,000-token prompt is complete with a budget of 512 and 4 decodes a step (508 "
+        "prompt tokens a step)",
+    )

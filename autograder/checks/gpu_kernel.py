@@ -15,6 +15,7 @@ softmax(q.k / sqrt(D)) @ V over the context_lens[b] tokens. The pools hold rando
 slot (stale data included) and the block tables are shuffled, so reading the wrong block or the
 tail of the last block shows.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,10 +52,13 @@ def _batch(context_lens, num_heads, num_kv_heads, head_dim, block_size, seed, gr
             for j in range(n):
                 for h in range(num_kv_heads):
                     keys[table[j], :, h] += 6 * j * q[b, h * group] / q[b, h * group].norm()
-    return {"q": q.to(dtype), "key_cache": keys.to(dtype),
-            "value_cache": torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype),
-            "block_tables": torch.tensor(tables, dtype=torch.int32),
-            "context_lens": torch.tensor(context_lens, dtype=torch.int32)}
+    return {
+        "q": q.to(dtype),
+        "key_cache": keys.to(dtype),
+        "value_cache": torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype),
+        "block_tables": torch.tensor(tables, dtype=torch.int32),
+        "context_lens": torch.tensor(context_lens, dtype=torch.int32),
+    }
 
 
 def _tokens(cache, table, length, block_size) -> torch.Tensor:
@@ -80,16 +84,20 @@ def _expected_attention(batch, lengths=None, tables=None) -> torch.Tensor:
 def _describe(batch) -> str:
     b, h, d = batch["q"].shape
     num_blocks, block_size, h_kv, _ = batch["key_cache"].shape
-    return (f"B={b} sequences with context_lens {batch['context_lens'].tolist()}, {h} query heads over {h_kv} KV "
-            f"heads, D={d}, block_size={block_size}, a pool of {num_blocks} blocks, block_tables "
-            f"{batch['block_tables'].tolist()}")
+    return (
+        f"B={b} sequences with context_lens {batch['context_lens'].tolist()}, {h} query heads over {h_kv} KV "
+        f"heads, D={d}, block_size={block_size}, a pool of {num_blocks} blocks, block_tables "
+        f"{batch['block_tables'].tolist()}"
+    )
 
 
 def _launch(what: str, kernel, grid, *args, **kwargs) -> None:
     """kernel[grid](...), whatever it raises reported as the learner's (the interpreter's wrapper removed)."""
     if not hasattr(kernel, "__getitem__"):
-        raise AssertionError(f"{what}: {getattr(kernel, '__name__', kernel)!s} is not a Triton kernel (kernel[grid] "
-                             f"fails): put @triton.jit on the line above its def")
+        raise AssertionError(
+            f"{what}: {getattr(kernel, '__name__', kernel)!s} is not a Triton kernel (kernel[grid] "
+            f"fails): put @triton.jit on the line above its def"
+        )
     try:
         kernel[grid](*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any exception of the code under test fails the check
@@ -110,8 +118,10 @@ def _hint(got: torch.Tensor, batch, tol: float) -> str:
     lengths = batch["context_lens"].tolist()
     whole = [-(-n // block_size) * block_size for n in lengths]
     if whole != lengths and _first_bad(got, _expected_attention(batch, lengths=whole), tol) is None:
-        return (" (this is attention over whole blocks: the slots of the last block past the context length "
-                "were attended to; mask them, in tl.load and in the scores)")
+        return (
+            " (this is attention over whole blocks: the slots of the last block past the context length "
+            "were attended to; mask them, in tl.load and in the scores)"
+        )
     logical = [list(range(len(t))) for t in batch["block_tables"].tolist()]
     if _first_bad(got, _expected_attention(batch, tables=logical), tol) is None:
         return " (this reads logical block j itself; the physical block is block_tables[b, j])"
@@ -136,25 +146,44 @@ def check_gather_kv_kernel(kernel) -> None:
         max_blocks = tables.shape[1]
         out = torch.zeros(len(lengths), h_kv, max_blocks * block_size, d)
         desc = f"gather_kv_kernel[(B, H_kv)] on {_describe(batch)} ({what})"
-        _launch(desc, kernel, (len(lengths), h_kv), cache, tables, lens, out, h_kv, max_blocks,
-                BLOCK_SIZE=block_size, HEAD_DIM=d)
+        _launch(
+            desc,
+            kernel,
+            (len(lengths), h_kv),
+            cache,
+            tables,
+            lens,
+            out,
+            h_kv,
+            max_blocks,
+            BLOCK_SIZE=block_size,
+            HEAD_DIM=d,
+        )
         for b, n in enumerate(lengths):
             want = _tokens(cache, tables[b].tolist(), n, block_size).transpose(0, 1)  # [H_kv, n, D]
             for h in range(h_kv):
                 for i in range(n):
                     if not torch.equal(out[b, h, i], want[h, i]):
                         logical = tables[b, i // block_size].item() != i // block_size
-                        hint = (f" (token {i} lives in block block_tables[{b}, {i // block_size}] = "
-                                f"{tables[b, i // block_size].item()}, slot {i % block_size})" if logical else "")
-                        raise AssertionError(f"{desc}: out[{b}, {h}, {i}] should be token {i}'s vector of KV head "
-                                             f"{h}, {want[h, i][:4].tolist()}..., got {out[b, h, i][:4].tolist()}..."
-                                             f"{hint}")
+                        hint = (
+                            f" (token {i} lives in block block_tables[{b}, {i // block_size}] = "
+                            f"{tables[b, i // block_size].item()}, slot {i % block_size})"
+                            if logical
+                            else ""
+                        )
+                        raise AssertionError(
+                            f"{desc}: out[{b}, {h}, {i}] should be token {i}'s vector of KV head "
+                            f"{h}, {want[h, i][:4].tolist()}..., got {out[b, h, i][:4].tolist()}..."
+                            f"{hint}"
+                        )
             tail = out[b, :, n:]
             if tail.numel() and tail.abs().max() > 0:
                 i = n + int((tail.abs().amax(dim=(0, 2)) > 0).nonzero()[0])
-                raise AssertionError(f"{desc}: out[{b}, :, {i}] should stay zero (sequence {b} has only {n} tokens), "
-                                     f"got {out[b, :, i, :4].tolist()}: the last block's slots past the context "
-                                     f"length are stale; load and store them with a mask")
+                raise AssertionError(
+                    f"{desc}: out[{b}, :, {i}] should stay zero (sequence {b} has only {n} tokens), "
+                    f"got {out[b, :, i, :4].tolist()}: the last block's slots past the context "
+                    f"length are stale; load and store them with a mask"
+                )
 
 
 # --------------------------------------------------------------------------- paged_attention_kernel
@@ -163,8 +192,16 @@ def check_gather_kv_kernel(kernel) -> None:
 _ATTENTION_CASES = [  # (context_lens, H, H_kv, D, block_size, grow, what)
     ([3], 2, 2, 8, 4, False, "one block, partly filled"),
     ([1, 4], 4, 1, 16, 4, False, "one token; one full block; MQA (4 query heads share one KV head)"),
-    ([48, 25], 2, 2, 8, 8, True, "each block's keys larger than the last: the running max grows block by "
-                                 "block, so the sum and output so far must be rescaled by exp(old max - new max)"),
+    (
+        [48, 25],
+        2,
+        2,
+        8,
+        8,
+        True,
+        "each block's keys larger than the last: the running max grows block by "
+        "block, so the sum and output so far must be rescaled by exp(old max - new max)",
+    ),
     ([19, 32, 9], 4, 2, 16, 8, False, "several blocks, the last one partly filled; GQA 4 over 2"),
     ([40, 17], 9, 3, 16, 8, False, "SmolLM2's 9 query heads over 3 KV heads (groups of 3, padded to 4)"),
 ]
@@ -174,10 +211,23 @@ def _attention_kernel_args(batch):
     q, kc = batch["q"], batch["key_cache"]
     num_kv_heads, head_dim, group = kc.shape[2], kc.shape[3], q.shape[1] // kc.shape[2]
     out = torch.full_like(q, float("nan"))
-    args = (q, kc, batch["value_cache"], batch["block_tables"], batch["context_lens"], out, 1.0 / math.sqrt(head_dim),
-            num_kv_heads, batch["block_tables"].shape[1])
-    constants = {"BLOCK_SIZE": kc.shape[1], "HEAD_DIM": head_dim, "GROUP": group,
-                 "GROUP_PAD": 1 << (group - 1).bit_length()}
+    args = (
+        q,
+        kc,
+        batch["value_cache"],
+        batch["block_tables"],
+        batch["context_lens"],
+        out,
+        1.0 / math.sqrt(head_dim),
+        num_kv_heads,
+        batch["block_tables"].shape[1],
+    )
+    constants = {
+        "BLOCK_SIZE": kc.shape[1],
+        "HEAD_DIM": head_dim,
+        "GROUP": group,
+        "GROUP_PAD": 1 << (group - 1).bit_length(),
+    }
     return out, args, constants
 
 
@@ -191,9 +241,11 @@ def _compare_attention(desc: str, got, batch, what: str, tol: float = 1e-5) -> N
         hint = _hint(got, batch, tol)
         if not hint and "rescaled" in what:
             hint = " (the earlier blocks' sum and output must be multiplied by exp(old max - new max))"
-        raise AssertionError(f"{desc}: out[b, h, d] at {list(bad)} should be {want[bad].item():.6g}, got "
-                             f"{got[bad].item():.6g} (max difference {(got.double() - want).abs().nan_to_num(nan=math.inf).max().item():.3g}; "
-                             f"tolerance {tol:g}){hint}")
+        raise AssertionError(
+            f"{desc}: out[b, h, d] at {list(bad)} should be {want[bad].item():.6g}, got "
+            f"{got[bad].item():.6g} (max difference {(got.double() - want).abs().nan_to_num(nan=math.inf).max().item():.3g}; "
+            f"tolerance {tol:g}){hint}"
+        )
 
 
 def check_paged_attention_kernel(kernel) -> None:
@@ -232,8 +284,10 @@ def check_paged_attention(fn) -> None:
     batch = _batch([10, 3], 4, 2, 8, 4, seed=60)
     wide = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(61))  # q = wide.transpose(0, 1): strided
     batch["q"] = wide.transpose(0, 1)
-    desc = (f"paged_attention on {_describe(batch)}, with q a transposed (non-contiguous) view of shape [2, 4, 8]: "
-            f"the kernel computes addresses of a contiguous [B, H, D], so the launcher must pass a contiguous q")
+    desc = (
+        f"paged_attention on {_describe(batch)}, with q a transposed (non-contiguous) view of shape [2, 4, 8]: "
+        f"the kernel computes addresses of a contiguous [B, H, D], so the launcher must pass a contiguous q"
+    )
     _compare_attention(desc, call(desc, fn, **batch, kernel=paged_attention_kernel), batch, "")
     batch = _batch([9, 17], 4, 2, 16, 8, seed=62, dtype=torch.float16)
     desc = f"paged_attention on float16 inputs, {_describe(batch)}"
@@ -256,8 +310,12 @@ def answer_q_programs_batch32() -> float:
 
 def check_q_programs_batch32(value) -> None:
     """Graded q_programs_batch32 (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_programs_batch32", value, answer_q_programs_batch32(),
-                  "programs on the grid (sequences, KV heads) for 32 sequences with 3 KV heads")
+    expect_answer(
+        "q_programs_batch32",
+        value,
+        answer_q_programs_batch32(),
+        "programs on the grid (sequences, KV heads) for 32 sequences with 3 KV heads",
+    )
 
 
 def answer_q_min_read_mib() -> float:
@@ -269,7 +327,10 @@ def answer_q_min_read_mib() -> float:
 
 def check_q_min_read_mib(value) -> None:
     """Graded q_min_read_mib (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_min_read_mib", value, answer_q_min_read_mib(),
-                  "the least MiB of keys and values read for 32 sequences of 2,048 tokens, 3 KV heads of 64, bf16 "
-                  "(2 x tokens x H_kv x D x 2 bytes)")
-
+    expect_answer(
+        "q_min_read_mib",
+        value,
+        answer_q_min_read_mib(),
+        "the least MiB of keys and values read for 32 sequences of 2,048 tokens, 3 KV heads of 64, bf16 "
+        "(2 x tokens x H_kv x D x 2 bytes)",
+    )

@@ -21,6 +21,7 @@ Oracles, never snapshots:
 * bytes: the formula written out here layer by layer from the published config.json values
   (Llama-3.1-8B, Qwen3-8B, gpt-oss-20b, GPT-3), and the seed's figures (128 KiB per token...).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,21 +30,26 @@ import torch
 
 from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises, failure
-from decodelab.course.checking import describe, expect_int
 from decodelab.config import ModelConfig
+from decodelab.course.checking import describe, expect_int
 from decodelab.course.exercises import references
-from decodelab.model.kv_cache import KVCache as _ReferenceCache
 from decodelab.lessons import kv_size
 from decodelab.lessons.kv_size import tensor_bytes_held
 from decodelab.lessons.measure import CountingModel
 from decodelab.model.attention import causal_attention
+from decodelab.model.kv_cache import KVCache as _ReferenceCache
 from decodelab.model.toy import tiny_model
 
 # exercise -> the library's reference it is graded against (the course's table of exercises)
 REFERENCES = references("03_kv_cache")
 
-__all__ = ["check_generate_without_cache", "check_kv_cache_class", "check_generate_with_cache",
-           "check_kv_cache_bytes", "check_sliding_window_kv_cache"]
+__all__ = [
+    "check_generate_without_cache",
+    "check_kv_cache_class",
+    "check_generate_with_cache",
+    "check_kv_cache_bytes",
+    "check_sliding_window_kv_cache",
+]
 
 CASES = [  # (model seed, sliding window, prompt, new tokens)
     (1, None, [5], 6),
@@ -63,7 +69,7 @@ def _greedy_oracle(model, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def _as_ids(got, what: str) -> list[int]:
@@ -80,17 +86,23 @@ def _check_generation(fn, name: str, extra_kwargs=lambda: {}, structure=None) ->
         counting = CountingModel(model)
         given = list(prompt)  # the caller's list, which must come back unchanged
         kwargs = extra_kwargs()
-        what = (f"{name}(model, prompt_ids={prompt}, max_new_tokens={n}) on a random 2-layer model (seed {seed}"
-                f"{f', sliding window {window}' if window else ''})")
+        what = (
+            f"{name}(model, prompt_ids={prompt}, max_new_tokens={n}) on a random 2-layer model (seed {seed}"
+            f"{f', sliding window {window}' if window else ''})"
+        )
         got = _as_ids(call(what, fn, counting, given, n, **kwargs), what)
         if given != prompt:
-            raise AssertionError(f"{what} changed the caller's prompt_ids list to {describe(given)}; "
-                                 "copy it (ids = list(prompt_ids)) before appending")
+            raise AssertionError(
+                f"{what} changed the caller's prompt_ids list to {describe(given)}; "
+                "copy it (ids = list(prompt_ids)) before appending"
+            )
         if structure is not None:
             structure(what, prompt, n, counting.calls, kwargs)
         expected = _greedy_oracle(model, prompt, n)
         if got != expected:
-            hint = " (return only the new tokens, not the prompt)" if got[:len(prompt)] == prompt and len(got) > n else ""
+            hint = (
+                " (return only the new tokens, not the prompt)" if got[: len(prompt)] == prompt and len(got) > n else ""
+            )
             raise AssertionError(f"{what}: expected the greedy tokens {expected}, got {got}{hint}")
 
 
@@ -103,8 +115,10 @@ def check_generate_without_cache(fn) -> None:
         if any(cached for _, cached in calls):
             raise AssertionError(f"{what} passed a kv_cache to the model; this version must not use one")
         if fed != expected:
-            raise AssertionError(f"{what}: each step must feed the whole sequence so far; expected calls with "
-                                 f"{expected} tokens, got {fed}")
+            raise AssertionError(
+                f"{what}: each step must feed the whole sequence so far; expected calls with "
+                f"{expected} tokens, got {fed}"
+            )
 
     _check_generation(fn, "generate_without_cache", structure=structure)
 
@@ -131,14 +145,18 @@ def check_generate_with_cache(fn) -> None:
         if n == 0:
             return
         if len(_RecordingCache.made) != 1:
-            raise AssertionError(f"{what}: expected one cache made with cache_class(model.config, 1, ...), "
-                                 f"{len(_RecordingCache.made)} were made (use the cache_class argument)")
+            raise AssertionError(
+                f"{what}: expected one cache made with cache_class(model.config, 1, ...), "
+                f"{len(_RecordingCache.made)} were made (use the cache_class argument)"
+            )
         fed = [length for length, _ in calls]
         if not all(cached for _, cached in calls):
             raise AssertionError(f"{what}: every call must pass kv_cache=the cache; calls (tokens, cache?): {calls}")
         if fed[:1] != [len(prompt)] or any(length != 1 for length in fed[1:]) or len(fed) not in (n, n + 1):
-            raise AssertionError(f"{what}: expected the prompt once ({len(prompt)} tokens) then one token per step, "
-                                 f"calls with {[len(prompt)] + [1] * (n - 1)} tokens; got {fed}")
+            raise AssertionError(
+                f"{what}: expected the prompt once ({len(prompt)} tokens) then one token per step, "
+                f"calls with {[len(prompt)] + [1] * (n - 1)} tokens; got {fed}"
+            )
 
     _check_generation(fn, "generate_with_cache", extra_kwargs=kwargs, structure=structure)
 
@@ -151,8 +169,10 @@ def _same(got, expected: torch.Tensor, what: str) -> None:
     if not torch.equal(got.cpu().to(expected.dtype), expected):
         diff = (got.cpu().to(expected.dtype) - expected).abs()
         where = [int(i) for i in (diff == diff.max()).nonzero()[0]]
-        raise AssertionError(f"{what}: the held rows differ from the rows appended (largest difference "
-                             f"{diff.max().item():.3g} at index {where}, index 2 is the position)")
+        raise AssertionError(
+            f"{what}: the held rows differ from the rows appended (largest difference "
+            f"{diff.max().item():.3g} at index {where}, index 2 is the position)"
+        )
 
 
 def _pair(got, what: str):
@@ -166,8 +186,16 @@ def _seq_len(cache, when: str):
 
 
 def _cache_bookkeeping(cls) -> None:
-    config = ModelConfig(vocab_size=10, hidden_size=12, intermediate_size=8, num_hidden_layers=3,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=4, max_position_embeddings=64)
+    config = ModelConfig(
+        vocab_size=10,
+        hidden_size=12,
+        intermediate_size=8,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        max_position_embeddings=64,
+    )
     gen = torch.Generator().manual_seed(0)
     rows = lambda t: torch.randn(2, 1, t, 4, generator=gen, dtype=torch.float64)  # noqa: E731 [B, H_kv, T, D]
     made = "KVCache(config with 3 layers, 1 KV head of dim 4, batch_size=2, max_seq_len=8, dtype=torch.float64)"
@@ -199,17 +227,33 @@ def _cache_bookkeeping(cls) -> None:
         k, v = rows(1), rows(1)
         what = f"append(layer={layer}, one row) after truncate(2)"
         got_k, got_v = _pair(call(what, cache.append, layer, k, v), what)
-        _same(got_k, torch.cat([held_k[layer][:, :, :2], k], 2), f"the keys {what} returned (2 kept rows, then the new one)")
-        _same(got_v, torch.cat([held_v[layer][:, :, :2], v], 2), f"the values {what} returned (2 kept rows, then the new one)")
+        _same(
+            got_k,
+            torch.cat([held_k[layer][:, :, :2], k], 2),
+            f"the keys {what} returned (2 kept rows, then the new one)",
+        )
+        _same(
+            got_v,
+            torch.cat([held_v[layer][:, :, :2], v], 2),
+            f"the values {what} returned (2 kept rows, then the new one)",
+        )
         what = f"view(layer={layer}) after truncate(2) and one append"
         _same(_pair(call(what, cache.view, layer), what)[0], torch.cat([held_k[layer][:, :, :2], k], 2), what)
     when = "after truncate(2) and one more row per layer"
     expect_int(_seq_len(cache, when), 3, f"seq_len {when}")
-    expect_raises("truncate(4) with 3 rows held", ValueError, "it cannot keep more rows than it holds",
-                  cache.truncate, 4)
+    expect_raises(
+        "truncate(4) with 3 rows held", ValueError, "it cannot keep more rows than it holds", cache.truncate, 4
+    )
     expect_raises("truncate(-1)", ValueError, "a length is >= 0", cache.truncate, -1)
-    expect_raises("append(layer=0, 6 rows) with 3 held and max_seq_len=8", ValueError,
-                  "3 + 6 rows exceed max_seq_len=8", cache.append, 0, rows(6), rows(6))
+    expect_raises(
+        "append(layer=0, 6 rows) with 3 held and max_seq_len=8",
+        ValueError,
+        "3 + 6 rows exceed max_seq_len=8",
+        cache.append,
+        0,
+        rows(6),
+        rows(6),
+    )
 
 
 @torch.no_grad()
@@ -219,22 +263,31 @@ def _cache_in_model(cls) -> None:
         ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(seed))
         full = model(ids)  # [2, 12, V]: the oracle, no cache at all
         label = f"a random 2-layer model (seed {seed}{f', sliding window {window}' if window else ''}), batch of 2"
-        cache = call(f"KVCache(config, 2, 12, dtype=torch.float64) for {label}", cls, model.config, 2, 12,
-                     dtype=torch.float64)
+        cache = call(
+            f"KVCache(config, 2, 12, dtype=torch.float64) for {label}", cls, model.config, 2, 12, dtype=torch.float64
+        )
         pieces = [(0, 5), *[(i, i + 1) for i in range(5, 12)]]
-        got = torch.cat([call(f"model(tokens {s}..{e - 1}, kv_cache=your cache) on {label}", model, ids[:, s:e],
-                              kv_cache=cache) for s, e in pieces], 1)
+        got = torch.cat(
+            [
+                call(f"model(tokens {s}..{e - 1}, kv_cache=your cache) on {label}", model, ids[:, s:e], kv_cache=cache)
+                for s, e in pieces
+            ],
+            1,
+        )
         err = (got - full).abs().max().item()
         if not err < 1e-9:
             bad = int((got - full).abs().amax(dim=(0, 2)).argmax())
-            raise AssertionError(f"prefill of 5 tokens then 7 single tokens through your cache on {label}: the logits "
-                                 f"must equal one forward pass without a cache; they differ by {err:.3g} "
-                                 f"(first bad position {bad})")
+            raise AssertionError(
+                f"prefill of 5 tokens then 7 single tokens through your cache on {label}: the logits "
+                f"must equal one forward pass without a cache; they differ by {err:.3g} "
+                f"(first bad position {bad})"
+            )
         when = f"after feeding 12 tokens on {label}"
         expect_int(_seq_len(cache, when), 12, f"seq_len {when}")
         # speculative-decoding style: feed 3 guesses, take them back, feed the true continuation
-        cache = call(f"KVCache(config, 2, 12, dtype=torch.float64) for {label}", cls, model.config, 2, 12,
-                     dtype=torch.float64)
+        cache = call(
+            f"KVCache(config, 2, 12, dtype=torch.float64) for {label}", cls, model.config, 2, 12, dtype=torch.float64
+        )
         call(f"model(tokens 0..5, kv_cache=your cache) on {label}", model, ids[:, :6], kv_cache=cache)
         guesses = torch.randint(0, 61, (2, 3), generator=torch.Generator().manual_seed(99))
         call(f"model(3 guessed tokens, kv_cache=your cache) on {label}", model, guesses, kv_cache=cache)
@@ -242,8 +295,10 @@ def _cache_in_model(cls) -> None:
         got = call(f"model(tokens 6..11, kv_cache=...) after truncate(6) on {label}", model, ids[:, 6:], kv_cache=cache)
         err = (got - full[:, 6:]).abs().max().item()
         if not err < 1e-9:
-            raise AssertionError(f"6 tokens, then 3 wrong guesses, truncate(6), then the true tokens 6..11 on {label}: "
-                                 f"logits must equal a forward pass that never saw the guesses; they differ by {err:.3g}")
+            raise AssertionError(
+                f"6 tokens, then 3 wrong guesses, truncate(6), then the true tokens 6..11 on {label}: "
+                f"logits must equal a forward pass that never saw the guesses; they differ by {err:.3g}"
+            )
 
 
 def check_kv_cache_class(cls) -> None:
@@ -274,7 +329,7 @@ def _expected_bytes(name: str, seq_len: int, batch: int, dtype) -> int:
 
 def check_kv_cache_bytes(fn) -> None:
     """Presets, dict configs and a ModelConfig; GQA, sliding windows, batch and dtype; an int result."""
-    KiB, MiB, GiB = 2 ** 10, 2 ** 20, 2 ** 30
+    KiB, MiB, GiB = 2**10, 2**20, 2**30
     seed_figures = [  # (config, seq_len, batch, dtype, expected, what the seed says)
         ("Llama-3.1-8B", 1, 1, "fp16", 128 * KiB, "128 KiB per token"),
         ("Llama-3.1-8B", 4096, 1, "fp16", 512 * MiB, "512 MiB at 4,096 tokens"),
@@ -301,23 +356,45 @@ def check_kv_cache_bytes(fn) -> None:
         what = f"kv_bytes({name!r}, seq_len={seq_len}, batch={batch}, dtype={describe(dtype)}) ({why})"
         expect_int(call(what, fn, name, seq_len, batch, dtype), _expected_bytes(name, seq_len, batch, dtype), what)
     # the same configs given as config.json dicts and as a ModelConfig
-    gpt_oss_like = dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, hidden_size=256,
-                        head_dim=32, sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2)
+    gpt_oss_like = dict(
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        hidden_size=256,
+        head_dim=32,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
     what = "kv_bytes(a config.json dict: 4 layers alternating sliding (window 16) and full, 2 KV heads of 32, seq_len=50, batch=1, 'fp16')"
     expect_int(call(what, fn, gpt_oss_like, 50, 1, "fp16"), 2 * (16 + 50 + 16 + 50) * 2 * 32 * 2, what)
     no_head_dim = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64)  # MHA, head_dim 16
     what = "kv_bytes(a dict without head_dim or num_key_value_heads: 2 layers, 4 heads, hidden 64, seq_len=10, batch=3, 'fp32')"
     expect_int(call(what, fn, no_head_dim, 10, 3, "fp32"), 2 * 3 * 10 * 2 * 4 * 16 * 4, what)
-    config = ModelConfig(vocab_size=10, hidden_size=48, intermediate_size=8, num_hidden_layers=5,
-                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
+    config = ModelConfig(
+        vocab_size=10,
+        hidden_size=48,
+        intermediate_size=8,
+        num_hidden_layers=5,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     what = "kv_bytes(ModelConfig(5 layers, 6 heads, 2 KV heads, hidden 48), seq_len=7, batch=2, 'bf16')"
     expect_int(call(what, fn, config, 7, 2, "bf16"), 2 * 2 * 7 * 5 * 2 * 8 * 2, what)
 
 
 # --------------------------------------------------------------------------- the sliding-window ring
 
-_RING_CONFIG = dict(vocab_size=10, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=2, max_position_embeddings=64)
+_RING_CONFIG = dict(
+    vocab_size=10,
+    hidden_size=16,
+    intermediate_size=8,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=2,
+    max_position_embeddings=64,
+)
 
 
 def _ring_bookkeeping(cls, window: int, chunks: list[int]) -> None:
@@ -338,8 +415,10 @@ def _ring_bookkeeping(cls, window: int, chunks: list[int]) -> None:
             got_k, got_v = _pair(call(what, cache.append, layer, keys[:, :, start:end], values[:, :, start:end]), what)
             first = max(0, start - window)  # held before: the last min(start, W) positions
             held = f"the held positions {first}..{start - 1} then " if start else "nothing held yet, so just "
-            why = (f"{held}the new {start}..{end - 1}, in position order: the chunk's first queries still need "
-                   "keys its own later rows overwrite")
+            why = (
+                f"{held}the new {start}..{end - 1}, in position order: the chunk's first queries still need "
+                "keys its own later rows overwrite"
+            )
             _ring_same(got_k, keys, first, end, f"the keys {what} returned", why)
             _ring_same(got_v, values, first, end, f"the values {what} returned", why)
             what = f"view(layer={layer}) after positions 0..{end - 1}, window {window}"
@@ -348,14 +427,20 @@ def _ring_bookkeeping(cls, window: int, chunks: list[int]) -> None:
             _ring_same(held_k, keys, max(0, end - window), end, f"the keys of {what}", why)
             _ring_same(held_v, values, max(0, end - window), end, f"the values of {what}", why)
         when = f"after positions 0..{end - 1} reached both layers"
-        expect_int(_seq_len(cache, when), end, f"seq_len {when} (every position seen, not only the {window} held: "
-                   "the model reads the next position from it)")
+        expect_int(
+            _seq_len(cache, when),
+            end,
+            f"seq_len {when} (every position seen, not only the {window} held: "
+            "the model reads the next position from it)",
+        )
         start = end
     held = tensor_bytes_held(cache)
     allowed = 2 * 2 * 2 * 2 * window * 2 * 8  # K and V, 2 layers, batch 2, 2 KV heads, W slots, dim 2, float64
     if held > allowed:
-        raise AssertionError(f"{made} holds tensors of {held:,} bytes after {total} positions; W={window} slots per "
-                             f"layer take {allowed:,} bytes (keep a ring of W slots, not max_seq_len or every position)")
+        raise AssertionError(
+            f"{made} holds tensors of {held:,} bytes after {total} positions; W={window} slots per "
+            f"layer take {allowed:,} bytes (keep a ring of W slots, not max_seq_len or every position)"
+        )
 
 
 def _ring_same(got, rows: torch.Tensor, first: int, end: int, what: str, why: str) -> None:
@@ -386,7 +471,8 @@ def _ring_call(what: str, start: int, window: int, fn, *args, **kwargs):
         raise AssertionError(
             f"{what} raised ValueError: {exc}. If causal_attention raised it, check attend's q_offset: the queries "
             f"come right after the keys append returned before the new rows, so q_offset is how many those are, "
-            f"min(S, W) = {window} here, not seq_len (the {start} positions seen)") from None
+            f"min(S, W) = {window} here, not seq_len (the {start} positions seen)"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - any other exception of the code under test fails the check
         raise failure(what, exc) from None
 
@@ -406,19 +492,24 @@ def _ring_attention(cls, window: int, chunks: list[int]) -> None:
     for t in chunks:
         end = start + t
         for layer in range(2):
-            what = (f"{made}: attend(layer={layer}, queries and K/V of positions {start}..{end - 1}) in chunks of "
-                    f"{chunks} positions")
-            got = _ring_call(what, start, window, cache.attend, layer, q[:, :, start:end], k[:, :, start:end],
-                             v[:, :, start:end])
+            what = (
+                f"{made}: attend(layer={layer}, queries and K/V of positions {start}..{end - 1}) in chunks of "
+                f"{chunks} positions"
+            )
+            got = _ring_call(
+                what, start, window, cache.attend, layer, q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+            )
             want = expected[:, :, start:end]
             if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
                 raise AssertionError(f"{what}: expected a tensor of shape {list(want.shape)}, got {describe(got)}")
             err = (got - want).abs().amax(dim=(0, 1, 3))
             if not err.max().item() < 1e-9:
                 bad = [start + i for i in range(t) if err[i] >= 1e-9]
-                raise AssertionError(f"{what}: the outputs of the queries at positions {bad} differ from "
-                                     f"causal_attention(q, all K, all V, sliding_window={window}) by up to "
-                                     f"{err.max().item():.3g}; each query must see exactly its last {window} positions")
+                raise AssertionError(
+                    f"{what}: the outputs of the queries at positions {bad} differ from "
+                    f"causal_attention(q, all K, all V, sliding_window={window}) by up to "
+                    f"{err.max().item():.3g}; each query must see exactly its last {window} positions"
+                )
         start = end
 
 
@@ -431,25 +522,54 @@ def _ring_in_model(cls, seed: int, window: int, chunks: list[int], window_argume
     full = model(ids)  # [2, S, V]: the oracle, the window as a mask over the whole sequence
     if window_argument:  # the cache's own window on a model whose config has none (how the notebook runs SmolLM2)
         model = _model(seed, None)
-        label = f"a random 2-layer model without a window (seed {seed}), batch of 2, the cache made with window={window}"
-        cache = call(f"SlidingWindowKVCache(config, 2, {total}, dtype=torch.float64, window={window})", cls,
-                     model.config, 2, total, dtype=torch.float64, window=window)
+        label = (
+            f"a random 2-layer model without a window (seed {seed}), batch of 2, the cache made with window={window}"
+        )
+        cache = call(
+            f"SlidingWindowKVCache(config, 2, {total}, dtype=torch.float64, window={window})",
+            cls,
+            model.config,
+            2,
+            total,
+            dtype=torch.float64,
+            window=window,
+        )
     else:
         label = f"a random 2-layer model with sliding window {window} (seed {seed}), batch of 2"
-        cache = call(f"SlidingWindowKVCache(config, 2, {total}, dtype=torch.float64) for {label}", cls, model.config, 2,
-                     total, dtype=torch.float64)
+        cache = call(
+            f"SlidingWindowKVCache(config, 2, {total}, dtype=torch.float64) for {label}",
+            cls,
+            model.config,
+            2,
+            total,
+            dtype=torch.float64,
+        )
     pieces, start = [], 0
     for t in chunks:
         pieces.append((start, start + t))
         start += t
-    got = torch.cat([_ring_call(f"model(tokens {s}..{e - 1}, kv_cache=your cache) on {label}", s, window, model,
-                                ids[:, s:e], kv_cache=cache) for s, e in pieces], 1)
+    got = torch.cat(
+        [
+            _ring_call(
+                f"model(tokens {s}..{e - 1}, kv_cache=your cache) on {label}",
+                s,
+                window,
+                model,
+                ids[:, s:e],
+                kv_cache=cache,
+            )
+            for s, e in pieces
+        ],
+        1,
+    )
     err = (got - full).abs().amax(dim=(0, 2))
     if not err.max().item() < 1e-9:
         bad = [i for i in range(total) if err[i] >= 1e-9]
-        raise AssertionError(f"chunks of {chunks} tokens through your cache on {label}: the logits must equal one "
-                             f"forward pass with the window and no cache; they differ by {err.max().item():.3g} at "
-                             f"positions {bad[:8]}{'...' if len(bad) > 8 else ''}")
+        raise AssertionError(
+            f"chunks of {chunks} tokens through your cache on {label}: the logits must equal one "
+            f"forward pass with the window and no cache; they differ by {err.max().item():.3g} at "
+            f"positions {bad[:8]}{'...' if len(bad) > 8 else ''}"
+        )
 
 
 def check_sliding_window_kv_cache(cls) -> None:
@@ -461,16 +581,44 @@ def check_sliding_window_kv_cache(cls) -> None:
     _ring_in_model(cls, 21, 4, [6, 3, 1, 1, 1, 5, 1, 1], window_argument=False)
     _ring_in_model(cls, 22, 3, [2, 1, 1, 4, 1, 1], window_argument=True)
     config = ModelConfig(**_RING_CONFIG)
-    expect_raises("SlidingWindowKVCache(a config without sliding_window, no window argument)", ValueError,
-                  "a ring needs a window W", cls, config, 1, 8)
-    expect_raises("SlidingWindowKVCache(config, window=0)", ValueError, "a window holds at least 1 position",
-                  cls, config, 1, 8, window=0)
+    expect_raises(
+        "SlidingWindowKVCache(a config without sliding_window, no window argument)",
+        ValueError,
+        "a ring needs a window W",
+        cls,
+        config,
+        1,
+        8,
+    )
+    expect_raises(
+        "SlidingWindowKVCache(config, window=0)",
+        ValueError,
+        "a window holds at least 1 position",
+        cls,
+        config,
+        1,
+        8,
+        window=0,
+    )
     cache = call("SlidingWindowKVCache(config, 2, 8, window=3) (2 KV heads of dim 2)", cls, config, 2, 8, window=3)
-    expect_raises("append(0, k and v with 1 KV head) on a cache of 2 KV heads", ValueError,
-                  "k and v must have the cache's shape [B, H_kv, T, D]", cache.append, 0, torch.zeros(2, 1, 3, 2),
-                  torch.zeros(2, 1, 3, 2))
-    expect_raises("append(0, k of 3 rows, v of 2 rows)", ValueError, "k and v must have the same shape",
-                  cache.append, 0, torch.zeros(2, 2, 3, 2), torch.zeros(2, 2, 2, 2))
+    expect_raises(
+        "append(0, k and v with 1 KV head) on a cache of 2 KV heads",
+        ValueError,
+        "k and v must have the cache's shape [B, H_kv, T, D]",
+        cache.append,
+        0,
+        torch.zeros(2, 1, 3, 2),
+        torch.zeros(2, 1, 3, 2),
+    )
+    expect_raises(
+        "append(0, k of 3 rows, v of 2 rows)",
+        ValueError,
+        "k and v must have the same shape",
+        cache.append,
+        0,
+        torch.zeros(2, 2, 3, 2),
+        torch.zeros(2, 2, 2, 2),
+    )
 
 
 # --------------------------------------------------------------------------- predictions (q_ cells)
@@ -484,8 +632,12 @@ def answer_q_rows_without_cache() -> float:
 
 def check_q_rows_without_cache(value) -> None:
     """Graded q_rows_without_cache (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_rows_without_cache", value, answer_q_rows_without_cache(),
-                  "K/V rows per layer for 30 new tokens after a 20-token prompt, no cache (20 + 21 + ... + 49)")
+    expect_answer(
+        "q_rows_without_cache",
+        value,
+        answer_q_rows_without_cache(),
+        "K/V rows per layer for 30 new tokens after a 20-token prompt, no cache (20 + 21 + ... + 49)",
+    )
 
 
 def answer_q_qwen3_kv_gib() -> float:
@@ -495,6 +647,10 @@ def answer_q_qwen3_kv_gib() -> float:
 
 def check_q_qwen3_kv_gib(value) -> None:
     """Graded q_qwen3_kv_gib (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_qwen3_kv_gib", value, answer_q_qwen3_kv_gib(),
-                  "Qwen3-8B's KV cache in GiB for 16 sequences of 32,768 tokens in bf16 (2 x 36 layers x 8 KV heads "
-                  "x 128 x 2 bytes per token)")
+    expect_answer(
+        "q_qwen3_kv_gib",
+        value,
+        answer_q_qwen3_kv_gib(),
+        "Qwen3-8B's KV cache in GiB for 16 sequences of 32,768 tokens in bf16 (2 x 36 layers x 8 KV heads "
+        "x 128 x 2 bytes per token)",
+    )

@@ -20,6 +20,7 @@ Expected parameter counts never come from a formula written here:
 * Random small configs: `decodelab.model.llama.LlamaForCausalLM(config).num_parameters()`, the
   model the course runs, built for real on the CPU (each is a few hundred thousand numbers).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,30 +31,83 @@ from autograder.checks.answers import expect_answer
 from autograder.checks.calling import call, expect_raises
 from decodelab.course.exercises import references
 
-
 # exercise -> the library's reference it is graded against (the course's table of exercises)
 REFERENCES = references("00_meet_the_model")
 
-__all__ = ["check_bpe_encode", "check_count_parameters", "check_decode_tokens_per_second_bound", "check_q_embedding_share_percent",
-           "check_q_llama8b_tokens_per_s"]
+__all__ = [
+    "check_bpe_encode",
+    "check_count_parameters",
+    "check_decode_tokens_per_second_bound",
+    "check_q_embedding_share_percent",
+    "check_q_llama8b_tokens_per_s",
+]
 
 # The config.json fields of two published checkpoints and the totals transformers reports for them.
 PUBLISHED = {
-    "meta-llama/Llama-3.1-8B": (dict(model_type="llama", vocab_size=128256, hidden_size=4096,
-                                     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                                     num_key_value_heads=8, tie_word_embeddings=False), 8_030_261_248),
-    "Qwen/Qwen2.5-0.5B": (dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                               num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                               tie_word_embeddings=True), 494_032_768),
+    "meta-llama/Llama-3.1-8B": (
+        dict(
+            model_type="llama",
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            tie_word_embeddings=False,
+        ),
+        8_030_261_248,
+    ),
+    "Qwen/Qwen2.5-0.5B": (
+        dict(
+            model_type="qwen2",
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        ),
+        494_032_768,
+    ),
 }
 
 
 # Words and texts for the real tokenizers: every kind of piece SmolLM2's pre-tokenizer makes
 # (a word with its leading space, digits one by one, punctuation runs, whitespace runs, code,
 # accented letters, CJK and an emoji, several bytes per character).
-BPE_WORDS = ["What", " is", " gravity", "?", " gravitational", " tokenization", " Hello", " antidisestablishment",
-             "ness", " the", " The", "!!!", "...", "   ", "\n\n", "\t", " café", " naïve", " 日本語", " 🤖",
-             " über", " Привет", " 1", " supercalifragilistic", " self", " __init__", " {", "}}", " x", " y"]
+BPE_WORDS = [
+    "What",
+    " is",
+    " gravity",
+    "?",
+    " gravitational",
+    " tokenization",
+    " Hello",
+    " antidisestablishment",
+    "ness",
+    " the",
+    " The",
+    "!!!",
+    "...",
+    "   ",
+    "\n\n",
+    "\t",
+    " café",
+    " naïve",
+    " 日本語",
+    " 🤖",
+    " über",
+    " Привет",
+    " 1",
+    " supercalifragilistic",
+    " self",
+    " __init__",
+    " {",
+    "}}",
+    " x",
+    " y",
+]
 BPE_TEXTS = [
     "What is gravity? Gravity is the force by which a planet or other body draws objects toward its centre.",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
@@ -73,27 +127,37 @@ def _expect_pieces(desc: str, word: bytes, got, expected: list[bytes], merges: d
         got = list(got)
     if not isinstance(got, list) or not all(isinstance(p, bytes) for p in got):
         kinds = sorted({type(p).__name__ for p in got}) if isinstance(got, list) else []
-        raise AssertionError(f"{desc} returned {type(got).__name__} {_pieces_text(got)[:200]}"
-                             + (f" of {', '.join(kinds)}" if kinds else "")
-                             + f"; expected a list of bytes {_pieces_text(expected)}")
+        raise AssertionError(
+            f"{desc} returned {type(got).__name__} {_pieces_text(got)[:200]}"
+            + (f" of {', '.join(kinds)}" if kinds else "")
+            + f"; expected a list of bytes {_pieces_text(expected)}"
+        )
     if got == expected:
         return
     unmade = [p for p in got if len(p) > 1 and p not in {a + b for a, b in merges}]
     if b"".join(got) != word:
-        why = (f" The pieces join to {b''.join(got)!r}, not the word: each byte belongs to exactly one piece "
-               f"(after merging a pair, step past both of its pieces)")
+        why = (
+            f" The pieces join to {b''.join(got)!r}, not the word: each byte belongs to exactly one piece "
+            f"(after merging a pair, step past both of its pieces)"
+        )
     elif unmade:
-        why = (f" No merge makes the piece {unmade[0]!r}: start from the word's single bytes (a character may "
-               f"take several UTF-8 bytes), then only merges join them")
+        why = (
+            f" No merge makes the piece {unmade[0]!r}: start from the word's single bytes (a character may "
+            f"take several UTF-8 bytes), then only merges join them"
+        )
     else:
         left = [(merges[pair], pair) for pair in zip(got, got[1:]) if pair in merges]
         if left:
             rank, pair = min(left)
-            why = (f" The pieces {pair[0]!r} and {pair[1]!r} still form a pair with a merge (rank {rank}): "
-                   f"keep merging until no adjacent pair has one")
+            why = (
+                f" The pieces {pair[0]!r} and {pair[1]!r} still form a pair with a merge (rank {rank}): "
+                f"keep merging until no adjacent pair has one"
+            )
         else:
-            why = (" No pair is left to merge, but different merges were made: always merge the pair with the "
-                   "lowest rank (learned first) among all adjacent pairs, not the first one found or the highest")
+            why = (
+                " No pair is left to merge, but different merges were made: always merge the pair with the "
+                "lowest rank (learned first) among all adjacent pairs, not the first one found or the highest"
+            )
     raise AssertionError(f"{desc} returned {_pieces_text(got)}; expected {_pieces_text(expected)}.{why}")
 
 
@@ -122,8 +186,10 @@ def _oracle_bpe(merges: dict[tuple[bytes, bytes], int]):
 
     pairs = sorted(merges, key=merges.get)
     tokens = [bytes([b]) for b in range(256)] + [left + right for left, right in pairs]
-    model = BPE(vocab={text(t): i for i, t in enumerate(dict.fromkeys(tokens))},
-                merges=[(text(left), text(right)) for left, right in pairs])
+    model = BPE(
+        vocab={text(t): i for i, t in enumerate(dict.fromkeys(tokens))},
+        merges=[(text(left), text(right)) for left, right in pairs],
+    )
     return lambda word: tokenizers_pieces(model, word)
 
 
@@ -133,15 +199,16 @@ def _real_tables():
     from decodelab.model.registry import resolve_model
     from decodelab.model.tokenizer import Tokenizer
 
-    return [(name, ByteLevelBPE.from_tokenizer(Tokenizer.from_folder(resolve_model(key))))
-            for name, key in (("SmolLM2's tokenizer", "smollm2"), ("the tiny model's tokenizer", "tiny"))]
+    return [
+        (name, ByteLevelBPE.from_tokenizer(Tokenizer.from_folder(resolve_model(key))))
+        for name, key in (("SmolLM2's tokenizer", "smollm2"), ("the tiny model's tokenizer", "tiny"))
+    ]
 
 
 def check_bpe_encode(fn) -> None:
     """fn(word_bytes: bytes, merges: {(left, right): rank}) -> list[bytes], the BPE tokens of one word."""
     rng = random.Random(0)
-    hand = {(b"b", b"c"): 0, (b"a", b"b"): 1, (b"a", b"a"): 2, (b"a", b"bc"): 3, (b"abc", b"d"): 4,
-            (b"aa", b"aa"): 5}
+    hand = {(b"b", b"c"): 0, (b"a", b"b"): 1, (b"a", b"a"): 2, (b"a", b"bc"): 3, (b"abc", b"d"): 4, (b"aa", b"aa"): 5}
     words = [b"", b"a", b"abc", b"abcd", b"aaa", b"aaaaa", b"aaaaaaa", b"abab", b"dcba", b"xyz", b"abcdabcd"]
     tables = [("a hand-made table " + repr(hand), hand, words)]
     for size in (8, 20, 40):
@@ -162,13 +229,24 @@ def check_bpe_encode(fn) -> None:
             expected = bpe.tokenizer.encode(text)
             got = call(f"encoding {text[:40]!r}... word by word with bpe_encode", bpe.encode, text, fn)
             if got != expected:
-                raise AssertionError(f"{name} encodes {text!r} as {len(expected)} tokens {expected[:16]}...; "
-                                     f"word by word with bpe_encode it became {len(got)} tokens {got[:16]}...")
+                raise AssertionError(
+                    f"{name} encodes {text!r} as {len(expected)} tokens {expected[:16]}...; "
+                    f"word by word with bpe_encode it became {len(got)} tokens {got[:16]}..."
+                )
 
 
 def _describe_config(config) -> str:
-    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "tie_word_embeddings", "has_qkv_bias")
+    fields = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "tie_word_embeddings",
+        "has_qkv_bias",
+    )
     return "ModelConfig(" + ", ".join(f"{f}={getattr(config, f)}" for f in fields) + ")"
 
 
@@ -194,19 +272,23 @@ def _random_configs(seed: int = 0):
 
     rng = random.Random(seed)
     cases = [
-        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),   # MHA, tied
+        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),  # MHA, tied
         dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),  # MHA, untied
         dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),  # GQA
-        dict(num_attention_heads=6, num_key_value_heads=1, tie_word_embeddings=True),   # MQA
-        dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True),        # llama with biases
-        dict(num_attention_heads=4, num_key_value_heads=2, model_type="qwen2"),         # qwen2: biases always
-        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24),                # head_dim != hidden / heads
+        dict(num_attention_heads=6, num_key_value_heads=1, tie_word_embeddings=True),  # MQA
+        dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True),  # llama with biases
+        dict(num_attention_heads=4, num_key_value_heads=2, model_type="qwen2"),  # qwen2: biases always
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24),  # head_dim != hidden / heads
     ]
     for case in cases:
         heads = case["num_attention_heads"]
-        yield ModelConfig(vocab_size=rng.randrange(50, 400), hidden_size=heads * rng.choice([8, 12, 16]),
-                          intermediate_size=rng.randrange(20, 120), num_hidden_layers=rng.randrange(1, 4),
-                          **case)
+        yield ModelConfig(
+            vocab_size=rng.randrange(50, 400),
+            hidden_size=heads * rng.choice([8, 12, 16]),
+            intermediate_size=rng.randrange(20, 120),
+            num_hidden_layers=rng.randrange(1, 4),
+            **case,
+        )
 
 
 def _expect_count(desc: str, got, expected: int, hint: str = "") -> None:
@@ -215,8 +297,10 @@ def _expect_count(desc: str, got, expected: int, hint: str = "") -> None:
         raise AssertionError(f"{desc} returned {type(got).__name__} {got!r}; expected the integer {expected:,}{extra}")
     if int(got) != expected:
         diff = int(got) - expected
-        raise AssertionError(f"{desc} returned {int(got):,}; the model has {expected:,} parameters "
-                             f"({'+' if diff > 0 else '-'}{abs(diff):,}){hint}")
+        raise AssertionError(
+            f"{desc} returned {int(got):,}; the model has {expected:,} parameters "
+            f"({'+' if diff > 0 else '-'}{abs(diff):,}){hint}"
+        )
 
 
 def check_count_parameters(fn) -> None:
@@ -227,30 +311,42 @@ def check_count_parameters(fn) -> None:
     real = _smollm2_checkpoint()
     if real is not None:
         config, total = real
-        _expect_count(f"count_parameters on SmolLM2-135M-Instruct's config.json {_describe_config(config)}",
-                      call("count_parameters(SmolLM2's config)", fn, config), total,
-                      "; the real checkpoint stores these tensors (its lm_head is tied to the embeddings)")
+        _expect_count(
+            f"count_parameters on SmolLM2-135M-Instruct's config.json {_describe_config(config)}",
+            call("count_parameters(SmolLM2's config)", fn, config),
+            total,
+            "; the real checkpoint stores these tensors (its lm_head is tied to the embeddings)",
+        )
     for name, (fields, total) in PUBLISHED.items():
         config = ModelConfig(**fields)
-        _expect_count(f"count_parameters on {name}'s config {_describe_config(config)}",
-                      call(f"count_parameters({name})", fn, config), total,
-                      f"; transformers reports {total:,} for {name}")
+        _expect_count(
+            f"count_parameters on {name}'s config {_describe_config(config)}",
+            call(f"count_parameters({name})", fn, config),
+            total,
+            f"; transformers reports {total:,} for {name}",
+        )
     for config in _random_configs():
         expected = LlamaForCausalLM(config).num_parameters()
         hints = []
         if config.tie_word_embeddings:
             hints.append("the lm_head is tied to the embeddings: count that matrix once")
         if config.num_key_value_heads != config.num_attention_heads:
-            hints.append(f"k_proj and v_proj have {config.num_key_value_heads} KV heads, not "
-                         f"{config.num_attention_heads}")
+            hints.append(
+                f"k_proj and v_proj have {config.num_key_value_heads} KV heads, not {config.num_attention_heads}"
+            )
         if config.has_qkv_bias:
             hints.append("q_proj, k_proj and v_proj have biases")
         if config.head_dim * config.num_attention_heads != config.hidden_size:
-            hints.append(f"head_dim x heads = {config.head_dim * config.num_attention_heads} "
-                         f"differs from hidden_size {config.hidden_size}")
-        _expect_count(f"count_parameters on {_describe_config(config)}",
-                      call(f"count_parameters({_describe_config(config)})", fn, config), expected,
-                      " (LlamaForCausalLM(config).num_parameters())" + (f"; note: {'; '.join(hints)}" if hints else ""))
+            hints.append(
+                f"head_dim x heads = {config.head_dim * config.num_attention_heads} "
+                f"differs from hidden_size {config.hidden_size}"
+            )
+        _expect_count(
+            f"count_parameters on {_describe_config(config)}",
+            call(f"count_parameters({_describe_config(config)})", fn, config),
+            expected,
+            " (LlamaForCausalLM(config).num_parameters())" + (f"; note: {'; '.join(hints)}" if hints else ""),
+        )
 
 
 def check_decode_tokens_per_second_bound(fn) -> None:
@@ -269,8 +365,9 @@ def check_decode_tokens_per_second_bound(fn) -> None:
         try:
             value = float(got)
         except (TypeError, ValueError):
-            raise AssertionError(f"{desc} returned {type(got).__name__} {got!r}; expected a number "
-                                 f"(tokens per second)") from None
+            raise AssertionError(
+                f"{desc} returned {type(got).__name__} {got!r}; expected a number (tokens per second)"
+            ) from None
         if not math.isclose(value, expected, rel_tol=1e-4):
             ratio = value / expected if expected else float("nan")
             why = ""
@@ -278,11 +375,18 @@ def check_decode_tokens_per_second_bound(fn) -> None:
                 why = " (that is seconds per token; the bound asks for tokens per second)"
             elif math.isclose(ratio, 1 / 8, rel_tol=1e-3) or math.isclose(ratio, 8, rel_tol=1e-3):
                 why = " (off by 8: bytes, not bits)"
-            raise AssertionError(f"{desc} returned {value:.6g}; expected {expected:.6g} tokens/s = bandwidth / "
-                                 f"(num_params x bytes_per_param){why}. Case: {note}")
-    for args, bad in (((0, 2, 1e12), "num_params"), ((-5e9, 2, 1e12), "num_params"), ((7e9, 0, 1e12), "bytes_per_param"),
-                      ((7e9, -2, 1e12), "bytes_per_param"), ((7e9, 2, 0), "bandwidth_bytes_per_s"),
-                      ((7e9, 2, -1e12), "bandwidth_bytes_per_s")):
+            raise AssertionError(
+                f"{desc} returned {value:.6g}; expected {expected:.6g} tokens/s = bandwidth / "
+                f"(num_params x bytes_per_param){why}. Case: {note}"
+            )
+    for args, bad in (
+        ((0, 2, 1e12), "num_params"),
+        ((-5e9, 2, 1e12), "num_params"),
+        ((7e9, 0, 1e12), "bytes_per_param"),
+        ((7e9, -2, 1e12), "bytes_per_param"),
+        ((7e9, 2, 0), "bandwidth_bytes_per_s"),
+        ((7e9, 2, -1e12), "bandwidth_bytes_per_s"),
+    ):
         expect_raises(f"decode_tokens_per_second_bound{args}", ValueError, f"{bad} must be > 0", fn, *args)
 
 
@@ -296,9 +400,12 @@ def answer_q_embedding_share_percent() -> float:
 
 def check_q_embedding_share_percent(value) -> None:
     """Graded q_embedding_share_percent (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_embedding_share_percent", value, answer_q_embedding_share_percent(),
-                  "SmolLM2-135M's embedding table (49,152 x 576, stored once) as a percentage of its 134,515,008 "
-                  "parameters")
+    expect_answer(
+        "q_embedding_share_percent",
+        value,
+        answer_q_embedding_share_percent(),
+        "SmolLM2-135M's embedding table (49,152 x 576, stored once) as a percentage of its 134,515,008 parameters",
+    )
 
 
 def answer_q_llama8b_tokens_per_s() -> float:
@@ -310,5 +417,9 @@ def answer_q_llama8b_tokens_per_s() -> float:
 
 def check_q_llama8b_tokens_per_s(value) -> None:
     """Graded q_llama8b_tokens_per_s (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_llama8b_tokens_per_s", value, answer_q_llama8b_tokens_per_s(),
-                  "3.35e12 bytes/s over (8,030,261,248 parameters x 2 bytes) for Llama-3.1-8B in bf16 on an H100")
+    expect_answer(
+        "q_llama8b_tokens_per_s",
+        value,
+        answer_q_llama8b_tokens_per_s(),
+        "3.35e12 bytes/s over (8,030,261,248 parameters x 2 bytes) for Llama-3.1-8B in bf16 on an H100",
+    )

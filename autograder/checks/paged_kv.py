@@ -22,6 +22,7 @@ are copied as the engine copies them) checks that every sequence reads its own K
 block must hold exactly the prompt's prefix, and nobody may write into a block another
 sequence still holds.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -65,7 +66,9 @@ def _expect_waste(fn, lengths, block_size, max_len=None, label=None):
     if isinstance(got, torch.Tensor) and got.numel() == 1:
         got = got.item()
     if isinstance(got, bool) or not isinstance(got, numbers.Real):
-        raise AssertionError(f"{what}: expected a number (a fraction between 0 and 1), got {type(got).__name__} {got!r}")
+        raise AssertionError(
+            f"{what}: expected a number (a fraction between 0 and 1), got {type(got).__name__} {got!r}"
+        )
     if abs(float(got) - expected) > 1e-9:
         raise AssertionError(f"{what}: expected {expected:.6g} (empty slots / reserved slots), got {float(got):.6g}")
 
@@ -84,8 +87,14 @@ def check_kv_waste(fn) -> None:
     for block_size in (16, 32, 100, 256):
         _expect_waste(fn, lengths, block_size, label=label)
     _expect_waste(fn, lengths, None, 2048, label=label)
-    expect_raises("kv_waste([10, 20], block_size=None) without max_len", ValueError, "preallocation needs max_len",
-                  fn, [10, 20], None)
+    expect_raises(
+        "kv_waste([10, 20], block_size=None) without max_len",
+        ValueError,
+        "preallocation needs max_len",
+        fn,
+        [10, 20],
+        None,
+    )
 
 
 # --------------------------------------------------------------------------- gather_kv
@@ -99,8 +108,12 @@ def _loop_gather(flat, table, context_len, block_size):
 def check_gather_kv(fn) -> None:
     gen = torch.Generator().manual_seed(6)
     rng = random.Random(6)
-    cases = [(8, 4, [5, 1, 6], 10, 2, 3), (4, 16, [2], 16, 1, 8), (6, 1, [4, 0, 5, 2], 3, 3, 2),
-             (10, 8, [9, 3, 0, 7], 25, 2, 4)]
+    cases = [
+        (8, 4, [5, 1, 6], 10, 2, 3),
+        (4, 16, [2], 16, 1, 8),
+        (6, 1, [4, 0, 5, 2], 3, 3, 2),
+        (10, 8, [9, 3, 0, 7], 25, 2, 4),
+    ]
     for _ in range(8):
         num_blocks, block_size = rng.randint(4, 20), rng.choice([2, 4, 16])
         table = rng.sample(range(num_blocks), rng.randint(1, num_blocks))
@@ -109,32 +122,45 @@ def check_gather_kv(fn) -> None:
     for num_blocks, block_size, table, context_len, heads, dim in cases:
         flat = torch.randn(num_blocks * block_size, heads, dim, generator=gen, dtype=torch.float64)
         before = flat.clone()
-        what = (f"gather_kv(flat_cache of shape {list(flat.shape)}, block_table={table}, context_len={context_len}, "
-                f"block_size={block_size})")
+        what = (
+            f"gather_kv(flat_cache of shape {list(flat.shape)}, block_table={table}, context_len={context_len}, "
+            f"block_size={block_size})"
+        )
         got = call(what, fn, flat, list(table), context_len, block_size)
         expected = _loop_gather(before, table, context_len, block_size)
         if not isinstance(got, torch.Tensor):
             raise AssertionError(f"{what}: expected a torch.Tensor, got {type(got).__name__}")
         if tuple(got.shape) != tuple(expected.shape):
-            raise AssertionError(f"{what}: expected shape [H_kv, context_len, D] = {list(expected.shape)}, "
-                                 f"got {list(got.shape)}")
+            raise AssertionError(
+                f"{what}: expected shape [H_kv, context_len, D] = {list(expected.shape)}, got {list(got.shape)}"
+            )
         if not torch.equal(flat, before):
             raise AssertionError(f"{what} changed flat_cache in place; it must only read the pool")
         if not torch.equal(got.double(), expected):
             bad = (got.double() != expected).any(dim=0).any(dim=-1).nonzero()
             token = int(bad[0])
             slot = table[token // block_size] * block_size + token % block_size
-            raise AssertionError(f"{what}: token {token} should come from slot {slot} (block "
-                                 f"{table[token // block_size]}, offset {token % block_size}); "
-                                 f"{len(bad)} of {context_len} tokens differ")
+            raise AssertionError(
+                f"{what}: token {token} should come from slot {slot} (block "
+                f"{table[token // block_size]}, offset {token % block_size}); "
+                f"{len(bad)} of {context_len} tokens differ"
+            )
         got[...] = 0  # the result must be a new tensor, not a view into the pool
         if not torch.equal(flat, before):
             raise AssertionError(f"{what}: writing into the result changed the pool; return a new tensor")
     flat = torch.randn(16, 2, 4, generator=gen)
     for table, context_len in (([1, 2], 9), ([], 1)):
         what = f"gather_kv(flat_cache [16, 2, 4], block_table={table}, context_len={context_len}, block_size=4)"
-        expect_raises(what, ValueError, f"{len(table)} blocks of 4 hold {4 * len(table)} < {context_len} tokens",
-                      fn, flat, table, context_len, 4)
+        expect_raises(
+            what,
+            ValueError,
+            f"{len(table)} blocks of 4 hold {4 * len(table)} < {context_len} tokens",
+            fn,
+            flat,
+            table,
+            context_len,
+            4,
+        )
 
 
 # --------------------------------------------------------------------------- paged_decode_attention
@@ -150,13 +176,22 @@ def _loop_decode_attention(q, key_cache, value_cache, tables, lengths):
         for h in range(q.shape[1]):
             keys = torch.stack([key_cache[blk, off, h // group] for blk, off in slots]).double()  # [length, D]
             values = torch.stack([value_cache[blk, off, h // group] for blk, off in slots]).double()
-            weights = torch.softmax(keys @ q[b, h].double() / head_dim ** 0.5, dim=0)
+            weights = torch.softmax(keys @ q[b, h].double() / head_dim**0.5, dim=0)
             out[b, h] = weights @ values
     return out
 
 
-def _decode_case(rng: random.Random, gen: torch.Generator, lengths, num_heads, num_kv_heads, block_size,
-                 shared_blocks=0, extra_block=False, head_dim=8):
+def _decode_case(
+    rng: random.Random,
+    gen: torch.Generator,
+    lengths,
+    num_heads,
+    num_kv_heads,
+    block_size,
+    shared_blocks=0,
+    extra_block=False,
+    head_dim=8,
+):
     """A shuffled pool of random (stale) numbers and out-of-order tables, the first shared_blocks
     blocks shared by every sequence long enough, one table holding a block past its context if
     extra_block. -> (q, key_cache, value_cache, tables as lists)."""
@@ -170,8 +205,12 @@ def _decode_case(rng: random.Random, gen: torch.Generator, lengths, num_heads, n
         shared = prefix if n > len(prefix) else []
         tables.append(shared + [free.pop() for _ in range(n - len(shared))])
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return (torch.randn(len(lengths), num_heads, head_dim, generator=gen), torch.randn(*shape, generator=gen),
-            torch.randn(*shape, generator=gen), tables)
+    return (
+        torch.randn(len(lengths), num_heads, head_dim, generator=gen),
+        torch.randn(*shape, generator=gen),
+        torch.randn(*shape, generator=gen),
+        tables,
+    )
 
 
 def _padded(tables, dtype=torch.long) -> torch.Tensor:
@@ -181,28 +220,38 @@ def _padded(tables, dtype=torch.long) -> torch.Tensor:
 
 def _expect_decode(fn, q, key_cache, value_cache, tables, lengths, as_tensor=False, dtype=None):
     form = "a [B, max_blocks] tensor padded with -1" if as_tensor else "lists"
-    what = (f"paged_decode_attention(q {list(q.shape)}, key_cache and value_cache {list(key_cache.shape)}, "
-            f"block_tables={tables} ({form}), context_lens={lengths})")
+    what = (
+        f"paged_decode_attention(q {list(q.shape)}, key_cache and value_cache {list(key_cache.shape)}, "
+        f"block_tables={tables} ({form}), context_lens={lengths})"
+    )
     expected = _loop_decode_attention(q, key_cache, value_cache, tables, lengths)
     if dtype is not None:
         q, key_cache, value_cache = q.to(dtype), key_cache.to(dtype), value_cache.to(dtype)
         what = what.replace("paged_decode_attention(q", f"paged_decode_attention({dtype} q")
     block_tables = _padded(tables) if as_tensor else [list(t) for t in tables]
-    before = (q.clone(), key_cache.clone(), value_cache.clone(),
-              block_tables.clone() if as_tensor else [list(t) for t in block_tables])
-    got = call(what, fn, q, key_cache, value_cache, block_tables,
-               torch.tensor(lengths) if as_tensor else list(lengths))
+    before = (
+        q.clone(),
+        key_cache.clone(),
+        value_cache.clone(),
+        block_tables.clone() if as_tensor else [list(t) for t in block_tables],
+    )
+    got = call(what, fn, q, key_cache, value_cache, block_tables, torch.tensor(lengths) if as_tensor else list(lengths))
     if not isinstance(got, torch.Tensor):
         raise AssertionError(f"{what}: expected a torch.Tensor, got {type(got).__name__}")
     if tuple(got.shape) != tuple(q.shape):
         raise AssertionError(f"{what}: expected shape [B, H, D] = {list(q.shape)}, got {list(got.shape)}")
     if got.dtype != q.dtype:
         raise AssertionError(f"{what}: expected q's dtype {q.dtype}, got {got.dtype}")
-    unchanged = (torch.equal(before[0], q) and torch.equal(before[1], key_cache) and torch.equal(before[2], value_cache)
-                 and (torch.equal(before[3], block_tables) if as_tensor else before[3] == block_tables))
+    unchanged = (
+        torch.equal(before[0], q)
+        and torch.equal(before[1], key_cache)
+        and torch.equal(before[2], value_cache)
+        and (torch.equal(before[3], block_tables) if as_tensor else before[3] == block_tables)
+    )
     if not unchanged:
-        raise AssertionError(f"{what} changed its input in place (q, the pool or the block tables); it must only "
-                             "read them")
+        raise AssertionError(
+            f"{what} changed its input in place (q, the pool or the block tables); it must only read them"
+        )
     tol = 1e-5 if dtype is None else 3e-2
     bad = ~torch.isclose(got.double(), expected, rtol=tol, atol=tol) | torch.isnan(got)
     if bad.any():
@@ -216,28 +265,51 @@ def _expect_decode(fn, q, key_cache, value_cache, tables, lengths, as_tensor=Fal
             f"{what}: sequence {b} (context_len {lengths[b]}, table {tables[b]}), query head {h} (it reads KV head "
             f"{h} // {group} = {h // group}): expected [{show(expected[b, h])}, ...], got [{show(got[b, h].double())}, "
             f"...] (tolerance {tol:g}). Sequences that differ: {wrong} of {len(tables)}; the ones whose table is "
-            f"shorter than the longest (padded): {padded}")
+            f"shorter than the longest (padded): {padded}"
+        )
 
 
 def check_paged_decode_attention(fn) -> None:
     gen = torch.Generator().manual_seed(7)
     rng = random.Random(7)
     # (lengths, H, H_kv, block_size, shared blocks, a table with a block past its context)
-    cases = [([5, 1, 11], 4, 2, 4, 0, False), ([1, 37, 5, 64, 2], 6, 2, 4, 0, False),
-             ([20, 33, 9, 8], 4, 4, 4, 2, False), ([30, 16, 3], 9, 3, 16, 0, True), ([7, 40, 41], 8, 1, 8, 2, False),
-             ([12], 6, 3, 4, 0, False), ([16, 4], 2, 1, 4, 0, False)]
+    cases = [
+        ([5, 1, 11], 4, 2, 4, 0, False),
+        ([1, 37, 5, 64, 2], 6, 2, 4, 0, False),
+        ([20, 33, 9, 8], 4, 4, 4, 2, False),
+        ([30, 16, 3], 9, 3, 16, 0, True),
+        ([7, 40, 41], 8, 1, 8, 2, False),
+        ([12], 6, 3, 4, 0, False),
+        ([16, 4], 2, 1, 4, 0, False),
+    ]
     for i, (lengths, heads, kv_heads, block_size, shared, extra) in enumerate(cases):
         q, key_cache, value_cache, tables = _decode_case(rng, gen, lengths, heads, kv_heads, block_size, shared, extra)
         _expect_decode(fn, q, key_cache, value_cache, tables, lengths, as_tensor=i % 2 == 1)
     q, key_cache, value_cache, tables = _decode_case(rng, gen, [50, 3, 21], 6, 2, 8)
     _expect_decode(fn, q, key_cache, value_cache, tables, [50, 3, 21], dtype=torch.bfloat16)
     cache = torch.zeros(3, 4, 2, 8)
-    expect_raises("paged_decode_attention(q [2, 4, 8], key_cache [3, 4, 2, 8], block_tables=[[0, 1], [2]], "
-                  "context_lens=[8, 5])", ValueError, "sequence 1's one block of 4 holds fewer than 5 tokens",
-                  fn, torch.zeros(2, 4, 8), cache, cache, [[0, 1], [2]], [8, 5])
-    expect_raises("paged_decode_attention(q [1, 3, 8], key_cache [3, 4, 2, 8], block_tables=[[0]], context_lens=[2])",
-                  ValueError, "3 query heads do not split evenly over 2 KV heads", fn, torch.zeros(1, 3, 8), cache,
-                  cache, [[0]], [2])
+    expect_raises(
+        "paged_decode_attention(q [2, 4, 8], key_cache [3, 4, 2, 8], block_tables=[[0, 1], [2]], context_lens=[8, 5])",
+        ValueError,
+        "sequence 1's one block of 4 holds fewer than 5 tokens",
+        fn,
+        torch.zeros(2, 4, 8),
+        cache,
+        cache,
+        [[0, 1], [2]],
+        [8, 5],
+    )
+    expect_raises(
+        "paged_decode_attention(q [1, 3, 8], key_cache [3, 4, 2, 8], block_tables=[[0]], context_lens=[2])",
+        ValueError,
+        "3 query heads do not split evenly over 2 KV heads",
+        fn,
+        torch.zeros(1, 3, 8),
+        cache,
+        cache,
+        [[0]],
+        [2],
+    )
 
 
 # --------------------------------------------------------------------------- BlockAllocator
@@ -279,8 +351,9 @@ class _Story:
         return f"{self.header}, after\n" + "\n".join(f"    {line}" for line in shown)
 
     def fail(self, what: str, expected: str, got: str, why: str = "") -> None:
-        raise AssertionError(f"{self.where()}\n  then {what}: expected {expected}, got {got}"
-                             + (f"\n  ({why})" if why else ""))
+        raise AssertionError(
+            f"{self.where()}\n  then {what}: expected {expected}, got {got}" + (f"\n  ({why})" if why else "")
+        )
 
     def broken(self, what: str, problem: str) -> None:
         raise AssertionError(f"{self.where()}\n  then {what}: {problem}")
@@ -310,12 +383,15 @@ class _Story:
             block = table[position // size]
             others = [other for other, t in self.tables.items() if other != name and block in t]
             if others:
-                self.broken(op, f"{name} must now write the K/V of its token {position} into block {block} "
-                                f"(entry {position // size} of its table {table}), which {' and '.join(others)} "
-                                f"also hold{'s' if len(others) == 1 else ''}: that would change their K/V. Only "
-                                "blocks full of tokens already computed may be shared; a shared block a "
-                                "sequence writes into must be copied first (copy-on-write)")
-            self.kv.setdefault(block, {})[position % size] = tuple(tokens[:position + 1])
+                self.broken(
+                    op,
+                    f"{name} must now write the K/V of its token {position} into block {block} "
+                    f"(entry {position // size} of its table {table}), which {' and '.join(others)} "
+                    f"also hold{'s' if len(others) == 1 else ''}: that would change their K/V. Only "
+                    "blocks full of tokens already computed may be shared; a shared block a "
+                    "sequence writes into must be copied first (copy-on-write)",
+                )
+            self.kv.setdefault(block, {})[position % size] = tuple(tokens[: position + 1])
 
     def _check_kv(self, op: str) -> None:
         """Every live sequence's blocks hold the K/V of its own tokens."""
@@ -325,17 +401,22 @@ class _Story:
             for position in range(len(tokens)):
                 block = table[position // size]
                 held = self.kv.get(block, {}).get(position % size)
-                if held != tuple(tokens[:position + 1]):
+                if held != tuple(tokens[: position + 1]):
                     if held is None:
                         what = "holds nothing written there"
                     else:
-                        what = (f"holds the K/V of token {len(held) - 1} of the prefix {_shown(held)}"
-                                if held[:-1] != tuple(tokens[:position]) else
-                                f"holds the K/V of token {held[-1]} in that place")
-                    self.broken(op, f"{name}'s token {position} ({tokens[position]}) should be read from block "
-                                    f"{block} (entry {position // size} of its table {table}) at offset "
-                                    f"{position % size}, but that slot {what}, not {name}'s own "
-                                    f"{_shown(tokens[:position + 1])}")
+                        what = (
+                            f"holds the K/V of token {len(held) - 1} of the prefix {_shown(held)}"
+                            if held[:-1] != tuple(tokens[:position])
+                            else f"holds the K/V of token {held[-1]} in that place"
+                        )
+                    self.broken(
+                        op,
+                        f"{name}'s token {position} ({tokens[position]}) should be read from block "
+                        f"{block} (entry {position // size} of its table {table}) at offset "
+                        f"{position % size}, but that slot {what}, not {name}'s own "
+                        f"{_shown(tokens[: position + 1])}",
+                    )
 
     def _apply_copies(self, op: str) -> None:
         """What the engine does before its next forward pass: copy each (source, destination)."""
@@ -364,62 +445,95 @@ class _Story:
         for name, table in self.tables.items():
             if len(table) != len(self.lib_tables[name]):
                 needed = -(-len(self.tokens[name]) // size)
-                self.fail(f"{op}: the length of {name}'s block table", f"{needed} blocks "
-                          f"({len(self.tokens[name])} tokens in blocks of {size})", f"{len(table)}: {table}")
-            bad = [b for b in table if isinstance(b, bool) or not isinstance(b, numbers.Integral)
-                   or not 0 <= b < self.num_blocks]
+                self.fail(
+                    f"{op}: the length of {name}'s block table",
+                    f"{needed} blocks ({len(self.tokens[name])} tokens in blocks of {size})",
+                    f"{len(table)}: {table}",
+                )
+            bad = [
+                b
+                for b in table
+                if isinstance(b, bool) or not isinstance(b, numbers.Integral) or not 0 <= b < self.num_blocks
+            ]
             if bad:
-                self.broken(op, f"{name}'s block table {table} holds {bad[0]!r}, not a block id 0..{self.num_blocks - 1}")
+                self.broken(
+                    op, f"{name}'s block table {table} holds {bad[0]!r}, not a block id 0..{self.num_blocks - 1}"
+                )
         self._check_kv(op)
         counts = [0] * self.num_blocks
         for table in self.tables.values():
             for block in table:
                 counts[block] += 1
-        refs = [self._int(f"{op}: ref_count({b})", self._call(f"{op}: ref_count({b})", mine.ref_count, b))
-                for b in range(self.num_blocks)]
+        refs = [
+            self._int(f"{op}: ref_count({b})", self._call(f"{op}: ref_count({b})", mine.ref_count, b))
+            for b in range(self.num_blocks)
+        ]
         for block, (ref, count) in enumerate(zip(refs, counts)):
             if ref != count:
                 who = [name for name, table in self.tables.items() if block in table]
                 held = f"held by {', '.join(who)}" if who else "held by no live table"
-                self.fail(f"{op}: ref_count({block})", f"{count} (block {block} is {held})", str(ref),
-                          "a block's reference count is the number of live block tables that hold it")
+                self.fail(
+                    f"{op}: ref_count({block})",
+                    f"{count} (block {block} is {held})",
+                    str(ref),
+                    "a block's reference count is the number of live block tables that hold it",
+                )
         free = self.num_free(f"{op}: num_free")
         held = sum(1 for count in counts if count)
         if free + held != self.num_blocks:
-            self.fail(f"{op}: num_free", f"{self.num_blocks - held} ({held} of {self.num_blocks} blocks are held "
-                      "by live tables; every other block is free)", str(free),
-                      "free + held = all blocks: a block nobody holds must go back to the free list, "
-                      "and a held block must not be on it")
+            self.fail(
+                f"{op}: num_free",
+                f"{self.num_blocks - held} ({held} of {self.num_blocks} blocks are held "
+                "by live tables; every other block is free)",
+                str(free),
+                "free + held = all blocks: a block nobody holds must go back to the free list, "
+                "and a held block must not be on it",
+            )
         if free != lib.num_free:  # cannot differ when the invariants hold and the tables match; kept as a guard
-            self.fail(f"{op}: num_free", f"{lib.num_free} (the library's allocator after the same operations)",
-                      str(free))
+            self.fail(
+                f"{op}: num_free", f"{lib.num_free} (the library's allocator after the same operations)", str(free)
+            )
         got, expected = self._sharing(self.tables), self._sharing(self.lib_tables)
         for entry in sorted(expected):
             if got[entry] != expected[entry]:
                 name, index = entry
+
                 def say(group):
                     others = [f"{n}'s entry {i}" for n, i in group if (n, i) != entry]
                     return f"shared with {', '.join(others)}" if others else "held by it alone"
-                self.fail(f"{op}: entry {index} of {name}'s table {self.tables[name]}", say(expected[entry]),
-                          say(got[entry]), "which blocks are shared is decided by the prefix cache (full blocks "
-                          "with the same prefix), fork, and copy-on-write; everything else is private")
+
+                self.fail(
+                    f"{op}: entry {index} of {name}'s table {self.tables[name]}",
+                    say(expected[entry]),
+                    say(got[entry]),
+                    "which blocks are shared is decided by the prefix cache (full blocks "
+                    "with the same prefix), fork, and copy-on-write; everything else is private",
+                )
         named = [self._bool(f"{op}: is_cached({b})", mine.is_cached, b) for b in range(self.num_blocks)]
         for name, table in self.tables.items():
             tokens = self.tokens[name]
             for index, (block, lib_block) in enumerate(zip(table, self.lib_tables[name])):
                 expected = lib.is_cached(lib_block)
                 if named[block] != expected:
-                    chunk = tokens[index * size:(index + 1) * size]
+                    chunk = tokens[index * size : (index + 1) * size]
                     if len(chunk) < size:
                         kind = f"partly filled: {len(chunk)} of {size} tokens"
                     else:
                         kind = f"full: {_shown(chunk)} after {index * size} tokens"
-                    self.fail(f"{op}: is_cached({block}), {name}'s entry {index} ({kind})", str(expected),
-                              str(named[block]), _NAMING)
+                    self.fail(
+                        f"{op}: is_cached({block}), {name}'s entry {index} ({kind})",
+                        str(expected),
+                        str(named[block]),
+                        _NAMING,
+                    )
         if sum(named) != len(lib.cached):
-            self.fail(f"{op}: the number of blocks the prefix cache names (is_cached True), free ones included",
-                      f"{len(lib.cached)}", str(sum(named)), _NAMING + "; free blocks are handed out least "
-                      "recently freed first, so a prefix freed recently is the last to lose its names")
+            self.fail(
+                f"{op}: the number of blocks the prefix cache names (is_cached True), free ones included",
+                f"{len(lib.cached)}",
+                str(sum(named)),
+                _NAMING + "; free blocks are handed out least "
+                "recently freed first, so a prefix freed recently is the last to lose its names",
+            )
 
     # ------------------------------------------------------------ operations
     def arrive(self, name: str, tokens) -> bool:
@@ -432,19 +546,32 @@ class _Story:
             need = self.lib.blocks_needed(len(tokens))
             hits = self.lib._cached_prefix_blocks(tokens)
             revived = sum(1 for b in hits if self.lib.blocks[b].ref_count == 0)
-            self.fail(f"can_allocate({_shown(tokens)})", str(expected_ok), str(ok),
-                      f"{need} blocks for {len(tokens)} tokens, {len(hits)} of them found in the prefix cache "
-                      f"({revived} of those on the free list, which takes them off it), "
-                      f"{self.lib.num_free} free")
+            self.fail(
+                f"can_allocate({_shown(tokens)})",
+                str(expected_ok),
+                str(ok),
+                f"{need} blocks for {len(tokens)} tokens, {len(hits)} of them found in the prefix cache "
+                f"({revived} of those on the free list, which takes them off it), "
+                f"{self.lib.num_free} free",
+            )
         if not ok:
             before = self.num_free()
-            expect_raises(f"{self.where()}\n  then {op} when can_allocate says False",
-                          _out_of_blocks(), "the pool has too few free blocks", self.mine.allocate, list(tokens))
+            expect_raises(
+                f"{self.where()}\n  then {op} when can_allocate says False",
+                _out_of_blocks(),
+                "the pool has too few free blocks",
+                self.mine.allocate,
+                list(tokens),
+            )
             self.log.append(f"{op} -> OutOfBlocksError")
             self.compare(op)
             if self.num_free() != before:
-                self.fail(f"{op} (refused)", f"num_free still {before}", str(self.num_free()),
-                          "a refused allocation changes nothing")
+                self.fail(
+                    f"{op} (refused)",
+                    f"num_free still {before}",
+                    str(self.num_free()),
+                    "a refused allocation changes nothing",
+                )
             return False
         given = list(tokens)
         got = self._call(op, self.mine.allocate, given)
@@ -461,14 +588,21 @@ class _Story:
         self.log.append(f"{op} -> table {table}, {cached} tokens cached")
         if len(table) != len(lib_table):
             del self.tables[name], self.lib_tables[name], self.tokens[name]
-            self.fail(op, f"a table of {len(lib_table)} blocks ({len(tokens)} tokens in blocks of {size}: "
-                      f"ceil({len(tokens)} / {size}))", f"{len(table)} blocks: {table}")
+            self.fail(
+                op,
+                f"a table of {len(lib_table)} blocks ({len(tokens)} tokens in blocks of {size}: "
+                f"ceil({len(tokens)} / {size}))",
+                f"{len(table)} blocks: {table}",
+            )
         if cached != lib_cached:
             found = lib_cached // size
-            self.fail(f"{op}: the number of cached tokens", f"{lib_cached} ({found} full block"
-                      f"{'' if found == 1 else 's'} of this prefix in the prefix cache)", str(cached),
-                      "the prefix cache finds full blocks only, each named by its tokens and the name of the "
-                      "block before it, and it always leaves the prompt's last token to compute")
+            self.fail(
+                f"{op}: the number of cached tokens",
+                f"{lib_cached} ({found} full block{'' if found == 1 else 's'} of this prefix in the prefix cache)",
+                str(cached),
+                "the prefix cache finds full blocks only, each named by its tokens and the name of the "
+                "block before it, and it always leaves the prompt's last token to compute",
+            )
         self._write(name, range(cached, len(tokens)), op)
         self.compare(op)
         return True
@@ -480,23 +614,37 @@ class _Story:
         tokens.append(token)
         op = f"{len(self.log) + 1}. append_slot({name}'s table {list(table)}, its {len(tokens)} tokens, now ending {token})"
         expected_ok = held or self.lib.can_append(self.lib_tables[name], len(tokens) - 1)
-        ok = held or self._bool(f"can_append({name}'s table {table}, {len(tokens) - 1})", self.mine.can_append,
-                                table, len(tokens) - 1)
+        ok = held or self._bool(
+            f"can_append({name}'s table {table}, {len(tokens) - 1})", self.mine.can_append, table, len(tokens) - 1
+        )
         if ok != expected_ok:
             full = (len(tokens) - 1) % self.block_size == 0
             shared = not full and self.lib.blocks[self.lib_tables[name][-1]].ref_count > 1
-            self.fail(f"can_append({name}'s table {table}, {len(tokens) - 1})", str(expected_ok), str(ok),
-                      f"its last block is {'full: the token needs a new block' if full else 'shared: the token needs a copy' if shared else 'its own and has room'}; "
-                      f"{self.lib.num_free} free")
+            self.fail(
+                f"can_append({name}'s table {table}, {len(tokens) - 1})",
+                str(expected_ok),
+                str(ok),
+                f"its last block is {'full: the token needs a new block' if full else 'shared: the token needs a copy' if shared else 'its own and has room'}; "
+                f"{self.lib.num_free} free",
+            )
         if not ok:
             before = list(table)
-            expect_raises(f"{self.where()}\n  then {op} when can_append says False", _out_of_blocks(),
-                          "the pool has no free block for it", self.mine.append_slot, table, list(tokens))
+            expect_raises(
+                f"{self.where()}\n  then {op} when can_append says False",
+                _out_of_blocks(),
+                "the pool has no free block for it",
+                self.mine.append_slot,
+                table,
+                list(tokens),
+            )
             tokens.pop()
             self.log.append(f"{op} -> OutOfBlocksError")
             if table != before:
-                self.broken(op, f"the refused append changed {name}'s table {before} to {table}; a refused "
-                                "append changes nothing (take the free block before you let go of anything)")
+                self.broken(
+                    op,
+                    f"the refused append changed {name}'s table {before} to {table}; a refused "
+                    "append changes nothing (take the free block before you let go of anything)",
+                )
             self.compare(op)
             return False
         self._call(op, self.mine.append_slot, table, list(tokens))
@@ -504,8 +652,11 @@ class _Story:
         self.log.append(f"{op} -> table {table}")
         self._apply_copies(op)
         if len(table) != len(self.lib_tables[name]):
-            self.fail(f"{op}: {name}'s table", f"{len(self.lib_tables[name])} blocks for {len(tokens)} tokens",
-                      f"{len(table)}: {table}")
+            self.fail(
+                f"{op}: {name}'s table",
+                f"{len(self.lib_tables[name])} blocks for {len(tokens)} tokens",
+                f"{len(table)}: {table}",
+            )
         self._write(name, [len(tokens) - 1], op)
         self.compare(op)
         return True
@@ -523,14 +674,22 @@ class _Story:
         ok = self._bool(op, self.mine.reserve, table, n + k)
         expected_ok = self.lib.reserve(lib_table, n + k)
         if ok != expected_ok:
-            self.fail(op, str(expected_ok), str(ok), f"{max(extra, 0)} new block{'' if extra == 1 else 's'} for "
-                      f"{n + k} tokens in blocks of {size}{' and a copy of its shared last block' if copy else ''}, "
-                      f"{free_before} free")
+            self.fail(
+                op,
+                str(expected_ok),
+                str(ok),
+                f"{max(extra, 0)} new block{'' if extra == 1 else 's'} for "
+                f"{n + k} tokens in blocks of {size}{' and a copy of its shared last block' if copy else ''}, "
+                f"{free_before} free",
+            )
         if not ok:
             if table != before or self.num_free() != free_before:
-                self.broken(op, f"it returned False, so it must change nothing, but {name}'s table went from "
-                                f"{before} to {table} and num_free from {free_before} to {self.num_free()} "
-                                "(check the room before taking anything)")
+                self.broken(
+                    op,
+                    f"it returned False, so it must change nothing, but {name}'s table went from "
+                    f"{before} to {table} and num_free from {free_before} to {self.num_free()} "
+                    "(check the room before taking anything)",
+                )
             self.log.append(f"{op} -> False")
             self.compare(op)
             return False
@@ -543,15 +702,21 @@ class _Story:
         self.compare(op)
         kept = tokens + list(drafts[:accepted])
         final = kept + [token]
-        op = (f"{len(self.log) + 1}. shrink({name}'s table {list(table)}, its {len(final)} tokens after {accepted} "
-              f"of {k} drafts accepted and {token} sampled, {len(kept)} computed)")
+        op = (
+            f"{len(self.log) + 1}. shrink({name}'s table {list(table)}, its {len(final)} tokens after {accepted} "
+            f"of {k} drafts accepted and {token} sampled, {len(kept)} computed)"
+        )
         self._call(op, self.mine.shrink, table, list(final), len(kept))
         self.lib.shrink(lib_table, final, len(kept))
         self.tokens[name] = kept
         self.log.append(f"{op} -> table {table}")
         if len(table) != len(lib_table):
-            self.fail(f"{op}: {name}'s table", f"{len(lib_table)} blocks ({len(final)} tokens in blocks of {size}: "
-                      "the slots of the rejected drafts go back)", f"{len(table)}: {table}")
+            self.fail(
+                f"{op}: {name}'s table",
+                f"{len(lib_table)} blocks ({len(final)} tokens in blocks of {size}: "
+                "the slots of the rejected drafts go back)",
+                f"{len(table)}: {table}",
+            )
         self.compare(op)
         self.grow(name, token, held=len(lib_table) * size >= len(final))  # the next step gives it its slot
         return True
@@ -562,8 +727,11 @@ class _Story:
         if not isinstance(table, list):
             self.broken(op, f"expected a new list of block ids, got {type(table).__name__} {table!r}")
         if table is self.tables[parent]:
-            self.broken(op, "fork returned the parent's own list: the two sequences' tables must be two lists "
-                            "(holding the same blocks), or a copy-on-write in one would change the other")
+            self.broken(
+                op,
+                "fork returned the parent's own list: the two sequences' tables must be two lists "
+                "(holding the same blocks), or a copy-on-write in one would change the other",
+            )
         self.tables[name], self.tokens[name] = table, list(self.tokens[parent])
         self.lib_tables[name] = self.lib.fork(self.lib_tables[parent])
         self.log.append(f"{op} -> {table}")
@@ -584,13 +752,16 @@ class _Story:
         for name in list(self.tables):
             self.free(name)
         if self.num_free() != self.num_blocks:
-            self.fail("with every sequence freed: num_free", str(self.num_blocks), str(self.num_free()),
-                      "a block leaked")
+            self.fail(
+                "with every sequence freed: num_free", str(self.num_blocks), str(self.num_free()), "a block leaked"
+            )
 
 
-_NAMING = ("every full block is named by its tokens and the name of the block before it; the first block "
-           "under a name keeps it; a partly filled block is never named; a block loses its name when it is "
-           "handed out again")
+_NAMING = (
+    "every full block is named by its tokens and the name of the block before it; the first block "
+    "under a name keeps it; a partly filled block is never named; a block loses its name when it is "
+    "handed out again"
+)
 
 
 def _out_of_blocks():
@@ -700,7 +871,7 @@ def _random_story(cls, seed: int) -> None:
         if roll < 0.35 or not live:
             if past and rng.random() < 0.4:  # a prefix of an earlier sequence, maybe more
                 earlier = rng.choice(past)
-                tokens = earlier[:rng.randint(1, len(earlier))] + [rng.randint(1, 6) for _ in range(rng.randint(0, 3))]
+                tokens = earlier[: rng.randint(1, len(earlier))] + [rng.randint(1, 6) for _ in range(rng.randint(0, 3))]
             else:
                 tokens = [t for _ in range(rng.randint(0, 4)) for t in rng.choice(pieces)]
                 tokens += [rng.randint(1, 6) for _ in range(rng.randint(0 if tokens else 1, 2 * block_size))]
@@ -741,14 +912,17 @@ def answer_q_reservation_mib() -> float:
 
 def check_q_reservation_mib(value) -> None:
     """Graded q_reservation_mib (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_reservation_mib", value, answer_q_reservation_mib(),
-                  "SmolLM2's K and V for 2,048 tokens in float32, in MiB (30 layers x 2 x 3 KV heads x 64 x 4 bytes "
-                  "per token)")
+    expect_answer(
+        "q_reservation_mib",
+        value,
+        answer_q_reservation_mib(),
+        "SmolLM2's K and V for 2,048 tokens in float32, in MiB (30 layers x 2 x 3 KV heads x 64 x 4 bytes per token)",
+    )
 
 
 def answer_q_waste_pct_blocks_32() -> float:
     """Percent of slots wasted by blocks of 32 on lengths uniform in 50..2,047: the library's kv_waste over
-every length once (the expectation over the uniform draw; a sample of 1,000 lands within 0.1 point)."""
+    every length once (the expectation over the uniform draw; a sample of 1,000 lands within 0.1 point)."""
     from decodelab.engine.block_allocator import kv_waste
 
     return 100 * kv_waste(list(range(50, 2048)), 32)
@@ -756,6 +930,10 @@ every length once (the expectation over the uniform draw; a sample of 1,000 land
 
 def check_q_waste_pct_blocks_32(value) -> None:
     """Graded q_waste_pct_blocks_32 (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_waste_pct_blocks_32", value, answer_q_waste_pct_blocks_32(),
-                  "percent of reserved slots left empty by blocks of 32, lengths uniform in 50..2,047 (about (32 - "
-                  "1) / 2 slots per request of 1,048.5 tokens on average)")
+    expect_answer(
+        "q_waste_pct_blocks_32",
+        value,
+        answer_q_waste_pct_blocks_32(),
+        "percent of reserved slots left empty by blocks of 32, lengths uniform in 50..2,047 (about (32 - "
+        "1) / 2 slots per request of 1,048.5 tokens on average)",
+    )

@@ -21,6 +21,7 @@ Oracles, never snapshots:
   K/V (2 x layers x KV heads x head_dim x positions x bytes), with the parameters counted by
   building the model for real (small configs) or the total `transformers` reports (Llama-3.1-8B).
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,9 +39,15 @@ from decodelab.model.toy import random_llama
 # exercise -> the library's reference it is graded against (the course's table of exercises)
 REFERENCES = references("04_prefill_decode")
 
-__all__ = ["check_timed_generate", "check_latencies_from_timestamps", "check_arithmetic_intensity",
-           "check_reuse_prefix", "check_incremental_detokenizer", "check_q_kv_share_percent",
-           "check_q_prefill_tokens_to_ridge"]
+__all__ = [
+    "check_timed_generate",
+    "check_latencies_from_timestamps",
+    "check_arithmetic_intensity",
+    "check_reuse_prefix",
+    "check_incremental_detokenizer",
+    "check_q_kv_share_percent",
+    "check_q_prefill_tokens_to_ridge",
+]
 
 VOCAB = 97
 LLAMA_31_8B_PARAMETERS = 8_030_261_248  # what transformers reports for meta-llama/Llama-3.1-8B
@@ -74,14 +81,19 @@ class _Counter:
 
 def _expect_logits(got, want: torch.Tensor, what: str, atol: float = 1e-4) -> None:
     if not torch.is_tensor(got):
-        raise AssertionError(f"{what}: expected a tensor of logits of shape {list(want.shape)}, got {type(got).__name__}")
+        raise AssertionError(
+            f"{what}: expected a tensor of logits of shape {list(want.shape)}, got {type(got).__name__}"
+        )
     if tuple(got.shape) != tuple(want.shape):
-        raise AssertionError(f"{what}: expected logits of shape {list(want.shape)} (the last position only), "
-                             f"got shape {list(got.shape)}")
+        raise AssertionError(
+            f"{what}: expected logits of shape {list(want.shape)} (the last position only), got shape {list(got.shape)}"
+        )
     err = (got.detach().double().cpu() - want).abs().max().item()
     if not err < atol:
-        raise AssertionError(f"{what}: the logits differ from the whole sequence's forward pass without a cache "
-                             f"(float64) by up to {err:.3g} (allowed {atol:g})")
+        raise AssertionError(
+            f"{what}: the logits differ from the whole sequence's forward pass without a cache "
+            f"(float64) by up to {err:.3g} (allowed {atol:g})"
+        )
 
 
 # --------------------------------------------------------------------------- prefill
@@ -93,7 +105,7 @@ def _greedy_oracle(model, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         for _ in range(n):
             ids.append(int(exact(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def _timed_run(fn, model, prompt: list[int], max_new: int, stop=(), desc: str = ""):
@@ -103,15 +115,18 @@ def _timed_run(fn, model, prompt: list[int], max_new: int, stop=(), desc: str = 
 
     fed: list[int] = []
     handle = model.register_forward_pre_hook(
-        lambda _m, args, kwargs: fed.append(int((args[0] if args else kwargs["input_ids"]).shape[-1])), with_kwargs=True)
+        lambda _m, args, kwargs: fed.append(int((args[0] if args else kwargs["input_ids"]).shape[-1])), with_kwargs=True
+    )
     cache = KVCache(model.config, 1, len(prompt) + max_new + 1)
     try:
         got = call(desc, fn, model, prompt, max_new, cache, stop, lambda: float(len(fed)))
     finally:
         handle.remove()
     if not isinstance(got, dict) or not {"token_ids", "start_s", "token_times_s"} <= set(got):
-        raise AssertionError(f"{desc} returned {type(got).__name__} {str(got)[:80]}; expected a dict with the keys "
-                             f"'token_ids', 'start_s' and 'token_times_s'")
+        raise AssertionError(
+            f"{desc} returned {type(got).__name__} {str(got)[:80]}; expected a dict with the keys "
+            f"'token_ids', 'start_s' and 'token_times_s'"
+        )
     return got, fed, cache
 
 
@@ -123,43 +138,68 @@ def check_timed_generate(fn) -> None:
     desc = "timed_generate(model, an 11-token prompt, max_new_tokens=6, an empty cache, no stop token, clock)"
     got, fed, cache = _timed_run(fn, model, prompt, 6, (), desc)
     if [int(t) for t in got["token_ids"]] != want:
-        raise AssertionError(f"{desc}: token_ids {list(got['token_ids'])}, expected the greedy tokens {want} (the "
-                             f"argmax at every step, from the float64 model run without a cache)")
+        raise AssertionError(
+            f"{desc}: token_ids {list(got['token_ids'])}, expected the greedy tokens {want} (the "
+            f"argmax at every step, from the float64 model run without a cache)"
+        )
     if fed != [11, 1, 1, 1, 1, 1]:
-        why = ("the prompt went in one token at a time: a prefill is one pass over all 11" if fed[:11] == [1] * 11
-               else "the decode steps must feed only the newest token, with the cache" if len(fed) > 1 and fed[1] > 1
-               else "the last token needs no pass: nothing comes after it" if len(fed) > 6
-               else "one prefill pass, then one pass per token after the first")
+        why = (
+            "the prompt went in one token at a time: a prefill is one pass over all 11"
+            if fed[:11] == [1] * 11
+            else "the decode steps must feed only the newest token, with the cache"
+            if len(fed) > 1 and fed[1] > 1
+            else "the last token needs no pass: nothing comes after it"
+            if len(fed) > 6
+            else "one prefill pass, then one pass per token after the first"
+        )
         raise AssertionError(f"{desc}: the model was fed {fed} tokens per pass, expected [11, 1, 1, 1, 1, 1] ({why})")
     if cache.seq_len != 16:
-        raise AssertionError(f"{desc}: the cache holds {cache.seq_len} positions afterwards, expected 16 (the prompt "
-                             f"and the 5 tokens fed back): pass the cache to every forward pass")
+        raise AssertionError(
+            f"{desc}: the cache holds {cache.seq_len} positions afterwards, expected 16 (the prompt "
+            f"and the 5 tokens fed back): pass the cache to every forward pass"
+        )
     if float(got["start_s"]) != 0.0:
-        raise AssertionError(f"{desc}: start_s was read after {got['start_s']:g} forward passes (the clock given "
-                             f"counts them); read the clock once before the prefill")
+        raise AssertionError(
+            f"{desc}: start_s was read after {got['start_s']:g} forward passes (the clock given "
+            f"counts them); read the clock once before the prefill"
+        )
     stamps = [float(t) for t in got["token_times_s"]]
     if stamps != [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]:
-        raise AssertionError(f"{desc}: token_times_s {stamps} with a clock that returns the number of forward passes "
-                             f"so far; expected [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]: one reading right after each token "
-                             f"(the first after the prefill), using the clock you are given")
+        raise AssertionError(
+            f"{desc}: token_times_s {stamps} with a clock that returns the number of forward passes "
+            f"so far; expected [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]: one reading right after each token "
+            f"(the first after the prefill), using the clock you are given"
+        )
 
     stop = want[3] if want[3] not in want[:3] else want[0]
-    cut = want[:want.index(stop) + 1]
+    cut = want[: want.index(stop) + 1]
     desc = f"timed_generate(model, the same prompt, max_new_tokens=6, a fresh cache, stop_token_ids=({stop},), clock)"
     got, fed, _ = _timed_run(fn, model, prompt, 6, (stop,), desc)
     if [int(t) for t in got["token_ids"]] != cut or len(got["token_times_s"]) != len(cut):
-        raise AssertionError(f"{desc}: token_ids {list(got['token_ids'])} with {len(got['token_times_s'])} readings; "
-                             f"expected {cut}: stop right after the stop token, which is kept")
+        raise AssertionError(
+            f"{desc}: token_ids {list(got['token_ids'])} with {len(got['token_times_s'])} readings; "
+            f"expected {cut}: stop right after the stop token, which is kept"
+        )
     desc = "timed_generate(model, the same prompt, max_new_tokens=1, a fresh cache, no stop token, clock)"
     got, fed, _ = _timed_run(fn, model, prompt, 1, (), desc)
     if [int(t) for t in got["token_ids"]] != want[:1] or fed != [11]:
-        raise AssertionError(f"{desc}: token_ids {list(got['token_ids'])} after passes fed {fed}; expected "
-                             f"{want[:1]} from the prefill alone ([11])")
+        raise AssertionError(
+            f"{desc}: token_ids {list(got['token_ids'])} after passes fed {fed}; expected "
+            f"{want[:1]} from the prefill alone ([11])"
+        )
     from decodelab.model.kv_cache import KVCache
 
     for bad in (0, -1):
-        expect_raises(f"timed_generate(model, prompt, max_new_tokens={bad}, cache)", ValueError, "max_new_tokens must "
-                      "be an integer >= 1", fn, model, prompt, bad, KVCache(model.config, 1, 16))
+        expect_raises(
+            f"timed_generate(model, prompt, max_new_tokens={bad}, cache)",
+            ValueError,
+            "max_new_tokens must be an integer >= 1",
+            fn,
+            model,
+            prompt,
+            bad,
+            KVCache(model.config, 1, 16),
+        )
 
 
 # --------------------------------------------------------------------------- latency
@@ -179,25 +219,33 @@ def _expect_latencies(fn, start: float, times: list[float], name: str) -> None:
     got = call(desc, fn, start, list(times))
     keys = {"ttft_s", "itl_s", "tpot_s", "e2e_s"}
     if not isinstance(got, dict) or not keys <= set(got):
-        raise AssertionError(f"{desc}: expected a dict with the keys 'ttft_s', 'itl_s', 'tpot_s' and 'e2e_s', "
-                             f"got {got!r}")
+        raise AssertionError(
+            f"{desc}: expected a dict with the keys 'ttft_s', 'itl_s', 'tpot_s' and 'e2e_s', got {got!r}"
+        )
     _expect_number(got["ttft_s"], times[0] - start, f"{desc}['ttft_s'] (first token - start)")
     want = [b - a for a, b in zip(times, times[1:])]
     itl = got["itl_s"]
     itl = itl.tolist() if torch.is_tensor(itl) else itl
     if not isinstance(itl, (list, tuple)) or len(itl) != len(want):
-        raise AssertionError(f"{desc}['itl_s']: expected {len(want)} gaps (one between each pair of consecutive "
-                             f"tokens of {len(times)}), got {itl!r}")
+        raise AssertionError(
+            f"{desc}['itl_s']: expected {len(want)} gaps (one between each pair of consecutive "
+            f"tokens of {len(times)}), got {itl!r}"
+        )
     for i, (g, w) in enumerate(zip(itl, want)):
         _expect_number(g, w, f"{desc}['itl_s'][{i}] (token {i + 1} - token {i})")
     if len(times) == 1:
         if got["tpot_s"] is not None:
-            raise AssertionError(f"{desc}['tpot_s']: a one-token reply has no time per output token after the first; "
-                                 f"expected None, got {got['tpot_s']!r}")
+            raise AssertionError(
+                f"{desc}['tpot_s']: a one-token reply has no time per output token after the first; "
+                f"expected None, got {got['tpot_s']!r}"
+            )
     else:
-        _expect_number(got["tpot_s"], (times[-1] - times[0]) / (len(times) - 1),
-                       f"{desc}['tpot_s'] (last token - first token, over the {len(times) - 1} tokens after the "
-                       f"first: the prefill's wait is TTFT's, not TPOT's)")
+        _expect_number(
+            got["tpot_s"],
+            (times[-1] - times[0]) / (len(times) - 1),
+            f"{desc}['tpot_s'] (last token - first token, over the {len(times) - 1} tokens after the "
+            f"first: the prefill's wait is TTFT's, not TPOT's)",
+        )
     _expect_number(got["e2e_s"], times[-1] - start, f"{desc}['e2e_s'] (last token - start)")
 
 
@@ -217,10 +265,16 @@ def check_latencies_from_timestamps(fn) -> None:
             times.append(times[-1] + rng.uniform(0.001, 0.2))
         _expect_latencies(fn, start, times, f"random case {case}: {len(times)} increasing times")
     _expect_value_error(fn, 1.0, [], "latencies_from_timestamps(1.0, [])", "no token: there is no first token")
-    _expect_value_error(fn, 1.0, [1.5, 1.25, 2.0], "latencies_from_timestamps(1.0, [1.5, 1.25, 2.0])",
-                        "token 1 arrived before token 0")
-    _expect_value_error(fn, 5.0, [4.0, 6.0], "latencies_from_timestamps(5.0, [4.0, 6.0])",
-                        "the first token arrived before the request started")
+    _expect_value_error(
+        fn, 1.0, [1.5, 1.25, 2.0], "latencies_from_timestamps(1.0, [1.5, 1.25, 2.0])", "token 1 arrived before token 0"
+    )
+    _expect_value_error(
+        fn,
+        5.0,
+        [4.0, 6.0],
+        "latencies_from_timestamps(5.0, [4.0, 6.0])",
+        "the first token arrived before the request started",
+    )
 
 
 # --------------------------------------------------------------------------- arithmetic intensity
@@ -231,14 +285,22 @@ def _small_configs():
 
     base = dict(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3, max_position_embeddings=4096)
     return {
-        "a small MHA config (6 heads, tied embeddings)": ModelConfig(**base, num_attention_heads=6, num_key_value_heads=6),
+        "a small MHA config (6 heads, tied embeddings)": ModelConfig(
+            **base, num_attention_heads=6, num_key_value_heads=6
+        ),
         "a small GQA config (8 query heads over 2 KV heads, head_dim 12, untied)": ModelConfig(
-            **{**base, "num_hidden_layers": 2}, num_attention_heads=8, num_key_value_heads=2, head_dim=12,
-            tie_word_embeddings=False),
+            **{**base, "num_hidden_layers": 2},
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=12,
+            tie_word_embeddings=False,
+        ),
     }
 
 
-def _intensity(params: int, layers: int, kv_heads: int, head_dim: int, tokens: int, kv_len: int, nbytes: float) -> float:
+def _intensity(
+    params: int, layers: int, kv_heads: int, head_dim: int, tokens: int, kv_len: int, nbytes: float
+) -> float:
     flops = 2 * params * tokens
     moved = params * nbytes + 2 * layers * kv_heads * head_dim * (kv_len + tokens) * nbytes
     return flops / moved
@@ -248,30 +310,80 @@ def check_arithmetic_intensity(fn) -> None:
     from decodelab.model.llama import LlamaForCausalLM
 
     def expect(config, desc, tokens, kv_len, dtype, want):
-        got = call(f"arithmetic_intensity({desc}, num_tokens={tokens}, kv_len={kv_len}, bytes_per_param={dtype!r})",
-                   fn, config, tokens, kv_len, dtype)
+        got = call(
+            f"arithmetic_intensity({desc}, num_tokens={tokens}, kv_len={kv_len}, bytes_per_param={dtype!r})",
+            fn,
+            config,
+            tokens,
+            kv_len,
+            dtype,
+        )
         if isinstance(got, bool) or not isinstance(got, numbers.Real):
-            raise AssertionError(f"arithmetic_intensity({desc}, {tokens}, {kv_len}, {dtype!r}): expected a number "
-                                 f"(FLOPs per byte), got {type(got).__name__} {got!r}")
+            raise AssertionError(
+                f"arithmetic_intensity({desc}, {tokens}, {kv_len}, {dtype!r}): expected a number "
+                f"(FLOPs per byte), got {type(got).__name__} {got!r}"
+            )
         if not math.isclose(float(got), want, rel_tol=1e-6):
-            raise AssertionError(f"arithmetic_intensity({desc}, num_tokens={tokens}, kv_len={kv_len}, "
-                                 f"bytes_per_param={dtype!r}): expected {want:.6g} FLOPs per byte, got {float(got):.6g}")
+            raise AssertionError(
+                f"arithmetic_intensity({desc}, num_tokens={tokens}, kv_len={kv_len}, "
+                f"bytes_per_param={dtype!r}): expected {want:.6g} FLOPs per byte, got {float(got):.6g}"
+            )
 
     # Llama-3.1-8B: 32 layers, 8 KV heads of 128; its parameter total as transformers reports it
-    for tokens, kv_len, dtype, nbytes in ((1, 4096, "fp16", 2), (1, 0, "fp16", 2), (512, 0, "fp16", 2),
-                                          (64, 1000, "fp32", 4), (8, 128, "int8", 1), (1, 100_000, "bf16", 2)):
-        expect("Llama-3.1-8B", "'Llama-3.1-8B'", tokens, kv_len, dtype,
-               _intensity(LLAMA_31_8B_PARAMETERS, 32, 8, 128, tokens, kv_len, nbytes))
+    for tokens, kv_len, dtype, nbytes in (
+        (1, 4096, "fp16", 2),
+        (1, 0, "fp16", 2),
+        (512, 0, "fp16", 2),
+        (64, 1000, "fp32", 4),
+        (8, 128, "int8", 1),
+        (1, 100_000, "bf16", 2),
+    ):
+        expect(
+            "Llama-3.1-8B",
+            "'Llama-3.1-8B'",
+            tokens,
+            kv_len,
+            dtype,
+            _intensity(LLAMA_31_8B_PARAMETERS, 32, 8, 128, tokens, kv_len, nbytes),
+        )
     for desc, config in _small_configs().items():
         params = LlamaForCausalLM(config).num_parameters()
-        for tokens, kv_len, dtype, nbytes in ((1, 0, "fp32", 4), (1, 2000, "fp16", 2), (37, 11, 4, 4), (300, 0, "bf16", 2)):
-            expect(config, desc, tokens, kv_len, dtype,
-                   _intensity(params, config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
-                              tokens, kv_len, nbytes))
-    for tokens, kv_len, why in ((0, 0, "num_tokens=0: a forward pass over no token"),
-                                (1, -1, "kv_len=-1: a negative number of cached tokens")):
-        expect_raises(f"arithmetic_intensity('Llama-3.1-8B', {tokens}, {kv_len}, 'fp16')", ValueError, why,
-                      fn, "Llama-3.1-8B", tokens, kv_len, "fp16")
+        for tokens, kv_len, dtype, nbytes in (
+            (1, 0, "fp32", 4),
+            (1, 2000, "fp16", 2),
+            (37, 11, 4, 4),
+            (300, 0, "bf16", 2),
+        ):
+            expect(
+                config,
+                desc,
+                tokens,
+                kv_len,
+                dtype,
+                _intensity(
+                    params,
+                    config.num_hidden_layers,
+                    config.num_key_value_heads,
+                    config.head_dim,
+                    tokens,
+                    kv_len,
+                    nbytes,
+                ),
+            )
+    for tokens, kv_len, why in (
+        (0, 0, "num_tokens=0: a forward pass over no token"),
+        (1, -1, "kv_len=-1: a negative number of cached tokens"),
+    ):
+        expect_raises(
+            f"arithmetic_intensity('Llama-3.1-8B', {tokens}, {kv_len}, 'fp16')",
+            ValueError,
+            why,
+            fn,
+            "Llama-3.1-8B",
+            tokens,
+            kv_len,
+            "fp16",
+        )
 
 
 # --------------------------------------------------------------------------- prefix reuse
@@ -290,26 +402,36 @@ def check_reuse_prefix(fn) -> None:
     finally:
         counter.remove()
     if not isinstance(got, (list, tuple)) or len(got) != 3:
-        raise AssertionError(f"reuse_prefix with 3 suffixes: expected a list of 3 logits tensors, got {type(got).__name__}"
-                             + (f" of length {len(got)}" if isinstance(got, (list, tuple)) else ""))
+        raise AssertionError(
+            f"reuse_prefix with 3 suffixes: expected a list of 3 logits tensors, got {type(got).__name__}"
+            + (f" of length {len(got)}" if isinstance(got, (list, tuple)) else "")
+        )
     for n, g, w in zip((1, 5, 9), got, want):
         _expect_logits(g, w, f"reuse_prefix(model, a 20-token prefix, three suffixes): the {n}-token suffix's result")
     expected_tokens = 20 + 1 + 5 + 9
     if counter.tokens != expected_tokens:
-        raise AssertionError(f"reuse_prefix with a 20-token prefix and suffixes of 1, 5 and 9 tokens fed "
-                             f"{counter.tokens} tokens through the model; computing the prefix once and each suffix "
-                             f"once is {expected_tokens}")
+        raise AssertionError(
+            f"reuse_prefix with a 20-token prefix and suffixes of 1, 5 and 9 tokens fed "
+            f"{counter.tokens} tokens through the model; computing the prefix once and each suffix "
+            f"once is {expected_tokens}"
+        )
 
     again = call("reuse_prefix with the same suffixes in reverse order", fn, model, prefix, suffixes[::-1])
     for n, g, w in zip((9, 5, 1), again, want[::-1]):
-        _expect_logits(g, w, f"reuse_prefix with the suffixes reversed: the {n}-token suffix (each suffix must "
-                             f"start from its own copy of the prefix's cache)")
+        _expect_logits(
+            g,
+            w,
+            f"reuse_prefix with the suffixes reversed: the {n}-token suffix (each suffix must "
+            f"start from its own copy of the prefix's cache)",
+        )
 
     one = call("reuse_prefix(model, prefix, one flat list of 5 ids)", fn, model, prefix, suffixes[1])
     if not isinstance(one, (list, tuple)) or len(one) != 1:
-        raise AssertionError(f"reuse_prefix(model, prefix, a flat list of 5 ids): a flat list is one suffix, expected "
-                             f"a list of 1 logits tensor, got {type(one).__name__}"
-                             + (f" of length {len(one)}" if isinstance(one, (list, tuple)) else ""))
+        raise AssertionError(
+            f"reuse_prefix(model, prefix, a flat list of 5 ids): a flat list is one suffix, expected "
+            f"a list of 1 logits tensor, got {type(one).__name__}"
+            + (f" of length {len(one)}" if isinstance(one, (list, tuple)) else "")
+        )
     _expect_logits(one[0], want[1], "reuse_prefix(model, prefix, a flat list of 5 ids)")
 
 
@@ -328,9 +450,13 @@ def answer_q_kv_share_percent() -> float:
 
 def check_q_kv_share_percent(value) -> None:
     """Graded q_kv_share_percent (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_kv_share_percent", value, answer_q_kv_share_percent(),
-                  "K/V of 32,769 positions (128 KiB each) over that plus 8,030,261,248 weights x 2 bytes, one "
-                  "Llama-3.1-8B decode step in fp16")
+    expect_answer(
+        "q_kv_share_percent",
+        value,
+        answer_q_kv_share_percent(),
+        "K/V of 32,769 positions (128 KiB each) over that plus 8,030,261,248 weights x 2 bytes, one "
+        "Llama-3.1-8B decode step in fp16",
+    )
 
 
 def answer_q_prefill_tokens_to_ridge() -> float:
@@ -343,8 +469,12 @@ def answer_q_prefill_tokens_to_ridge() -> float:
 
 def check_q_prefill_tokens_to_ridge(value) -> None:
     """Graded q_prefill_tokens_to_ridge (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_prefill_tokens_to_ridge", value, answer_q_prefill_tokens_to_ridge(),
-                  "prompt tokens for a Llama-3.1-8B prefill in fp16 to reach 990e12 / 3.35e12 = 296 FLOPs per byte")
+    expect_answer(
+        "q_prefill_tokens_to_ridge",
+        value,
+        answer_q_prefill_tokens_to_ridge(),
+        "prompt tokens for a Llama-3.1-8B prefill in fp16 to reach 990e12 / 3.35e12 = 296 FLOPs per byte",
+    )
 
 
 # --------------------------------------------------------------------------- streaming detokenizer
@@ -387,21 +517,31 @@ def _stream(cls, tokenizer, ids: list[int], skip: bool, desc: str, counter=None)
         sent += piece
         if not want.startswith(sent):
             at = next(i for i, (a, b) in enumerate(zip(sent, want + "\0" * len(sent))) if a != b)
-            why = (" (U+FFFD: part of a character was sent before its last byte arrived; hold back text that ends "
-                   "in U+FFFD)" if "\ufffd" in piece else " (a token decoded without its context reads differently)")
-            raise AssertionError(f"{desc}, skip_special_tokens={skip}: after push(id {k}) returned {piece!r}, the text "
-                                 f"sent so far differs from tokenizer.decode(all ids) at character {at}: sent "
-                                 f"{sent[max(0, at - 12):at + 4]!r}, expected {want[max(0, at - 12):at + 4]!r}{why}")
+            why = (
+                " (U+FFFD: part of a character was sent before its last byte arrived; hold back text that ends "
+                "in U+FFFD)"
+                if "\ufffd" in piece
+                else " (a token decoded without its context reads differently)"
+            )
+            raise AssertionError(
+                f"{desc}, skip_special_tokens={skip}: after push(id {k}) returned {piece!r}, the text "
+                f"sent so far differs from tokenizer.decode(all ids) at character {at}: sent "
+                f"{sent[max(0, at - 12) : at + 4]!r}, expected {want[max(0, at - 12) : at + 4]!r}{why}"
+            )
         so_far = tokenizer.decode(ids[:k], skip)
         if not so_far.endswith("\ufffd") and sent != so_far:
-            raise AssertionError(f"{desc}, skip_special_tokens={skip}: after push(id {k}) the ids so far decode to "
-                                 f"...{so_far[-24:]!r}, which ends on a whole character, but the pieces sent so far "
-                                 f"end ...{sent[-24:]!r}: push must return all the text that is final, not hold it")
+            raise AssertionError(
+                f"{desc}, skip_special_tokens={skip}: after push(id {k}) the ids so far decode to "
+                f"...{so_far[-24:]!r}, which ends on a whole character, but the pieces sent so far "
+                f"end ...{sent[-24:]!r}: push must return all the text that is final, not hold it"
+            )
     tail = call(f"flush() for {desc}", detokenizer.flush)
     if not isinstance(tail, str) or sent + tail != want:
-        raise AssertionError(f"{desc}, skip_special_tokens={skip}: the pushes sent ...{sent[-24:]!r} and flush() "
-                             f"returned {tail!r}; expected flush to return {want[len(sent):]!r}, the rest of "
-                             f"tokenizer.decode(all ids) = ...{want[-24:]!r}")
+        raise AssertionError(
+            f"{desc}, skip_special_tokens={skip}: the pushes sent ...{sent[-24:]!r} and flush() "
+            f"returned {tail!r}; expected flush to return {want[len(sent) :]!r}, the rest of "
+            f"tokenizer.decode(all ids) = ...{want[-24:]!r}"
+        )
     return work
 
 
@@ -412,34 +552,61 @@ def check_incremental_detokenizer(cls) -> None:
     smol = _smollm2_tokenizer()
     for name, text in STREAM_TEXTS.items():
         _stream(cls, smol, smol.encode(text), True, f"SmolLM2's ids of {name} ({text[:24]!r}...)")
-    chat = smol.encode(smol.apply_chat_template([{"role": "user", "content": STREAM_TEXTS["emoji"]},
-                                                 {"role": "assistant", "content": STREAM_TEXTS["Japanese"]}],
-                                                add_generation_prompt=False))
+    chat = smol.encode(
+        smol.apply_chat_template(
+            [
+                {"role": "user", "content": STREAM_TEXTS["emoji"]},
+                {"role": "assistant", "content": STREAM_TEXTS["Japanese"]},
+            ],
+            add_generation_prompt=False,
+        )
+    )
     for skip in (True, False):
-        _stream(cls, smol, chat, skip, "SmolLM2's chat template around emoji and Japanese (special tokens "
-                                       "<|im_start|> and <|im_end|>)")
+        _stream(
+            cls,
+            smol,
+            chat,
+            skip,
+            "SmolLM2's chat template around emoji and Japanese (special tokens <|im_start|> and <|im_end|>)",
+        )
     japanese = smol.encode(STREAM_TEXTS["Japanese"])
     cut = next(k for k in range(2, len(japanese)) if smol.decode(japanese[:k]).endswith("\ufffd"))
-    _stream(cls, smol, japanese[:cut], True, f"SmolLM2's Japanese ids cut after {cut}, inside a character "
-                                             f"(flush must return the unfinished tail)")
-    broken = japanese[:cut - 1] + japanese[cut:]  # a byte of one character lost: a real U+FFFD inside the text
-    _stream(cls, smol, broken, True, "SmolLM2's Japanese ids with one id taken out of a character (the ids "
-                                     "really decode to a U+FFFD there)")
+    _stream(
+        cls,
+        smol,
+        japanese[:cut],
+        True,
+        f"SmolLM2's Japanese ids cut after {cut}, inside a character (flush must return the unfinished tail)",
+    )
+    broken = japanese[: cut - 1] + japanese[cut:]  # a byte of one character lost: a real U+FFFD inside the text
+    _stream(
+        cls,
+        smol,
+        broken,
+        True,
+        "SmolLM2's Japanese ids with one id taken out of a character (the ids really decode to a U+FFFD there)",
+    )
 
     sentencepiece = sentencepiece_style_tokenizer()
     text = "Hello world, say good morning in Japanese: おはようございます 🦙 one token at a time!"
     ids = [sentencepiece.bos_token_id] + sentencepiece.encode(text) + [sentencepiece.eos_token_id]
     for skip in (True, False):
-        _stream(cls, sentencepiece, ids, skip, "a SentencePiece-style tokenizer (Llama 2's decoder: a token decoded "
-                                               "first loses its leading space)")
+        _stream(
+            cls,
+            sentencepiece,
+            ids,
+            skip,
+            "a SentencePiece-style tokenizer (Llama 2's decoder: a token decoded first loses its leading space)",
+        )
 
     long_ids = smol.encode(" ".join(STREAM_TEXTS.values()) * 4)
     counter = CountingTokenizer(smol)
-    work = _stream(cls, smol, long_ids, True, f"SmolLM2's {len(long_ids)} ids of all the texts 4 times over",
-                   counter)
+    work = _stream(cls, smol, long_ids, True, f"SmolLM2's {len(long_ids)} ids of all the texts 4 times over", counter)
     worst = max(range(len(work)), key=work.__getitem__)
     if work[worst] > MAX_IDS_PER_PUSH:
-        raise AssertionError(f"streaming {len(long_ids)} ids: push(id {worst + 1}) decoded {work[worst]} ids in all "
-                             f"(the most of any push; the first pushes decoded {work[:5]}), expected at most "
-                             f"{MAX_IDS_PER_PUSH}: decode only a window of recent ids, not the whole text again "
-                             f"(that costs O(n) per token, O(n^2) in all)")
+        raise AssertionError(
+            f"streaming {len(long_ids)} ids: push(id {worst + 1}) decoded {work[worst]} ids in all "
+            f"(the most of any push; the first pushes decoded {work[:5]}), expected at most "
+            f"{MAX_IDS_PER_PUSH}: decode only a window of recent ids, not the whole text again "
+            f"(that costs O(n) per token, O(n^2) in all)"
+        )

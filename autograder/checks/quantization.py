@@ -35,6 +35,7 @@ is 16 such groups.
 The answers of the notebook's predictions (``check_q_*``) are the library's quantizers applied to the
 question's numbers: there the library is the measuring instrument, not the thing under test.
 """
+
 from __future__ import annotations
 
 import copy
@@ -61,6 +62,7 @@ __all__ = [
 ]
 
 EPS = torch.finfo(torch.float32).eps
+
 
 def _weights(out_features: int, in_features: int, seed: int) -> torch.Tensor:
     """Rows of very different magnitude (1e-3 .. 10), with a few large entries of either sign."""
@@ -89,8 +91,9 @@ def _pair(result, name: str):
     return result
 
 
-def _check_absmax(name: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, expected_scale: torch.Tensor,
-                  qmax: int) -> None:
+def _check_absmax(
+    name: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, expected_scale: torch.Tensor, qmax: int
+) -> None:
     """Levels in range, scale = absmax / qmax, every value within scale / 2 of q * scale."""
     back = q.double() * scale.double()
     err = (x.double() - back).abs()
@@ -104,13 +107,17 @@ def _check_absmax(name: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tens
             hint = f" (clipped at level {q_i}: the scale must be max|w| of its block, absolute values, / {qmax})"
         else:
             hint = " (round to the nearest level: torch.round, not a cast that truncates toward zero)"
-        raise AssertionError(f"{name}: w = {w_i:.5g} at flat index {i} came back as {float(back.flatten()[i]):.5g} "
-                             f"(q = {q_i}); the error must be <= scale / 2 = {float(bound.flatten()[i]):.4g}{hint}")
+        raise AssertionError(
+            f"{name}: w = {w_i:.5g} at flat index {i} came back as {float(back.flatten()[i]):.5g} "
+            f"(q = {q_i}); the error must be <= scale / 2 = {float(bound.flatten()[i]):.4g}{hint}"
+        )
     assert torch.allclose(scale.double(), expected_scale, rtol=1e-6, atol=0), (
         f"{name}: scale should be max|w| / {qmax}; expected {expected_scale.flatten()[:4].tolist()}..., "
-        f"got {scale.double().flatten()[:4].tolist()}...")
-    assert int(q.min()) >= -qmax and int(q.max()) <= qmax, \
+        f"got {scale.double().flatten()[:4].tolist()}..."
+    )
+    assert int(q.min()) >= -qmax and int(q.max()) <= qmax, (
         f"{name}: levels must lie in [-{qmax}, {qmax}], got [{int(q.min())}, {int(q.max())}]"
+    )
 
 
 # --------------------------------------------------------------------------- int8
@@ -118,20 +125,28 @@ def _check_absmax(name: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tens
 
 def check_quantize_int8_per_tensor(fn) -> None:
     w = _weights(8, 48, seed=0)
-    cases = {"w [8, 48]": w, "-w (extreme negative)": -w, "w 1-D [37]": w.flatten()[:37],
-             "w [2, 4, 48]": w.reshape(2, 4, 48), "w [1, 1] = [[-3.0]]": torch.tensor([[-3.0]])}
+    cases = {
+        "w [8, 48]": w,
+        "-w (extreme negative)": -w,
+        "w 1-D [37]": w.flatten()[:37],
+        "w [2, 4, 48]": w.reshape(2, 4, 48),
+        "w [1, 1] = [[-3.0]]": torch.tensor([[-3.0]]),
+    }
     for name, x in cases.items():
         what = f"quantize_int8_per_tensor({name})"
         q, scale = _pair(call(what, fn, x.clone()), what)
-        assert q.dtype == torch.int8 and tuple(q.shape) == tuple(x.shape), \
+        assert q.dtype == torch.int8 and tuple(q.shape) == tuple(x.shape), (
             f"{name}: expected q int8 of shape {tuple(x.shape)}, got {q.dtype} {tuple(q.shape)}"
-        assert scale.dtype == torch.float32 and scale.dim() == 0, \
+        )
+        assert scale.dtype == torch.float32 and scale.dim() == 0, (
             f"{name}: expected a float32 scalar scale (shape []), got {scale.dtype} of shape {tuple(scale.shape)}"
+        )
         _check_absmax(name, x, q, scale, x.double().abs().max() / 127, 127)
     what = "quantize_int8_per_tensor(zeros [3, 5])"
     q, scale = _pair(call(what, fn, torch.zeros(3, 5)), what)
-    assert torch.isfinite(scale) and float(scale) == 1.0, \
+    assert torch.isfinite(scale) and float(scale) == 1.0, (
         f"all-zero w [3, 5]: the scale must be 1.0 (not 0: 0 / 0 is nan), got {float(scale)}"
+    )
     assert torch.equal(q, torch.zeros(3, 5, dtype=torch.int8)), f"all-zero w: every level must be 0, got {q.tolist()}"
 
 
@@ -140,25 +155,34 @@ def check_quantize_int8_per_channel(fn) -> None:
     for name, x in {"w [16, 96], rows from 1e-3 to 10": w, "-w": -w, "w [1, 5]": w[-1:, :5]}.items():
         what = f"quantize_int8_per_channel({name})"
         q, scale = _pair(call(what, fn, x.clone()), what)
-        assert q.dtype == torch.int8 and tuple(q.shape) == tuple(x.shape), \
+        assert q.dtype == torch.int8 and tuple(q.shape) == tuple(x.shape), (
             f"{name}: expected q int8 of shape {tuple(x.shape)}, got {q.dtype} {tuple(q.shape)}"
+        )
         assert scale.dtype == torch.float32 and tuple(scale.shape) == (x.shape[0], 1), (
             f"{name}: scale has shape {tuple(scale.shape)}, expected {(x.shape[0], 1)}: one scale per output row, "
-            f"kept as a column so that q * scale broadcasts")
+            f"kept as a column so that q * scale broadcasts"
+        )
         _check_absmax(name, x, q, scale, x.double().abs().amax(dim=1, keepdim=True) / 127, 127)
     small_row = w[0]
     q, scale = call("quantize_int8_per_channel(w [16, 96])", fn, w.clone())
     err = (small_row - q[0].float() * scale[0]).abs().max()
     assert float(err) <= float(small_row.abs().max()) / 254 * (1 + 1e-5), (
         f"row 0 of w (max|w| = {float(small_row.abs().max()):.3g}) must keep its own precision, max|w| / 254 = "
-        f"{float(small_row.abs().max()) / 254:.3g}; its error is {float(err):.3g}")
+        f"{float(small_row.abs().max()) / 254:.3g}; its error is {float(err):.3g}"
+    )
     rows = torch.tensor([[0.0, 0.0, 0.0], [1.0, -0.5, 0.25]])
     q, scale = call("quantize_int8_per_channel(w [[0, 0, 0], [1, -0.5, 0.25]])", fn, rows)
-    assert torch.isfinite(scale).all() and float(scale[0, 0]) == 1.0 and not q[0].any(), \
-        f"w [[0, 0, 0], [1, -0.5, 0.25]]: an all-zero row gets scale 1.0 and levels 0; got scale " \
+    assert torch.isfinite(scale).all() and float(scale[0, 0]) == 1.0 and not q[0].any(), (
+        f"w [[0, 0, 0], [1, -0.5, 0.25]]: an all-zero row gets scale 1.0 and levels 0; got scale "
         f"{scale.flatten().tolist()}, q {q.tolist()}"
-    expect_raises("quantize_int8_per_channel on a 3-D tensor [2, 3, 4]", ValueError, "a weight matrix is 2-D", fn,
-                  torch.zeros(2, 3, 4))
+    )
+    expect_raises(
+        "quantize_int8_per_channel on a 3-D tensor [2, 3, 4]",
+        ValueError,
+        "a weight matrix is 2-D",
+        fn,
+        torch.zeros(2, 3, 4),
+    )
 
 
 # --------------------------------------------------------------------------- int4 groups
@@ -176,7 +200,8 @@ def _check_packing(fn) -> None:
     packed, _ = _pair(call(what, fn, PACKING_LEVELS.float() / 10, 32), what)
     assert isinstance(packed, torch.Tensor) and packed.dtype == torch.uint8 and tuple(packed.shape) == (1, 240), (
         f"{what}: expected packed uint8 [1, 240] (two levels per byte), got "
-        f"{getattr(packed, 'dtype', type(packed).__name__)} {tuple(getattr(packed, 'shape', ()))}")
+        f"{getattr(packed, 'dtype', type(packed).__name__)} {tuple(getattr(packed, 'shape', ()))}"
+    )
     expected = _ref_bytes_from_levels(PACKING_LEVELS)
     bad = (packed != expected).flatten().nonzero().flatten()
     if bad.numel():
@@ -185,7 +210,8 @@ def _check_packing(fn) -> None:
         raise AssertionError(
             f"{what}: the levels ({a}, {b}) of columns {2 * j} and {2 * j + 1} packed to {hex(int(packed[0, j]))}, "
             f"expected {hex(int(expected[0, j]))}: the even column goes in the low nibble (bits 0-3), the odd one in "
-            f"the high nibble, each as its 4-bit two's complement (mask with & 0xF: -1 -> 0xF, -7 -> 0x9)")
+            f"the high nibble, each as its 4-bit two's complement (mask with & 0xF: -1 -> 0xF, -7 -> 0x9)"
+        )
 
 
 def check_quantize_int4_groupwise(fn) -> None:
@@ -197,19 +223,28 @@ def check_quantize_int4_groupwise(fn) -> None:
             name = f"{'-' if sign < 0 else ''}w [6, 256], group_size={group_size}"
             what = f"quantize_int4_groupwise({name})"
             packed, scale = _pair(call(what, fn, x.clone(), group_size), what)
-            assert packed.dtype == torch.uint8 and tuple(packed.shape) == (6, 128), \
-                f"{name}: expected packed uint8 [6, 128] (two values per byte), " \
+            assert packed.dtype == torch.uint8 and tuple(packed.shape) == (6, 128), (
+                f"{name}: expected packed uint8 [6, 128] (two values per byte), "
                 f"got {packed.dtype} {tuple(packed.shape)}"
-            assert scale.dtype == torch.float32 and tuple(scale.shape) == (6, 256 // group_size), \
+            )
+            assert scale.dtype == torch.float32 and tuple(scale.shape) == (6, 256 // group_size), (
                 f"{name}: expected scale float32 {(6, 256 // group_size)}, got {scale.dtype} {tuple(scale.shape)}"
+            )
             groups = x.reshape(6, -1, group_size)  # [out, G, g]
             levels = _ref_levels_from_bytes(packed).reshape(6, -1, group_size)
             _check_absmax(name, groups, levels, scale[..., None], groups.double().abs().amax(-1, keepdim=True) / 7, 7)
     packed, scale = call("quantize_int4_groupwise(zeros [2, 64], group_size=32)", fn, torch.zeros(2, 64), 32)
-    assert torch.isfinite(scale).all() and bool((scale == 1.0).all()) and not _ref_levels_from_bytes(packed).any(), \
+    assert torch.isfinite(scale).all() and bool((scale == 1.0).all()) and not _ref_levels_from_bytes(packed).any(), (
         f"all-zero w [2, 64], group_size=32: expected levels 0 and every scale 1.0, got scale {scale.tolist()}"
-    expect_raises("quantize_int4_groupwise(w [4, 96], group_size=64)", ValueError, "64 does not divide 96", fn,
-                  torch.zeros(4, 96), 64)
+    )
+    expect_raises(
+        "quantize_int4_groupwise(w [4, 96], group_size=64)",
+        ValueError,
+        "64 does not divide 96",
+        fn,
+        torch.zeros(4, 96),
+        64,
+    )
 
 
 # --------------------------------------------------------------------------- the int8 linear layer
@@ -239,10 +274,15 @@ def _expect_buffers(what: str, layer, weight_q: torch.Tensor, weight_scale: torc
     """The layer keeps weight_q, weight_scale and bias (unless None) as buffers holding the tensors
     given, and bias None when none was given (an Int8Linear's or an Int4Linear's constructor)."""
     buffers = dict(layer.named_buffers()) if isinstance(layer, nn.Module) else {}
-    missing = [n for n, t in (("weight_q", weight_q), ("weight_scale", weight_scale), ("bias", bias))
-               if t is not None and not (n in buffers and torch.equal(buffers[n], t))]
-    assert not missing, (f"{what}: {missing} should be the layer's buffers, holding the tensors given "
-                         f"(self.register_buffer(name, tensor)); its buffers are {sorted(buffers)}")
+    missing = [
+        n
+        for n, t in (("weight_q", weight_q), ("weight_scale", weight_scale), ("bias", bias))
+        if t is not None and not (n in buffers and torch.equal(buffers[n], t))
+    ]
+    assert not missing, (
+        f"{what}: {missing} should be the layer's buffers, holding the tensors given "
+        f"(self.register_buffer(name, tensor)); its buffers are {sorted(buffers)}"
+    )
     assert getattr(layer, "bias", "missing") is None or bias is not None, f"{what}: expected bias None"
 
 
@@ -258,7 +298,8 @@ def _check_init(cls, name: str) -> None:
         _expect_buffers(what, layer, q, scale, b)
         assert (getattr(layer, "out_features", None), getattr(layer, "in_features", None)) == (8, 16), (
             f"{what}: expected out_features 8 and in_features 16 (weight_q's shape), got "
-            f"{getattr(layer, 'out_features', None)} and {getattr(layer, 'in_features', None)}")
+            f"{getattr(layer, 'out_features', None)} and {getattr(layer, 'in_features', None)}"
+        )
 
 
 def _check_stored(cls, linear: nn.Linear, name: str):
@@ -271,31 +312,45 @@ def _check_stored(cls, linear: nn.Linear, name: str):
     q, scale = layer.weight_q, layer.weight_scale
     assert isinstance(q, torch.Tensor) and q.dtype == torch.int8 and tuple(q.shape) == (out_features, in_features), (
         f"{name}.weight_q: expected int8 levels [{out_features}, {in_features}] (one per weight), got "
-        f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
-    assert isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and tuple(scale.shape) == (out_features, 1), (
+        f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}"
+    )
+    assert (
+        isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and tuple(scale.shape) == (out_features, 1)
+    ), (
         f"{name}.weight_scale has shape {tuple(getattr(scale, 'shape', ()))} and dtype "
         f"{getattr(scale, 'dtype', None)}, expected float32 {(out_features, 1)}: one scale per output row, "
-        f"max|W[o]| / 127 (a scale per input column cannot be applied to the output after the sum)")
+        f"max|W[o]| / 127 (a scale per input column cannot be applied to the output after the sum)"
+    )
     w = linear.weight.detach()
-    _check_absmax(f"{name}.from_linear on W [{out_features}, {in_features}]", w, q, scale,
-                  w.double().abs().amax(dim=1, keepdim=True) / 127, 127)
+    _check_absmax(
+        f"{name}.from_linear on W [{out_features}, {in_features}]",
+        w,
+        q,
+        scale,
+        w.double().abs().amax(dim=1, keepdim=True) / 127,
+        127,
+    )
     if linear.bias is None:
         assert layer.bias is None, f"{name}.from_linear(a linear without bias): expected bias None, got {layer.bias}"
     else:
-        assert isinstance(layer.bias, torch.Tensor) and torch.equal(layer.bias.float(), linear.bias.float()), \
+        assert isinstance(layer.bias, torch.Tensor) and torch.equal(layer.bias.float(), linear.bias.float()), (
             f"{name}.bias: expected the linear's bias, unchanged, got {layer.bias if layer.bias is None else 'other values'}"
-        assert layer.bias.data_ptr() != linear.bias.data_ptr(), \
+        )
+        assert layer.bias.data_ptr() != linear.bias.data_ptr(), (
             f"{name}.bias shares memory with the float layer's bias: store a copy (.detach().clone())"
+        )
     held = sum(t.nbytes for t in {t.data_ptr(): t for t in _own_tensors(layer)}.values())
     want = out_features * in_features + 4 * out_features + (0 if linear.bias is None else linear.bias.nbytes)
     assert held <= want, (
         f"{name}.from_linear(nn.Linear({in_features}, {out_features})): the layer holds {held:,} bytes of tensors, "
         f"expected {want:,}: int8 levels, {out_features * in_features:,} bytes (a quarter of float32's "
         f"{4 * out_features * in_features:,}, half of float16's), plus 4 bytes of scale per row and the bias. "
-        f"Keep no float copy of the weight (nor the nn.Linear itself)")
+        f"Keep no float copy of the weight (nor the nn.Linear itself)"
+    )
     assert getattr(layer, "nbytes", None) == out_features * in_features + 4 * out_features, (
         f"{name}.nbytes: expected {out_features * in_features + 4 * out_features:,} (levels + scales), "
-        f"got {getattr(layer, 'nbytes', None)!r}")
+        f"got {getattr(layer, 'nbytes', None)!r}"
+    )
     return layer
 
 
@@ -311,12 +366,14 @@ def _check_forward(layer, linear: nn.Linear, name: str) -> None:
         want = QuantizedLinear.from_linear(linear, 8)(x)
     assert isinstance(got, torch.Tensor) and tuple(got.shape) == (2, 3, out_features) and got.dtype == torch.float32, (
         f"{what}: expected float32 [2, 3, {out_features}], got {getattr(got, 'dtype', type(got).__name__)} "
-        f"{tuple(getattr(got, 'shape', ()))}")
+        f"{tuple(getattr(got, 'shape', ()))}"
+    )
     w, b = linear.weight.double(), (0 if linear.bias is None else linear.bias.double())
     exact = x.double() @ w.T + b  # the float layer, in float64
     scale = w.abs().amax(dim=1) / 127  # [out]: from the float weight, not from the layer under test
-    bound = x.double().abs() @ (scale / 2)[None, :].expand(in_features, -1).contiguous() \
-        + in_features * EPS * (x.double().abs() @ w.abs().T)  # [2, 3, out]
+    bound = x.double().abs() @ (scale / 2)[None, :].expand(in_features, -1).contiguous() + in_features * EPS * (
+        x.double().abs() @ w.abs().T
+    )  # [2, 3, out]
     err = (got.double() - exact).abs()
     if (err > bound).any():
         i = tuple(int(j) for j in (err > bound).nonzero()[0])
@@ -330,11 +387,13 @@ def _check_forward(layer, linear: nn.Linear, name: str) -> None:
         raise AssertionError(
             f"{what}: output {o} at {i[:-1]} is {got[i].item():.6g}, the float layer gives {exact[i].item():.6g}; "
             f"int8 weights move it by at most scale[o] / 2 * sum_i |x_i| = {bound[i].item():.4g}, it moved "
-            f"{err[i].item():.4g}.{hint}")
+            f"{err[i].item():.4g}.{hint}"
+        )
     tol = 1e-5 * want.abs().max()
     assert (got - want).abs().max() <= tol, (
         f"{what}: differs from the library's QuantizedLinear (the same levels and scales, dequantized) by "
-        f"{(got - want).abs().max().item():.3g}, more than float32 rounding ({tol.item():.3g})")
+        f"{(got - want).abs().max().item():.3g}, more than float32 rounding ({tol.item():.3g})"
+    )
 
 
 def _forward_memory(layer, what: str, in_features: int, seed: int):
@@ -352,7 +411,8 @@ def _expect_peak(what: str, seen, limit: int, allowance: str, advice: str) -> No
     if seen.peak_bytes > limit:
         raise AssertionError(
             f"{what}: the tensors the forward created took {seen.peak_bytes:,} bytes at once (largest "
-            f"{list(seen.largest_shape)}); the forward may hold at most {limit:,} bytes, {allowance}. {advice}")
+            f"{list(seen.largest_shape)}); the forward may hold at most {limit:,} bytes, {allowance}. {advice}"
+        )
 
 
 def _check_memory(layer, name: str) -> None:
@@ -360,10 +420,15 @@ def _check_memory(layer, name: str) -> None:
     what = f"{name}(x [4, {in_features}]) with weights [{out_features}, {in_features}]"
     _, seen = _forward_memory(layer, what, in_features, seed=8)
     weight = 4 * out_features * in_features
-    _expect_peak(what, seen, weight // 2, f"half of a float32 copy of the weight ({weight:,} bytes)",
-                 f"Convert the levels to x's dtype one block of {getattr(layer, 'block_rows', 128)} output rows at a "
-                 "time (weight_q[start:end].to(x.dtype)) and scale the output, instead of dequantizing (or converting) "
-                 "the whole weight_q")
+    _expect_peak(
+        what,
+        seen,
+        weight // 2,
+        f"half of a float32 copy of the weight ({weight:,} bytes)",
+        f"Convert the levels to x's dtype one block of {getattr(layer, 'block_rows', 128)} output rows at a "
+        "time (weight_q[start:end].to(x.dtype)) and scale the output, instead of dequantizing (or converting) "
+        "the whole weight_q",
+    )
 
 
 def _check_bfloat16(layer, linear: nn.Linear, name: str) -> None:
@@ -381,13 +446,16 @@ def _check_bfloat16(layer, linear: nn.Linear, name: str) -> None:
             magnitude = magnitude + linear.bias.double().abs()
     assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16, (
         f"{what}: expected a bfloat16 result (x's dtype: the engine may run the model in bfloat16), got "
-        f"{getattr(got, 'dtype', type(got).__name__)}")
+        f"{getattr(got, 'dtype', type(got).__name__)}"
+    )
     bound = 2**-7 * (magnitude + want.abs())  # a few bfloat16 roundings (2^-9 each) of the sum, scale and bias
     err = (got.double() - want).abs()
     if (err > bound).any():
         i = tuple(int(j) for j in (err > bound).nonzero()[0])
-        raise AssertionError(f"{what}: output {i} is {got[i].item():.6g}, expected {want[i].item():.6g} within "
-                             f"bfloat16 rounding ({bound[i].item():.3g})")
+        raise AssertionError(
+            f"{what}: output {i} is {got[i].item():.6g}, expected {want[i].item():.6g} within "
+            f"bfloat16 rounding ({bound[i].item():.3g})"
+        )
 
 
 @functools.lru_cache(maxsize=None)
@@ -404,23 +472,33 @@ def _check_models(cls, name: str) -> None:
     from decodelab.params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=ENGINE_TOKENS, ignore_eos=True)
-    _check_toy_like_library(name, seed=21, bits=8, group_size=None, linear=cls.from_linear,
-                            linear_text=f"{name}.from_linear")
+    _check_toy_like_library(
+        name, seed=21, bits=8, group_size=None, linear=cls.from_linear, linear_text=f"{name}.from_linear"
+    )
 
     float_model, tokenizer = _tiny_float()
     prompts = [tokenizer.encode(p) for p in ENGINE_PROMPTS]
     outputs = {}
     for label, hooks in (("library", None), (name, EngineHooks(linear=lambda linear: cls.from_linear(linear)))):
         engine_what = f"LLM(model=tiny, quantization='int8', hooks=EngineHooks(linear={name}.from_linear))"
-        llm = call(engine_what if hooks else "LLM(model=tiny, quantization='int8')", LLM,
-                   model=(copy.deepcopy(float_model), tokenizer), quantization="int8", hooks=hooks,
-                   kv_cache_memory=4 * MiB)
-        results = call(f"{engine_what}.generate", llm.generate, prompts, params, use_tqdm=False) \
-            if hooks else llm.generate(prompts, params, use_tqdm=False)
+        llm = call(
+            engine_what if hooks else "LLM(model=tiny, quantization='int8')",
+            LLM,
+            model=(copy.deepcopy(float_model), tokenizer),
+            quantization="int8",
+            hooks=hooks,
+            kv_cache_memory=4 * MiB,
+        )
+        results = (
+            call(f"{engine_what}.generate", llm.generate, prompts, params, use_tqdm=False)
+            if hooks
+            else llm.generate(prompts, params, use_tqdm=False)
+        )
         outputs[label] = [r.outputs[0].token_ids for r in results]
     assert outputs[name] == outputs["library"], (
         f"the engine on tiny with your {name} layers wrote the greedy tokens {outputs[name]}, "
-        f"LLM(quantization='int8') writes {outputs['library']} (prompts {ENGINE_PROMPTS})")
+        f"LLM(quantization='int8') writes {outputs['library']} (prompts {ENGINE_PROMPTS})"
+    )
 
 
 def check_int8_linear(cls) -> None:
@@ -464,17 +542,20 @@ def _check_int4_init(cls, name: str) -> None:
         layer = call(what, cls, packed, scale, b)
         _expect_buffers(what, layer, packed, scale, b)
         got = tuple(getattr(layer, a, None) for a in ("out_features", "in_features", "group_size"))
-        assert got == (8, 64, 32), (f"{what}: expected (out_features, in_features, group_size) = (8, 64, 32): "
-                                    f"two inputs per byte, 64 / 2 scales per row; got {got}")
+        assert got == (8, 64, 32), (
+            f"{what}: expected (out_features, in_features, group_size) = (8, 64, 32): "
+            f"two inputs per byte, 64 / 2 scales per row; got {got}"
+        )
         want = _ref_levels_from_bytes(packed)  # [8, 64]
         for k in range(2):
             levels = call(f"{what}.unpack_group({k})", layer.unpack_group, k)
             ok = isinstance(levels, torch.Tensor) and tuple(levels.shape) == (8, 32)
-            assert ok and torch.equal(levels.long(), want[:, 32 * k:32 * (k + 1)]), (
+            assert ok and torch.equal(levels.long(), want[:, 32 * k : 32 * (k + 1)]), (
                 f"{what}.unpack_group({k}): expected the levels [8, 32] of inputs {32 * k}..{32 * k + 31}, e.g. row 0 "
-                f"starts {want[0, 32 * k:32 * k + 4].tolist()} from the bytes {[hex(v) for v in packed[0, 16 * k:16 * k + 2].tolist()]} "
+                f"starts {want[0, 32 * k : 32 * k + 4].tolist()} from the bytes {[hex(v) for v in packed[0, 16 * k : 16 * k + 2].tolist()]} "
                 f"(even column in the low nibble, two's complement: 0x8..0xF are -8..-1); got "
-                f"{levels[0, :4].tolist() if ok else tuple(getattr(levels, 'shape', ()))}")
+                f"{levels[0, :4].tolist() if ok else tuple(getattr(levels, 'shape', ()))}"
+            )
 
 
 def _check_int4_stored(cls, linear: nn.Linear, group_size: int, name: str):
@@ -485,27 +566,37 @@ def _check_int4_stored(cls, linear: nn.Linear, group_size: int, name: str):
         assert hasattr(layer, attr), f"{what} returned a layer without .{attr}: store it in __init__"
     levels, scale = _int4_grid(linear.weight.detach(), group_size)
     q, s = layer.weight_q, layer.weight_scale
-    assert isinstance(q, torch.Tensor) and q.dtype == torch.uint8 and tuple(q.shape) == (out_features, in_features // 2), (
+    assert (
+        isinstance(q, torch.Tensor) and q.dtype == torch.uint8 and tuple(q.shape) == (out_features, in_features // 2)
+    ), (
         f"{what}.weight_q: expected packed uint8 [{out_features}, {in_features // 2}], got "
-        f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+        f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}"
+    )
     assert isinstance(s, torch.Tensor) and tuple(s.shape) == tuple(scale.shape) and s.dtype == torch.float32, (
         f"{what}.weight_scale: expected float32 {tuple(scale.shape)} (one scale per group of {group_size} inputs of a "
-        f"row), got {getattr(s, 'dtype', None)} {tuple(getattr(s, 'shape', ()))}")
-    assert torch.allclose(s.double(), scale, rtol=1e-6, atol=0), \
+        f"row), got {getattr(s, 'dtype', None)} {tuple(getattr(s, 'shape', ()))}"
+    )
+    assert torch.allclose(s.double(), scale, rtol=1e-6, atol=0), (
         f"{what}.weight_scale: expected max|group| / 7, e.g. {scale[0, :3].tolist()}, got {s[0, :3].tolist()}"
+    )
     assert torch.equal(q, _ref_bytes_from_levels(levels)), (
-        f"{what}.weight_q: the bytes differ from the levels round(w / scale) packed two per byte (even column low)")
+        f"{what}.weight_q: the bytes differ from the levels round(w / scale) packed two per byte (even column low)"
+    )
     if linear.bias is None:
         assert layer.bias is None, f"{what}: a linear without bias gives bias None, got {layer.bias}"
     else:
-        assert isinstance(layer.bias, torch.Tensor) and torch.equal(layer.bias.float(), linear.bias.float()), \
+        assert isinstance(layer.bias, torch.Tensor) and torch.equal(layer.bias.float(), linear.bias.float()), (
             f"{what}.bias: expected the linear's bias, unchanged"
+        )
     held = sum(t.nbytes for t in {t.data_ptr(): t for t in _own_tensors(layer)}.values())
     want = in_features * out_features // 2 + s.nbytes + (0 if linear.bias is None else linear.bias.nbytes)
-    assert held <= want, (f"{what}: the layer holds {held:,} bytes of tensors, expected {want:,} (packed levels, "
-                          f"scales, bias): keep no float copy of the weight (nor the nn.Linear itself)")
-    assert getattr(layer, "nbytes", None) == in_features * out_features // 2 + s.nbytes, \
+    assert held <= want, (
+        f"{what}: the layer holds {held:,} bytes of tensors, expected {want:,} (packed levels, "
+        f"scales, bias): keep no float copy of the weight (nor the nn.Linear itself)"
+    )
+    assert getattr(layer, "nbytes", None) == in_features * out_features // 2 + s.nbytes, (
         f"{what}.nbytes: expected {in_features * out_features // 2 + s.nbytes:,}, got {getattr(layer, 'nbytes', None)!r}"
+    )
     return layer
 
 
@@ -520,7 +611,8 @@ def _check_int4_forward(layer, linear: nn.Linear, group_size: int, name: str) ->
         got = call(what, layer, x.clone())
     assert isinstance(got, torch.Tensor) and tuple(got.shape) == (2, 3, out_features) and got.dtype == torch.float32, (
         f"{what}: expected float32 [2, 3, {out_features}], got {getattr(got, 'dtype', type(got).__name__)} "
-        f"{tuple(getattr(got, 'shape', ()))}")
+        f"{tuple(getattr(got, 'shape', ()))}"
+    )
     w = linear.weight.double()
     grid_weight = (levels.double().reshape(out_features, groups, group_size) * scale[..., None]).reshape_as(w)
     want = x.double() @ grid_weight.T + b  # the dequantized layer, in float64
@@ -534,18 +626,22 @@ def _check_int4_forward(layer, linear: nn.Linear, group_size: int, name: str) ->
     elif torch.allclose(got.double(), one_scale, rtol=1e-4, atol=1e-4):
         hint = " Every group was scaled by group 0's scale: group k's partial sum takes weight_scale[:, k]."
     else:
-        hint = (" y[o] = sum_k weight_scale[o, k] * (x[group k] @ levels[o, group k]) + bias[o], the levels "
-                "unpacked as signed nibbles, even column from the low nibble.")
+        hint = (
+            " y[o] = sum_k weight_scale[o, k] * (x[group k] @ levels[o, group k]) + bias[o], the levels "
+            "unpacked as signed nibbles, even column from the low nibble."
+        )
     if (err > bound).any():
         i = tuple(int(j) for j in (err > bound).nonzero()[0])
         raise AssertionError(
             f"{what}: output {i[-1]} at {i[:-1]} is {got[i].item():.6g}, the float layer gives {exact[i].item():.6g}; "
             f"int4 weights move it by at most sum_k scale[o, k] / 2 * sum_(i in k) |x_i| = {bound[i].item():.4g}, it "
-            f"moved {err[i].item():.4g}.{hint}")
+            f"moved {err[i].item():.4g}.{hint}"
+        )
     tol = 1e-5 * want.abs().max() + rounding.max()
     assert (got.double() - want).abs().max() <= tol, (
         f"{what}: differs from x @ (levels * scale)^T + bias (the same levels and scales, in float64) by "
-        f"{(got.double() - want).abs().max().item():.3g}, more than float32 rounding ({tol.item():.3g}).{hint}")
+        f"{(got.double() - want).abs().max().item():.3g}, more than float32 rounding ({tol.item():.3g}).{hint}"
+    )
 
 
 INT4_MEMORY_GROUPS = 6  # groups of levels [out, g] in float32 an int4 forward may hold at once (module docstring)
@@ -566,21 +662,26 @@ def _check_int4_memory(cls, name: str) -> None:
     layer = call(made, cls.from_linear, _linear(in_features, out_features, seed=35), group_size)
     what = f"{name}(x [4, {in_features}]) with weights [{out_features}, {in_features}] in groups of {group_size}"
     _, seen = _forward_memory(layer, what, in_features, seed=18)
-    _expect_peak(what, seen, _int4_forward_allowance(out_features, group_size, 4),
-                 f"what unpacking one group of {group_size} inputs at a time needs: {INT4_MEMORY_GROUPS} groups of "
-                 f"levels [{out_features}, {group_size}] in float32 (two alive at once, the one it multiplies and the "
-                 f"previous one until the loop rebinds its name: that is fine; and room to unpack and convert a group) "
-                 f"and four [4, {out_features}] float32 results; an int8 copy of the whole weight is "
-                 f"{out_features * in_features:,} bytes, a float32 one {4 * out_features * in_features:,}",
-                 "Unpack and convert one group of inputs at a time (unpack_group(k)), instead of unpacking or "
-                 "dequantizing the whole weight_q")
+    _expect_peak(
+        what,
+        seen,
+        _int4_forward_allowance(out_features, group_size, 4),
+        f"what unpacking one group of {group_size} inputs at a time needs: {INT4_MEMORY_GROUPS} groups of "
+        f"levels [{out_features}, {group_size}] in float32 (two alive at once, the one it multiplies and the "
+        f"previous one until the loop rebinds its name: that is fine; and room to unpack and convert a group) "
+        f"and four [4, {out_features}] float32 results; an int8 copy of the whole weight is "
+        f"{out_features * in_features:,} bytes, a float32 one {4 * out_features * in_features:,}",
+        "Unpack and convert one group of inputs at a time (unpack_group(k)), instead of unpacking or "
+        "dequantizing the whole weight_q",
+    )
 
 
 def _check_int4_bfloat16(layer, linear: nn.Linear, group_size: int, name: str) -> None:
     in_features = linear.in_features
     levels, scale = _int4_grid(linear.weight.detach(), group_size)
     grid_weight = (levels.double().reshape(linear.out_features, -1, group_size) * scale[..., None]).reshape(
-        linear.out_features, in_features)
+        linear.out_features, in_features
+    )
     x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(19)).bfloat16()
     what = f"{name}(x [5, {in_features}] in bfloat16)"
     with torch.no_grad():
@@ -588,21 +689,30 @@ def _check_int4_bfloat16(layer, linear: nn.Linear, group_size: int, name: str) -
     b = 0 if linear.bias is None else linear.bias.double()
     want = x.double() @ grid_weight.T + b
     assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16, (
-        f"{what}: expected a bfloat16 result (x's dtype), got {getattr(got, 'dtype', type(got).__name__)}")
+        f"{what}: expected a bfloat16 result (x's dtype), got {getattr(got, 'dtype', type(got).__name__)}"
+    )
     magnitude = x.double().abs() @ grid_weight.abs().T + (b.abs() if linear.bias is not None else 0)
     bound = 2**-7 * (magnitude + want.abs())  # a few bfloat16 roundings of each group's sum and of the output
     err = (got.double() - want).abs()
     if (err > bound).any():
         i = tuple(int(j) for j in (err > bound).nonzero()[0])
-        raise AssertionError(f"{what}: output {i} is {got[i].item():.6g}, expected {want[i].item():.6g} within "
-                             f"bfloat16 rounding ({bound[i].item():.3g}); keep the running sum in float32")
+        raise AssertionError(
+            f"{what}: output {i} is {got[i].item():.6g}, expected {want[i].item():.6g} within "
+            f"bfloat16 rounding ({bound[i].item():.3g}); keep the running sum in float32"
+        )
 
 
 def _check_int4_models(cls, name: str) -> None:
     """A toy model quantized with the learner's layers (groups of 32) gives the logits and greedy tokens of
     the library's int4 model: the same levels and scales."""
-    _check_toy_like_library(name, seed=22, bits=4, group_size=32, linear=lambda linear: cls.from_linear(linear, 32),
-                            linear_text=f"lambda linear: {name}.from_linear(linear, 32)")
+    _check_toy_like_library(
+        name,
+        seed=22,
+        bits=4,
+        group_size=32,
+        linear=lambda linear: cls.from_linear(linear, 32),
+        linear_text=f"lambda linear: {name}.from_linear(linear, 32)",
+    )
 
 
 def _check_toy_like_library(name: str, seed: int, bits: int, group_size: int | None, linear, linear_text: str) -> None:
@@ -624,12 +734,14 @@ def _check_toy_like_library(name: str, seed: int, bits: int, group_size: int | N
         want, got = library(ids), call(f"the toy model with {name} layers, on 8 tokens", learner, ids)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (
         f"{what}: its logits differ from the library's int{bits} model by {(got - want).abs().max().item():.3g} "
-        f"(logits up to {want.abs().max().item():.3g})")
+        f"(logits up to {want.abs().max().item():.3g})"
+    )
     params = SamplingParams(temperature=0, max_tokens=ENGINE_TOKENS, ignore_eos=True)
     want_tokens = list(stream_token_ids(library, [1, 2, 3], params))
     got_tokens = call(f"greedy decoding with {name} layers", lambda: list(stream_token_ids(learner, [1, 2, 3], params)))
-    assert got_tokens == want_tokens, \
+    assert got_tokens == want_tokens, (
         f"{what}: greedy tokens from [1, 2, 3] are {got_tokens}, the library's int{bits} model gives {want_tokens}"
+    )
 
 
 def check_int4_linear(cls) -> None:
@@ -670,8 +782,10 @@ def check_replace_linears(fn) -> None:
 
     for tied in (True, False):
         model = random_llama(5, tie_word_embeddings=tied)
-        case = f"replace_linears(toy model with {model.config.num_hidden_layers} layers, " \
-               f"{'tied' if tied else 'untied'} lm_head, make_linear)"
+        case = (
+            f"replace_linears(toy model with {model.config.num_hidden_layers} layers, "
+            f"{'tied' if tied else 'untied'} lm_head, make_linear)"
+        )
         before = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
         inside = {name: m for name, m in before.items() if name.startswith("model.layers.")}
         embedding, lm_head = model.model.embed_tokens, model.lm_head
@@ -689,19 +803,22 @@ def check_replace_linears(fn) -> None:
         assert model.lm_head is lm_head and isinstance(lm_head, nn.Linear) and not any(m is lm_head for m in seen), (
             f"{case}: the lm_head was replaced too; only the linears inside model.model.layers are quantized "
             f"(the lm_head{' shares its matrix with the embedding and' if tied else ''} sets every logit, so it stays "
-            f"float, as quant.quantize_model keeps it)")
+            f"float, as quant.quantize_model keeps it)"
+        )
         assert model.model.embed_tokens is embedding, f"{case}: the embedding was replaced; it must stay"
         if tied:
             assert model.lm_head.weight is model.model.embed_tokens.weight, f"{case}: the lm_head is no longer tied"
         assert len(seen) == len({id(m) for m in seen}) == len(inside), (
             f"{case}: make_linear was called {len(seen)} times on {len({id(m) for m in seen})} different layers; "
-            f"expected once for each of the {len(inside)} linears inside the layers")
+            f"expected once for each of the {len(inside)} linears inside the layers"
+        )
         for name, linear in inside.items():
             now = model.get_submodule(name)
             assert isinstance(now, _Marked) and now.original is linear, (
                 f"{case}: at {name} expected make_linear(the linear that was there), got "
                 f"{type(now).__name__}{' of another linear' if isinstance(now, _Marked) else ''}; "
-                f"setattr the result on the linear's parent module, under the same attribute name")
+                f"setattr the result on the linear's parent module, under the same attribute name"
+            )
         with torch.no_grad():
             got = call(f"the model after {case}", model, ids)
         assert torch.equal(got, want), f"{case}: with factories that compute as the linears do, the logits changed"
@@ -710,8 +827,9 @@ def check_replace_linears(fn) -> None:
     call("replace_linears(toy model, Int8Linear.from_linear)", fn, model, Int8Linear.from_linear)
     ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
     with torch.no_grad():
-        assert torch.equal(model(ids), library(ids)), \
+        assert torch.equal(model(ids), library(ids)), (
             "replace_linears(toy model, Int8Linear.from_linear): its logits differ from quant.quantize_model's"
+        )
 
 
 # --------------------------------------------------------------------------- the int8 KV cache
@@ -728,8 +846,13 @@ _KV_TOKEN_BYTES = 2 * _KV_LAYERS * _KV_BATCH * _KV_HEADS * (_KV_DIM + 4)
 def _kv_config():
     from decodelab.model.toy import toy_config
 
-    return toy_config(num_hidden_layers=_KV_LAYERS, num_key_value_heads=_KV_HEADS, num_attention_heads=4,
-                      head_dim=_KV_DIM, max_position_embeddings=16)
+    return toy_config(
+        num_hidden_layers=_KV_LAYERS,
+        num_key_value_heads=_KV_HEADS,
+        num_attention_heads=4,
+        head_dim=_KV_DIM,
+        max_position_embeddings=16,
+    )
 
 
 def _kv_rows(tokens: int, seed: int) -> torch.Tensor:
@@ -772,16 +895,19 @@ def _expect_kv_rows(got, x: torch.Tensor, what: str) -> None:
             f"head), s = max|row| / 127 = {row.abs().max().item():.4g} / 127 = {scale[b, h, t, 0].item():.4g}, every "
             f"value of that row comes back within s / 2 = {scale[b, h, t, 0].item() / 2:.3g} (the row's smallest and "
             f"largest values are {row.min().item():.4g} and {row.max().item():.4g}; the scale of position {t} must "
-            f"be the one written with its own row)")
+            f"be the one written with its own row)"
+        )
     off_grid = (got.double() - want).abs() > 1e-3 * scale + 2 * EPS * scale * 127
     if bool(off_grid.any()):
         b, h, t, d = [int(i) for i in off_grid.nonzero()[0]]
-        same = " (the float input itself: store int8 levels and hand back levels * scale)" \
-            if torch.equal(got, x) else ""
+        same = (
+            " (the float input itself: store int8 levels and hand back levels * scale)" if torch.equal(got, x) else ""
+        )
         raise AssertionError(
             f"{what}: sequence {b}, KV head {h}, position {t}, value {d} came back as {got[b, h, t, d].item():.6g}"
             f"{same}; int8 levels give round(x / s) * s = {want[b, h, t, d].item():.6g} for x = "
-            f"{x[b, h, t, d].item():.6g}, s = max|row| / 127 = {scale[b, h, t, 0].item():.4g}")
+            f"{x[b, h, t, d].item():.6g}, s = max|row| / 127 = {scale[b, h, t, 0].item():.4g}"
+        )
 
 
 def _kv_storage(cache, what: str) -> None:
@@ -793,9 +919,11 @@ def _kv_storage(cache, what: str) -> None:
     held, allowed = sum(t.nbytes for t in found), _KV_TOKEN_BYTES * _KV_MAX_LEN
     if held > allowed:
         kinds = sorted({f"{t.dtype} {list(t.shape)}" for t in found})
-        raise AssertionError(f"{what} keeps {held:,} bytes of tensors ({', '.join(kinds)}); int8 levels and one "
-                             f"float32 scale per (layer, sequence, KV head, position) for max_seq_len="
-                             f"{_KV_MAX_LEN} tokens take {allowed:,}: store K and V as int8")
+        raise AssertionError(
+            f"{what} keeps {held:,} bytes of tensors ({', '.join(kinds)}); int8 levels and one "
+            f"float32 scale per (layer, sequence, KV head, position) for max_seq_len="
+            f"{_KV_MAX_LEN} tokens take {allowed:,}: store K and V as int8"
+        )
 
 
 def _kv_pair(got, what: str):
@@ -805,8 +933,10 @@ def _kv_pair(got, what: str):
 
 
 def _check_kv_appends(cls, name: str) -> None:
-    made = (f"{name}(config with {_KV_LAYERS} layers, {_KV_HEADS} KV heads of dim {_KV_DIM}, "
-            f"batch_size={_KV_BATCH}, max_seq_len={_KV_MAX_LEN})")
+    made = (
+        f"{name}(config with {_KV_LAYERS} layers, {_KV_HEADS} KV heads of dim {_KV_DIM}, "
+        f"batch_size={_KV_BATCH}, max_seq_len={_KV_MAX_LEN})"
+    )
     cache = call(made, cls, _kv_config(), _KV_BATCH, _KV_MAX_LEN)
     _kv_storage(cache, made)
     held = [None] * _KV_LAYERS
@@ -816,7 +946,9 @@ def _check_kv_appends(cls, name: str) -> None:
             before = 0 if held[layer] is None else held[layer][0].shape[2]
             what = f"append(layer={layer}, k, v [{_KV_BATCH}, {_KV_HEADS}, {tokens}, {_KV_DIM}]) with {before} held"
             got = _kv_pair(call(f"{made}.{what}", cache.append, layer, k, v), what)
-            held[layer] = (k, v) if held[layer] is None else tuple(torch.cat([h, x], 2) for h, x in zip(held[layer], (k, v)))
+            held[layer] = (
+                (k, v) if held[layer] is None else tuple(torch.cat([h, x], 2) for h, x in zip(held[layer], (k, v)))
+            )
             _expect_kv_rows(got[0], held[layer][0], f"the keys {what} returned (all {before + tokens} held)")
             _expect_kv_rows(got[1], held[layer][1], f"the values {what} returned (all {before + tokens} held)")
         seq_len = 5 + 2 * step
@@ -824,7 +956,8 @@ def _check_kv_appends(cls, name: str) -> None:
         assert nbytes == seq_len * _KV_TOKEN_BYTES, (
             f"{made}.nbytes() with {seq_len} tokens held: expected {seq_len} * 2 (K, V) * {_KV_LAYERS} layers * "
             f"{_KV_BATCH} sequences * {_KV_HEADS} heads * ({_KV_DIM} levels + 4 scale bytes) = "
-            f"{seq_len * _KV_TOKEN_BYTES:,}, got {nbytes!r}")
+            f"{seq_len * _KV_TOKEN_BYTES:,}, got {nbytes!r}"
+        )
     for layer in range(_KV_LAYERS):
         got = _kv_pair(call(f"view(layer={layer}) with 7 held", cache.view, layer), f"view(layer={layer})")
         _expect_kv_rows(got[0].float(), held[layer][0], f"the keys of view(layer={layer}) with 7 held")
@@ -835,21 +968,36 @@ def _check_kv_appends(cls, name: str) -> None:
         what = f"append(layer={layer}, one token) after truncate(3)"
         got = _kv_pair(call(what, cache.append, layer, k, v), what)
         _expect_kv_rows(got[0], torch.cat([held[layer][0][:, :, :3], k], 2), f"the keys {what} returned")
-    expect_raises(f"append(layer=1, k [1, {_KV_HEADS}, 1, {_KV_DIM}]) to a cache of batch_size={_KV_BATCH}", ValueError,
-                  "k must have the cache's batch size (a slice assignment would broadcast it silently)",
-                  cache.append, 1, _kv_rows(1, 72)[:1], _kv_rows(1, 73)[:1])
-    expect_raises(f"append(layer=0, 5 tokens) with 4 held and max_seq_len={_KV_MAX_LEN}", ValueError,
-                  f"4 + 5 tokens exceed max_seq_len={_KV_MAX_LEN}", cache.append, 0, _kv_rows(5, 70), _kv_rows(5, 71))
+    expect_raises(
+        f"append(layer=1, k [1, {_KV_HEADS}, 1, {_KV_DIM}]) to a cache of batch_size={_KV_BATCH}",
+        ValueError,
+        "k must have the cache's batch size (a slice assignment would broadcast it silently)",
+        cache.append,
+        1,
+        _kv_rows(1, 72)[:1],
+        _kv_rows(1, 73)[:1],
+    )
+    expect_raises(
+        f"append(layer=0, 5 tokens) with 4 held and max_seq_len={_KV_MAX_LEN}",
+        ValueError,
+        f"4 + 5 tokens exceed max_seq_len={_KV_MAX_LEN}",
+        cache.append,
+        0,
+        _kv_rows(5, 70),
+        _kv_rows(5, 71),
+    )
     cache = call(made, cls, _kv_config(), _KV_BATCH, _KV_MAX_LEN)
     k = _kv_rows(2, 80).bfloat16()
     what = "append(layer=0, k, v in bfloat16)"
     got = _kv_pair(call(what, cache.append, 0, k, k), what)[0]
     assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16, (
         f"{what}: expected bfloat16 keys back (the dtype the model runs in), got "
-        f"{got.dtype if isinstance(got, torch.Tensor) else type(got).__name__}")
+        f"{got.dtype if isinstance(got, torch.Tensor) else type(got).__name__}"
+    )
     want, scale = _kv_grid(k)
-    assert bool(((got.double() - want).abs() <= scale / 2 + 2 ** -8 * want.abs()).all()), \
+    assert bool(((got.double() - want).abs() <= scale / 2 + 2**-8 * want.abs()).all()), (
         f"{what}: the keys returned are not the int8 levels times their scales (within bfloat16's rounding)"
+    )
 
 
 @torch.no_grad()
@@ -880,7 +1028,8 @@ def _check_kv_in_model(cls, name: str) -> None:
     diff = (got_logits - want_logits).abs().max().item()
     assert diff <= 1e-4 * want_logits.abs().max().item(), (
         f"{what}: the logits differ from the library's Int8KVCache by {diff:.3g} (same levels and scales "
-        f"should give the same logits up to float rounding)")
+        f"should give the same logits up to float rounding)"
+    )
     assert got_tokens == want_tokens, f"{what}: tokens {got_tokens}, the library's Int8KVCache gives {want_tokens}"
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompt = ids[0].tolist()
@@ -913,8 +1062,12 @@ def answer_q_int8_max_error() -> float:
 
 def check_q_int8_max_error(value) -> None:
     """Graded q_int8_max_error (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_int8_max_error", value, answer_q_int8_max_error(),
-                  "the largest |w - q * scale| for max|w| = 0.508 (half a step, scale = 0.508 / 127)")
+    expect_answer(
+        "q_int8_max_error",
+        value,
+        answer_q_int8_max_error(),
+        "the largest |w - q * scale| for max|w| = 0.508 (half a step, scale = 0.508 / 127)",
+    )
 
 
 def answer_q_int4_group_bytes() -> float:
@@ -927,5 +1080,9 @@ def answer_q_int4_group_bytes() -> float:
 
 def check_q_int4_group_bytes(value) -> None:
     """Graded q_int4_group_bytes (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_int4_group_bytes", value, answer_q_int4_group_bytes(),
-                  "one group of 64 int4 weights, two levels a byte, plus one float32 scale")
+    expect_answer(
+        "q_int4_group_bytes",
+        value,
+        answer_q_int4_group_bytes(),
+        "one group of 64 int4 weights, two levels a byte, plus one float32 scale",
+    )

@@ -23,6 +23,7 @@ false-alarm rate ALPHA, Bonferroni gives the per-category bound z = Phi^-1(1 - A
 a correct sampler, whatever order it consumes random numbers in, fails with probability at
 most ~ALPHA = 1e-6. Tokens with probability exactly 0 (filtered out) must never be drawn.
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,8 +52,8 @@ __all__ = [
 ]
 
 NEG_INF = float("-inf")
-ALPHA = 1e-6          # total false-alarm probability of one check_sample frequency test
-N_DRAWS = 20_000      # draws per frequency test
+ALPHA = 1e-6  # total false-alarm probability of one check_sample frequency test
+N_DRAWS = 20_000  # draws per frequency test
 TOP_P_AMBIGUOUS = 1e-5  # |cumulative mass - p| below this: float32 rounding may decide either way
 
 
@@ -174,11 +175,13 @@ def _row_name(index: int, lead_shape: torch.Size) -> str:
 
 def _check_tensor(desc: str, got, like: torch.Tensor) -> None:
     if not isinstance(got, torch.Tensor):
-        raise AssertionError(f"{desc} returned {type(got).__name__}; "
-                             f"expected a torch.Tensor of shape {list(like.shape)}")
+        raise AssertionError(
+            f"{desc} returned {type(got).__name__}; expected a torch.Tensor of shape {list(like.shape)}"
+        )
     if got.shape != like.shape:
-        raise AssertionError(f"{desc} returned shape {list(got.shape)}; "
-                             f"expected {list(like.shape)} (the shape of the logits)")
+        raise AssertionError(
+            f"{desc} returned shape {list(got.shape)}; expected {list(like.shape)} (the shape of the logits)"
+        )
     if not got.is_floating_point():
         raise AssertionError(f"{desc} returned dtype {got.dtype}; expected floating-point logits")
 
@@ -191,8 +194,17 @@ def _check_unchanged(desc: str, before: torch.Tensor, after: torch.Tensor) -> No
         )
 
 
-def _compare(desc: str, x: torch.Tensor, expected: torch.Tensor, got, *, source: str,
-             note: str = "", rtol: float = 1e-5, atol: float = 1e-6) -> None:
+def _compare(
+    desc: str,
+    x: torch.Tensor,
+    expected: torch.Tensor,
+    got,
+    *,
+    source: str,
+    note: str = "",
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> None:
     """got must equal expected: the same entries at -inf, the others close."""
     _check_tensor(desc, got, x)
     vocab = x.shape[-1]
@@ -215,14 +227,18 @@ def _compare(desc: str, x: torch.Tensor, expected: torch.Tensor, got, *, source:
     if (e_removed[r] & ~g_removed[r] & (gs[r] < -1e30)).any():
         lines.append(_NOT_MINUS_INF)
     if vocab <= 16:
-        lines += [f"  input:    {format_values(xs[r])}",
-                  f"  expected: {format_values(es[r])}   ({source})",
-                  f"  got:      {format_values(gs[r])}"]
+        lines += [
+            f"  input:    {format_values(xs[r])}",
+            f"  expected: {format_values(es[r])}   ({source})",
+            f"  got:      {format_values(gs[r])}",
+        ]
     else:
         lines.append(f"  expected from {source}; wrong tokens:")
         for i in bad[r].nonzero().flatten()[:6].tolist():
-            lines.append(f"    token {i}: input {format_values(xs[r, i].item())}, "
-                         f"expected {format_values(es[r, i].item())}, got {format_values(gs[r, i].item())}")
+            lines.append(
+                f"    token {i}: input {format_values(xs[r, i].item())}, "
+                f"expected {format_values(es[r, i].item())}, got {format_values(gs[r, i].item())}"
+            )
     raise AssertionError("\n".join(lines))
 
 
@@ -285,8 +301,9 @@ def _top_k_random(fn, hf, x, k, what):
 # --------------------------------------------------------------------------- top-p
 
 
-def _validate_top_p(desc: str, x: torch.Tensor, p: float, got, *, note: str = "",
-                    hf_expected: torch.Tensor | None = None) -> None:
+def _validate_top_p(
+    desc: str, x: torch.Tensor, p: float, got, *, note: str = "", hf_expected: torch.Tensor | None = None
+) -> None:
     """Kept entries unchanged, the rest -inf, the kept set a top set of the right size."""
     _check_tensor(desc, got, x)
     vocab = x.shape[-1]
@@ -308,10 +325,12 @@ def _validate_top_p(desc: str, x: torch.Tensor, p: float, got, *, note: str = ""
                 lines.append(f"  ({note})")
             if vocab <= 16:
                 probs = row.softmax(dim=-1)
-                lines += [f"  input:         {format_values(row)}",
-                          f"  probabilities: {format_values([round(v, 4) for v in probs.tolist()])}",
-                          f"  expected:      {format_values(_ref_top_p(row, p))}",
-                          f"  got:           {format_values(out)}"]
+                lines += [
+                    f"  input:         {format_values(row)}",
+                    f"  probabilities: {format_values([round(v, 4) for v in probs.tolist()])}",
+                    f"  expected:      {format_values(_ref_top_p(row, p))}",
+                    f"  got:           {format_values(out)}",
+                ]
             raise AssertionError("\n".join(lines))
 
         if torch.isnan(out).any():
@@ -321,26 +340,34 @@ def _validate_top_p(desc: str, x: torch.Tensor, p: float, got, *, note: str = ""
         changed = kept & ~torch.isclose(out, row, rtol=1e-6, atol=0.0)
         if changed.any():
             i = int(changed.nonzero()[0])
-            fail(f"kept token {i} must keep its logit {format_values(row[i].item())} unchanged, "
-                 f"got {format_values(out[i].item())} "
-                 "(filtered tokens become -inf, the others stay as they are)")
+            fail(
+                f"kept token {i} must keep its logit {format_values(row[i].item())} unchanged, "
+                f"got {format_values(out[i].item())} "
+                "(filtered tokens become -inf, the others stay as they are)"
+            )
         if n_exp >= 1 and n_got == 0:
             fail(f"kept 0 tokens for p={p}; top-p always keeps at least the most likely token")
         if n_got not in allowed:
-            fail(f"top_p_filter kept {n_got} tokens for p={p} on {shown}; the smallest set of most likely "
-                 f"tokens with mass >= {p} has {n_exp}")
+            fail(
+                f"top_p_filter kept {n_got} tokens for p={p} on {shown}; the smallest set of most likely "
+                f"tokens with mass >= {p} has {n_exp}"
+            )
         if kept.any() and removed.any() and torch.isfinite(row[removed]).any():
             lowest_kept, highest_removed = row[kept].min().item(), row[removed].max().item()
             if highest_removed > lowest_kept:
-                fail(f"removed a token with logit {format_values(highest_removed)} but kept one with "
-                     f"{format_values(lowest_kept)}; top-p keeps the MOST likely tokens")
+                fail(
+                    f"removed a token with logit {format_values(highest_removed)} but kept one with "
+                    f"{format_values(lowest_kept)}; top-p keeps the MOST likely tokens"
+                )
         ordered = row[torch.isfinite(row)].sort(descending=True).values
         tie_at_boundary = 0 < n_exp < ordered.numel() and ordered[n_exp - 1] == ordered[n_exp]
         if hs is not None and len(allowed) == 1 and not tie_at_boundary:
             h_kept = hs[r] != NEG_INF
             if not torch.equal(h_kept, kept):
-                fail(f"kept tokens {kept.nonzero().flatten().tolist()}; Hugging Face TopPLogitsWarper keeps "
-                     f"{h_kept.nonzero().flatten().tolist()}")
+                fail(
+                    f"kept tokens {kept.nonzero().flatten().tolist()}; Hugging Face TopPLogitsWarper keeps "
+                    f"{h_kept.nonzero().flatten().tolist()}"
+                )
 
 
 def check_top_p_filter(fn) -> None:
@@ -355,8 +382,12 @@ def check_top_p_filter(fn) -> None:
         ([10.0, 0.0, 0.0, 0.0], 0.9, "one dominant token (probability 0.99986)"),
         ([10.0, 0.0, 0.0, 0.0], 0.999, "one dominant token (probability 0.99986)"),
         ([2.0, 1.0, -1.0, -3.0, NEG_INF], 1.0, "p = 1 keeps every token (-inf stays -inf)"),
-        ([0.0, -20.0], 1.0, "p = 1 keeps every token, even one of probability 2e-9; in float32 the mass "
-                            "before it can round to exactly 1.0, so treat p = 1 as 'no filtering'"),
+        (
+            [0.0, -20.0],
+            1.0,
+            "p = 1 keeps every token, even one of probability 2e-9; in float32 the mass "
+            "before it can round to exactly 1.0, so treat p = 1 as 'no filtering'",
+        ),
         ([1e4, 0.0, -1e4, NEG_INF], 0.5, "extreme values, -inf already present"),
         ([1e4, 1e4, -1e4, NEG_INF], 0.6, "two tied dominant tokens of probability 0.5 each: both are needed"),
         ([1e4, 1e4, -1e4, NEG_INF], 0.4, "two tied dominant tokens: either one alone holds 0.5 >= 0.4"),
@@ -391,17 +422,26 @@ def check_repetition_penalty(fn) -> None:
     hf = _load_hf()
     once = "each distinct id is penalized once, however often it occurs"
     cases = [
-        ([2.0, -2.0, 0.5, 1.0, 0.0], [0, 0, 1, 1, 1, 4], 2.0,
-         (f"positive logits are divided by the penalty, negative ones multiplied (the sign-aware rule of Hugging "
-          f"Face and vLLM: dividing a negative logit, as the CTRL paper's formula does, would raise it); {once}")),
+        (
+            [2.0, -2.0, 0.5, 1.0, 0.0],
+            [0, 0, 1, 1, 1, 4],
+            2.0,
+            (
+                f"positive logits are divided by the penalty, negative ones multiplied (the sign-aware rule of Hugging "
+                f"Face and vLLM: dividing a negative logit, as the CTRL paper's formula does, would raise it); {once}"
+            ),
+        ),
         ([2.0, -2.0, 0.5, 1.0, 0.0], [0, 0, 1, 1, 1, 4], 0.5, f"penalty < 1 rewards repeats; {once}"),
         ([2.0, -2.0, 0.5], [2, 1, 2], 1.0, "penalty 1 changes nothing"),
         ([2.0, -2.0, 0.5], [], 3.0, "no history: nothing changes"),
         ([1e4, -1e4, NEG_INF, 1.0], [0, 1, 2, 2], 1.5, "extreme values; -inf stays -inf"),
-        ([[1.0, -1.0, 3.0], [1.0, -1.0, 3.0]], [[0, 0], [1, 2]], 1.5,
-         "leading dims [B, n]: each row uses only its own history"),
-        ([[[1.0, -1.0, 3.0, 2.0]], [[-4.0, 2.0, 0.5, 1.0]]], [[[3, 3, 1]], [[0, 0, 0]]], 1.25,
-         "leading dims [2, 1]"),
+        (
+            [[1.0, -1.0, 3.0], [1.0, -1.0, 3.0]],
+            [[0, 0], [1, 2]],
+            1.5,
+            "leading dims [B, n]: each row uses only its own history",
+        ),
+        ([[[1.0, -1.0, 3.0, 2.0]], [[-4.0, 2.0, 0.5, 1.0]]], [[[3, 3, 1]], [[0, 0, 0]]], 1.25, "leading dims [2, 1]"),
     ]
     for values, ids, penalty, note in cases:
         x = torch.tensor(values)
@@ -410,15 +450,23 @@ def check_repetition_penalty(fn) -> None:
         desc = f"apply_repetition_penalty(logits, token_ids={format_values(token_ids)}, penalty={penalty})"
         got = call(f"{desc} on logits {format_values(x)}", fn, x, token_ids, penalty)
         _check_unchanged(desc, before, x)
-        _compare(desc, x, _ref_repetition(x, token_ids, penalty), got,
-                 source="x / penalty if x > 0 else x * penalty, for every id in token_ids", note=note)
+        _compare(
+            desc,
+            x,
+            _ref_repetition(x, token_ids, penalty),
+            got,
+            source="x / penalty if x > 0 else x * penalty, for every id in token_ids",
+            note=note,
+        )
     randoms = [((30,), 12, 1.3), ((4, 30), 20, 2.0), ((2, 3, 40), 25, 0.7), ((2, 3, 40), 60, 1.1)]
     for i, (shape, n, penalty) in enumerate(randoms):
         g = torch.Generator().manual_seed(400 + i)
         x = torch.randn(*shape, generator=g) * 3
         token_ids = torch.randint(0, shape[-1], (*shape[:-1], n), generator=g)  # with duplicates
-        desc = (f"apply_repetition_penalty(logits, token_ids, penalty={penalty}) on random logits of shape "
-                f"{list(shape)}, token_ids of shape {list(token_ids.shape)} (with repeated ids)")
+        desc = (
+            f"apply_repetition_penalty(logits, token_ids, penalty={penalty}) on random logits of shape "
+            f"{list(shape)}, token_ids of shape {list(token_ids.shape)} (with repeated ids)"
+        )
         got = call(desc, fn, x.clone(), token_ids.clone(), penalty)
         if hf is not None:
             expected = _hf_apply(hf.repetition(float(penalty)), x, token_ids)
@@ -428,8 +476,15 @@ def check_repetition_penalty(fn) -> None:
         _compare(desc, x, expected, got, source=source, note=once)
     x, token_ids = torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0, 1])
     for penalty in (0.0, -1.0):
-        expect_raises(f"apply_repetition_penalty(logits, token_ids, penalty={penalty})", ValueError,
-                      "the penalty must be > 0", fn, x, token_ids, penalty)
+        expect_raises(
+            f"apply_repetition_penalty(logits, token_ids, penalty={penalty})",
+            ValueError,
+            "the penalty must be > 0",
+            fn,
+            x,
+            token_ids,
+            penalty,
+        )
 
 
 # --------------------------------------------------------------------------- sampling
@@ -479,8 +534,14 @@ def _expect_processed(fn, x: torch.Tensor, params: list, histories, what: str, n
     for r, p in enumerate(params):
         history = None if histories is None else histories[r]
         row_desc = f"{desc}, row {r} with {_describe_params(p)}" + (f" and history {list(history)}" if history else "")
-        _compare(row_desc, x[r], _ref_process_row(x[r], p, history), got[r],
-                 source="repetition penalty, temperature, top-k, top-p, in that order", note=note)
+        _compare(
+            row_desc,
+            x[r],
+            _ref_process_row(x[r], p, history),
+            got[r],
+            source="repetition penalty, temperature, top-k, top-p, in that order",
+            note=note,
+        )
 
 
 def check_process_logits(fn) -> None:
@@ -490,27 +551,45 @@ def check_process_logits(fn) -> None:
 
     # the order: the penalty before top-k (token 0 loses its place), temperature before top-p
     x = torch.tensor([[3.0, 2.9, 1.0, -1.0, 0.5], [2.0, 1.0, 0.5, -1.0, -3.0]])
-    _expect_processed(fn, x, [P(temperature=1.0, top_k=1, repetition_penalty=2.0), P(temperature=0.5, top_p=0.8)],
-                      [[0], []], "two rows of 5 logits",
-                      note="the penalty comes first, so top-k=1 sees token 0 at 1.5 and keeps token 1; top-p "
-                           "measures mass after the temperature (at T=0.5 one token holds 0.84 of it)")
+    _expect_processed(
+        fn,
+        x,
+        [P(temperature=1.0, top_k=1, repetition_penalty=2.0), P(temperature=0.5, top_p=0.8)],
+        [[0], []],
+        "two rows of 5 logits",
+        note="the penalty comes first, so top-k=1 sees token 0 at 1.5 and keeps token 1; top-p "
+        "measures mass after the temperature (at T=0.5 one token holds 0.84 of it)",
+    )
     # greedy rows: the penalty, and no division by 0
     x = torch.tensor([[1.0, 4.0, -2.0, 3.0], [1.0, 4.0, -2.0, 3.0], [1.0, 4.0, -2.0, 3.0]])
-    _expect_processed(fn, x, [P(temperature=0, repetition_penalty=2.0), P(temperature=0, top_k=1), P(temperature=4.0)],
-                      [[1, 2], [], [1]], "three rows: two greedy, one at temperature 4",
-                      note="a greedy row (temperature 0) gets the repetition penalty only: never divide by 0; "
-                           "each row uses its own params")
+    _expect_processed(
+        fn,
+        x,
+        [P(temperature=0, repetition_penalty=2.0), P(temperature=0, top_k=1), P(temperature=4.0)],
+        [[1, 2], [], [1]],
+        "three rows: two greedy, one at temperature 4",
+        note="a greedy row (temperature 0) gets the repetition penalty only: never divide by 0; "
+        "each row uses its own params",
+    )
     # a batch of random rows, every combination, each row its own settings
-    params = [P(temperature=0.7, top_k=5), P(temperature=1.3, top_p=0.8), P(temperature=1.0, top_k=10, top_p=0.5),
-              P(temperature=0.9, top_k=3, repetition_penalty=1.3), P(temperature=2.0), P(temperature=0, repetition_penalty=1.5),
-              P(temperature=0.6, top_p=0.95, repetition_penalty=1.2)]
+    params = [
+        P(temperature=0.7, top_k=5),
+        P(temperature=1.3, top_p=0.8),
+        P(temperature=1.0, top_k=10, top_p=0.5),
+        P(temperature=0.9, top_k=3, repetition_penalty=1.3),
+        P(temperature=2.0),
+        P(temperature=0, repetition_penalty=1.5),
+        P(temperature=0.6, top_p=0.95, repetition_penalty=1.2),
+    ]
     x = _random_logits((len(params), 64), seed=700)
     g = torch.Generator().manual_seed(701)
     histories = [torch.randint(0, 64, (9,), generator=g).tolist() for _ in params]
     _expect_processed(fn, x, params, histories, f"random logits [{len(params)}, 64], one setting per row")
     _expect_processed(fn, x[:3], params[:3], None, "random logits [3, 64], no histories (None)")
-    for args, what in (((x, params[:2], None), "logits with 7 rows and 2 params"),
-                       ((x[:2], params[:2], histories[:1]), "2 rows and 1 history")):
+    for args, what in (
+        ((x, params[:2], None), "logits with 7 rows and 2 params"),
+        ((x[:2], params[:2], histories[:1]), "2 rows and 1 history"),
+    ):
         expect_raises(f"process_logits({what})", ValueError, "each row needs its own params (and history)", fn, *args)
 
 
@@ -526,17 +605,21 @@ def _params_str(temperature, top_k=0, top_p=1.0) -> str:
 
 def _check_ids(desc: str, ids, lead_shape: torch.Size, vocab: int) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor):
-        raise AssertionError(f"{desc} returned {type(ids).__name__}; "
-                             f"expected a tensor of token ids of shape {list(lead_shape)}")
+        raise AssertionError(
+            f"{desc} returned {type(ids).__name__}; expected a tensor of token ids of shape {list(lead_shape)}"
+        )
     if ids.shape != lead_shape:
-        raise AssertionError(f"{desc} returned shape {list(ids.shape)}; expected {list(lead_shape)} "
-                             "(one id per row: the logits' shape without the vocabulary dim)")
+        raise AssertionError(
+            f"{desc} returned shape {list(ids.shape)}; expected {list(lead_shape)} "
+            "(one id per row: the logits' shape without the vocabulary dim)"
+        )
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise AssertionError(f"{desc} returned dtype {ids.dtype}; expected integer token ids (torch.int64)")
     ids = ids.detach().cpu().long()
     if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
-        raise AssertionError(f"{desc} returned id {int(ids.min() if ids.min() < 0 else ids.max())}, "
-                             f"outside the vocabulary [0, {vocab})")
+        raise AssertionError(
+            f"{desc} returned id {int(ids.min() if ids.min() < 0 else ids.max())}, outside the vocabulary [0, {vocab})"
+        )
     return ids
 
 
@@ -558,21 +641,30 @@ def check_sample(fn) -> None:
         x, want = torch.tensor(values), torch.tensor(want)
         for top_k, top_p in ((0, 1.0), (2, 0.5)):
             desc = f"sample(logits, {_params_str(0.0, top_k, top_p)}, generator) on logits {format_values(x)}"
-            got = _check_ids(desc, call(desc, fn, x.clone(), _params(0.0, top_k, top_p),
-                                        torch.Generator().manual_seed(0)), x.shape[:-1], x.shape[-1])
+            got = _check_ids(
+                desc,
+                call(desc, fn, x.clone(), _params(0.0, top_k, top_p), torch.Generator().manual_seed(0)),
+                x.shape[:-1],
+                x.shape[-1],
+            )
             if not torch.equal(got, want):
-                raise AssertionError(f"{desc}: expected {format_values(want)}, got {format_values(got)} "
-                                     "(temperature 0 is greedy: the argmax, and the lowest id among tied maxima)")
+                raise AssertionError(
+                    f"{desc}: expected {format_values(want)}, got {format_values(got)} "
+                    "(temperature 0 is greedy: the argmax, and the lowest id among tied maxima)"
+                )
 
     # top_k = 1 leaves one token per row: each row must get its own argmax (no mixing of rows).
     x = _random_logits((2, 3, 17), seed=500)
     desc = f"sample(logits, {_params_str(0.8, 1)}, generator) on random logits of shape [2, 3, 17]"
-    got = _check_ids(desc, call(desc, fn, x.clone(), _params(0.8, 1), torch.Generator().manual_seed(1)),
-                     x.shape[:-1], 17)
+    got = _check_ids(
+        desc, call(desc, fn, x.clone(), _params(0.8, 1), torch.Generator().manual_seed(1)), x.shape[:-1], 17
+    )
     want = x.argmax(dim=-1)
     if not torch.equal(got, want):
-        raise AssertionError(f"{desc}: top_k=1 leaves only each row's largest logit, so expected ids "
-                             f"{format_values(want)}, got {format_values(got)}")
+        raise AssertionError(
+            f"{desc}: top_k=1 leaves only each row's largest logit, so expected ids "
+            f"{format_values(want)}, got {format_values(got)}"
+        )
 
     # Frequencies over N draws against the exact distribution.
     exact = [_ref_sampling_probs(torch.tensor(v), t, k, p) for v, t, k, p in _FREQUENCY_CASES]
@@ -584,23 +676,31 @@ def check_sample(fn) -> None:
         x = torch.tensor(values)
         desc = f"sample(logits, {_params_str(t, k, p)}, generator) on logits {format_values(x)}, drawn {N_DRAWS} times"
         batch = x.repeat(N_DRAWS, 1)
-        ids = _check_ids(desc, call(desc, fn, batch, _params(t, k, p), torch.Generator().manual_seed(2024)),
-                         batch.shape[:-1], x.shape[-1])
+        ids = _check_ids(
+            desc,
+            call(desc, fn, batch, _params(t, k, p), torch.Generator().manual_seed(2024)),
+            batch.shape[:-1],
+            x.shape[-1],
+        )
         counts = torch.bincount(ids, minlength=x.shape[-1]).double()
         freq = counts / N_DRAWS
-        table = (f"exact probabilities {format_values([round(v, 4) for v in q.tolist()])}, "
-                 f"drawn frequencies {format_values([round(v, 4) for v in freq.tolist()])}")
+        table = (
+            f"exact probabilities {format_values([round(v, 4) for v in q.tolist()])}, "
+            f"drawn frequencies {format_values([round(v, 4) for v in freq.tolist()])}"
+        )
         for i, qi in enumerate(q.tolist()):
             if qi == 0 and counts[i] > 0:
                 raise AssertionError(
                     f"{desc}: drew token {i} {int(counts[i])} times, but after temperature, top-k and top-p "
-                    f"(in that order) its probability is 0; {table}")
+                    f"(in that order) its probability is 0; {table}"
+                )
         for i, (qi, fi) in enumerate(zip(q.tolist(), freq.tolist())):
             bound = z * math.sqrt(qi * (1 - qi) / N_DRAWS)
             if qi > 0 and abs(fi - qi) > bound:
                 raise AssertionError(
                     f"{desc}: token {i} was drawn with frequency {fi:.4f}, but its exact probability is {qi:.4f} "
-                    f"(allowed: +/- {bound:.4f} = {z:.2f} standard errors); {table}")
+                    f"(allowed: +/- {bound:.4f} = {z:.2f} standard errors); {table}"
+                )
 
     # One row at a time: a 0-d id per call, always inside the support.
     values, t, k, p = _FREQUENCY_CASES[0]
@@ -629,13 +729,17 @@ def check_sample(fn) -> None:
     first, again, other = (_check_ids(desc, v, batch.shape[:-1], x.shape[-1]) for v in (first, again, other))
     if not torch.equal(first, again):
         n, row = int((first != again).sum()), int((first != again).nonzero()[0, 0])
-        raise AssertionError(f"{desc}: two calls with generators seeded 1234 gave different ids ({n} of 2000 rows "
-                             f"differ, the first at row {row}: {int(first[row])}, then {int(again[row])}); draw every "
-                             "random number from the `generator` argument "
-                             "(e.g. torch.multinomial(..., generator=generator))")
+        raise AssertionError(
+            f"{desc}: two calls with generators seeded 1234 gave different ids ({n} of 2000 rows "
+            f"differ, the first at row {row}: {int(first[row])}, then {int(again[row])}); draw every "
+            "random number from the `generator` argument "
+            "(e.g. torch.multinomial(..., generator=generator))"
+        )
     if torch.equal(first, other):
-        raise AssertionError(f"{desc}: generators seeded 1234 and 4321 gave exactly the same 2000 ids; "
-                             "the draws must come from the `generator` argument")
+        raise AssertionError(
+            f"{desc}: generators seeded 1234 and 4321 gave exactly the same 2000 ids; "
+            "the draws must come from the `generator` argument"
+        )
 
 
 # --------------------------------------------------------------------------- beam search
@@ -691,34 +795,52 @@ def check_beam_search(fn) -> None:
         if eos is not None and len(eos) != 1:
             raise RuntimeError(f"internal: EOS text {eos_text!r} is not one token of the tiny model")
         eos = None if eos is None else eos[0]
-        desc = (f"beam_search(tiny model, prompt {text!r}, num_beams={num_beams}, max_new_tokens={max_new}, "
-                f"eos_token_id={eos}{'' if eos is None else f' ({eos_text!r})'}, length_penalty={penalty})")
+        desc = (
+            f"beam_search(tiny model, prompt {text!r}, num_beams={num_beams}, max_new_tokens={max_new}, "
+            f"eos_token_id={eos}{'' if eos is None else f' ({eos_text!r})'}, length_penalty={penalty})"
+        )
         want_ids, want_score = beam_search(model, prompt, num_beams, max_new, eos, penalty)
         ids, score = _beam_result(desc, call(desc, fn, model, list(prompt), num_beams, max_new, eos, penalty))
         if ids == want_ids and abs(score - want_score) <= BEAM_SCORE_TOL:
             continue
-        lines = [f"{desc}: wrong result.",
-                 f"  expected ids {want_ids} = {tokenizer.decode(want_ids)!r}, score {want_score:.5f} (the library's beam "
-                 "search: the best 2 x num_beams candidates a step, of which only the first num_beams may finish, "
-                 "hypotheses scored sum_logprob / len(new ids) ** length_penalty, stop once num_beams are finished)",
-                 f"  got      ids {ids} = {tokenizer.decode([i for i in ids if 0 <= i < model.config.vocab_size])!r}, "
-                 f"score {score:.5f}"]
+        lines = [
+            f"{desc}: wrong result.",
+            f"  expected ids {want_ids} = {tokenizer.decode(want_ids)!r}, score {want_score:.5f} (the library's beam "
+            "search: the best 2 x num_beams candidates a step, of which only the first num_beams may finish, "
+            "hypotheses scored sum_logprob / len(new ids) ** length_penalty, stop once num_beams are finished)",
+            f"  got      ids {ids} = {tokenizer.decode([i for i in ids if 0 <= i < model.config.vocab_size])!r}, "
+            f"score {score:.5f}",
+        ]
         if ids and all(0 <= i < model.config.vocab_size for i in ids):
             true_score = sequence_logprob(model, prompt, ids) / len(ids) ** penalty
             if abs(true_score - score) > BEAM_SCORE_TOL:
-                lines.append(f"  your ids, scored by one forward pass without a cache, give {true_score:.5f}, not "
-                             f"{score:.5f}: did every beam's cache row follow its parent (cache.reorder), is the length "
-                             "the new ids only, and is the penalty applied to finished hypotheses only?")
+                lines.append(
+                    f"  your ids, scored by one forward pass without a cache, give {true_score:.5f}, not "
+                    f"{score:.5f}: did every beam's cache row follow its parent (cache.reorder), is the length "
+                    "the new ids only, and is the penalty applied to finished hypotheses only?"
+                )
         raise AssertionError("\n".join(lines))
     prompt = tokenizer.encode(BEAM_CASES[0][0])
     desc = f"beam_search(tiny model, prompt {BEAM_CASES[0][0]!r}, num_beams=1, max_new_tokens=12)"
     ids, score = _beam_result(desc, call(desc, fn, model, list(prompt), 1, 12, None, 1.0))
     greedy = generate_with_cache(model, prompt, 12)
     if ids != greedy:
-        raise AssertionError(f"{desc}: expected the greedy continuation {greedy}, got {ids} (one beam, no EOS: "
-                             "beam search keeps the single best token at every step)")
-    expect_raises("beam_search(tiny model, prompt, num_beams=0, max_new_tokens=4)", ValueError,
-                  "num_beams must be >= 1", fn, model, list(prompt), 0, 4, None, 1.0)
+        raise AssertionError(
+            f"{desc}: expected the greedy continuation {greedy}, got {ids} (one beam, no EOS: "
+            "beam search keeps the single best token at every step)"
+        )
+    expect_raises(
+        "beam_search(tiny model, prompt, num_beams=0, max_new_tokens=4)",
+        ValueError,
+        "num_beams must be >= 1",
+        fn,
+        model,
+        list(prompt),
+        0,
+        4,
+        None,
+        1.0,
+    )
 
 
 # --------------------------------------------------------------------------- predictions
@@ -733,8 +855,12 @@ def answer_q_top_p_uniform_kept() -> float:
 
 def check_q_top_p_uniform_kept(value) -> None:
     """Graded q_top_p_uniform_kept (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_top_p_uniform_kept", value, answer_q_top_p_uniform_kept(),
-                  "top-p 0.9 over 1,000 tokens of probability 0.001 each keeps the smallest set with mass >= 0.9")
+    expect_answer(
+        "q_top_p_uniform_kept",
+        value,
+        answer_q_top_p_uniform_kept(),
+        "top-p 0.9 over 1,000 tokens of probability 0.001 each keeps the smallest set with mass >= 0.9",
+    )
 
 
 def answer_q_frequency_std_error() -> float:
@@ -745,6 +871,10 @@ def answer_q_frequency_std_error() -> float:
 
 def check_q_frequency_std_error(value) -> None:
     """Graded q_frequency_std_error (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_frequency_std_error", value, answer_q_frequency_std_error(),
-                  "the standard deviation of the frequency of a token of probability 0.1 over 10,000 draws, "
-                  "sqrt(0.1 x 0.9 / 10,000)")
+    expect_answer(
+        "q_frequency_std_error",
+        value,
+        answer_q_frequency_std_error(),
+        "the standard deviation of the frequency of a token of probability 0.1 over 10,000 draws, "
+        "sqrt(0.1 x 0.9 / 10,000)",
+    )

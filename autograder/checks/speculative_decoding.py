@@ -45,6 +45,7 @@ Oracles:
   (1e-4). The oracle's argmax wins by more than 1e-3 on every path visited (a test says so), so
   no case hangs on rounding between a tree pass and a plain one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,8 +63,13 @@ from decodelab.model.toy import random_llama
 # exercise -> the library's reference it is graded against (the course's table of exercises)
 REFERENCES = references("09_speculative_decoding")
 
-__all__ = ["check_accept_draft_tokens", "check_speculative_step", "check_propose_from_prompt", "check_verify_tree",
-           "tvd_bound"]
+__all__ = [
+    "check_accept_draft_tokens",
+    "check_speculative_step",
+    "check_propose_from_prompt",
+    "check_verify_tree",
+    "tvd_bound",
+]
 
 FAILURE_PROB = 1e-6
 VOCAB = 96  # of the random models of the step check
@@ -83,30 +89,40 @@ def _ref_tvd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------- the acceptance rule
 # Target rows p_0..p_3 and draft rows q_0..q_2 over V = 6 tokens (as in tests/test_speculative.py):
 # position 0 has a low acceptance rate (0.35), the next ones a high one, neighbouring rows differ.
-P = torch.tensor([[0.50, 0.30, 0.10, 0.05, 0.03, 0.02],
-                  [0.10, 0.40, 0.20, 0.10, 0.10, 0.10],
-                  [0.05, 0.05, 0.50, 0.20, 0.10, 0.10],
-                  [0.30, 0.05, 0.05, 0.05, 0.05, 0.50]])
-Q = torch.tensor([[0.05, 0.10, 0.15, 0.20, 0.25, 0.25],
-                  [0.20, 0.30, 0.20, 0.10, 0.10, 0.10],
-                  [0.05, 0.15, 0.40, 0.20, 0.10, 0.10]])
+P = torch.tensor(
+    [
+        [0.50, 0.30, 0.10, 0.05, 0.03, 0.02],
+        [0.10, 0.40, 0.20, 0.10, 0.10, 0.10],
+        [0.05, 0.05, 0.50, 0.20, 0.10, 0.10],
+        [0.30, 0.05, 0.05, 0.05, 0.05, 0.50],
+    ]
+)
+Q = torch.tensor(
+    [[0.05, 0.10, 0.15, 0.20, 0.25, 0.25], [0.20, 0.30, 0.20, 0.10, 0.10, 0.10], [0.05, 0.15, 0.40, 0.20, 0.10, 0.10]]
+)
 N_STEPS = 2000
 
 
 def _accept_step(accept, drafts, q, p, generator, what):
     out = call(f"accept_draft_tokens on {what}", accept, drafts, q, p, generator)
     if not isinstance(out, torch.Tensor) or out.dim() != 1 or out.dtype != torch.int64:
-        raise AssertionError(f"accept_draft_tokens on {what}: expected a 1-D int64 tensor of token ids, got "
-                             f"{out.dtype if isinstance(out, torch.Tensor) else type(out).__name__} "
-                             f"{tuple(out.shape) if isinstance(out, torch.Tensor) else out!r}")
+        raise AssertionError(
+            f"accept_draft_tokens on {what}: expected a 1-D int64 tensor of token ids, got "
+            f"{out.dtype if isinstance(out, torch.Tensor) else type(out).__name__} "
+            f"{tuple(out.shape) if isinstance(out, torch.Tensor) else out!r}"
+        )
     k = len(drafts)
     if not 1 <= len(out) <= k + 1:
-        raise AssertionError(f"accept_draft_tokens on {what}: emitted {len(out)} tokens {out.tolist()}; a step with "
-                             f"k={k} drafts emits between 1 and {k + 1}")
-    if out[:-1].tolist() != drafts[:len(out) - 1].tolist():
-        raise AssertionError(f"accept_draft_tokens on {what}: emitted {out.tolist()}; a step emits the accepted "
-                             f"prefix of the drafts {drafts.tolist()}, then exactly ONE more token (the residual's "
-                             f"draw at the first rejection, or the bonus token when all {k} pass)")
+        raise AssertionError(
+            f"accept_draft_tokens on {what}: emitted {len(out)} tokens {out.tolist()}; a step with "
+            f"k={k} drafts emits between 1 and {k + 1}"
+        )
+    if out[:-1].tolist() != drafts[: len(out) - 1].tolist():
+        raise AssertionError(
+            f"accept_draft_tokens on {what}: emitted {out.tolist()}; a step emits the accepted "
+            f"prefix of the drafts {drafts.tolist()}, then exactly ONE more token (the residual's "
+            f"draw at the first rejection, or the bonus token when all {k} pass)"
+        )
     return out
 
 
@@ -118,36 +134,51 @@ def _deterministic_cases(accept) -> None:
         drafts = torch.multinomial(Q, 1, generator=generator)[:, 0]
         out = _accept_step(accept, drafts, Q, target, generator, f"drafts {drafts.tolist()} with q == p for k=3")
         if out.tolist() != drafts.tolist() + [5]:
-            raise AssertionError(f"accept_draft_tokens with draft_probs equal to target_probs[:3] (k=3, drafts "
-                                 f"{drafts.tolist()}) must accept all 3 and add the bonus token from target_probs[3] = "
-                                 f"one-hot at token 5: expected {drafts.tolist() + [5]}, got {out.tolist()}")
+            raise AssertionError(
+                f"accept_draft_tokens with draft_probs equal to target_probs[:3] (k=3, drafts "
+                f"{drafts.tolist()}) must accept all 3 and add the bonus token from target_probs[3] = "
+                f"one-hot at token 5: expected {drafts.tolist() + [5]}, got {out.tolist()}"
+            )
     # 2. p(d) >= q(d): always accepted (u < p/q with p/q >= 1).
     p = torch.tensor([[0.6, 0.2, 0.2, 0.0], [0.0, 0.0, 0.0, 1.0]])
     q = torch.tensor([[0.3, 0.3, 0.4, 0.0]])
     for trial in range(20):
-        out = _accept_step(accept, torch.tensor([0]), q, p, generator, "draft [0], q_0 [0.3, 0.3, 0.4, 0], "
-                           "target_probs [[0.6, 0.2, 0.2, 0], [0, 0, 0, 1]]")
+        out = _accept_step(
+            accept,
+            torch.tensor([0]),
+            q,
+            p,
+            generator,
+            "draft [0], q_0 [0.3, 0.3, 0.4, 0], target_probs [[0.6, 0.2, 0.2, 0], [0, 0, 0, 1]]",
+        )
         if out.tolist() != [0, 3]:
-            raise AssertionError(f"accept_draft_tokens(draft_tokens [0], draft_probs [[0.3, 0.3, 0.4, 0]], target_probs "
-                                 f"[[0.6, 0.2, 0.2, 0], [0, 0, 0, 1]]): p(0) = 0.6 >= q(0) = 0.3, so the draft is always "
-                                 f"accepted and the bonus comes from row 1 (one-hot at 3): expected [0, 3], got "
-                                 f"{out.tolist()}")
+            raise AssertionError(
+                f"accept_draft_tokens(draft_tokens [0], draft_probs [[0.3, 0.3, 0.4, 0]], target_probs "
+                f"[[0.6, 0.2, 0.2, 0], [0, 0, 0, 1]]): p(0) = 0.6 >= q(0) = 0.3, so the draft is always "
+                f"accepted and the bonus comes from row 1 (one-hot at 3): expected [0, 3], got "
+                f"{out.tolist()}"
+            )
     # 3. p(d) = 0: always rejected; max(0, p - q) = [0, 0, 0.5, 0] is one point: token 2, every time.
     p = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
     q = torch.tensor([[0.5, 0.5, 0.0, 0.0]])
     for trial in range(20):
         out = _accept_step(accept, torch.tensor([0]), q, p, generator, "draft [0] with p(0) = 0")
         if out.tolist() != [2]:
-            raise AssertionError(f"accept_draft_tokens(draft_tokens [0], draft_probs [[0.5, 0.5, 0, 0]], target_probs "
-                                 f"[[0, 0.5, 0.5, 0], [0.25, 0.25, 0.25, 0.25]]): p(0) = 0, so the draft is always "
-                                 f"rejected, and the residual max(0, p - q) = [0, 0, 0.5, 0] normalizes to token 2: "
-                                 f"expected [2] every time, got {out.tolist()} (trial {trial + 1})")
+            raise AssertionError(
+                f"accept_draft_tokens(draft_tokens [0], draft_probs [[0.5, 0.5, 0, 0]], target_probs "
+                f"[[0, 0.5, 0.5, 0], [0.25, 0.25, 0.25, 0.25]]): p(0) = 0, so the draft is always "
+                f"rejected, and the residual max(0, p - q) = [0, 0, 0.5, 0] normalizes to token 2: "
+                f"expected [2] every time, got {out.tolist()} (trial {trial + 1})"
+            )
     # 4. k = 0: nothing to judge, one token from target_probs[0].
-    out = _accept_step(accept, torch.zeros(0, dtype=torch.long), torch.zeros(0, 4), torch.eye(4)[1:2], generator,
-                       "k=0 (no drafts)")
+    out = _accept_step(
+        accept, torch.zeros(0, dtype=torch.long), torch.zeros(0, 4), torch.eye(4)[1:2], generator, "k=0 (no drafts)"
+    )
     if out.tolist() != [1]:
-        raise AssertionError(f"accept_draft_tokens with k=0 drafts and target_probs [[0, 1, 0, 0]]: expected [1] "
-                             f"(the bonus token alone), got {out.tolist()}")
+        raise AssertionError(
+            f"accept_draft_tokens with k=0 drafts and target_probs [[0, 1, 0, 0]]: expected [1] "
+            f"(the bonus token alone), got {out.tolist()}"
+        )
 
 
 def _position_laws(accept, k: int, n: int, seed: int):
@@ -156,8 +187,14 @@ def _position_laws(accept, k: int, n: int, seed: int):
     counts = torch.zeros(k + 1, 6, dtype=torch.float64)
     for _ in range(n):
         drafts = torch.multinomial(Q[:k], 1, generator=generator)[:, 0]
-        out = _accept_step(accept, drafts, Q[:k], P[:k + 1], generator, f"drafts {drafts.tolist()} from the draft "
-                           f"rows q_0..q_{k - 1} of the distribution test (k={k})")
+        out = _accept_step(
+            accept,
+            drafts,
+            Q[:k],
+            P[: k + 1],
+            generator,
+            f"drafts {drafts.tolist()} from the draft rows q_0..q_{k - 1} of the distribution test (k={k})",
+        )
         for j, token in enumerate(out.tolist()):
             counts[j, token] += 1
     return counts
@@ -180,9 +217,8 @@ def check_accept_draft_tokens(accept_draft_tokens) -> None:
                     f"frequencies {format_values(law, digits=4)}: "
                     f"TVD {distance:.3f}, above the noise bound {bound:.3f} for {reached} draws. The output is "
                     f"not distributed as the target's (check the residual max(0, p - q) after a rejection, and "
-                    f"which row the bonus token comes from)")
-
-
+                    f"which row the bonus token comes from)"
+                )
 
 
 # ------------------------------------------------------------------------- one whole step
@@ -199,8 +235,16 @@ def _random_model(seed: int):
     """A 4-layer random Llama with every matrix, embeddings included, ~ N(0, 2.25 / fan_in) and
     plain norms: greedy output does not settle into one repeated token, and a copy of its first 2
     layers agrees with it about two tokens in five (both branches of the rule run)."""
-    return random_llama(seed, weight_scale=1.5, norm_jitter=0.0, embedding_std=None, vocab_size=VOCAB,
-                        intermediate_size=128, num_hidden_layers=4, max_position_embeddings=256)
+    return random_llama(
+        seed,
+        weight_scale=1.5,
+        norm_jitter=0.0,
+        embedding_std=None,
+        vocab_size=VOCAB,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        max_position_embeddings=256,
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -227,7 +271,8 @@ class _Forwards:
     def __init__(self, model):
         self.fed: list[int] = []
         self.handle = model.model.embed_tokens.register_forward_hook(
-            lambda module, inputs, output: self.fed.append(int(inputs[0].shape[-1])))
+            lambda module, inputs, output: self.fed.append(int(inputs[0].shape[-1]))
+        )
 
     def take(self) -> list[int]:
         fed, self.fed = self.fed, []
@@ -260,39 +305,58 @@ def _caches(target, draft, ids):
 
 def _emitted(out, what: str, k: int) -> list[int]:
     if not isinstance(out, torch.Tensor) or out.dim() != 1 or out.dtype != torch.int64:
-        raise AssertionError(f"{what}: expected a 1-D int64 tensor of the emitted token ids, got "
-                             f"{out.dtype if isinstance(out, torch.Tensor) else type(out).__name__} "
-                             f"{tuple(out.shape) if isinstance(out, torch.Tensor) else out!r}")
+        raise AssertionError(
+            f"{what}: expected a 1-D int64 tensor of the emitted token ids, got "
+            f"{out.dtype if isinstance(out, torch.Tensor) else type(out).__name__} "
+            f"{tuple(out.shape) if isinstance(out, torch.Tensor) else out!r}"
+        )
     if not 1 <= len(out) <= k + 1:
-        raise AssertionError(f"{what}: emitted {len(out)} tokens {out.tolist()}; a step with k={k} drafts emits "
-                             f"between 1 and {k + 1}")
+        raise AssertionError(
+            f"{what}: emitted {len(out)} tokens {out.tolist()}; a step with k={k} drafts emits between 1 and {k + 1}"
+        )
     return out.tolist()
 
 
-def _check_step_bookkeeping(what: str, k: int, ids: list[int], emitted: list[int], target_fed: list[int],
-                            target_cache, draft_cache, draft_before: int) -> None:
+def _check_step_bookkeeping(
+    what: str,
+    k: int,
+    ids: list[int],
+    emitted: list[int],
+    target_fed: list[int],
+    target_cache,
+    draft_cache,
+    draft_before: int,
+) -> None:
     """One target forward over k+1 tokens; the target cache holds the text but the new pending
     token; the draft cache no more than that (and, for k = 0, what it held)."""
     if len(target_fed) != 1 or target_fed[0] != k + 1:
-        raise AssertionError(f"{what}: the target model ran {len(target_fed)} forward passes, fed "
-                             f"{target_fed} tokens; a step verifies all of [pending, d_1 .. d_{k}] in ONE forward "
-                             f"of the target over {k + 1} tokens (the causal mask gives the {k + 1} distributions "
-                             f"at once: that single pass is where the speed-up comes from)")
+        raise AssertionError(
+            f"{what}: the target model ran {len(target_fed)} forward passes, fed "
+            f"{target_fed} tokens; a step verifies all of [pending, d_1 .. d_{k}] in ONE forward "
+            f"of the target over {k + 1} tokens (the causal mask gives the {k + 1} distributions "
+            f"at once: that single pass is where the speed-up comes from)"
+        )
     length = len(ids) + len(emitted) - 1
     if target_cache.seq_len != length:
-        raise AssertionError(f"{what}: after the step the target cache holds {target_cache.seq_len} positions; "
-                             f"expected {length}, the {len(ids)} tokens before the step plus the {len(emitted)} "
-                             f"emitted, but not the last emitted one (the new pending token, fed by the next "
-                             f"verify). Roll it back with target_cache.truncate({length}): the rejected drafts' "
-                             f"keys and values must not stay in it")
+        raise AssertionError(
+            f"{what}: after the step the target cache holds {target_cache.seq_len} positions; "
+            f"expected {length}, the {len(ids)} tokens before the step plus the {len(emitted)} "
+            f"emitted, but not the last emitted one (the new pending token, fed by the next "
+            f"verify). Roll it back with target_cache.truncate({length}): the rejected drafts' "
+            f"keys and values must not stay in it"
+        )
     if draft_cache.seq_len > length:
-        raise AssertionError(f"{what}: after the step the draft cache holds {draft_cache.seq_len} positions, more "
-                             f"than the {length} the text has (all tokens but the new pending one): the rejected "
-                             f"guesses are still in it. Roll it back with "
-                             f"draft_cache.truncate(min(draft_cache.seq_len, {length}))")
+        raise AssertionError(
+            f"{what}: after the step the draft cache holds {draft_cache.seq_len} positions, more "
+            f"than the {length} the text has (all tokens but the new pending one): the rejected "
+            f"guesses are still in it. Roll it back with "
+            f"draft_cache.truncate(min(draft_cache.seq_len, {length}))"
+        )
     if k == 0 and draft_cache.seq_len != min(draft_before, length):
-        raise AssertionError(f"{what}: with k=0 there is nothing to draft, yet the draft cache went from "
-                             f"{draft_before} to {draft_cache.seq_len} positions")
+        raise AssertionError(
+            f"{what}: with k=0 there is nothing to draft, yet the draft cache went from "
+            f"{draft_before} to {draft_cache.seq_len} positions"
+        )
 
 
 def _run_steps(step, target, draft, prompt, params, label: str, generator=None) -> None:
@@ -310,28 +374,39 @@ def _run_steps(step, target, draft, prompt, params, label: str, generator=None) 
         for index, k in enumerate(ks + [0]):
             if k and len(ids) - len(prompt) >= STEP_TOKENS:
                 continue  # enough tokens: go on to the k = 0 step
-            what = (f"speculative_step, {label}, step {index + 1} (k={k}, {len(ids) - len(prompt)} tokens generated "
-                    f"after a {len(prompt)}-token prompt)")
+            what = (
+                f"speculative_step, {label}, step {index + 1} (k={k}, {len(ids) - len(prompt)} tokens generated "
+                f"after a {len(prompt)}-token prompt)"
+            )
             before, draft_before = list(ids), draft_cache.seq_len
             target_count.take(), draft_count.take()
             out = call(what, step, target, draft, target_cache, draft_cache, ids, k, params, generator)
             target_fed = target_count.take()
             emitted = _emitted(out, what, k)
             if ids != before:
-                raise AssertionError(f"{what}: the step changed `ids` (the tokens so far) in place, from "
-                                     f"{len(before)} to {len(ids)} tokens; return the emitted tokens instead (the "
-                                     f"loop appends them)")
+                raise AssertionError(
+                    f"{what}: the step changed `ids` (the tokens so far) in place, from "
+                    f"{len(before)} to {len(ids)} tokens; return the emitted tokens instead (the "
+                    f"loop appends them)"
+                )
             expected = speculative.speculative_step(target, draft, *ref_caches, ref_ids, k, greedy).tolist()
             if emitted != expected:
                 raise AssertionError(
                     f"{what}: expected the tokens {expected}, got {emitted}. "
-                    + ("At temperature 0 " if params.greedy else
-                       f"At temperature {params.temperature} with top_k=1 (p and q after the filters, "
-                       f"`probs(logits, params)`) ")
+                    + (
+                        "At temperature 0 "
+                        if params.greedy
+                        else f"At temperature {params.temperature} with top_k=1 (p and q after the filters, "
+                        f"`probs(logits, params)`) "
+                    )
                     + "both distributions are one-hot at the argmax: the draft's guesses are its greedy tokens, kept "
-                      "while they equal the target's, and then the target's own greedy token comes"
-                    + ("" if params.greedy else
-                       "; a raw softmax (no temperature, top-k or top-p) would let other tokens through"))
+                    "while they equal the target's, and then the target's own greedy token comes"
+                    + (
+                        ""
+                        if params.greedy
+                        else "; a raw softmax (no temperature, top-k or top-p) would let other tokens through"
+                    )
+                )
             _check_step_bookkeeping(what, k, ids, emitted, target_fed, target_cache, draft_cache, draft_before)
             ids += emitted
             ref_ids += expected
@@ -349,8 +424,7 @@ def _check_top_k_one(step) -> None:
 
     target, draft, prompt = _pair()
     params = SamplingParams(temperature=0.7, top_k=1, seed=0)
-    _run_steps(step, target, draft, prompt, params, "temperature 0.7, top_k=1",
-               torch.Generator().manual_seed(0))
+    _run_steps(step, target, draft, prompt, params, "temperature 0.7, top_k=1", torch.Generator().manual_seed(0))
 
 
 def _restore(cache, model, ids: list[int]) -> None:
@@ -389,8 +463,9 @@ def _check_sampled_distribution(step) -> None:
         seconds: dict[int, set[int]] = {}
         for trial in range(n):
             what = f"speculative_step at {filters}, k={k} (step {trial + 1} of {n} from the same 12-token prompt)"
-            emitted = _emitted(call(what, step, target, draft, target_cache, draft_cache, list(prompt), k, params,
-                                    generator), what, k)
+            emitted = _emitted(
+                call(what, step, target, draft, target_cache, draft_cache, list(prompt), k, params, generator), what, k
+            )
             first = emitted[0]
             if p[first] == 0:
                 raise AssertionError(
@@ -398,7 +473,8 @@ def _check_sampled_distribution(step) -> None:
                     f"probability there is 0 (softmax(logits / T) without top-k and top-p gives it "
                     f"{float(unfiltered[first]):.3f}; the filtered p keeps only tokens {p.nonzero()[:, 0].tolist()}). "
                     f"p_i and q_i must be the distributions after "
-                    f"temperature, top-k and top-p, `probs(logits, params)`, not the raw softmax")
+                    f"temperature, top-k and top-p, `probs(logits, params)`, not the raw softmax"
+                )
             counts[first] += 1
             if len(emitted) > 1:
                 seconds.setdefault(first, set()).add(emitted[1])
@@ -412,7 +488,8 @@ def _check_sampled_distribution(step) -> None:
                     f"speculative_step at {filters}, k={k}, {n} steps from one prompt: after the first token {first} "
                     f"it emitted {outside}, which the target never samples there (probability 0 after the filters; "
                     f"it keeps {p_next.nonzero()[:, 0].tolist()}). p_i and q_i must be `probs(logits, params)`, "
-                    f"not the raw softmax")
+                    f"not the raw softmax"
+                )
     law = counts / n
     distance, bound = float(_ref_tvd(law, p)), tvd_bound(p, n)
     if distance > bound:
@@ -423,7 +500,8 @@ def _check_sampled_distribution(step) -> None:
             f"the filters) is {format_values(p[support], digits=4)}: TVD {distance:.3f}, above the noise bound "
             f"{bound:.3f} for {n} draws. The output does not follow the target. Check that q_i, the distribution you "
             f"record for draft i, is the one you drew d_i from: `probs(draft_logits, params)`, after the filters, "
-            f"not the raw softmax")
+            f"not the raw softmax"
+        )
 
 
 def _check_in_loop(step) -> None:
@@ -437,15 +515,19 @@ def _check_in_loop(step) -> None:
     reference = list(stream_token_ids(target, prompt, params))
     steps = speculative.SpeculativeSteps(speculative_step=step)
     for k in (1, 3):
-        ours = call(f"speculative greedy decoding (k={k}) with your speculative_step in the library's loop",
-                    lambda: list(speculative.stream_speculative(target, draft, prompt, params, k, steps=steps)))
+        ours = call(
+            f"speculative greedy decoding (k={k}) with your speculative_step in the library's loop",
+            lambda: list(speculative.stream_speculative(target, draft, prompt, params, k, steps=steps)),
+        )
         if ours != reference:
             first = next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
-            raise AssertionError(f"speculative greedy decoding with your speculative_step in the library's loop "
-                                 f"(decodelab.decoding.speculative.stream_speculative, k={k}, a 4-layer random target, "
-                                 f"its first 2 layers as the draft, {STEP_TOKENS} tokens) must equal target-only greedy "
-                                 f"decoding token for token; it differs first at token {first}: expected "
-                                 f"{reference[first:first + 4]}..., got {ours[first:first + 4]}...")
+            raise AssertionError(
+                f"speculative greedy decoding with your speculative_step in the library's loop "
+                f"(decodelab.decoding.speculative.stream_speculative, k={k}, a 4-layer random target, "
+                f"its first 2 layers as the draft, {STEP_TOKENS} tokens) must equal target-only greedy "
+                f"decoding token for token; it differs first at token {first}: expected "
+                f"{reference[first : first + 4]}..., got {ours[first : first + 4]}..."
+            )
 
 
 @contextlib.contextmanager
@@ -475,16 +557,21 @@ def _ref_lookup(ids: list[int], k: int, max_ngram: int) -> list[int]:
     """The rule, written from its definition: the longest n <= max_ngram whose last-n suffix occurs
     earlier with at least one token after it; of those occurrences the latest; the <= k tokens after it."""
     for n in range(max_ngram, 0, -1):
-        starts = [s for s in range(len(ids) - n) if s + n < len(ids) and ids[s:s + n] == ids[len(ids) - n:]]
+        starts = [s for s in range(len(ids) - n) if s + n < len(ids) and ids[s : s + n] == ids[len(ids) - n :]]
         if n < len(ids) and starts:
-            return ids[max(starts) + n:max(starts) + n + k]
+            return ids[max(starts) + n : max(starts) + n + k]
     return []
 
 
 LOOKUP_CASES = [  # (token ids, k, max_ngram, why)
     ([1, 2, 3, 4, 1, 2], 2, 3, "the 2-gram [1, 2] occurred at position 0, followed by [3, 4]"),
-    ([3, 1, 2, 8, 5, 1, 2, 9, 3, 1, 2], 1, 3, "the 3-gram [3, 1, 2] occurred at 0 (followed by 8); the longer "
-     "n-gram wins over the later 2-gram [1, 2] (followed by 9)"),
+    (
+        [3, 1, 2, 8, 5, 1, 2, 9, 3, 1, 2],
+        1,
+        3,
+        "the 3-gram [3, 1, 2] occurred at 0 (followed by 8); the longer "
+        "n-gram wins over the later 2-gram [1, 2] (followed by 9)",
+    ),
     ([1, 2, 5, 1, 2, 6, 1, 2], 1, 2, "[1, 2] occurred at 0 and at 3: the latest occurrence (followed by 6) wins"),
     ([4, 5, 6, 7, 4, 5], 5, 3, "[4, 5] at 0 is followed by only 4 tokens before the end: [6, 7, 4, 5]"),
     ([4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 4, 5], 3, 2, "k = 3 tokens after the latest [4, 5] (at 4): [6, 7, 8], not more"),
@@ -493,8 +580,12 @@ LOOKUP_CASES = [  # (token ids, k, max_ngram, why)
     ([5, 6, 5], 0, 3, "k = 0: no guesses"),
     ([9], 2, 3, "a single token has no earlier context"),
     ([], 2, 3, "an empty text"),
-    ([2, 7, 1, 2, 7, 3, 2, 7], 4, 1, "max_ngram = 1: only the last token [7] is looked up (latest at 4, followed by "
-     "[3, 2, 7])"),
+    (
+        [2, 7, 1, 2, 7, 3, 2, 7],
+        4,
+        1,
+        "max_ngram = 1: only the last token [7] is looked up (latest at 4, followed by [3, 2, 7])",
+    ),
 ]
 
 
@@ -516,9 +607,11 @@ def check_propose_from_prompt(fn) -> None:
         got = call(what, fn, list(ids), k, max_ngram)
         expected = _ref_lookup(ids, k, max_ngram)
         if not isinstance(got, (list, tuple)) or [int(t) for t in got] != expected:
-            raise AssertionError(f"{what} (random case {case}): expected {expected}, got {got!r}: look up the longest "
-                                 f"suffix of at most max_ngram tokens first, take its latest earlier occurrence, and "
-                                 f"return at most k tokens after it")
+            raise AssertionError(
+                f"{what} (random case {case}): expected {expected}, got {got!r}: look up the longest "
+                f"suffix of at most max_ngram tokens first, take its latest earlier occurrence, and "
+                f"return at most k tokens after it"
+            )
 
 
 # --------------------------------------------------------------------------- verify_tree
@@ -546,14 +639,25 @@ def _named_trees(choice_after):
     wrong = [t for t in range(VOCAB) if t not in g][:4]
     a, b, x, y = wrong
     return [
-        ([g[0], g[1], g[2]], [-1, 0, 1], f"a chain [g1, g2, g3] = {g[:3]} of the target's own greedy tokens: all 3 "
-         f"accepted, then g4 = {g[3]}"),
-        ([a, g[0], b, x, g[1], y], [-1, -1, 0, 1, 1, 4], f"two branches from the root, [{a}, {b}] and [g1 = {g[0]}] "
-         f"with children [{x}] and [g2 = {g[1]}, then {y}]: the second branch holds the path g1, g2, so it emits "
-         f"{g[:3]}"),
+        (
+            [g[0], g[1], g[2]],
+            [-1, 0, 1],
+            f"a chain [g1, g2, g3] = {g[:3]} of the target's own greedy tokens: all 3 accepted, then g4 = {g[3]}",
+        ),
+        (
+            [a, g[0], b, x, g[1], y],
+            [-1, -1, 0, 1, 1, 4],
+            f"two branches from the root, [{a}, {b}] and [g1 = {g[0]}] "
+            f"with children [{x}] and [g2 = {g[1]}, then {y}]: the second branch holds the path g1, g2, so it emits "
+            f"{g[:3]}",
+        ),
         ([a, b], [-1, -1], f"two candidates {a}, {b}, neither the target's choice {g[0]}: it emits [{g[0]}] alone"),
-        ([a, g[0], x, b, g[1]], [-1, -1, 1, 0, 1], f"nodes out of depth order: g1 = {g[0]} (node 1) has children "
-         f"[{x}] and [g2 = {g[1]}] (node 4), the wrong branch [{a}] a child [{b}]: it emits {g[:3]}"),
+        (
+            [a, g[0], x, b, g[1]],
+            [-1, -1, 1, 0, 1],
+            f"nodes out of depth order: g1 = {g[0]} (node 1) has children "
+            f"[{x}] and [g2 = {g[1]}] (node 4), the wrong branch [{a}] a child [{b}]: it emits {g[:3]}",
+        ),
     ]
 
 
@@ -587,8 +691,10 @@ def _expected_tree_output(choice_after, tree_tokens, parents) -> list[int]:
 def _check_one_tree(fn, target, prompt, choice_after, tree_tokens, parents, what) -> None:
     from decodelab.model.kv_cache import KVCache
 
-    call_what = (f"verify_tree(pending {prompt[-1]} after an 11-token prefix, tree_tokens {tree_tokens}, parents "
-                 f"{parents}) ({what})")
+    call_what = (
+        f"verify_tree(pending {prompt[-1]} after an 11-token prefix, tree_tokens {tree_tokens}, parents "
+        f"{parents}) ({what})"
+    )
     expected = _expected_tree_output(choice_after, tree_tokens, parents)
     start = len(prompt) - 1
     cache = KVCache(target.config, 1, 64)
@@ -598,30 +704,40 @@ def _check_one_tree(fn, target, prompt, choice_after, tree_tokens, parents, what
         fed = counter.take()
     got = _emitted(out, call_what, len(tree_tokens))
     if fed != [len(tree_tokens) + 1]:
-        raise AssertionError(f"{call_what}: the target ran {len(fed)} forward passes, fed {fed} tokens; the whole tree "
-                             f"is judged in ONE pass over the {len(tree_tokens) + 1} tokens [pending, node 0 .. node "
-                             f"{len(tree_tokens) - 1}], the tree mask keeping each node to its own path")
+        raise AssertionError(
+            f"{call_what}: the target ran {len(fed)} forward passes, fed {fed} tokens; the whole tree "
+            f"is judged in ONE pass over the {len(tree_tokens) + 1} tokens [pending, node 0 .. node "
+            f"{len(tree_tokens) - 1}], the tree mask keeping each node to its own path"
+        )
     if got != expected:
-        raise AssertionError(f"{call_what}: expected {expected}, got {got}. Running each path of the tree alone through "
-                             f"the target, its argmax after the root and after each accepted node gives {expected}: "
-                             f"the deepest path of accepted nodes, then the target's choice after its last node. Check "
-                             f"the mask (a node sees only its ancestors and itself), the positions (start + depth, not "
-                             f"start + index) and which row the last token comes from")
+        raise AssertionError(
+            f"{call_what}: expected {expected}, got {got}. Running each path of the tree alone through "
+            f"the target, its argmax after the root and after each accepted node gives {expected}: "
+            f"the deepest path of accepted nodes, then the target's choice after its last node. Check "
+            f"the mask (a node sees only its ancestors and itself), the positions (start + depth, not "
+            f"start + index) and which row the last token comes from"
+        )
     length = start + len(got)
     if cache.seq_len != length:
-        raise AssertionError(f"{call_what}: after the step the cache holds {cache.seq_len} positions; expected "
-                             f"{length}: the {start} before the pending token, the pending token and the "
-                             f"{len(got) - 1} accepted nodes (the new pending token {got[-1]} is not in it yet)")
+        raise AssertionError(
+            f"{call_what}: after the step the cache holds {cache.seq_len} positions; expected "
+            f"{length}: the {start} before the pending token, the pending token and the "
+            f"{len(got) - 1} accepted nodes (the new pending token {got[-1]} is not in it yet)"
+        )
     plain = KVCache(target.config, 1, 64)
     target(torch.tensor([prompt + got[:-1]]), kv_cache=plain)
-    error = max(float((plain.keys[:, :, :, :length] - cache.keys[:, :, :, :length]).abs().max()),
-                float((plain.values[:, :, :, :length] - cache.values[:, :, :, :length]).abs().max()))
+    error = max(
+        float((plain.keys[:, :, :, :length] - cache.keys[:, :, :, :length]).abs().max()),
+        float((plain.values[:, :, :, :length] - cache.values[:, :, :, :length]).abs().max()),
+    )
     if error > 1e-4:
-        raise AssertionError(f"{call_what}: the cache's keys and values after the step differ by up to {error:.3g} from "
-                             f"a plain pass over the text {got[:-1]} that the step accepted: the accepted nodes' rows "
-                             f"must end up right after the pending token's, in path order (their rows in the tree "
-                             f"pass are start + 1 + their index), and those rows must be computed with the tree mask "
-                             f"and start + depth positions")
+        raise AssertionError(
+            f"{call_what}: the cache's keys and values after the step differ by up to {error:.3g} from "
+            f"a plain pass over the text {got[:-1]} that the step accepted: the accepted nodes' rows "
+            f"must end up right after the pending token's, in path order (their rows in the tree "
+            f"pass are start + 1 + their index), and those rows must be computed with the tree mask "
+            f"and start + depth positions"
+        )
 
 
 def check_verify_tree(verify_tree) -> None:
@@ -645,16 +761,20 @@ def answer_q_alpha() -> float:
     """The acceptance rate for p = [0.5, 0.3, 0.2, 0] and q uniform over 4 tokens: 1 - TVD(p, q)."""
     from decodelab.decoding.speculative import tvd
 
-    expected = 1 - float(tvd(torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64), torch.full((4,), 0.25,
-                                                                                                dtype=torch.float64)))
+    expected = 1 - float(
+        tvd(torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64), torch.full((4,), 0.25, dtype=torch.float64))
+    )
     return expected
 
 
 def check_q_alpha(value) -> None:
     """Graded q_alpha (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_alpha", value, answer_q_alpha(),
-                  "the acceptance rate for p = [0.5, 0.3, 0.2, 0] and q = [0.25, 0.25, 0.25, 0.25] (sum of min(p, "
-                  "q))")
+    expect_answer(
+        "q_alpha",
+        value,
+        answer_q_alpha(),
+        "the acceptance rate for p = [0.5, 0.3, 0.2, 0] and q = [0.25, 0.25, 0.25, 0.25] (sum of min(p, q))",
+    )
 
 
 def answer_q_tokens_per_call() -> float:
@@ -666,5 +786,9 @@ def answer_q_tokens_per_call() -> float:
 
 def check_q_tokens_per_call(value) -> None:
     """Graded q_tokens_per_call (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_tokens_per_call", value, answer_q_tokens_per_call(),
-                  "tokens per target call for alpha = 0.8, k = 4 (1 + 0.8 + 0.8^2 + 0.8^3 + 0.8^4)")
+    expect_answer(
+        "q_tokens_per_call",
+        value,
+        answer_q_tokens_per_call(),
+        "tokens per target call for alpha = 0.8, k = 4 (1 + 0.8 + 0.8^2 + 0.8^3 + 0.8^4)",
+    )

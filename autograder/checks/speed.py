@@ -15,6 +15,7 @@ wrong answer earns nothing. Then the two sides run in pairs whose order alternat
 most `max_ratio`. A ratio of 1 is the library's speed; leave room for the grading machine's noise
 (1.5 is a fair bound on a busy CPU: identical code measures 0.8-1.25).
 """
+
 from __future__ import annotations
 
 import random
@@ -25,8 +26,14 @@ from decodelab.course.speed_parts import function_workload, outputs_differ, part
 DEFAULT_PAIRS = 21
 SPEED_CREDIT_RATIO = 1.5  # the parts' checks: at most this many times the library's time
 
-__all__ = ["check_decode_step_speed", "check_int8_linear_speed", "check_paged_attention_speed", "check_part_speed",
-           "check_scheduler_step_speed", "check_speed_ratio"]
+__all__ = [
+    "check_decode_step_speed",
+    "check_int8_linear_speed",
+    "check_paged_attention_speed",
+    "check_part_speed",
+    "check_scheduler_step_speed",
+    "check_speed_ratio",
+]
 
 
 def _fresh_seed() -> int:
@@ -39,14 +46,23 @@ def _expect_fast_enough(what: str, learner, reference, max_ratio: float, pairs: 
     learner_s, reference_s = paired_times(learner, reference, pairs, device)
     spread = Spread.of(ratios(learner_s, reference_s))
     if spread.median > max_ratio:
-        raise AssertionError(f"{what}: yours took {spread.median:.2f}x the library's time on this machine (median of "
-                             f"{pairs} pairs in alternating order, quartiles {spread.q1:.2f}-{spread.q3:.2f}); "
-                             f"speed credit needs at most {max_ratio:g}x")
+        raise AssertionError(
+            f"{what}: yours took {spread.median:.2f}x the library's time on this machine (median of "
+            f"{pairs} pairs in alternating order, quartiles {spread.q1:.2f}-{spread.q3:.2f}); "
+            f"speed credit needs at most {max_ratio:g}x"
+        )
     return spread.median
 
 
-def check_speed_ratio(learner_fn, reference_fn, make_inputs, max_ratio: float = 1.5, pairs: int = DEFAULT_PAIRS,
-                      tolerance: float = 1e-4, device="cpu") -> float:
+def check_speed_ratio(
+    learner_fn,
+    reference_fn,
+    make_inputs,
+    max_ratio: float = 1.5,
+    pairs: int = DEFAULT_PAIRS,
+    tolerance: float = 1e-4,
+    device="cpu",
+) -> float:
     """learner_fn(*make_inputs(seed)) gives reference_fn's output (within `tolerance` for tensors)
     on two fresh seeds, and takes at most max_ratio times its time (the median of `pairs`
     order-alternated pairs on the last inputs). Returns that median ratio; AssertionError otherwise."""
@@ -56,14 +72,17 @@ def check_speed_ratio(learner_fn, reference_fn, make_inputs, max_ratio: float = 
         args = make_inputs(seed)
         problem = outputs_differ(learner_fn(*args), reference_fn(*args), tolerance)
         if problem:
-            raise AssertionError(f"{name}: {problem} on fresh inputs (seed {seed}): speed is credited only for the "
-                                 f"reference's work")
-    return _expect_fast_enough(name, function_workload(learner_fn, args), function_workload(reference_fn, args),
-                               max_ratio, pairs, device)
+            raise AssertionError(
+                f"{name}: {problem} on fresh inputs (seed {seed}): speed is credited only for the reference's work"
+            )
+    return _expect_fast_enough(
+        name, function_workload(learner_fn, args), function_workload(reference_fn, args), max_ratio, pairs, device
+    )
 
 
-def check_part_speed(part: str, learner, max_ratio: float = 1.5, size: str = "small", pairs: int = DEFAULT_PAIRS,
-                     device="cpu") -> float:
+def check_part_speed(
+    part: str, learner, max_ratio: float = 1.5, size: str = "small", pairs: int = DEFAULT_PAIRS, device="cpu"
+) -> float:
     """The same for one of the engine's timed parts (`decodelab.course.speed_parts`: "paged
     attention", "int8 linear", "decode step", "scheduler step"), on its own inputs; `learner` is
     what the part times (the function, or Int8Linear's class, or the scheduler's class)."""
@@ -74,11 +93,13 @@ def check_part_speed(part: str, learner, max_ratio: float = 1.5, size: str = "sm
     try:
         problem = outputs_differ(mine.output(), theirs.output(), timed.tolerance)
     except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
-        raise AssertionError(f"{part}: yours raised {type(exc).__name__}: {exc} on fresh inputs "
-                             f"(seed {seed})") from None
+        raise AssertionError(
+            f"{part}: yours raised {type(exc).__name__}: {exc} on fresh inputs (seed {seed})"
+        ) from None
     if problem:
-        raise AssertionError(f"{part}: {problem} on fresh inputs (seed {seed}): speed is credited only for the "
-                             f"reference's work")
+        raise AssertionError(
+            f"{part}: {problem} on fresh inputs (seed {seed}): speed is credited only for the reference's work"
+        )
     return _expect_fast_enough(part, mine, theirs, max_ratio, pairs, device)
 
 

@@ -18,6 +18,7 @@ The expected results never come from `decodelab`: they follow from the definitio
   the [T, S] causal mask cut into tiles; its matrix products may do no more multiply-adds than
   those pairs need (PyTorch's own FlopCounterMode counts them).
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,13 @@ from decodelab.course.exercises import references
 # exercise -> the library's reference it is graded against (the course's table of exercises)
 REFERENCES = references("11_tiled_attention")
 
-__all__ = ["check_online_softmax_update", "check_tiled_attention", "check_tiled_causal_attention",
-           "check_attention_memory_bytes", "check_combine_partial_attention"]
+__all__ = [
+    "check_online_softmax_update",
+    "check_tiled_attention",
+    "check_tiled_causal_attention",
+    "check_attention_memory_bytes",
+    "check_combine_partial_attention",
+]
 
 
 def _first_bad(got: torch.Tensor, want: torch.Tensor, tol: float) -> tuple | None:
@@ -66,8 +72,16 @@ def check_online_softmax_update(fn) -> None:
     randn = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
     cases = [  # (leading dims, queries T, keys before, tile, D, shift of old scores, of the tile's, what)
         ((), 3, 0, 4, 2, 0.0, 0.0, "the first tile (state: max -inf, sum 0, out 0)"),
-        ((2,), 4, 5, 3, 3, 0.0, 4.0,
-         "a tile whose scores are larger: the old state must be scaled down by exp(old max - new max)"),
+        (
+            (2,),
+            4,
+            5,
+            3,
+            3,
+            0.0,
+            4.0,
+            "a tile whose scores are larger: the old state must be scaled down by exp(old max - new max)",
+        ),
         ((2,), 4, 5, 3, 3, 0.0, -4.0, "a tile whose scores are smaller: the max stays, the new terms are small"),
         ((1, 3), 2, 6, 5, 4, 0.0, 0.0, "leading dims [1, 3] (batch, heads)"),
         ((), 2, 3, 2, 2, 60.0, 60.0, "scores around 60: exp(60) overflows float16, so the max must be subtracted"),
@@ -78,24 +92,34 @@ def check_online_softmax_update(fn) -> None:
         if before:
             state = _state_of(old_scores, old_values)
         else:
-            state = (torch.full((*lead, t), -math.inf, dtype=torch.float64),
-                     torch.zeros(*lead, t, dtype=torch.float64), torch.zeros(*lead, t, d, dtype=torch.float64))
+            state = (
+                torch.full((*lead, t), -math.inf, dtype=torch.float64),
+                torch.zeros(*lead, t, dtype=torch.float64),
+                torch.zeros(*lead, t, d, dtype=torch.float64),
+            )
         all_scores = torch.cat([old_scores, scores_tile], -1)
         want = _state_of(all_scores, torch.cat([old_values, v_tile], -2))
-        desc = (f"online_softmax_update on a state of {before} earlier keys and a tile of {tile} keys, "
-                f"{t} queries, D={d}, leading dims {list(lead)} ({what})")
+        desc = (
+            f"online_softmax_update on a state of {before} earlier keys and a tile of {tile} keys, "
+            f"{t} queries, D={d}, leading dims {list(lead)} ({what})"
+        )
         _compare_state(desc, call(desc, fn, *[s.clone() for s in state], scores_tile, v_tile), want, (*lead, t), d)
     # rows whose tile is entirely masked: the state must not change, and a row that has seen nothing stays (-inf, 0, 0)
     inf = math.inf
     masked = torch.tensor([[-inf, -inf, -inf], [0.5, -inf, 1.0], [-inf, -inf, -inf]], dtype=torch.float64)
-    state = (torch.tensor([1.0, -inf, -inf], dtype=torch.float64), torch.tensor([2.0, 0.0, 0.0], dtype=torch.float64),
-             torch.tensor([[1.0, -1.0], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64))
+    state = (
+        torch.tensor([1.0, -inf, -inf], dtype=torch.float64),
+        torch.tensor([2.0, 0.0, 0.0], dtype=torch.float64),
+        torch.tensor([[1.0, -1.0], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64),
+    )
     v_tile = randn(3, 2)
     fresh = _state_of(masked[1:2], v_tile)
     want = tuple(torch.cat([s[:1], f, s[2:]]) for s, f in zip(state, fresh))
-    desc = ("online_softmax_update on 3 queries: query 0 has max 1, sum 2, out [1, -1] and a tile of all -inf "
-            "(masked); query 1 has seen nothing (max -inf, sum 0, out 0) and gets scores [0.5, -inf, 1]; query 2 "
-            "has seen nothing and gets only -inf (it must stay max -inf, sum 0, out 0)")
+    desc = (
+        "online_softmax_update on 3 queries: query 0 has max 1, sum 2, out [1, -1] and a tile of all -inf "
+        "(masked); query 1 has seen nothing (max -inf, sum 0, out 0) and gets scores [0.5, -inf, 1]; query 2 "
+        "has seen nothing and gets only -inf (it must stay max -inf, sum 0, out 0)"
+    )
     _compare_state(desc, call(desc, fn, *[s.clone() for s in state], masked, v_tile), want, (3,), 2)
 
 
@@ -107,8 +131,10 @@ def _compare_state(desc: str, got, want, rows: tuple, d: int) -> None:
         if tuple(g.shape) != tuple(shape):
             raise AssertionError(f"{desc}: {name} should have shape {list(shape)}, got {list(g.shape)}")
         if torch.isnan(g).any():
-            raise AssertionError(f"{desc}: {name} contains NaN (expected {w.flatten()[:6].tolist()}); exp(-inf - (-inf)) "
-                                 f"is NaN, so a row with nothing visible yet needs care")
+            raise AssertionError(
+                f"{desc}: {name} contains NaN (expected {w.flatten()[:6].tolist()}); exp(-inf - (-inf)) "
+                f"is NaN, so a row with nothing visible yet needs care"
+            )
         bad = _first_bad(g, w, 1e-9 * max(1.0, float(w.abs().nan_to_num(posinf=0, neginf=0).max())))
         if bad is not None:
             hint = ""
@@ -116,8 +142,9 @@ def _compare_state(desc: str, got, want, rows: tuple, d: int) -> None:
                 hint = " (this is sum of exp(score) without subtracting the max)"
             elif name == "new_out":
                 hint = " (the old out must be multiplied by exp(old max - new max) like the old sum)"
-            raise AssertionError(f"{desc}: {name} at index {list(bad)} should be {w[bad].item():.6g}, "
-                                 f"got {g[bad].item():.6g}{hint}")
+            raise AssertionError(
+                f"{desc}: {name} at index {list(bad)} should be {w[bad].item():.6g}, got {g[bad].item():.6g}{hint}"
+            )
 
 
 # --------------------------------------------------------------------------- tiled_attention
@@ -168,41 +195,54 @@ def check_tiled_attention(fn) -> None:
         s = offset + t if causal else 11
         q = torch.randn(b, h, t, d, generator=gen)
         k, v = torch.randn(b, h_kv, s, d, generator=gen), torch.randn(b, h_kv, s, d, generator=gen)
-        desc = (f"tiled_attention(q [{b}, {h}, {t}, {d}], k and v [{b}, {h_kv}, {s}, {d}], tile_size={tile}, "
-                f"causal={causal}, q_offset={offset}) ({what})")
+        desc = (
+            f"tiled_attention(q [{b}, {h}, {t}, {d}], k and v [{b}, {h_kv}, {s}, {d}], tile_size={tile}, "
+            f"causal={causal}, q_offset={offset}) ({what})"
+        )
         got = call(desc, fn, q, k, v, tile_size=tile, causal=causal, q_offset=offset)
         _expect_output(desc, got, q)
         want = _ref_attention(q, k, v, causal, offset)
         bad = _first_bad(got, want, 1e-5)
         if bad is not None:
-            raise AssertionError(f"{desc}: at [batch, head, query, dim] = {list(bad)} expected {want[bad].item():.6g}, "
-                                 f"got {got[bad].item():.6g} (max difference "
-                                 f"{(got.double() - want).abs().max().item():.3g})")
+            raise AssertionError(
+                f"{desc}: at [batch, head, query, dim] = {list(bad)} expected {want[bad].item():.6g}, "
+                f"got {got[bad].item():.6g} (max difference "
+                f"{(got.double() - want).abs().max().item():.3g})"
+            )
     q = torch.randn(1, 4, 5, 8, dtype=torch.float64, generator=gen)
-    k, v = torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=gen), torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=gen)
+    k, v = (
+        torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=gen),
+        torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=gen),
+    )
     desc = "tiled_attention on float64 q [1, 4, 5, 8], k and v [1, 2, 12, 8], tile_size=5, q_offset=7"
     got = call(desc, fn, q, k, v, tile_size=5, causal=True, q_offset=7)
     _expect_output(desc, got, q)
     err = (got - _ref_attention(q, k, v, True, 7)).abs().max().item()
     if err > 1e-10:
-        raise AssertionError(f"{desc}: differs from the exact result by {err:.3g}; float64 input should be "
-                             f"computed in float64 (within 1e-10)")
+        raise AssertionError(
+            f"{desc}: differs from the exact result by {err:.3g}; float64 input should be "
+            f"computed in float64 (within 1e-10)"
+        )
     # memory: no tensor may reach the size of one head's [T, S] scores
     b, h, h_kv, t, offset, d, tile = 1, 4, 2, 64, 256, 8, 32
     q = torch.randn(b, h, t, d, generator=gen)
     k, v = torch.randn(b, h_kv, offset + t, d, generator=gen), torch.randn(b, h_kv, offset + t, d, generator=gen)
-    desc = (f"tiled_attention(q [{b}, {h}, {t}, {d}], k and v [{b}, {h_kv}, {offset + t}, {d}], tile_size={tile}, "
-            f"q_offset={offset})")
+    desc = (
+        f"tiled_attention(q [{b}, {h}, {t}, {d}], k and v [{b}, {h_kv}, {offset + t}, {d}], tile_size={tile}, "
+        f"q_offset={offset})"
+    )
     watch = _Largest()
     with torch.inference_mode(), watch:
         got = call(desc, fn, q, k, v, tile_size=tile, causal=True, q_offset=offset)
     _expect_output(desc, got, q)
     limit = t * (offset + t)
     if watch.numel >= limit:
-        raise AssertionError(f"{desc} created a tensor of shape {list(watch.shape)} ({watch.numel:,} numbers, by "
-                             f"{watch.op}): as large as one head's full [T, S] = [{t}, {offset + t}] score matrix (or "
-                             f"mask). Tiled attention holds scores for one tile of keys at a time, [B, H, T, "
-                             f"tile_size] = [{b}, {h}, {t}, {tile}]")
+        raise AssertionError(
+            f"{desc} created a tensor of shape {list(watch.shape)} ({watch.numel:,} numbers, by "
+            f"{watch.op}): as large as one head's full [T, S] = [{t}, {offset + t}] score matrix (or "
+            f"mask). Tiled attention holds scores for one tile of keys at a time, [B, H, T, "
+            f"tile_size] = [{b}, {h}, {t}, {tile}]"
+        )
     bad = _first_bad(got, _ref_attention(q, k, v, True, offset), 1e-5)
     if bad is not None:
         raise AssertionError(f"{desc}: wrong result at [batch, head, query, dim] = {list(bad)}")
@@ -229,7 +269,7 @@ def _causal_tiles(num_queries: int, q_offset: int, tile: int, batch_heads_dim: i
     computed = masked = grid = flops = 0
     for a in range(0, num_queries, tile):
         for b in range(0, num_keys, tile):
-            block = visible[a:a + tile, b:b + tile]
+            block = visible[a : a + tile, b : b + tile]
             grid += 1
             if block.any():
                 computed += 1
@@ -253,8 +293,17 @@ def check_tiled_causal_attention(fn) -> None:
     cases = [  # (batch, heads, kv_heads, T, q_offset, D, tile, what)
         (1, 2, 2, 10, 0, 8, 4, "a 10-token prompt in tiles of 4: query tiles 0-3, 4-7 and 8-9"),
         (1, 2, 1, 9, 0, 8, 4, "a 9-token prompt: query 8 is a tile of its own, and key tile 8 starts at its position"),
-        (2, 4, 2, 7, 5, 8, 4, "7 queries at positions 5 to 11 after 5 cached tokens, GQA, batch of two: "
-         "queries 5, 6 and 7 see no key of the diagonal tile 8-11"),
+        (
+            2,
+            4,
+            2,
+            7,
+            5,
+            8,
+            4,
+            "7 queries at positions 5 to 11 after 5 cached tokens, GQA, batch of two: "
+            "queries 5, 6 and 7 see no key of the diagonal tile 8-11",
+        ),
         (1, 3, 1, 1, 16, 16, 8, "one decode step at position 16: the last key tile starts at the query's own position"),
         (1, 9, 3, 1, 21, 16, 8, "one decode step at position 21, SmolLM2's 9 over 3 heads"),
         (1, 2, 2, 6, 7, 16, 64, "a tile larger than the whole sequence"),
@@ -265,8 +314,10 @@ def check_tiled_causal_attention(fn) -> None:
         s = offset + t
         q = torch.randn(b, h, t, d, generator=gen)
         k, v = torch.randn(b, h_kv, s, d, generator=gen), torch.randn(b, h_kv, s, d, generator=gen)
-        desc = (f"tiled_causal_attention(q [{b}, {h}, {t}, {d}], k and v [{b}, {h_kv}, {s}, {d}], tile_size={tile}, "
-                f"q_offset={offset}) ({what})")
+        desc = (
+            f"tiled_causal_attention(q [{b}, {h}, {t}, {d}], k and v [{b}, {h_kv}, {s}, {d}], tile_size={tile}, "
+            f"q_offset={offset}) ({what})"
+        )
         with FlopCounterMode(display=False) as flop_counter:
             got = call(desc, fn, q, k, v, tile_size=tile, q_offset=offset)
         if not (isinstance(got, (tuple, list)) and len(got) == 3):
@@ -274,41 +325,85 @@ def check_tiled_causal_attention(fn) -> None:
         out, computed, masked = got
         _expect_output(desc, out, q)
         if torch.isnan(out).any():
-            raise AssertionError(f"{desc}: the output contains NaN. In a tile that crosses the diagonal a query can "
-                                 f"have every key in its future: its scores there are all -inf, and exp(-inf - (-inf)) "
-                                 f"is NaN. Such a row must add nothing to its running state")
+            raise AssertionError(
+                f"{desc}: the output contains NaN. In a tile that crosses the diagonal a query can "
+                f"have every key in its future: its scores there are all -inf, and exp(-inf - (-inf)) "
+                f"is NaN. Such a row must add nothing to its running state"
+            )
         want = _ref_attention(q, k, v, True, offset)
         bad = _first_bad(out, want, 1e-5)
         if bad is not None:
-            raise AssertionError(f"{desc}: at [batch, head, query, dim] = {list(bad)} expected {want[bad].item():.6g}, "
-                                 f"got {out[bad].item():.6g} (max difference {(out.double() - want).abs().max().item():.3g}); "
-                                 f"query {bad[2]} sits at position {offset + bad[2]} and sees keys 0 to {offset + bad[2]}")
+            raise AssertionError(
+                f"{desc}: at [batch, head, query, dim] = {list(bad)} expected {want[bad].item():.6g}, "
+                f"got {out[bad].item():.6g} (max difference {(out.double() - want).abs().max().item():.3g}); "
+                f"query {bad[2]} sits at position {offset + bad[2]} and sees keys 0 to {offset + bad[2]}"
+            )
         want_computed, want_masked, grid, want_flops = _causal_tiles(t, offset, tile, b * h * d)
-        _expect_count(desc, computed, want_computed, "tiles_computed", f" of the {grid} (query tile, key tile) pairs",
-                      ": a key tile that starts after a query tile's last position is skipped, and not counted"
-                      if computed == grid else "")
-        _expect_count(desc, masked, want_masked, "tiles_masked", f" of the {want_computed} computed",
-                      ": only a tile that crosses the diagonal needs the mask; one whose last key is at or before the "
-                      "query tile's first position needs none" if masked > want_masked else "")
+        _expect_count(
+            desc,
+            computed,
+            want_computed,
+            "tiles_computed",
+            f" of the {grid} (query tile, key tile) pairs",
+            ": a key tile that starts after a query tile's last position is skipped, and not counted"
+            if computed == grid
+            else "",
+        )
+        _expect_count(
+            desc,
+            masked,
+            want_masked,
+            "tiles_masked",
+            f" of the {want_computed} computed",
+            ": only a tile that crosses the diagonal needs the mask; one whose last key is at or before the "
+            "query tile's first position needs none"
+            if masked > want_masked
+            else "",
+        )
         flops = flop_counter.get_total_flops()
         if flops > 1.25 * want_flops:
-            raise AssertionError(f"{desc}: the matrix products did {flops:,} FLOPs, the {want_computed} computed tiles "
-                                 f"need {want_flops:,}: a tile in every query's future must be skipped before its "
-                                 f"scores are computed, not computed and thrown away")
+            raise AssertionError(
+                f"{desc}: the matrix products did {flops:,} FLOPs, the {want_computed} computed tiles "
+                f"need {want_flops:,}: a tile in every query's future must be skipped before its "
+                f"scores are computed, not computed and thrown away"
+            )
     q = torch.randn(1, 4, 5, 8, dtype=torch.float64, generator=gen)
-    k, v = torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=gen), torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=gen)
+    k, v = (
+        torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=gen),
+        torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=gen),
+    )
     desc = "tiled_causal_attention on float64 q [1, 4, 5, 8], k and v [1, 2, 12, 8], tile_size=5, q_offset=7"
     got = call(desc, fn, q, k, v, tile_size=5, q_offset=7)
     _expect_output(desc, got[0] if isinstance(got, (tuple, list)) else got, q)
     err = (got[0] - _ref_attention(q, k, v, True, 7)).abs().max().item()
     if err > 1e-10:
-        raise AssertionError(f"{desc}: differs from the exact result by {err:.3g}; float64 input should be "
-                             f"computed in float64 (within 1e-10)")
+        raise AssertionError(
+            f"{desc}: differs from the exact result by {err:.3g}; float64 input should be "
+            f"computed in float64 (within 1e-10)"
+        )
     q, kv = torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 5, 4)
-    expect_raises("tiled_causal_attention(q [1, 1, 3, 4], k and v [1, 1, 5, 4], q_offset=0)", ValueError,
-                  "5 keys are not q_offset + T = 3", fn, q, kv, kv, tile_size=4, q_offset=0)
-    expect_raises("tiled_causal_attention(q [1, 1, 3, 4], k and v [1, 1, 5, 4], tile_size=0, q_offset=2)", ValueError,
-                  "a tile holds at least 1 query and 1 key", fn, q, kv, kv, tile_size=0, q_offset=2)
+    expect_raises(
+        "tiled_causal_attention(q [1, 1, 3, 4], k and v [1, 1, 5, 4], q_offset=0)",
+        ValueError,
+        "5 keys are not q_offset + T = 3",
+        fn,
+        q,
+        kv,
+        kv,
+        tile_size=4,
+        q_offset=0,
+    )
+    expect_raises(
+        "tiled_causal_attention(q [1, 1, 3, 4], k and v [1, 1, 5, 4], tile_size=0, q_offset=2)",
+        ValueError,
+        "a tile holds at least 1 query and 1 key",
+        fn,
+        q,
+        kv,
+        kv,
+        tile_size=0,
+        q_offset=2,
+    )
 
 
 # --------------------------------------------------------------------------- attention_memory_bytes
@@ -317,12 +412,19 @@ def check_tiled_causal_attention(fn) -> None:
 def check_attention_memory_bytes(fn) -> None:
     """B * H * T * w * bytes, w = S for plain attention and min(tile, S) for tiled attention."""
     cases = [  # (T, S, H, B, tile, bytes per value)
-        (4096, 4096, 32, 1, None, 4), (4096, 4096, 32, 1, 128, 4), (1, 1000, 9, 1, None, 2),
-        (1, 1000, 9, 1, 64, 2), (100, 300, 4, 3, 512, 4), (100, 300, 4, 3, 300, 4), (7, 9, 2, 5, 4, 0.5),
+        (4096, 4096, 32, 1, None, 4),
+        (4096, 4096, 32, 1, 128, 4),
+        (1, 1000, 9, 1, None, 2),
+        (1, 1000, 9, 1, 64, 2),
+        (100, 300, 4, 3, 512, 4),
+        (100, 300, 4, 3, 300, 4),
+        (7, 9, 2, 5, 4, 0.5),
     ]
     for t, s, h, b, tile, size in cases:
-        desc = (f"attention_memory_bytes(num_queries={t}, num_keys={s}, num_heads={h}, batch_size={b}, "
-                f"tile_size={tile}, bytes_per_value={size})")
+        desc = (
+            f"attention_memory_bytes(num_queries={t}, num_keys={s}, num_heads={h}, batch_size={b}, "
+            f"tile_size={tile}, bytes_per_value={size})"
+        )
         got = call(desc, fn, t, s, num_heads=h, batch_size=b, tile_size=tile, bytes_per_value=size)
         width = s if tile is None else min(tile, s)
         want = int(b * h * t * width * size)
@@ -348,36 +450,72 @@ def check_combine_partial_attention(fn) -> None:
     cases = []  # (what, scores [..., T, S], values [..., S, D], split bounds)
     scores = torch.tensor([[0.0, 0.0, 2.0, 2.0]], dtype=torch.float64)  # one query, 4 keys
     values = torch.tensor([[1.0], [3.0], [5.0], [7.0]], dtype=torch.float64)
-    cases.append(("one query, keys split [0, 0 | 2, 2] with values [1, 3 | 5, 7]: the second split weighs e^2 "
-                  "times the first", scores, values, [0, 2, 4]))
+    cases.append(
+        (
+            "one query, keys split [0, 0 | 2, 2] with values [1, 3 | 5, 7]: the second split weighs e^2 "
+            "times the first",
+            scores,
+            values,
+            [0, 2, 4],
+        )
+    )
     scores = torch.randn(2, 3, 4, 10, generator=g, dtype=torch.float64)
     scores[..., 3:7] += 4.0
-    cases.append(("random scores [2, 3, 4 queries, 10 keys], splits 0:3 | 3:7 (4 higher) | 7:10", scores,
-                  torch.randn(2, 3, 10, 5, generator=g, dtype=torch.float64), [0, 3, 7, 10]))
+    cases.append(
+        (
+            "random scores [2, 3, 4 queries, 10 keys], splits 0:3 | 3:7 (4 higher) | 7:10",
+            scores,
+            torch.randn(2, 3, 10, 5, generator=g, dtype=torch.float64),
+            [0, 3, 7, 10],
+        )
+    )
     scores = torch.randn(1, 2, 3, 8, generator=g, dtype=torch.float64)
     scores[..., 4:] += 1000.0
-    cases.append(("scores near 0 in split 0:4 and near 1,000 in split 4:8 (exp(1000) overflows: rescale each "
-                  "split to the largest max of all splits)", scores, torch.randn(1, 2, 8, 4, generator=g,
-                                                                                dtype=torch.float64), [0, 4, 8]))
+    cases.append(
+        (
+            "scores near 0 in split 0:4 and near 1,000 in split 4:8 (exp(1000) overflows: rescale each "
+            "split to the largest max of all splits)",
+            scores,
+            torch.randn(1, 2, 8, 4, generator=g, dtype=torch.float64),
+            [0, 4, 8],
+        )
+    )
     scores = torch.randn(1, 1, 3, 9, generator=g, dtype=torch.float64)
     scores[0, 0, 0, 6:] = -math.inf  # query 0 sees nothing of the last split: its state there is (-inf, 0, 0)
-    cases.append(("3 queries over splits 0:3 | 3:6 | 6:9, query 0 masked out of the last split (max -inf, sum 0, "
-                  "out 0)", scores, torch.randn(1, 1, 9, 2, generator=g, dtype=torch.float64), [0, 3, 6, 9]))
+    cases.append(
+        (
+            "3 queries over splits 0:3 | 3:6 | 6:9, query 0 masked out of the last split (max -inf, sum 0, out 0)",
+            scores,
+            torch.randn(1, 1, 9, 2, generator=g, dtype=torch.float64),
+            [0, 3, 6, 9],
+        )
+    )
     for what, scores, values, bounds in cases:
         maxes, sums, outs = _split_states(scores, values, bounds)
         desc = f"combine_partial_attention(maxes {list(maxes.shape)}, sums {list(sums.shape)}, outs {list(outs.shape)})"
         got = call(f"{desc}, {what}", fn, maxes.clone(), sums.clone(), outs.clone())
         want = torch.softmax(scores, dim=-1) @ values  # [..., T, D]
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
-            raise AssertionError(f"{desc}, {what}: expected a tensor of shape {list(want.shape)} (outs without its "
-                                 f"split axis), got {getattr(got, 'shape', type(got).__name__)}")
+            raise AssertionError(
+                f"{desc}, {what}: expected a tensor of shape {list(want.shape)} (outs without its "
+                f"split axis), got {getattr(got, 'shape', type(got).__name__)}"
+            )
         bad = _first_bad(got, want, 1e-9 * max(1.0, float(want.abs().max())))
         if bad is not None:
-            raise AssertionError(f"{desc}, {what}: at {list(bad)} expected {float(want[bad]):.6g}, got "
-                                 f"{float(got[bad]):.6g}: rescale each split's sum and output by exp(its max - the "
-                                 f"largest max) before adding them, and divide once at the end")
-    expect_raises("combine_partial_attention(maxes [2, 3], sums [2, 4], outs [2, 3, 5])", ValueError,
-                  "sums must have the shape of maxes", fn, torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2, 3, 5))
+            raise AssertionError(
+                f"{desc}, {what}: at {list(bad)} expected {float(want[bad]):.6g}, got "
+                f"{float(got[bad]):.6g}: rescale each split's sum and output by exp(its max - the "
+                f"largest max) before adding them, and divide once at the end"
+            )
+    expect_raises(
+        "combine_partial_attention(maxes [2, 3], sums [2, 4], outs [2, 3, 5])",
+        ValueError,
+        "sums must have the shape of maxes",
+        fn,
+        torch.zeros(2, 3),
+        torch.zeros(2, 4),
+        torch.zeros(2, 3, 5),
+    )
 
 
 # --------------------------------------------------------------------------- predictions (q_ cells)
@@ -393,9 +531,12 @@ def answer_q_llama_scores_gib() -> float:
 
 def check_q_llama_scores_gib(value) -> None:
     """Graded q_llama_scores_gib (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_llama_scores_gib", value, answer_q_llama_scores_gib(),
-                  "one layer's plain scores for Llama-3.1-8B, 16,384 tokens, fp16, in GiB (32 heads x 16,384 x "
-                  "16,384 x 2 bytes)")
+    expect_answer(
+        "q_llama_scores_gib",
+        value,
+        answer_q_llama_scores_gib(),
+        "one layer's plain scores for Llama-3.1-8B, 16,384 tokens, fp16, in GiB (32 heads x 16,384 x 16,384 x 2 bytes)",
+    )
 
 
 def answer_q_smollm2_scores_mib() -> float:
@@ -408,6 +549,9 @@ def answer_q_smollm2_scores_mib() -> float:
 
 def check_q_smollm2_scores_mib(value) -> None:
     """Graded q_smollm2_scores_mib (its tolerance: predictions.QUESTIONS)."""
-    expect_answer("q_smollm2_scores_mib", value, answer_q_smollm2_scores_mib(),
-                  "one layer's plain scores for SmolLM2, 1,024 tokens, float32, in MiB (9 heads x 1,024 x 1,024 x 4 "
-                  "bytes)")
+    expect_answer(
+        "q_smollm2_scores_mib",
+        value,
+        answer_q_smollm2_scores_mib(),
+        "one layer's plain scores for SmolLM2, 1,024 tokens, float32, in MiB (9 heads x 1,024 x 1,024 x 4 bytes)",
+    )

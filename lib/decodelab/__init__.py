@@ -1,9 +1,10 @@
 """Decode Lab: a small, readable LLM inference engine that the course builds step by step.
 
-    from decodelab import LLM, SamplingParams
-    llm = LLM(model="smollm2")
-    print(llm.generate("What is gravity?", SamplingParams(max_tokens=32))[0].outputs[0].text)
+from decodelab import LLM, SamplingParams
+llm = LLM(model="smollm2")
+print(llm.generate("What is gravity?", SamplingParams(max_tokens=32))[0].outputs[0].text)
 """
+
 import os as _os
 
 # OpenMP threads that spin while waiting made decode ~5-10x slower on a busy 2-core machine;
@@ -14,11 +15,26 @@ from decodelab.config import ModelConfig  # noqa: E402
 from decodelab.params import SamplingParams  # noqa: E402
 
 __version__ = "0.2.0"  # the one place the version is written: pyproject.toml reads it, releases record it
-__all__ = ["LLM", "SamplingParams", "ModelConfig", "EngineArgs", "EngineHooks", "RequestOutput", "CompletionOutput",
-           "load", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "ModelConfig",
+    "EngineArgs",
+    "EngineHooks",
+    "RequestOutput",
+    "CompletionOutput",
+    "load",
+    "__version__",
+]
 
-_LAZY = {"LLM": "engine.llm", "EngineArgs": "engine.args", "EngineHooks": "engine.hooks", "RequestOutput": "engine.llm",
-         "CompletionOutput": "engine.llm", "load": "model.registry"}
+_LAZY = {
+    "LLM": "engine.llm",
+    "EngineArgs": "engine.args",
+    "EngineHooks": "engine.hooks",
+    "RequestOutput": "engine.llm",
+    "CompletionOutput": "engine.llm",
+    "load": "model.registry",
+}
 
 
 def __getattr__(name):

@@ -23,6 +23,7 @@ of its range, an unknown command, a model that cannot be loaded, a device this m
 prompt that is not UTF-8 or does not fit the model) is one line, `decodelab: error: ...`, and
 exit code 2, never a traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,9 +61,10 @@ def utf8_text(text: str) -> str:
     except UnicodeEncodeError as exc:
         bad = text[exc.start]
         what = f"byte 0x{ord(bad) - 0xDC00:02x}" if "\udc80" <= bad <= "\udcff" else f"character U+{ord(bad):04X}"
-        offset = len(text[:exc.start].encode("utf-8", "surrogateescape"))
-        raise argparse.ArgumentTypeError(f"must be UTF-8 text, got {what} at byte {offset}: "
-                                         f"is your terminal's encoding UTF-8?") from None
+        offset = len(text[: exc.start].encode("utf-8", "surrogateescape"))
+        raise argparse.ArgumentTypeError(
+            f"must be UTF-8 text, got {what} at byte {offset}: is your terminal's encoding UTF-8?"
+        ) from None
     return text
 
 
@@ -78,6 +80,7 @@ def number_or_none(parse, text: str):
 def sampling_value(field: str, parse, allowed: str):
     """The argparse type of a flag that sets SamplingParams.`field`: text -> parse(text), judged
     by SamplingParams itself. Its error names the flag (argparse does), the range and the value."""
+
     def convert(text: str):
         value = number_or_none(parse, text)
         if value is None:
@@ -87,6 +90,7 @@ def sampling_value(field: str, parse, allowed: str):
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{field} ")) from None
         return value
+
     convert.__name__ = field
     return convert
 
@@ -128,82 +132,167 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt", type=utf8_text)
     gen.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, tiny-draft, or a model folder")
-    gen.add_argument("--max-new-tokens", type=sampling_value("max_tokens", int, "an integer >= 1"), default=128,
-                     metavar="N", help="an integer >= 1 (default 128)")
-    gen.add_argument("--temperature", type=sampling_value("temperature", float, "a finite number >= 0"),
-                     default=0.0, metavar="T", help="a finite number >= 0; 0 = greedy (default)")
-    gen.add_argument("--top-k", type=sampling_value("top_k", int, "an integer >= 1, or 0 / -1 to disable"),
-                     default=0, metavar="K", help="an integer >= 1; 0 = off (default)")
-    gen.add_argument("--top-p", type=sampling_value("top_p", float, "a number in (0, 1]"), default=1.0,
-                     metavar="P", help="a number in (0, 1]; 1 = off (default)")
-    gen.add_argument("--repetition-penalty", type=sampling_value("repetition_penalty", float, "a finite number > 0"),
-                     default=1.0, metavar="R", help="a finite number > 0; 1 = off (default)")
+    gen.add_argument(
+        "--max-new-tokens",
+        type=sampling_value("max_tokens", int, "an integer >= 1"),
+        default=128,
+        metavar="N",
+        help="an integer >= 1 (default 128)",
+    )
+    gen.add_argument(
+        "--temperature",
+        type=sampling_value("temperature", float, "a finite number >= 0"),
+        default=0.0,
+        metavar="T",
+        help="a finite number >= 0; 0 = greedy (default)",
+    )
+    gen.add_argument(
+        "--top-k",
+        type=sampling_value("top_k", int, "an integer >= 1, or 0 / -1 to disable"),
+        default=0,
+        metavar="K",
+        help="an integer >= 1; 0 = off (default)",
+    )
+    gen.add_argument(
+        "--top-p",
+        type=sampling_value("top_p", float, "a number in (0, 1]"),
+        default=1.0,
+        metavar="P",
+        help="a number in (0, 1]; 1 = off (default)",
+    )
+    gen.add_argument(
+        "--repetition-penalty",
+        type=sampling_value("repetition_penalty", float, "a finite number > 0"),
+        default=1.0,
+        metavar="R",
+        help="a finite number > 0; 1 = off (default)",
+    )
     gen.add_argument("--seed", type=seed, default=None, metavar="S", help=f"an integer in 0..{MAX_SEED}")
     gen.add_argument("--device", default=None, help=f"{DEVICES} (default: best available)")
     gen.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
     gen.add_argument("--no-chat", action="store_true", help="feed the prompt as is, without the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, output_ids, text")
-    gen.add_argument("--int8", action="store_true",
-                     help="int8 weights (every linear, lm_head too), decoded by a compiled step: about 1.8x the "
-                          "tokens/s of float32 on a CPU; the first run compiles (tens of seconds, then cached)")
-    gen.add_argument("--no-compile", action="store_true",
-                     help="with --int8: run the int8 model eagerly (no compile wait, slower tokens; "
-                          "DECODELAB_COMPILE=0 does the same)")
+    gen.add_argument(
+        "--int8",
+        action="store_true",
+        help="int8 weights (every linear, lm_head too), decoded by a compiled step: about 1.8x the "
+        "tokens/s of float32 on a CPU; the first run compiles (tens of seconds, then cached)",
+    )
+    gen.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="with --int8: run the int8 model eagerly (no compile wait, slower tokens; "
+        "DECODELAB_COMPILE=0 does the same)",
+    )
     commands.add_parser("prepare", help="convert the default model (SmolLM2) into the cache")
     prog = commands.add_parser(
-        "progress", help="run the visible tests of your notebooks' exercises and list what passes",
+        "progress",
+        help="run the visible tests of your notebooks' exercises and list what passes",
         description="For every exercise in DIR/NN_topic/NN_topic.ipynb: passing, failing (with the first line "
-                    "of the message) or not started. It runs the code in your notebooks, one subprocess per "
-                    "notebook: use it on your own folder.")
-    prog.add_argument("--course", required=True, metavar="DIR",
-                      help="the folder that holds NN_topic/NN_topic.ipynb (your course/ or your home after a fetch)")
-    prog.add_argument("--notebooks", default=None, metavar="NAMES",
-                      help="only these notebooks, comma-separated: 02_sampling,03_kv_cache or 02,03")
-    prog.add_argument("--timeout", type=seconds, default=60.0, metavar="S",
-                      help="seconds per notebook (default 60); an exercise still running then fails")
-    prog.add_argument("--json", action="store_true",
-                      help='print one JSON object: {"exercises": [{notebook, exercise, part, status, hints_used}]} '
-                           '(with --serve also "serve": {prompt_ids, output_ids, text, parts, why}; with --bench '
-                           'also "bench": {bandwidth_bytes_per_s, parts: [{part, status, ratio, roofline_fraction, '
-                           '...}]})')
-    prog.add_argument("--serve", default=None, metavar="PROMPT", type=utf8_text,
-                      help="then answer PROMPT with SmolLM2 (greedy, float32, chat template, up to 32 new tokens) "
-                           "on an engine whose every stage is your passing part, the library's otherwise")
-    prog.add_argument("--quantization", default=None, choices=["int8"],
-                      help="with --serve: int8 weights, built by your Int8Linear when it passes")
-    prog.add_argument("--bench", action="store_true",
-                      help="then time your passing engine parts (paged attention, int8 linear, decode step, scheduler "
-                           "step) against the library's, in order-alternated pairs in fresh processes: the median "
-                           "time ratio, its spread, and each part's fraction of this machine's memory roofline "
-                           "(small sizes when DECODELAB_FAST=1)")
+        "of the message) or not started. It runs the code in your notebooks, one subprocess per "
+        "notebook: use it on your own folder.",
+    )
+    prog.add_argument(
+        "--course",
+        required=True,
+        metavar="DIR",
+        help="the folder that holds NN_topic/NN_topic.ipynb (your course/ or your home after a fetch)",
+    )
+    prog.add_argument(
+        "--notebooks",
+        default=None,
+        metavar="NAMES",
+        help="only these notebooks, comma-separated: 02_sampling,03_kv_cache or 02,03",
+    )
+    prog.add_argument(
+        "--timeout",
+        type=seconds,
+        default=60.0,
+        metavar="S",
+        help="seconds per notebook (default 60); an exercise still running then fails",
+    )
+    prog.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object: {"exercises": [{notebook, exercise, part, status, hints_used}]} '
+        '(with --serve also "serve": {prompt_ids, output_ids, text, parts, why}; with --bench '
+        'also "bench": {bandwidth_bytes_per_s, parts: [{part, status, ratio, roofline_fraction, '
+        "...}]})",
+    )
+    prog.add_argument(
+        "--serve",
+        default=None,
+        metavar="PROMPT",
+        type=utf8_text,
+        help="then answer PROMPT with SmolLM2 (greedy, float32, chat template, up to 32 new tokens) "
+        "on an engine whose every stage is your passing part, the library's otherwise",
+    )
+    prog.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="with --serve: int8 weights, built by your Int8Linear when it passes",
+    )
+    prog.add_argument(
+        "--bench",
+        action="store_true",
+        help="then time your passing engine parts (paged attention, int8 linear, decode step, scheduler "
+        "step) against the library's, in order-alternated pairs in fresh processes: the median "
+        "time ratio, its spread, and each part's fraction of this machine's memory roofline "
+        "(small sizes when DECODELAB_FAST=1)",
+    )
     hints = commands.add_parser(
-        "hints", help="print every exercise's hints, from a nudge to a sketch",
-        description="The hints behind the notebooks' hint buttons, for every exercise, gentlest first.")
+        "hints",
+        help="print every exercise's hints, from a nudge to a sketch",
+        description="The hints behind the notebooks' hint buttons, for every exercise, gentlest first.",
+    )
     hints.add_argument("--notebook", default=None, metavar="NAME", help="only this notebook: 02_sampling or 02")
-    hints.add_argument("--json", action="store_true",
-                       help='print one JSON object: {"NN_topic": {"ex_<name>": ["hint 1", ...]}}')
+    hints.add_argument(
+        "--json", action="store_true", help='print one JSON object: {"NN_topic": {"ex_<name>": ["hint 1", ...]}}'
+    )
     add_serve_parser(commands)
     return parser
 
 
 def add_serve_parser(commands) -> None:
     serve = commands.add_parser(
-        "serve", help="an OpenAI-compatible server on the engine",
+        "serve",
+        help="an OpenAI-compatible server on the engine",
         description="Serve the model with OpenAI's API: /v1/completions and /v1/chat/completions (whole or "
-                    "streamed), /v1/models, /health and /metrics (Prometheus). SIGTERM or Ctrl-C stops it.")
+        "streamed), /v1/models, /health and /metrics (Prometheus). SIGTERM or Ctrl-C stops it.",
+    )
     serve.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, or a model folder")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="the address to listen on (default 127.0.0.1: this machine only)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine only)"
+    )
     serve.add_argument("--port", type=port, default=8000, help="the port (default 8000; 0: any free port)")
-    serve.add_argument("--api-key", default=os.environ.get("DECODELAB_API_KEY"), metavar="KEY",
-                       help="answer /v1 requests only with `Authorization: Bearer KEY` (default: "
-                            "$DECODELAB_API_KEY; none: anyone who can connect)")
-    serve.add_argument("--max-queue", type=count, default=256, metavar="N",
-                       help="answer 503 (Retry-After) while N requests wait for the engine (default 256)")
-    serve.add_argument("--max-num-seqs", type=count, default=64, metavar="N",
-                       help="sequences in the engine's batch at once (default 64)")
-    serve.add_argument("--chat-template", default=None, metavar="FILE",
-                       help="a Jinja chat template (a file, or the text) for a model without one, such as tiny")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("DECODELAB_API_KEY"),
+        metavar="KEY",
+        help="answer /v1 requests only with `Authorization: Bearer KEY` (default: "
+        "$DECODELAB_API_KEY; none: anyone who can connect)",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=count,
+        default=256,
+        metavar="N",
+        help="answer 503 (Retry-After) while N requests wait for the engine (default 256)",
+    )
+    serve.add_argument(
+        "--max-num-seqs",
+        type=count,
+        default=64,
+        metavar="N",
+        help="sequences in the engine's batch at once (default 64)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template (a file, or the text) for a model without one, such as tiny",
+    )
     serve.add_argument("--device", default=None, help=f"{DEVICES} (default: best available)")
     serve.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
 
@@ -254,9 +343,14 @@ def load_model(model: str, device: str | None, dtype: str):
 
 
 def run_generate(args) -> int:
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            repetition_penalty=args.repetition_penalty, max_tokens=args.max_new_tokens,
-                            seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        max_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
     check_device(args.device)
     from decodelab.decoding.generate import Completion, encode_prompt, stream_text
 
@@ -278,8 +372,16 @@ def run_generate(args) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
     if args.json:
-        print(json.dumps({"prompt_ids": completion.prompt_ids, "output_ids": completion.output_ids,
-                          "text": completion.text, "finish_reason": completion.finish_reason}))
+        print(
+            json.dumps(
+                {
+                    "prompt_ids": completion.prompt_ids,
+                    "output_ids": completion.output_ids,
+                    "text": completion.text,
+                    "finish_reason": completion.finish_reason,
+                }
+            )
+        )
     else:
         sys.stdout.write("\n")
     return 0
@@ -296,8 +398,12 @@ def run_progress(args) -> int:
         print(line, file=sys.stderr, flush=True)
 
     told = tell if sys.stderr.isatty() else None
-    rows = progress.check_course(args.course, names, timeout=args.timeout,
-                                 progress=(lambda notebook: tell(f"checking {notebook} ...")) if told else None)
+    rows = progress.check_course(
+        args.course,
+        names,
+        timeout=args.timeout,
+        progress=(lambda notebook: tell(f"checking {notebook} ...")) if told else None,
+    )
     found, texts = json.loads(progress.to_json(rows)), [progress.format_table(rows)]
     if args.serve is not None:
         from decodelab.course import parts
@@ -310,8 +416,7 @@ def run_progress(args) -> int:
         from decodelab.course import speed_credit
         from decodelab.course.notebook import fast_mode
 
-        report = speed_credit.bench_course(args.course, rows, size="small" if fast_mode() else "full",
-                                           on_progress=told)
+        report = speed_credit.bench_course(args.course, rows, size="small" if fast_mode() else "full", on_progress=told)
         found["bench"] = report.to_dict()
         texts.append(speed_credit.format_report(report))
     print(json.dumps(found) if args.json else "\n\n".join(texts))
@@ -324,14 +429,23 @@ def run_serve(args) -> int:
         from decodelab.serving.server import ServeSettings, serve
     except ImportError as exc:
         raise CommandLineError(f"serve needs fastapi and uvicorn: pip install 'decodelab[serve]' ({exc})") from None
-    return serve(ServeSettings(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-                               max_queue=args.max_queue, chat_template=args.chat_template,
-                               engine=dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs)))
+    return serve(
+        ServeSettings(
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            max_queue=args.max_queue,
+            chat_template=args.chat_template,
+            engine=dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs),
+        )
+    )
 
 
 def run(args) -> int:
     if args.command == "prepare":
         from decodelab.model.registry import prepare_smollm2
+
         print(prepare_smollm2(), file=sys.stderr)
         return 0
     if args.command == "progress":

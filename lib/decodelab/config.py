@@ -4,6 +4,7 @@ A `ModelConfig` is read from a model folder's ``config.json`` and written back i
 layout, so a folder we produce loads in `transformers` unchanged and a real checkpoint on
 disk loads here with the same code.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,17 +54,28 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings"):
-            check_int(f"config field {name}", getattr(self, name), minimum=1, allowed="a positive integer",
-                      error=ConfigError)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            check_int(
+                f"config field {name}", getattr(self, name), minimum=1, allowed="a positive integer", error=ConfigError
+            )
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"model_type {self.model_type!r} is not supported; "
-                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ConfigError(
+                f"model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
-                              f"of num_key_value_heads ({self.num_key_value_heads})")
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not self.rms_norm_eps > 0:
@@ -71,8 +83,9 @@ class ModelConfig:
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; "
-                                  f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+                raise ConfigError(
+                    f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+                )
 
     # ------------------------------------------------------------- derived
     @property
@@ -96,8 +109,11 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"config must be a JSON object, got {type(raw).__name__}")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        missing = [n for n in ("vocab_size", "hidden_size", "intermediate_size",
-                               "num_hidden_layers", "num_attention_heads") if n not in raw]
+        missing = [
+            n
+            for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            if n not in raw
+        ]
         if missing:
             raise ConfigError(f"config is missing required field(s): {', '.join(missing)}")
         raw = dict(raw)
@@ -139,8 +155,9 @@ class ModelConfig:
         for f in dataclasses.fields(self):
             if f.name != "extra":
                 out[f.name] = getattr(self, f.name)
-        architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                        "mistral": "MistralForCausalLM"}[self.model_type]
+        architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[
+            self.model_type
+        ]
         out.setdefault("architectures", [architecture])
         out.setdefault("hidden_act", "silu")
         out.setdefault("torch_dtype", "float32")

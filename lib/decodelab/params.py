@@ -13,6 +13,7 @@ both ranges, [1e-8, 1e8] each, a logit x grows to at most |x| / (1e-8 * 1e-8) = 
 beyond what a model emits (SmolLM2's logits lie within +-50). Temperature 1e-40, by contrast, turns
 a logit of 0.01 into 1e38 and one of 1 into inf.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -69,15 +70,25 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError naming the first value out of its range (see the class docstring)."""
         if not (is_real(self.temperature) and self.temperature == 0):
-            check_real("temperature", self.temperature, MIN_TEMPERATURE, MAX_TEMPERATURE,
-                       allowed=f">= 0: 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] "
-                               f"(beyond, float32 sampling overflows)")
+            check_real(
+                "temperature",
+                self.temperature,
+                MIN_TEMPERATURE,
+                MAX_TEMPERATURE,
+                allowed=f">= 0: 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] "
+                f"(beyond, float32 sampling overflows)",
+            )
         check_int("top_k", self.top_k, minimum=-1, allowed="an integer >= 1, or 0 / -1 to disable")
         if not (is_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        check_real("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,
-                   allowed=f"> 0: a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], 1 for none "
-                           f"(beyond, float32 sampling overflows)")
+        check_real(
+            "repetition_penalty",
+            self.repetition_penalty,
+            MIN_REPETITION_PENALTY,
+            MAX_REPETITION_PENALTY,
+            allowed=f"> 0: a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], 1 for none "
+            f"(beyond, float32 sampling overflows)",
+        )
         check_int("max_tokens", self.max_tokens, minimum=1)
         check_int("n", self.n, minimum=1)
         if self.seed is not None:

@@ -1,4 +1,5 @@
 """Where the package keeps its files: shipped data (tiny models, drafter, corpus) and the user cache."""
+
 from __future__ import annotations
 
 import os

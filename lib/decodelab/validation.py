@@ -5,6 +5,7 @@ layer may use them.
 Each raises ValueError (or the `error` class given) with a message that names the argument,
 what it may be and the value it got: "k must be an integer >= 0, got -1".
 """
+
 from __future__ import annotations
 
 import numbers
@@ -27,8 +28,15 @@ def as_integer(value) -> int | None:
         return None
 
 
-def check_int(name: str, value, minimum: int = 0, maximum: int | None = None, *, allowed: str | None = None,
-              error: type[Exception] = ValueError) -> int:
+def check_int(
+    name: str,
+    value,
+    minimum: int = 0,
+    maximum: int | None = None,
+    *,
+    allowed: str | None = None,
+    error: type[Exception] = ValueError,
+) -> int:
     """Return value if it is an integer (not a bool) in minimum..maximum (no upper bound when
     maximum is None); else raise error(f"{name} must be {allowed}, got {value!r}"). allowed
     defaults to "an integer >= minimum" or "an integer in minimum..maximum"."""
@@ -52,8 +60,9 @@ def is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def check_real(name: str, value, minimum: float, maximum: float, *, allowed: str | None = None,
-               error: type[Exception] = ValueError):
+def check_real(
+    name: str, value, minimum: float, maximum: float, *, allowed: str | None = None, error: type[Exception] = ValueError
+):
     """Return value if it is a real number (not a bool) with minimum <= value <= maximum; else raise
     error(f"{name} must be {allowed}, got {value!r}"). NaN is never in range; an infinite bound lets
     infinity in. allowed defaults to "a number in [minimum, maximum]"."""

@@ -7,11 +7,20 @@ widget module per notebook (widgets/).
     course.engine_map("03_kv_cache")   # the engine with notebook 03's parts highlighted
     print(course.diagnose(forward, model, input_ids))   # the first operation where yours and the library's differ
 """
+
 from decodelab.course.hints import hint_button
 from decodelab.course.notebook import fast_mode, load_model, setup_notebook, use_or_reference
 
-__all__ = ["diagnose", "diagnose_on_failure", "engine_map", "fast_mode", "hint_button", "load_model", "setup_notebook",
-           "use_or_reference"]
+__all__ = [
+    "diagnose",
+    "diagnose_on_failure",
+    "engine_map",
+    "fast_mode",
+    "hint_button",
+    "load_model",
+    "setup_notebook",
+    "use_or_reference",
+]
 
 
 def __getattr__(name: str):

@@ -7,6 +7,7 @@ Every ``expect_*`` raises ``AssertionError`` with a sentence a person can act on
 returns None when the check passes. Nothing here is secret: the hidden tests that grade a
 notebook live elsewhere and check more cases.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,18 +38,27 @@ def describe(value, max_items: int = 12) -> str:
 def expect_equal(got, expected, what: str) -> None:
     """got == expected exactly (numbers, lists, tensors of equal shape)."""
     if isinstance(expected, torch.Tensor) or isinstance(got, torch.Tensor):
-        same = (isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor)
-                and got.shape == expected.shape and torch.equal(got.cpu(), expected.cpu()))
+        same = (
+            isinstance(got, torch.Tensor)
+            and isinstance(expected, torch.Tensor)
+            and got.shape == expected.shape
+            and torch.equal(got.cpu(), expected.cpu())
+        )
     else:
         same = got == expected
     if not same:
-        raise AssertionError(f"{what}: expected {describe(expected)}, got {describe(got)}{_first_difference(got, expected)}")
+        raise AssertionError(
+            f"{what}: expected {describe(expected)}, got {describe(got)}{_first_difference(got, expected)}"
+        )
 
 
 def _first_difference(got, expected, max_items: int = 12) -> str:
     """For two tensors of one shape too long to print: where they first differ, and how often."""
-    if not (isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor)) or got.shape != expected.shape \
-            or expected.numel() <= max_items:
+    if (
+        not (isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor))
+        or got.shape != expected.shape
+        or expected.numel() <= max_items
+    ):
         return ""
     g, e = got.detach().cpu(), expected.detach().cpu()
     differ = g != e
@@ -58,8 +68,10 @@ def _first_difference(got, expected, max_items: int = 12) -> str:
         return f" (the same values, but dtype {got.dtype} where {expected.dtype} was expected)"
     index = tuple(int(i) for i in differ.nonzero()[0])
     at = index[0] if len(index) == 1 else index
-    return (f"; they first differ at index {at}: expected {describe(e[index].item())}, got {describe(g[index].item())} "
-            f"({int(differ.sum()):,} of {differ.numel():,} entries differ)")
+    return (
+        f"; they first differ at index {at}: expected {describe(e[index].item())}, got {describe(g[index].item())} "
+        f"({int(differ.sum()):,} of {differ.numel():,} entries differ)"
+    )
 
 
 def expect_close(got, expected, what: str, atol: float = 1e-6, rtol: float = 1e-5) -> None:
@@ -72,19 +84,23 @@ def expect_close(got, expected, what: str, atol: float = 1e-6, rtol: float = 1e-
         if bad.any():
             i = tuple(int(j) for j in bad.nonzero()[0])
             where = f" at index {i[0] if len(i) == 1 else i}" if g.dim() else ""
-            detail = (f"\n  expected {describe(expected)}\n  got      {describe(got)}"
-                      if expected.numel() <= 12 else "")
-            raise AssertionError(f"{what}: expected {describe(e[i].item())}{where}, got {describe(g[i].item())}"
-                                 f" (tolerance {atol:g} + {rtol:g} x |expected|){detail}")
+            detail = f"\n  expected {describe(expected)}\n  got      {describe(got)}" if expected.numel() <= 12 else ""
+            raise AssertionError(
+                f"{what}: expected {describe(e[i].item())}{where}, got {describe(g[i].item())}"
+                f" (tolerance {atol:g} + {rtol:g} x |expected|){detail}"
+            )
         return
     if isinstance(got, torch.Tensor) and got.numel() == 1:
         got = got.item()
     if not isinstance(got, numbers.Real) or isinstance(got, bool):
-        raise AssertionError(f"{what}: expected a number close to {describe(expected)}, "
-                             f"got {type(got).__name__} {describe(got)}")
+        raise AssertionError(
+            f"{what}: expected a number close to {describe(expected)}, got {type(got).__name__} {describe(got)}"
+        )
     if not math.isclose(got, expected, rel_tol=rtol, abs_tol=atol) or math.isnan(got):
-        raise AssertionError(f"{what}: expected {describe(float(expected))}, got {describe(float(got))} "
-                             f"(tolerance {atol:g} + {rtol:g} x |expected|)")
+        raise AssertionError(
+            f"{what}: expected {describe(float(expected))}, got {describe(float(got))} "
+            f"(tolerance {atol:g} + {rtol:g} x |expected|)"
+        )
 
 
 def expect_tensor(got, what: str, shape: tuple | None = None, floating: bool | None = None) -> None:
@@ -103,8 +119,9 @@ def expect_int(got, expected: int, what: str) -> None:
     """got is a Python/NumPy integer (not a float, not a tensor) equal to expected."""
     if isinstance(got, bool) or not isinstance(got, numbers.Integral):
         hint = " (use // for integer division)" if isinstance(got, float) else ""
-        raise AssertionError(f"{what}: expected the integer {describe(expected)}, "
-                             f"got {type(got).__name__} {got!r}{hint}")
+        raise AssertionError(
+            f"{what}: expected the integer {describe(expected)}, got {type(got).__name__} {got!r}{hint}"
+        )
     expect_equal(int(got), int(expected), what)
 
 
@@ -114,16 +131,20 @@ def expect_kept(got, logits: torch.Tensor, keep: list[int], what: str) -> None:
     g = got.detach().cpu()
     kept = [i for i in range(g.shape[-1]) if g[i] != float("-inf")]
     if kept != sorted(keep):
-        raise AssertionError(f"{what}: kept tokens {kept} (of {g.shape[-1]}), expected to keep {sorted(keep)}"
-                             f"\n  logits: {describe(logits)}\n  got:    {describe(got)}")
+        raise AssertionError(
+            f"{what}: kept tokens {kept} (of {g.shape[-1]}), expected to keep {sorted(keep)}"
+            f"\n  logits: {describe(logits)}\n  got:    {describe(got)}"
+        )
     expect_close(g[keep], logits[keep].cpu(), f"{what}, the kept logits (they must stay unchanged)")
 
 
 def expect_unchanged(before: torch.Tensor, after: torch.Tensor, what: str) -> None:
     """The caller's tensor was not modified in place."""
     if not torch.equal(before, after):
-        raise AssertionError(f"{what} changed its input in place: {describe(before)} became {describe(after)}; "
-                             "return a new tensor instead")
+        raise AssertionError(
+            f"{what} changed its input in place: {describe(before)} became {describe(after)}; "
+            "return a new tensor instead"
+        )
 
 
 def expect_raises(exception: type[BaseException], fn, *args, what: str, why: str = "") -> None:
@@ -133,10 +154,13 @@ def expect_raises(exception: type[BaseException], fn, *args, what: str, why: str
     except exception:
         return
     except Exception as exc:  # noqa: BLE001 - any other exception is the wrong one
-        raise AssertionError(f"{what} should raise {exception.__name__}{f' ({why})' if why else ''}; "
-                             f"it raised {type(exc).__name__}: {exc}") from None
-    raise AssertionError(f"{what} should raise {exception.__name__}{f' ({why})' if why else ''}; "
-                         f"it returned {describe(result)}")
+        raise AssertionError(
+            f"{what} should raise {exception.__name__}{f' ({why})' if why else ''}; "
+            f"it raised {type(exc).__name__}: {exc}"
+        ) from None
+    raise AssertionError(
+        f"{what} should raise {exception.__name__}{f' ({why})' if why else ''}; it returned {describe(result)}"
+    )
 
 
 def passed(what: str) -> None:
@@ -144,5 +168,14 @@ def passed(what: str) -> None:
     print(f"\N{CHECK MARK} {what}")
 
 
-__all__ = ["describe", "expect_equal", "expect_close", "expect_tensor", "expect_int", "expect_kept",
-           "expect_unchanged", "expect_raises", "passed"]
+__all__ = [
+    "describe",
+    "expect_equal",
+    "expect_close",
+    "expect_tensor",
+    "expect_int",
+    "expect_kept",
+    "expect_unchanged",
+    "expect_raises",
+    "passed",
+]

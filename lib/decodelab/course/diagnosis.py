@@ -17,6 +17,7 @@ known mistakes of that operation from the library's own inputs: the one your val
 named; else the pattern of the difference and the operation's common causes. What your forward
 computes inline (not recorded on its own) is listed, since the cause may lie there.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,6 +36,7 @@ class Diagnosis:
     layers), the largest |difference| there, the known mistake your values equal (if one does), the
     error your forward raised (if it did: then `point` is where it raised, if it was inside a recorded
     call), and the message: `str(diagnosis)`, 2-4 lines."""
+
     point: str | None = None
     layer: int | None = None
     max_diff: float = 0.0
@@ -76,9 +78,21 @@ def _previous(key: str, num_layers: int) -> str | None:
         return {"logits": "final_norm", "final_norm": f"{num_layers - 1}.layer_output"}.get(point)
     if point == "input_norm":
         return "embedding" if layer == 0 else f"{layer - 1}.layer_output"
-    return f"{layer}." + {"q": "input_norm", "k": "input_norm", "v": "input_norm", "q_rope": "q", "k_rope": "k",
-                          "attention": "q_rope", "attn_residual": "attention", "post_norm": "attn_residual",
-                          "mlp": "post_norm", "layer_output": "mlp"}[point]
+    return (
+        f"{layer}."
+        + {
+            "q": "input_norm",
+            "k": "input_norm",
+            "v": "input_norm",
+            "q_rope": "q",
+            "k_rope": "k",
+            "attention": "q_rope",
+            "attn_residual": "attention",
+            "post_norm": "attn_residual",
+            "mlp": "post_norm",
+            "layer_output": "mlp",
+        }[point]
+    )
 
 
 def _span(positions: list[int]) -> str:
@@ -137,9 +151,16 @@ def _difference(key: str, ours: dict, theirs: dict, rtol: float, inputs: Inputs,
     got, expected, num_layers = ours[key], theirs[key], inputs.config.num_hidden_layers
     layer, point = _split(key)
     if got.shape != expected.shape:
-        return Diagnosis(point, layer, float("inf"), lines=[
-            f"The first difference is at {_describe(key)}{step}: shape {list(got.shape)} where the library's is "
-            f"{list(expected.shape)}.", COMMON[point]])
+        return Diagnosis(
+            point,
+            layer,
+            float("inf"),
+            lines=[
+                f"The first difference is at {_describe(key)}{step}: shape {list(got.shape)} where the library's is "
+                f"{list(expected.shape)}.",
+                COMMON[point],
+            ],
+        )
     diff = (got.double() - expected.double()).abs().nan_to_num(nan=float("inf"))  # [same shape]
     tol = rtol * max(expected.double().abs().max().item(), 1e-12)
     if diff.max().item() <= tol:
@@ -147,16 +168,29 @@ def _difference(key: str, ours: dict, theirs: dict, rtol: float, inputs: Inputs,
     where, position_agrees, head_agrees = _where(diff, point, tol, int(inputs.positions[0]))
     size = "NaN" if got.isnan().any() else f"{diff.max().item():.3g}"
     mistake = _matching_mistake(point, got, expected, tol, inputs)
-    lines = [f"The first difference is at {_describe(key)}{step}: max |diff| {size}{where}.",
-             f"Your values are exactly what this mistake gives: {mistake}." if mistake else " ".join(filter(None, [
-                 symptom(point, got, expected, tol, position_agrees, int(inputs.positions[0]), head_agrees), COMMON[point]]))]
+    lines = [
+        f"The first difference is at {_describe(key)}{step}: max |diff| {size}{where}.",
+        f"Your values are exactly what this mistake gives: {mistake}."
+        if mistake
+        else " ".join(
+            filter(
+                None,
+                [
+                    symptom(point, got, expected, tol, position_agrees, int(inputs.positions[0]), head_agrees),
+                    COMMON[point],
+                ],
+            )
+        ),
+    ]
     unseen, before = [], _previous(key, num_layers)
     while before is not None and before not in ours:  # what your forward computed without a recorded call
         unseen.append(_describe(before))
         before = _previous(before, num_layers)
     if unseen:
-        lines.append("Not recorded on its own before it (computed without a call to decoder_layer, rms_norm, rope or "
-                     f"mlp), so the cause may lie there: {'; '.join(reversed(unseen))}.")
+        lines.append(
+            "Not recorded on its own before it (computed without a call to decoder_layer, rms_norm, rope or "
+            f"mlp), so the cause may lie there: {'; '.join(reversed(unseen))}."
+        )
     return Diagnosis(point, layer, diff.max().item(), mistake, lines=lines)
 
 
@@ -164,13 +198,17 @@ def _judge(lib: Record, mine: Record, passes: list, rtol: float, error, weights:
     checked = 0
     for theirs, ours, (ids, positions) in zip(lib.steps, mine.steps, passes):
         start = int(positions[0])
-        step = (f" (in the pass over {_span(list(range(start, start + len(positions))))}, {start} tokens cached)"
-                if len(passes) > 1 else "")
+        step = (
+            f" (in the pass over {_span(list(range(start, start + len(positions))))}, {start} tokens cached)"
+            if len(passes) > 1
+            else ""
+        )
         for key in _order(config.num_hidden_layers):
             if key not in ours or key not in theirs:
                 continue
-            found = _difference(key, ours, theirs, rtol, Inputs(theirs, weights, config, ids, positions,
-                                                                _split(key)[0] or 0), step)
+            found = _difference(
+                key, ours, theirs, rtol, Inputs(theirs, weights, config, ids, positions, _split(key)[0] or 0), step
+            )
             if found is not None:
                 if error is not None:
                     found.error = _first_line(error)
@@ -181,18 +219,32 @@ def _judge(lib: Record, mine: Record, passes: list, rtol: float, error, weights:
         failed = mine.failed_in or "forward"  # the innermost recorded call that raised, else the forward itself
         layer, point = _split(failed)
         many_kv = config.num_key_value_heads not in (1, config.num_attention_heads)
-        return Diagnosis(point, layer, 0.0, None, _first_line(error), [
-            f"Your forward raised {_first_line(error)}, in {_describe(failed)}.",
-            f"Everything it computed before agrees with the library's ({checked} points checked).",
-            NOT_REPEATED if point == "attention" and many_kv else COMMON[point]])
+        return Diagnosis(
+            point,
+            layer,
+            0.0,
+            None,
+            _first_line(error),
+            [
+                f"Your forward raised {_first_line(error)}, in {_describe(failed)}.",
+                f"Everything it computed before agrees with the library's ({checked} points checked).",
+                NOT_REPEATED if point == "attention" and many_kv else COMMON[point],
+            ],
+        )
     every = len(passes) * len(_order(config.num_hidden_layers))
-    return Diagnosis(lines=[f"No difference: all {checked} points recorded on both sides (of {every}: the embedding, each "
-                            f"layer's norms, projections, RoPE, attention, MLP and residual adds, the final norm, the "
-                            f"logits) agree with the library's to within {rtol:g} of their size."])
+    return Diagnosis(
+        lines=[
+            f"No difference: all {checked} points recorded on both sides (of {every}: the embedding, each "
+            f"layer's norms, projections, RoPE, attention, MLP and residual adds, the final norm, the "
+            f"logits) agree with the library's to within {rtol:g} of their size."
+        ]
+    )
 
 
 @torch.inference_mode()
-def diagnose(forward, model, input_ids: torch.Tensor, chunks=None, attention=None, rtol: float | None = None) -> Diagnosis:
+def diagnose(
+    forward, model, input_ids: torch.Tensor, chunks=None, attention=None, rtol: float | None = None
+) -> Diagnosis:
     """Run your `forward` and the library's `model` on the same weights (the model's state dict) and
     input_ids [B, T], and say where they first differ; `str()` of the result is the message.
 

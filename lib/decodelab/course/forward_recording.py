@@ -16,6 +16,7 @@ attention [B, H, T, D]; attn_residual, x + o_proj(out) [B, T, E]; post_norm; mlp
 Before the layers "embedding" [B, T, E], after them "final_norm" [B, T, E] and "logits" [B, T, V].
 The library's side also keeps "i.k_all" and "i.v_all", everything layer i held [B, H_kv, S, D].
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,19 @@ import torch
 
 from decodelab.model.kv_cache import KVCache
 
-LAYER_POINTS = ("input_norm", "q", "k", "v", "q_rope", "k_rope", "attention", "attn_residual", "post_norm", "mlp",
-                "layer_output")
+LAYER_POINTS = (
+    "input_norm",
+    "q",
+    "k",
+    "v",
+    "q_rope",
+    "k_rope",
+    "attention",
+    "attn_residual",
+    "post_norm",
+    "mlp",
+    "layer_output",
+)
 
 
 class Record:
@@ -84,6 +96,7 @@ def _watch_norm(fn, rec: Record):
         if keys:
             rec.put(keys[0], x), rec.put(keys[1], out)
         return out
+
     return rms_norm
 
 
@@ -92,6 +105,7 @@ def _watch_rope(fn, rec: Record):
         out = rec.run(f"{rec.layer}.rope", fn, args, kwargs)
         rec.pending.append((_leading(fn, args, kwargs, 1)[0], out))  # q or k: attend tells which
         return out
+
     return rope
 
 
@@ -102,6 +116,7 @@ def _watch_mlp(fn, rec: Record):
         out = rec.run(key, fn, args, kwargs)
         rec.put(key, out)
         return out
+
     return mlp
 
 
@@ -115,6 +130,7 @@ def _watch_layer(fn, rec: Record):
         out = rec.run(f"{i}.layer", fn, args, kwargs)
         rec.put(f"{i}.layer_output", out)
         return out
+
     return decoder_layer
 
 
@@ -136,27 +152,37 @@ def _watch_attend(attend, rec: Record, cache: KVCache | None = None):
             k_all, v_all = cache.view(layer_index)
             rec.put(f"{layer_index}.k_all", k_all), rec.put(f"{layer_index}.v_all", v_all)
         return out
+
     return watched
 
 
 @contextlib.contextmanager
 def _watching(model, lib: Record, forward, mine: Record):
     """Hooks on the library's modules; your notebook's decoder_layer, rms_norm, rope and mlp wrapped."""
+
     def keep(key, heads=None):
         def hook(_module, _inputs, out):  # q_proj's [B, T, H*D] is kept as the layer splits it: [B, H, T, D]
             lib.put(key, out.view(out.shape[0], out.shape[1], heads, -1).transpose(1, 2) if heads else out)
+
         return hook
 
     config, m = model.config, model.model
-    handles = [m.embed_tokens.register_forward_hook(keep("embedding")), m.norm.register_forward_hook(keep("final_norm"))]
+    handles = [
+        m.embed_tokens.register_forward_hook(keep("embedding")),
+        m.norm.register_forward_hook(keep("final_norm")),
+    ]
     for i, layer in enumerate(m.layers):
-        handles += [layer.input_layernorm.register_forward_hook(keep(f"{i}.input_norm")),
-                    layer.self_attn.q_proj.register_forward_hook(keep(f"{i}.q", config.num_attention_heads)),
-                    layer.self_attn.k_proj.register_forward_hook(keep(f"{i}.k", config.num_key_value_heads)),
-                    layer.post_attention_layernorm.register_forward_pre_hook(
-                        lambda _m, inputs, key=f"{i}.attn_residual": lib.put(key, inputs[0])),
-                    layer.post_attention_layernorm.register_forward_hook(keep(f"{i}.post_norm")),
-                    layer.mlp.register_forward_hook(keep(f"{i}.mlp")), layer.register_forward_hook(keep(f"{i}.layer_output"))]
+        handles += [
+            layer.input_layernorm.register_forward_hook(keep(f"{i}.input_norm")),
+            layer.self_attn.q_proj.register_forward_hook(keep(f"{i}.q", config.num_attention_heads)),
+            layer.self_attn.k_proj.register_forward_hook(keep(f"{i}.k", config.num_key_value_heads)),
+            layer.post_attention_layernorm.register_forward_pre_hook(
+                lambda _m, inputs, key=f"{i}.attn_residual": lib.put(key, inputs[0])
+            ),
+            layer.post_attention_layernorm.register_forward_hook(keep(f"{i}.post_norm")),
+            layer.mlp.register_forward_hook(keep(f"{i}.mlp")),
+            layer.register_forward_hook(keep(f"{i}.layer_output")),
+        ]
     namespace = getattr(forward, "__globals__", {})
     originals = {name: namespace[name] for name in _WATCHERS if callable(namespace.get(name))}
     try:
@@ -182,7 +208,7 @@ def record(forward, model, weights: dict, ids: torch.Tensor, chunks: list[int], 
     error, start, passes = None, 0, []
     with _watching(model, lib, forward, mine):
         for n in chunks:
-            piece, positions = ids[:, start:start + n], torch.arange(start, start + n, device=ids.device)
+            piece, positions = ids[:, start : start + n], torch.arange(start, start + n, device=ids.device)
             lib.steps.append({}), mine.steps.append({}), passes.append((piece, positions))
             lib.put("logits", model(piece, positions=positions, kv_cache=library_cache))
             try:

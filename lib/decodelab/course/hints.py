@@ -18,6 +18,7 @@ grader notes them ("hints: ex_top_k_filter 2"), never scoring them.
 
 No ipywidgets at import time: the CLI, `progress` and the grader use the loading and counting.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,7 +44,9 @@ def _load(path: str) -> dict[str, dict[str, list[str]]]:
 
 def load_hints() -> dict[str, dict[str, list[str]]]:
     """Every notebook's hints, {"NN_topic": {"ex_<name>": [rung, ...]}} (a fresh copy)."""
-    return {nb: {ex: list(rungs) for ex, rungs in exercises.items()} for nb, exercises in _load(str(HINTS_FILE)).items()}
+    return {
+        nb: {ex: list(rungs) for ex, rungs in exercises.items()} for nb, exercises in _load(str(HINTS_FILE)).items()
+    }
 
 
 def hints_for(notebook: str, exercise: str) -> list[str]:
@@ -102,8 +105,9 @@ def counts_from_text(text: str) -> dict[str, dict[str, int]]:
         for notebook, exercises in data.items():
             if not isinstance(exercises, dict):
                 continue
-            kept = {str(ex): n for ex, n in exercises.items()
-                    if isinstance(n, int) and not isinstance(n, bool) and n > 0}
+            kept = {
+                str(ex): n for ex, n in exercises.items() if isinstance(n, int) and not isinstance(n, bool) and n > 0
+            }
             if kept:
                 counts[str(notebook)] = kept
     return counts
@@ -144,8 +148,11 @@ def note(counts: dict, notebook: str) -> str | None:
     used = counts.get(notebook) if isinstance(counts, dict) else None
     if not isinstance(used, dict):
         return None
-    parts = [f"{re.sub(r'[^A-Za-z0-9_]', '?', str(ex))[:60]} {n}" for ex, n in sorted(used.items())
-             if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    parts = [
+        f"{re.sub(r'[^A-Za-z0-9_]', '?', str(ex))[:60]} {n}"
+        for ex, n in sorted(used.items())
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0
+    ]
     return f"hints: {', '.join(parts[:60])}" if parts else None
 
 
@@ -176,9 +183,12 @@ class HintButton:
         self.folder = Path(folder) if folder is not None else Path(os.getcwd())
         self.rungs = hints_for(notebook, exercise)
         self.shown = 0
-        self.button = widgets.Button(description=self._label(),
-                                     tooltip=f"hints for {exercise}, one at a time",
-                                     layout=widgets.Layout(width="auto"), disabled=not self.rungs)
+        self.button = widgets.Button(
+            description=self._label(),
+            tooltip=f"hints for {exercise}, one at a time",
+            layout=widgets.Layout(width="auto"),
+            disabled=not self.rungs,
+        )
         self.html = widgets.HTML(value="" if self.rungs else f"<i>No hints for {html.escape(exercise)}.</i>")
         self.button.on_click(lambda _button: self.click())
         self.widget = widgets.VBox([self.button, self.html])

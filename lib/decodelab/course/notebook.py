@@ -8,6 +8,7 @@ the model without noise, and the stub-aware fallback to the library's reference.
 Why quiet: nbgrader scores a test cell 0 if anything in it reaches stderr, so warnings are
 shown on stdout instead, and the libraries that log or draw progress bars are told not to.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,7 @@ def fast_mode() -> bool:
 
 
 def _warning_to_stdout(message, category, filename, lineno, file=None, line=None):
-    print(f"(warning) {category.__name__}: {message}  [{os.path.basename(str(filename))}:{lineno}]",
-          file=sys.stdout)
+    print(f"(warning) {category.__name__}: {message}  [{os.path.basename(str(filename))}:{lineno}]", file=sys.stdout)
 
 
 def setup_notebook(seed: int | None = 0, verbose: bool = True):
@@ -95,12 +95,16 @@ def use_or_reference(learner_fn, reference_fn, probe_args=(), probe_kwargs=None,
     try:
         learner_fn(*probe_args, **(probe_kwargs or {}))
     except NotImplementedError:
-        print(f"note: {name} is not written yet, so the cells below use the library's reference "
-              f"{reference_name} instead. Fill it in, pass its tests, then run this cell again.")
+        print(
+            f"note: {name} is not written yet, so the cells below use the library's reference "
+            f"{reference_name} instead. Fill it in, pass its tests, then run this cell again."
+        )
         return reference_fn
     except Exception as exc:  # noqa: BLE001 - any crash means: not usable yet
-        print(f"note: your {name} raised {type(exc).__name__}: {exc} on a small example, so the cells below "
-              f"use the library's reference {reference_name} instead. Run its test cell to see what to fix.")
+        print(
+            f"note: your {name} raised {type(exc).__name__}: {exc} on a small example, so the cells below "
+            f"use the library's reference {reference_name} instead. Run its test cell to see what to fix."
+        )
         return reference_fn
     return learner_fn
 

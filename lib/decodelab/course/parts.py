@@ -26,6 +26,7 @@ the notebook does: as `progress` does, it refuses a folder that is not the calle
 
 This module is the course's side of `EngineHooks`: the engine never imports it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -78,6 +79,7 @@ STAGE_NOTEBOOKS: tuple[str, ...] = tuple(sorted({stage.notebook for stage in STA
 @dataclass
 class Entry:
     """One line of the bill of materials."""
+
     stage: Stage
     source: str  # YOURS or REFERENCE
     why: str
@@ -102,8 +104,9 @@ class Assembly:
 # --------------------------------------------------------------------------- the bill
 
 
-def bill_of_materials(rows: list[progress.Row], quantization: str | None = None,
-                      speculative: bool = False) -> list[Entry]:
+def bill_of_materials(
+    rows: list[progress.Row], quantization: str | None = None, speculative: bool = False
+) -> list[Entry]:
     """One Entry per stage, from progress's rows (a notebook without rows is not in the folder)."""
     if quantization not in (None, "int8"):
         raise ValueError(f"the learner's engine serves float32 or int8 weights, got quantization={quantization!r}")
@@ -112,8 +115,11 @@ def bill_of_materials(rows: list[progress.Row], quantization: str | None = None,
     bill = []
     for stage in STAGES:
         entry = Entry(stage, REFERENCE, "", in_engine=speculative or stage.hook != "accept_draft_tokens")
-        problems = [f"{name}: {status.get((stage.notebook, name), 'not found in the notebook')}"
-                    for name in stage.exercises if status.get((stage.notebook, name)) != progress.PASSING]
+        problems = [
+            f"{name}: {status.get((stage.notebook, name), 'not found in the notebook')}"
+            for name in stage.exercises
+            if status.get((stage.notebook, name)) != progress.PASSING
+        ]
         entry.passing = stage.notebook in checked and not problems and bool(stage.exercises)
         if stage.notebook not in checked:
             entry.why = f"no {stage.notebook} notebook checked in the folder"
@@ -122,10 +128,11 @@ def bill_of_materials(rows: list[progress.Row], quantization: str | None = None,
         elif not entry.in_engine:
             entry.why = "yours passes, but this engine has no draft model to speculate with"
         elif stage.hook == "linear" and quantization is None:
-            entry.why = "yours passes, but this engine serves float32 weights (yours builds an int8 one: quantization='int8')"
+            entry.why = (
+                "yours passes, but this engine serves float32 weights (yours builds an int8 one: quantization='int8')"
+            )
         elif stage.hook == "forward" and quantization is not None:
-            entry.why = ("yours passes, but it reads float weights by name: int8 layers run inside the "
-                         "library's model")
+            entry.why = "yours passes, but it reads float weights by name: int8 layers run inside the library's model"
         else:
             passes = "your exercise passes" if len(stage.exercises) == 1 else "your exercises pass"
             entry.source, entry.why = YOURS, f"{passes}: {', '.join(stage.exercises)}"
@@ -135,8 +142,9 @@ def bill_of_materials(rows: list[progress.Row], quantization: str | None = None,
 
 def reference_bill(why: str, speculative: bool = False) -> list[Entry]:
     """Every stage the library's, for one reason (grading, no sibling notebooks)."""
-    return [Entry(stage, REFERENCE, why, in_engine=speculative or stage.hook != "accept_draft_tokens")
-            for stage in STAGES]
+    return [
+        Entry(stage, REFERENCE, why, in_engine=speculative or stage.hook != "accept_draft_tokens") for stage in STAGES
+    ]
 
 
 def format_bill(bill: list[Entry]) -> str:
@@ -174,7 +182,7 @@ def load_notebook(path: Path, needed: set[str], statuses: dict[str, str]) -> dic
     sys.modules[module.__name__] = module  # classes and dataclasses defined in the cells look it up
     cells = [(f"<{plan.notebook} cell {index}>", source) for index, source in plan.setup[:1]]
     last = max(i for i, (name, _, _) in enumerate(plan.cells) if name in needed)
-    for name, index, source in plan.cells[:last + 1]:
+    for name, index, source in plan.cells[: last + 1]:
         crashed = statuses.get(name, "").startswith(("failing: timed out", "failing: the kernel died"))
         if not crashed:
             cells.append((f"<exercise {name}, cell {index}>", source))
@@ -188,8 +196,9 @@ def load_notebook(path: Path, needed: set[str], statuses: dict[str, str]) -> dic
     return module.__dict__
 
 
-def assemble(course_dir, rows: list[progress.Row], quantization: str | None = None,
-             speculative: bool = False) -> Assembly:
+def assemble(
+    course_dir, rows: list[progress.Row], quantization: str | None = None, speculative: bool = False
+) -> Assembly:
     """The bill of materials for `rows` (progress's, for the notebooks below course_dir), and the
     EngineHooks with every stage of yours loaded from its notebook."""
     progress.check_owner(course_dir)
@@ -312,18 +321,46 @@ def serve(engine: Assembly, prompt: str, max_new_tokens: int = 32, model: str = 
     from decodelab.params import SamplingParams
 
     def run(hooks):
-        llm = LLM(model=model, device=device, dtype="float32", quantization=engine.quantization, hooks=hooks,
-                  max_num_seqs=1, chunked_prefill=True, max_num_batched_tokens=16)
+        llm = LLM(
+            model=model,
+            device=device,
+            dtype="float32",
+            quantization=engine.quantization,
+            hooks=hooks,
+            max_num_seqs=1,
+            chunked_prefill=True,
+            max_num_batched_tokens=16,
+        )
         prompt_ids = encode_prompt(llm.tokenizer, prompt, chat=True)
-        return prompt_ids, llm.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=max_new_tokens),
-                                        use_tqdm=False)[0]
+        return prompt_ids, llm.generate(
+            [prompt_ids], SamplingParams(temperature=0, max_tokens=max_new_tokens), use_tqdm=False
+        )[0]
 
     prompt_ids, out = run_with_fallback(engine, run)
     if out.error:
         raise ValueError(out.error)
-    return {"prompt_ids": prompt_ids, "output_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text,
-            "parts": engine.parts, "why": {e.stage.name: e.why for e in engine.bill if e.in_engine}}
+    return {
+        "prompt_ids": prompt_ids,
+        "output_ids": list(out.outputs[0].token_ids),
+        "text": out.outputs[0].text,
+        "parts": engine.parts,
+        "why": {e.stage.name: e.why for e in engine.bill if e.in_engine},
+    }
 
 
-__all__ = ["STAGES", "STAGE_NOTEBOOKS", "Stage", "your_scheduler", "Entry", "Assembly", "bill_of_materials", "reference_bill",
-           "format_bill", "load_notebook", "assemble", "your_engine", "run_with_fallback", "serve"]
+__all__ = [
+    "STAGES",
+    "STAGE_NOTEBOOKS",
+    "Stage",
+    "your_scheduler",
+    "Entry",
+    "Assembly",
+    "bill_of_materials",
+    "reference_bill",
+    "format_bill",
+    "load_notebook",
+    "assemble",
+    "your_engine",
+    "run_with_fallback",
+    "serve",
+]

@@ -15,15 +15,21 @@ new hook shows up without editing this file (a part whose words match no stage l
 "other" row, a hook no stage claims gets its own stage). The flow pictures live in
 `decodelab.course.flow_pictures` and are re-exported here.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import importlib
 from dataclasses import dataclass
 
-from decodelab.course.flow_pictures import (SpeculativeTrace, block_table_picture, draft_verify_picture,
-                                            kv_cache_flow, trace_speculative_step)
 from decodelab.course.exercises import PARTS
+from decodelab.course.flow_pictures import (
+    SpeculativeTrace,
+    block_table_picture,
+    draft_verify_picture,
+    kv_cache_flow,
+    trace_speculative_step,
+)
 from decodelab.course.svg import Canvas, Picture, text_width
 
 HIGHLIGHT_FILL, HIGHLIGHT_STROKE = "#fde68a", "#d97706"
@@ -46,40 +52,77 @@ class Stage:
 # The engine's stages in serving order (engine/llm.py: LLM.generate -> engine_step), then the
 # loop around them and the measurements that are not a stage.
 STAGES = (
-    Stage("request", "request in: LLM.generate / chat", ("decodelab.engine.llm:LLM", "decodelab.engine.sequence:Request")),
+    Stage(
+        "request", "request in: LLM.generate / chat", ("decodelab.engine.llm:LLM", "decodelab.engine.sequence:Request")
+    ),
     Stage("tokenizer", "tokenizer and chat template", ("decodelab.model.tokenizer:Tokenizer",)),
     Stage("scheduler", "scheduler: continuous batching", ("decodelab.engine.scheduler:Scheduler",), "scheduler"),
-    Stage("paged_kv", "block allocator and paged KV", ("decodelab.engine.block_allocator:BlockAllocator",
-                                                       "decodelab.engine.paged_attention:PagedKVStore"), "allocator"),
+    Stage(
+        "paged_kv",
+        "block allocator and paged KV",
+        ("decodelab.engine.block_allocator:BlockAllocator", "decodelab.engine.paged_attention:PagedKVStore"),
+        "allocator",
+    ),
     Stage("forward", "model forward: the decoder", ("decodelab.model.llama:LlamaForCausalLM",), "forward"),
     Stage("embedding", "token embedding", ("decodelab.model.llama:Backbone",), depth=1),
     Stage("rmsnorm", "RMSNorm", ("decodelab.model.llama:RMSNorm",), depth=1),
-    Stage("attention", "attention: RoPE, GQA, KV cache",
-          ("decodelab.model.llama:Attention", "decodelab.model.rope:apply_rope", "decodelab.model.kv_cache:KVCache"),
-          "attention", depth=1),
+    Stage(
+        "attention",
+        "attention: RoPE, GQA, KV cache",
+        ("decodelab.model.llama:Attention", "decodelab.model.rope:apply_rope", "decodelab.model.kv_cache:KVCache"),
+        "attention",
+        depth=1,
+    ),
     Stage("mlp", "SwiGLU MLP", ("decodelab.model.llama:MLP",), depth=1),
     Stage("linear", "linear layers: int8 / int4", ("decodelab.model.quantization:QuantizedLinear",), "linear", depth=1),
     Stage("lm_head", "final RMSNorm and LM head: logits", ("decodelab.model.llama:LlamaForCausalLM",), depth=1),
     Stage("sampling", "sampling", ("decodelab.decoding.sampling:sample",), "sample"),
-    Stage("speculative", "speculative: draft, verify, roll back",
-          ("decodelab.decoding.speculative.steps:speculative_step", "decodelab.engine.speculative:BatchSpeculator"),
-          "accept_draft_tokens"),
-    Stage("stream", "detokenize and stream", ("decodelab.model.tokenizer:StreamDecoder",
-                                              "decodelab.engine.llm:StreamEvent")),
-    Stage("loop", "the loop: a step per token",
-          ("decodelab.engine.llm:engine_step",), "step"),
+    Stage(
+        "speculative",
+        "speculative: draft, verify, roll back",
+        ("decodelab.decoding.speculative.steps:speculative_step", "decodelab.engine.speculative:BatchSpeculator"),
+        "accept_draft_tokens",
+    ),
+    Stage(
+        "stream",
+        "detokenize and stream",
+        ("decodelab.model.tokenizer:StreamDecoder", "decodelab.engine.llm:StreamEvent"),
+    ),
+    Stage("loop", "the loop: a step per token", ("decodelab.engine.llm:engine_step",), "step"),
     Stage("measure", "measurements: what it costs", ("decodelab.lessons.measure:CountingModel",)),
 )
 # Words of a PARTS entry -> its stage, tried in this order (the first match wins): the
 # measurements first ("KV cache size" is a measurement, not the cache), "tiled attention"
 # before "loop" (its tiled loop is attention's), "decoder layer" before "loop", "detokeniz" before "tokenizer".
-PLACES = (("size", "measure"), ("speed", "measure"), ("latency", "measure"), ("roofline", "measure"),
-          ("waste", "measure"), ("memory", "measure"), ("decoder layer", "forward"), ("tiled attention", "attention"),
-          ("loop", "loop"), ("the step", "loop"), ("prefill", "loop"), ("speculative", "speculative"),
-          ("sampling", "sampling"), ("scheduler", "scheduler"), ("paged kv", "paged_kv"), ("block", "paged_kv"),
-          ("prefix", "paged_kv"), ("quantiz", "linear"), ("linear", "linear"), ("rmsnorm", "rmsnorm"),
-          ("mlp", "mlp"), ("attention", "attention"), ("rope", "attention"), ("gqa", "attention"),
-          ("kv cache", "attention"), ("detokeniz", "stream"), ("tokenizer", "tokenizer"))
+PLACES = (
+    ("size", "measure"),
+    ("speed", "measure"),
+    ("latency", "measure"),
+    ("roofline", "measure"),
+    ("waste", "measure"),
+    ("memory", "measure"),
+    ("decoder layer", "forward"),
+    ("tiled attention", "attention"),
+    ("loop", "loop"),
+    ("the step", "loop"),
+    ("prefill", "loop"),
+    ("speculative", "speculative"),
+    ("sampling", "sampling"),
+    ("scheduler", "scheduler"),
+    ("paged kv", "paged_kv"),
+    ("block", "paged_kv"),
+    ("prefix", "paged_kv"),
+    ("quantiz", "linear"),
+    ("linear", "linear"),
+    ("rmsnorm", "rmsnorm"),
+    ("mlp", "mlp"),
+    ("attention", "attention"),
+    ("rope", "attention"),
+    ("gqa", "attention"),
+    ("kv cache", "attention"),
+    ("detokeniz", "stream"),
+    ("tokenizer", "tokenizer"),
+)
 OTHER = Stage("other", "also built in the course")
 
 
@@ -100,8 +143,11 @@ def stages() -> list[Stage]:
     from decodelab.engine.llm import EngineHooks
 
     claimed = {stage.hook for stage in STAGES}
-    extra = [Stage(f"hook_{f.name}", f"hook: {f.name}", ("decodelab.engine.hooks:EngineHooks",), f.name)
-             for f in dataclasses.fields(EngineHooks) if f.name not in claimed]
+    extra = [
+        Stage(f"hook_{f.name}", f"hook: {f.name}", ("decodelab.engine.hooks:EngineHooks",), f.name)
+        for f in dataclasses.fields(EngineHooks)
+        if f.name not in claimed
+    ]
     at = [stage.key for stage in STAGES].index("stream")
     rows = list(STAGES[:at]) + extra + list(STAGES[at:])
     return rows + ([OTHER] if any(place_part(p) == OTHER.key for p in PARTS.values()) else [])
@@ -136,23 +182,47 @@ def _draw_stage(canvas: Canvas, stage: Stage, parts, y: float, highlight: str | 
     lines = _chip_rows(parts, 360, width - 36) if parts else []
     height = max(46, 12 + 24 * len(lines))
     lit = any(notebook == highlight for notebook, _, _ in parts)
-    canvas.box(inset, y, width - inset - 28, height, f"stage-{stage.key}", "stage highlight" if lit else "stage",
-               fill="#fffbeb" if lit else ("#f1f5f9" if stage.depth else "#f8fafc"),
-               stroke=HIGHLIGHT_STROKE if lit else "#94a3b8", stroke_width=2 if lit else 1,
-               data={"stage": stage.key, "hook": stage.hook})
+    canvas.box(
+        inset,
+        y,
+        width - inset - 28,
+        height,
+        f"stage-{stage.key}",
+        "stage highlight" if lit else "stage",
+        fill="#fffbeb" if lit else ("#f1f5f9" if stage.depth else "#f8fafc"),
+        stroke=HIGHLIGHT_STROKE if lit else "#94a3b8",
+        stroke_width=2 if lit else 1,
+        data={"stage": stage.key, "hook": stage.hook},
+    )
     canvas.text(inset + 8, y + 17, stage.title, size=12, bold=stage.depth == 0)
     hook = f"  · hook: {stage.hook}" if stage.hook else ""
     where = ", ".join(name.split(":")[1] for name in stage.code[:2]) if stage.code else ""
-    canvas.text(inset + 8, y + 33, f"{where}{hook}" if parts else f"{where}{hook}  (given by the library)",
-                size=9, color="#475569", monospace=True)
+    canvas.text(
+        inset + 8,
+        y + 33,
+        f"{where}{hook}" if parts else f"{where}{hook}  (given by the library)",
+        size=9,
+        color="#475569",
+        monospace=True,
+    )
     for row, line in enumerate(lines):
         for (notebook, exercise, part), x, chip_width in line:
             on = notebook == highlight
-            canvas.box(x, y + 8 + 24 * row, chip_width, 19, f"part-{notebook}-{exercise}",
-                       "part highlight" if on else "part", label=_chip_label(notebook, part),
-                       fill=HIGHLIGHT_FILL if on else PART_FILL, stroke=HIGHLIGHT_STROKE if on else PART_STROKE,
-                       size=10, tooltip=f"{notebook}, exercise {exercise}: {part}", bold=on,
-                       data={"notebook": notebook, "exercise": exercise, "stage": stage.key})
+            canvas.box(
+                x,
+                y + 8 + 24 * row,
+                chip_width,
+                19,
+                f"part-{notebook}-{exercise}",
+                "part highlight" if on else "part",
+                label=_chip_label(notebook, part),
+                fill=HIGHLIGHT_FILL if on else PART_FILL,
+                stroke=HIGHLIGHT_STROKE if on else PART_STROKE,
+                size=10,
+                tooltip=f"{notebook}, exercise {exercise}: {part}",
+                bold=on,
+                data={"notebook": notebook, "exercise": exercise, "stage": stage.key},
+            )
     return height
 
 
@@ -162,8 +232,9 @@ def engine_map(highlight: str | None = None) -> Picture:
     such as "03_kv_cache", colours that notebook's parts and their stages. ValueError for a
     notebook that builds no part of the engine."""
     if highlight is not None and highlight not in notebooks():
-        raise ValueError(f"no notebook {highlight!r} builds a part of the engine; the notebooks are "
-                         f"{', '.join(notebooks())}")
+        raise ValueError(
+            f"no notebook {highlight!r} builds a part of the engine; the notebooks are {', '.join(notebooks())}"
+        )
     rows = stages()
     by_stage = {stage.key: [] for stage in rows}
     for (notebook, exercise), part in PARTS.items():
@@ -171,8 +242,13 @@ def engine_map(highlight: str | None = None) -> Picture:
     title = "The engine, in serving order" + (f": what {highlight} builds is highlighted" if highlight else "")
     canvas = Canvas(980, title)
     canvas.text(14, 22, title, size=15, bold=True)
-    canvas.text(14, 40, "Each chip is an exercise (its notebook's number first); a stage without chips is the "
-                        "library's own code.", size=11, color="#475569")
+    canvas.text(
+        14,
+        40,
+        "Each chip is an exercise (its notebook's number first); a stage without chips is the library's own code.",
+        size=11,
+        color="#475569",
+    )
     y, tops, parent_bottom = 54.0, {}, 0.0
     for stage in rows:
         if stage.key in ("loop", "measure", OTHER.key):
@@ -197,6 +273,19 @@ def _loop_arrow(canvas: Canvas, tops: dict[str, float]) -> None:
     canvas.path(f"M {right - 10} {bottom} H {right} V {top} H {right - 12}", dashed=True, cls="loop-arrow")
 
 
-__all__ = ["STAGES", "PLACES", "Picture", "SpeculativeTrace", "Stage", "block_table_picture", "code_exists",
-           "draft_verify_picture", "engine_map", "kv_cache_flow", "notebooks", "place_part", "stages",
-           "trace_speculative_step"]
+__all__ = [
+    "STAGES",
+    "PLACES",
+    "Picture",
+    "SpeculativeTrace",
+    "Stage",
+    "block_table_picture",
+    "code_exists",
+    "draft_verify_picture",
+    "engine_map",
+    "kv_cache_flow",
+    "notebooks",
+    "place_part",
+    "stages",
+    "trace_speculative_step",
+]

@@ -31,14 +31,24 @@ is the cache *on this machine*?) is asked in a plain cell, never graded, and goe
 `show_beside` only. Each prints its line once and returns None (a returned string, as the cell's
 last value, would be shown a second time).
 """
+
 from __future__ import annotations
 
 import math
 import numbers
 from dataclasses import dataclass
 
-__all__ = ["QUESTIONS", "Question", "answer_line", "expect_prediction", "passes", "question", "show_answer", "show_beside",
-           "show_measured"]
+__all__ = [
+    "QUESTIONS",
+    "Question",
+    "answer_line",
+    "expect_prediction",
+    "passes",
+    "question",
+    "show_answer",
+    "show_beside",
+    "show_measured",
+]
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,7 @@ class Question:
 
     @property
     def tolerance_text(self) -> str:
-        """"within 5% of the answer", or "within 0.5 of the answer (the exact whole number)"."""
+        """ "within 5% of the answer", or "within 0.5 of the answer (the exact whole number)"."""
         if self.abs_tol and not self.rel_tol:
             whole = " (the exact whole number)" if self.abs_tol == 0.5 else ""
             return f"within {self.abs_tol:g} of the answer{whole}"
@@ -83,44 +93,76 @@ PERCENT = "in percent (for 3.5%, write 3.5)"
 RATIO = "as a ratio (for 12 times, write 12)"
 
 QUESTIONS: dict[str, Question] = {
-    "q_embedding_share_percent": _q("00_meet_the_model", "%", "V x E over all of SmolLM2-135M's parameters, "
-                                    "counted by your count_parameters", unit_words=PERCENT),
-    "q_llama8b_tokens_per_s": _q("00_meet_the_model", "tokens/s", "3.35e12 bytes/s over Llama-3.1-8B's bf16 weight "
-                                 "bytes, by your decode bound"),
+    "q_embedding_share_percent": _q(
+        "00_meet_the_model",
+        "%",
+        "V x E over all of SmolLM2-135M's parameters, counted by your count_parameters",
+        unit_words=PERCENT,
+    ),
+    "q_llama8b_tokens_per_s": _q(
+        "00_meet_the_model", "tokens/s", "3.35e12 bytes/s over Llama-3.1-8B's bf16 weight bytes, by your decode bound"
+    ),
     "q_layer_params": _q("01_forward_pass", "parameters", "layer 0's tensors, counted", rel_tol=0.02),
     "q_rope_slowest_period": _q("01_forward_pass", "tokens", "2 pi over the slowest pair's radians per token"),
     "q_top_p_uniform_kept": _q("02_sampling", "tokens", "the tokens your top_p_filter keeps", rel_tol=0.02),
     "q_frequency_std_error": _q("02_sampling", "", "the binomial's standard deviation over 10,000 draws"),
-    "q_rows_without_cache": _q("03_kv_cache", "rows", "rows counted while the tiny model generates without a cache",
-                               rel_tol=0.01),
+    "q_rows_without_cache": _q(
+        "03_kv_cache", "rows", "rows counted while the tiny model generates without a cache", rel_tol=0.01
+    ),
     "q_qwen3_kv_gib": _q("03_kv_cache", "GiB", "your kv_bytes for Qwen3-8B"),
-    "q_kv_share_percent": _q("04_prefill_decode", "%", "the K/V share of the step's bytes, by your "
-                             "arithmetic_intensity's count", unit_words=PERCENT),
-    "q_prefill_tokens_to_ridge": _q("04_prefill_decode", "tokens", "the shortest prompt whose intensity reaches "
-                                    "the ridge, by your arithmetic_intensity"),
+    "q_kv_share_percent": _q(
+        "04_prefill_decode",
+        "%",
+        "the K/V share of the step's bytes, by your arithmetic_intensity's count",
+        unit_words=PERCENT,
+    ),
+    "q_prefill_tokens_to_ridge": _q(
+        "04_prefill_decode",
+        "tokens",
+        "the shortest prompt whose intensity reaches the ridge, by your arithmetic_intensity",
+    ),
     "q_mha_kv_mib": _q("05_gqa", "MiB", "kv_bytes for Llama-3.1-8B with 32 KV heads"),
     "q_repeat_kv_mib": _q("05_gqa", "MiB", "the bytes of the tensor repeat_kv returned"),
     "q_int8_max_error": _q("06_quantization", "", "half a step: half of the scale your quantizer chose"),
-    "q_int4_group_bytes": _q("06_quantization", "bytes", "the bytes your quantize_int4_groupwise returned for "
-                             "one group", rel_tol=0.0, abs_tol=0.5),
+    "q_int4_group_bytes": _q(
+        "06_quantization",
+        "bytes",
+        "the bytes your quantize_int4_groupwise returned for one group",
+        rel_tol=0.0,
+        abs_tol=0.5,
+    ),
     "q_reservation_mib": _q("07_paged_kv", "MiB", "2,048 tokens of SmolLM2's K and V in float32"),
-    "q_waste_pct_blocks_32": _q("07_paged_kv", "%", "your kv_waste over every length from 50 to 2,047 once: "
-                                "the expected waste", rel_tol=0.1, unit_words=PERCENT),
-    "q_throughput_gain_b32": _q("08_continuous_batching", "x", "the cost model 20 ms + 1 ms a sequence, "
-                                "computed, not measured", unit_words=RATIO),
-    "q_chunked_steps": _q("08_continuous_batching", "steps", "the library's chunked step, counted", rel_tol=0.0,
-                          abs_tol=0.5),
+    "q_waste_pct_blocks_32": _q(
+        "07_paged_kv",
+        "%",
+        "your kv_waste over every length from 50 to 2,047 once: the expected waste",
+        rel_tol=0.1,
+        unit_words=PERCENT,
+    ),
+    "q_throughput_gain_b32": _q(
+        "08_continuous_batching",
+        "x",
+        "the cost model 20 ms + 1 ms a sequence, computed, not measured",
+        unit_words=RATIO,
+    ),
+    "q_chunked_steps": _q(
+        "08_continuous_batching", "steps", "the library's chunked step, counted", rel_tol=0.0, abs_tol=0.5
+    ),
     "q_alpha": _q("09_speculative_decoding", "", "1 - TVD of p and q", rel_tol=0.02),
-    "q_tokens_per_call": _q("09_speculative_decoding", "tokens", "the formula, 1 + alpha + ... + alpha^k", rel_tol=0.02),
-    "q_llama_blocks_in_40_gib": _q("10_capstone_engine", "blocks", "the engine's kv_blocks_for_memory",
-                                   rel_tol=0.01),
-    "q_memory_roof_tokens_per_s": _q("10_capstone_engine", "tokens/s", "the speed your decode_roofline_fraction "
-                                     "puts at 100% of the roof"),
+    "q_tokens_per_call": _q(
+        "09_speculative_decoding", "tokens", "the formula, 1 + alpha + ... + alpha^k", rel_tol=0.02
+    ),
+    "q_llama_blocks_in_40_gib": _q("10_capstone_engine", "blocks", "the engine's kv_blocks_for_memory", rel_tol=0.01),
+    "q_memory_roof_tokens_per_s": _q(
+        "10_capstone_engine", "tokens/s", "the speed your decode_roofline_fraction puts at 100% of the roof"
+    ),
     "q_llama_scores_gib": _q("11_tiled_attention", "GiB", "your attention_memory_bytes, plain"),
-    "q_smollm2_scores_mib": _q("11_tiled_attention", "MiB", "your attention_memory_bytes, plain: the score "
-                               "matrix alone"),
-    "q_programs_batch32": _q("12_gpu_kernel", "programs", "the launcher's grid, read off a batch of 32", rel_tol=0.0,
-                             abs_tol=0.5),
+    "q_smollm2_scores_mib": _q(
+        "11_tiled_attention", "MiB", "your attention_memory_bytes, plain: the score matrix alone"
+    ),
+    "q_programs_batch32": _q(
+        "12_gpu_kernel", "programs", "the launcher's grid, read off a batch of 32", rel_tol=0.0, abs_tol=0.5
+    ),
     "q_min_read_mib": _q("12_gpu_kernel", "MiB", "kv_bytes_read for 32 x 2,048 tokens"),
 }
 
@@ -130,8 +172,10 @@ def question(name: str) -> Question:
     try:
         return QUESTIONS[name]
     except KeyError:
-        raise KeyError(f"{name!r} is not in decodelab.course.predictions.QUESTIONS: add its row "
-                       "(notebook, unit, what its answer is, tolerance)") from None
+        raise KeyError(
+            f"{name!r} is not in decodelab.course.predictions.QUESTIONS: add its row "
+            "(notebook, unit, what its answer is, tolerance)"
+        ) from None
 
 
 def _is_number(value) -> bool:
@@ -159,14 +203,19 @@ def expect_prediction(value, name: str) -> None:
     """
     q = question(name)
     if value is None:
-        print(f"{name} is unanswered (still None): write your prediction (a number) in the cell above and run it, "
-              "then this cell. Unanswered, it scores 0 when the notebook is graded; the notebook goes on.")
+        print(
+            f"{name} is unanswered (still None): write your prediction (a number) in the cell above and run it, "
+            "then this cell. Unanswered, it scores 0 when the notebook is graded; the notebook goes on."
+        )
         return
     if not _is_number(value):
-        raise AssertionError(f"{name} must be a finite number{f' (in {q.unit})' if q.unit else ''}, "
-                             f"got {type(value).__name__} {value!r}")
-    print(f"prediction recorded: {name} = {value:,g}{f' {q.unit}' if q.unit else ''}. It passes "
-          f"{q.tolerance_text} when you submit; the experiment below computes the answer.")
+        raise AssertionError(
+            f"{name} must be a finite number{f' (in {q.unit})' if q.unit else ''}, got {type(value).__name__} {value!r}"
+        )
+    print(
+        f"prediction recorded: {name} = {value:,g}{f' {q.unit}' if q.unit else ''}. It passes "
+        f"{q.tolerance_text} when you submit; the experiment below computes the answer."
+    )
 
 
 def answer_line(name: str, prediction, answer: float) -> str:
@@ -208,6 +257,8 @@ def show_beside(name: str, prediction, measured: float, unit: str = "") -> None:
     else:
         ratio = measured / prediction
         verdict = "close" if 0.9 <= ratio <= 1.1 else ("more than you said" if ratio > 1 else "less than you said")
-        line = (f"{name}: you predicted {prediction:,.4g}{suffix}, measured {measured:,.4g}{suffix} "
-                f"(measured / predicted = {ratio:.3g}: {verdict})")
+        line = (
+            f"{name}: you predicted {prediction:,.4g}{suffix}, measured {measured:,.4g}{suffix} "
+            f"(measured / predicted = {ratio:.3g}: {verdict})"
+        )
     print(line)

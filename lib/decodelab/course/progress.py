@@ -47,6 +47,7 @@ hint buttons of course/hints.py; 0 when there is none). It is information, never
 `PARTS` (from the table of exercises, `course.exercises`) names the part of the engine each
 exercise builds.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,18 @@ from pathlib import Path
 from decodelab.course import hints
 from decodelab.course.exercises import PARTS
 from decodelab.course.progress_owner import check_owner
-from decodelab.course.progress_plan import (HIDDEN_BEGIN, NOT_STARTED, PASSING, Plan, ProgressError, exercise_names,
-                                            find_notebooks, first_line, plan_notebook, release_checksum)
+from decodelab.course.progress_plan import (
+    HIDDEN_BEGIN,
+    NOT_STARTED,
+    PASSING,
+    Plan,
+    ProgressError,
+    exercise_names,
+    find_notebooks,
+    first_line,
+    plan_notebook,
+    release_checksum,
+)
 from decodelab.course.progress_process import describe_death, run_until, worker_env
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -93,13 +104,22 @@ def run_notebook(plan: Plan, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, st
         while pending:
             attempt += 1
             spec_path, results_path = Path(tmp) / f"spec{attempt}.json", Path(tmp) / f"results{attempt}.jsonl"
-            spec = {"parent": os.getpid(), "notebook": plan.notebook, "setup": plan.setup, "cells": plan.cells, "tests": plan.tests,
-                    "changed": sorted(plan.changed), "run": pending}
+            spec = {
+                "parent": os.getpid(),
+                "notebook": plan.notebook,
+                "setup": plan.setup,
+                "cells": plan.cells,
+                "tests": plan.tests,
+                "changed": sorted(plan.changed),
+                "run": pending,
+            }
             spec_path.write_text(json.dumps(spec))
             results_path.write_text("")
             returncode, timed_out, output = run_until(
                 [sys.executable, "-m", "decodelab.course.progress_worker", str(spec_path), str(results_path)],
-                plan.path.parent, deadline)
+                plan.path.parent,
+                deadline,
+            )
             running, phase = None, None
             for line in results_path.read_text().splitlines():
                 try:
@@ -150,8 +170,16 @@ def check_notebook(path: Path, timeout: float = DEFAULT_TIMEOUT_S) -> list[Row]:
     used = hints.read_counts(path.parent).get(plan.notebook, {})
     if plan.error:
         names = [name for (notebook, name) in PARTS if notebook == plan.notebook] or ["-"]
-        return [Row(plan.notebook, name, PARTS.get((plan.notebook, name), ""), f"failing: {plan.error}",
-                    used.get(f"ex_{name}", 0)) for name in names]
+        return [
+            Row(
+                plan.notebook,
+                name,
+                PARTS.get((plan.notebook, name), ""),
+                f"failing: {plan.error}",
+                used.get(f"ex_{name}", 0),
+            )
+            for name in names
+        ]
     statuses = run_notebook(plan, timeout)
     rows = []
     for name in exercise_names(plan):
@@ -187,8 +215,10 @@ def format_table(rows: list[Row]) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(line[:4], widths)) + "  " + line[4] for line in table]
     passing = sum(r.status == PASSING for r in rows)
     not_started = sum(r.status == NOT_STARTED for r in rows)
-    lines.append(f"\n{passing} of {len(rows)} exercises passing their visible tests, "
-                 f"{len(rows) - passing - not_started} failing, {not_started} not started.")
+    lines.append(
+        f"\n{passing} of {len(rows)} exercises passing their visible tests, "
+        f"{len(rows) - passing - not_started} failing, {not_started} not started."
+    )
     return "\n".join(lines)
 
 
@@ -197,6 +227,25 @@ def to_json(rows: list[Row]) -> str:
 
 
 # The names progress has always offered its callers, from the modules that now hold them.
-__all__ = ["DEFAULT_TIMEOUT_S", "HIDDEN_BEGIN", "NOT_STARTED", "PARTS", "PASSING", "Plan", "ProgressError", "Row",
-           "check_course", "check_notebook", "check_owner", "find_notebooks", "first_line", "format_table",
-           "plan_notebook", "release_checksum", "run_notebook", "run_until", "to_json", "worker_env"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "HIDDEN_BEGIN",
+    "NOT_STARTED",
+    "PARTS",
+    "PASSING",
+    "Plan",
+    "ProgressError",
+    "Row",
+    "check_course",
+    "check_notebook",
+    "check_owner",
+    "find_notebooks",
+    "first_line",
+    "format_table",
+    "plan_notebook",
+    "release_checksum",
+    "run_notebook",
+    "run_until",
+    "to_json",
+    "worker_env",
+]

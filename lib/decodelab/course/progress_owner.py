@@ -7,6 +7,7 @@ way to the course and its notebooks, and everything in each notebook's folder (t
 what its cells can import from there), must belong to root and be writable by no one else; else
 it refuses, naming the file and its owner, and says how to run it as that user instead.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,10 @@ def _why_root_must_not_run(path: Path, shared_ok: bool, course_dir) -> str | Non
         return None
     if info.st_uid != 0:
         user = _user_name(info.st_uid)
-        return (f"{path} belongs to {user} (uid {info.st_uid}), and progress would run the code in it as root. "
-                f"Run it as that user instead: sudo -u {user} python -m decodelab progress --course {course_dir}")
+        return (
+            f"{path} belongs to {user} (uid {info.st_uid}), and progress would run the code in it as root. "
+            f"Run it as that user instead: sudo -u {user} python -m decodelab progress --course {course_dir}"
+        )
     if shared_ok and stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX:
         return None
     if info.st_mode & stat.S_IWOTH:
@@ -65,9 +68,11 @@ def _why_root_must_not_run(path: Path, shared_ok: bool, course_dir) -> str | Non
         who = f"the group {_group_name(info.st_gid)} (gid {info.st_gid})"
     else:
         return None
-    return (f"{path} can be written by {who} (mode {stat.S_IMODE(info.st_mode):o}), and progress would run the "
-            f"code in it as root: make it root's alone (chmod go-w), or run progress as the learner whose "
-            f"notebooks these are")
+    return (
+        f"{path} can be written by {who} (mode {stat.S_IMODE(info.st_mode):o}), and progress would run the "
+        f"code in it as root: make it root's alone (chmod go-w), or run progress as the learner whose "
+        f"notebooks these are"
+    )
 
 
 def _user_name(uid: int) -> str:

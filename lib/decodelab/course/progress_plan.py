@@ -20,6 +20,7 @@ An exercise cell whose source still has the checksum nbgrader wrote at the relea
 ``unchanged`` (nothing runs for it: not started); a duplicated cell or a missing test cell is a
 ``problem`` that becomes the exercise's status without running anything.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,6 +43,7 @@ class ProgressError(ValueError):
 @dataclass
 class Plan:
     """What one notebook's check needs: its set-up, its exercise cells, their visible tests."""
+
     notebook: str
     path: Path
     setup: list[tuple[int, str]] = field(default_factory=list)  # (cell index, source)
@@ -60,8 +62,11 @@ def find_notebooks(course_dir, names=None) -> list[Path]:
     """NN_topic/NN_topic.ipynb below course_dir, by name; `names` keeps those whose folder is
     named, or whose NN is given ("02_sampling" or "02")."""
     folder = course_folder(course_dir)
-    found = sorted(p / f"{p.name}.ipynb" for p in folder.iterdir()
-                   if p.is_dir() and NOTEBOOK_DIR.match(p.name) and (p / f"{p.name}.ipynb").is_file())
+    found = sorted(
+        p / f"{p.name}.ipynb"
+        for p in folder.iterdir()
+        if p.is_dir() and NOTEBOOK_DIR.match(p.name) and (p / f"{p.name}.ipynb").is_file()
+    )
     if not found:
         raise ProgressError(f"no course notebooks in {folder}: expected folders like 02_sampling/02_sampling.ipynb")
     if names:
@@ -69,8 +74,9 @@ def find_notebooks(course_dir, names=None) -> list[Path]:
         kept = [p for p in found if p.parent.name in wanted or p.parent.name[:2] in wanted]
         unknown = sorted(n for n in wanted if not any(p.parent.name == n or p.parent.name[:2] == n for p in found))
         if unknown:
-            raise ProgressError(f"no notebook {', '.join(unknown)} in {folder}; it has "
-                                f"{', '.join(p.parent.name for p in found)}")
+            raise ProgressError(
+                f"no notebook {', '.join(unknown)} in {folder}; it has {', '.join(p.parent.name for p in found)}"
+            )
         found = kept
     return found
 
@@ -78,8 +84,10 @@ def find_notebooks(course_dir, names=None) -> list[Path]:
 def course_folder(course_dir) -> Path:
     folder = Path(course_dir).expanduser()
     if not folder.is_dir():
-        raise ProgressError(f"{folder} is not a folder: give the folder that holds your notebooks "
-                            f"(NN_topic/NN_topic.ipynb), e.g. --course ~/course")
+        raise ProgressError(
+            f"{folder} is not a folder: give the folder that holds your notebooks "
+            f"(NN_topic/NN_topic.ipynb), e.g. --course ~/course"
+        )
     return folder
 
 
@@ -95,8 +103,14 @@ def release_checksum(cell) -> str:
     grade, solution = bool(meta.get("grade")), bool(meta.get("solution"))
     locked = False if solution else (True if grade else bool(meta.get("locked")))
     m = hashlib.md5()
-    for piece in (cell.get("source", ""), cell.get("cell_type", ""), str(grade), str(solution), str(locked),
-                  meta.get("grade_id", "")):
+    for piece in (
+        cell.get("source", ""),
+        cell.get("cell_type", ""),
+        str(grade),
+        str(solution),
+        str(locked),
+        meta.get("grade_id", ""),
+    ):
         m.update(str(piece).encode("utf-8"))
     if grade:
         m.update(str(float(meta.get("points", 0))).encode("utf-8"))
@@ -152,7 +166,7 @@ def _pick_cells(plan: Plan, cells: list) -> None:
         else:
             plan.problems[name] = f"its test cell test_{name} is missing from the notebook"
     exercises = {name for name, _, _ in plan.cells}
-    for (notebook, name) in PARTS:
+    for notebook, name in PARTS:
         if notebook == plan.notebook and name not in exercises:
             plan.problems[name] = f"its exercise cell ex_{name} is missing from the notebook"
 
@@ -164,4 +178,4 @@ def exercise_names(plan: Plan) -> list[str]:
 
 def first_line(text: str, limit: int = 240) -> str:
     line = next((l.strip() for l in str(text).splitlines() if l.strip()), "")
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."

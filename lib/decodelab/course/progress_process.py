@@ -10,6 +10,7 @@ leads a process group of its own, killed at the end; on Linux, progress adopts t
 that tree meanwhile (a child subreaper), so a grandchild that left the group with setsid is
 killed too; and the subprocess dies if progress itself is killed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,7 +47,7 @@ class _Tail:
 
     def _drain(self, pipe):
         for chunk in iter(lambda: pipe.read(65536), b""):
-            self.data = (self.data + chunk)[-self.keep:]
+            self.data = (self.data + chunk)[-self.keep :]
 
     def text(self) -> str:
         self.thread.join(timeout=1)
@@ -117,8 +118,15 @@ def run_until(command: list[str], cwd: Path, deadline: float) -> tuple[int, bool
     output). A child that this process starts meanwhile from another thread would be killed too."""
     with _adopting_orphans():
         known = _children()
-        proc = subprocess.Popen(command, cwd=str(cwd), env=worker_env(), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            command,
+            cwd=str(cwd),
+            env=worker_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         tail = _Tail(proc.stdout)
         timed_out = False
         try:

@@ -5,6 +5,7 @@ results file (start, phase, done, setup_failed), which progress reads back even 
 
     python -m decodelab.course.progress_worker SPEC.json RESULTS.jsonl
 """
+
 from __future__ import annotations
 
 import builtins
@@ -106,6 +107,7 @@ def worker(spec_path: str, results_path: str) -> int:
     spec["cwd"] = os.getcwd()
     sys.path.insert(0, spec["cwd"])  # as in a kernel: the notebook's folder is importable
     with open(results_path, "a", buffering=1) as results:
+
         def emit(**event):
             results.write(json.dumps(event) + "\n")
             results.flush()
@@ -127,6 +129,8 @@ def worker(spec_path: str, results_path: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m decodelab.course.progress_worker SPEC.json RESULTS.jsonl "
-                 "(progress starts it; you want: python -m decodelab progress --course DIR)")
+        sys.exit(
+            "usage: python -m decodelab.course.progress_worker SPEC.json RESULTS.jsonl "
+            "(progress starts it; you want: python -m decodelab progress --course DIR)"
+        )
     sys.exit(worker(sys.argv[1], sys.argv[2]))

@@ -24,6 +24,7 @@ bandwidth. The scheduler step moves no tensors and has none.
 Timings use the one timer of the course, `lessons.measure.time_call`. A part is timed only when the
 exercises behind it pass their visible tests; the others say why they were not.
 """
+
 from __future__ import annotations
 
 import gc
@@ -50,6 +51,7 @@ ROUND_TIMEOUT_S = 300.0
 @dataclass
 class Spread:
     """The median of a sample and how far it spreads: quartiles and extremes."""
+
     median: float
     q1: float
     q3: float
@@ -66,8 +68,9 @@ class Spread:
         return cls(statistics.median(values), q1, q3, min(values), max(values))
 
 
-def paired_times(learner: Workload, reference: Workload, pairs: int, device="cpu",
-                 learner_first: bool = True) -> tuple[list[float], list[float]]:
+def paired_times(
+    learner: Workload, reference: Workload, pairs: int, device="cpu", learner_first: bool = True
+) -> tuple[list[float], list[float]]:
     """(learner's seconds per call, reference's), `pairs` samples each, timed in pairs whose
     order alternates (the first pair starts with the learner when learner_first). One warm-up
     sample each first."""
@@ -136,12 +139,26 @@ class BenchReport:
         parts = []
         for r in self.results:
             spread = r.ratio
-            parts.append({"part": r.part, "notebook": r.notebook, "exercise": r.exercise, "status": r.status,
-                          "pairs": len(r.learner_s), "ratio": asdict(spread) if spread else None,
-                          "bytes_moved": r.bytes_moved, "roofline_fraction": r.roofline_fraction(self.bandwidth),
-                          "reference_roofline_fraction": r.roofline_fraction(self.bandwidth, learner=False)})
-        return {"bandwidth_bytes_per_s": self.bandwidth, "size": self.size, "rounds": self.rounds,
-                "pairs_per_round": self.pairs, "parts": parts}
+            parts.append(
+                {
+                    "part": r.part,
+                    "notebook": r.notebook,
+                    "exercise": r.exercise,
+                    "status": r.status,
+                    "pairs": len(r.learner_s),
+                    "ratio": asdict(spread) if spread else None,
+                    "bytes_moved": r.bytes_moved,
+                    "roofline_fraction": r.roofline_fraction(self.bandwidth),
+                    "reference_roofline_fraction": r.roofline_fraction(self.bandwidth, learner=False),
+                }
+            )
+        return {
+            "bandwidth_bytes_per_s": self.bandwidth,
+            "size": self.size,
+            "rounds": self.rounds,
+            "pairs_per_round": self.pairs,
+            "parts": parts,
+        }
 
 
 # --------------------------------------------------------------------------- the bench
@@ -151,14 +168,26 @@ def why_not_timed(part: TimedPart, statuses: dict[tuple[str, str], str]) -> str 
     """Why the learner's part cannot be timed (its notebook is missing or an exercise does not pass)."""
     if not any(notebook == part.notebook for notebook, _ in statuses):
         return f"not timed: no {part.notebook} notebook checked"
-    failing = [f"{name}: {statuses.get((part.notebook, name), 'not found in the notebook')}"
-               for name in part.exercises if statuses.get((part.notebook, name)) != PASSING]
+    failing = [
+        f"{name}: {statuses.get((part.notebook, name), 'not found in the notebook')}"
+        for name in part.exercises
+        if statuses.get((part.notebook, name)) != PASSING
+    ]
     return f"not timed: {'; '.join(failing)}" if failing else None
 
 
-def bench_course(course_dir, rows, size: str = "small", rounds: int = DEFAULT_ROUNDS, pairs: int = DEFAULT_PAIRS,
-                 device: str = "cpu", bandwidth: float | None = None, parts: tuple[TimedPart, ...] = PARTS,
-                 on_progress: Callable[[str], None] | None = None, timeout: float = ROUND_TIMEOUT_S) -> BenchReport:
+def bench_course(
+    course_dir,
+    rows,
+    size: str = "small",
+    rounds: int = DEFAULT_ROUNDS,
+    pairs: int = DEFAULT_PAIRS,
+    device: str = "cpu",
+    bandwidth: float | None = None,
+    parts: tuple[TimedPart, ...] = PARTS,
+    on_progress: Callable[[str], None] | None = None,
+    timeout: float = ROUND_TIMEOUT_S,
+) -> BenchReport:
     """Time the learner's passing parts (progress's `rows` say which pass) against the library's:
     `rounds` fresh processes, `pairs` pairs per part in each. `on_progress(line)` hears a line per
     part as each round ends. `bandwidth` (bytes/s): measured here with a large copy when None and
@@ -187,16 +216,26 @@ def bench_course(course_dir, rows, size: str = "small", rounds: int = DEFAULT_RO
 
 def _run_round(folder: Path, timed, statuses, size, pairs, device, round_index, timeout) -> dict[str, dict]:
     """One fresh process: part name -> {"learner": [...], "reference": [...], "bytes": n} or {"error": why}."""
-    spec = {"parent": os.getpid(), "course": str(folder.resolve()), "parts": [p.name for p in timed],
-            "statuses": [[nb, ex, status] for (nb, ex), status in statuses.items()], "size": size, "pairs": pairs,
-            "device": device, "seed": 1000 + round_index, "learner_first": round_index % 2 == 0}
+    spec = {
+        "parent": os.getpid(),
+        "course": str(folder.resolve()),
+        "parts": [p.name for p in timed],
+        "statuses": [[nb, ex, status] for (nb, ex), status in statuses.items()],
+        "size": size,
+        "pairs": pairs,
+        "device": device,
+        "seed": 1000 + round_index,
+        "learner_first": round_index % 2 == 0,
+    }
     with tempfile.TemporaryDirectory(prefix="decodelab-bench-") as tmp:
         spec_path, results_path = Path(tmp) / "spec.json", Path(tmp) / "results.jsonl"
         spec_path.write_text(json.dumps(spec))
         results_path.write_text("")
         returncode, timed_out, output = run_until(
             [sys.executable, "-m", "decodelab.course.speed_worker", str(spec_path), str(results_path)],
-            folder, time.monotonic() + timeout)
+            folder,
+            time.monotonic() + timeout,
+        )
         found = {}
         for line in results_path.read_text().splitlines():
             try:
@@ -230,8 +269,9 @@ def _merge(result: PartResult, event: dict | None) -> None:
 
 def _progress_line(result: PartResult, round_index: int, rounds: int) -> str:
     spread = result.ratio
-    so_far = (f"{len(result.learner_s)} pairs, median {spread.median:.2f}x the library's time"
-              if spread else result.status)
+    so_far = (
+        f"{len(result.learner_s)} pairs, median {spread.median:.2f}x the library's time" if spread else result.status
+    )
     return f"round {round_index + 1}/{rounds} · {result.part}: {so_far}"
 
 
@@ -243,27 +283,43 @@ def _percent(fraction: float | None) -> str:
 
 
 def format_report(report: BenchReport) -> str:
-    header = ("part", "exercise", "yours / library", "spread: quartiles; min-max", "pairs", "roofline: yours",
-              "library's")
+    header = (
+        "part",
+        "exercise",
+        "yours / library",
+        "spread: quartiles; min-max",
+        "pairs",
+        "roofline: yours",
+        "library's",
+    )
     table = [header]
     for r in report.results:
         spread = r.ratio
         if spread is None:
             table.append((r.part, f"{r.notebook}: {r.exercise}", r.status, "", "", "", ""))
             continue
-        table.append((r.part, f"{r.notebook}: {r.exercise}", f"{spread.median:.2f}x",
-                      f"{spread.q1:.2f}-{spread.q3:.2f}; {spread.low:.2f}-{spread.high:.2f}", str(len(r.learner_s)),
-                      _percent(r.roofline_fraction(report.bandwidth)),
-                      _percent(r.roofline_fraction(report.bandwidth, learner=False))))
+        table.append(
+            (
+                r.part,
+                f"{r.notebook}: {r.exercise}",
+                f"{spread.median:.2f}x",
+                f"{spread.q1:.2f}-{spread.q3:.2f}; {spread.low:.2f}-{spread.high:.2f}",
+                str(len(r.learner_s)),
+                _percent(r.roofline_fraction(report.bandwidth)),
+                _percent(r.roofline_fraction(report.bandwidth, learner=False)),
+            )
+        )
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in table]
     if not any(r.learner_s for r in report.results):
         lines.append("\nNo part of yours was timed: each line says why.")
         return "\n".join(lines)
-    lines.append(f"\nA ratio is your time over the library's on the same inputs (above 1: yours is slower): the "
-                 f"median of {report.rounds} fresh processes x {report.pairs} pairs, each pair run in alternating "
-                 f"order ({report.size} sizes). Roofline: the least bytes a call moves per second, over this "
-                 f"machine's {report.bandwidth / 1e9:.1f} GB/s (a large tensor copy).")
+    lines.append(
+        f"\nA ratio is your time over the library's on the same inputs (above 1: yours is slower): the "
+        f"median of {report.rounds} fresh processes x {report.pairs} pairs, each pair run in alternating "
+        f"order ({report.size} sizes). Roofline: the least bytes a call moves per second, over this "
+        f"machine's {report.bandwidth / 1e9:.1f} GB/s (a large tensor copy)."
+    )
     return "\n".join(lines)
 
 
@@ -271,5 +327,14 @@ def to_json(report: BenchReport) -> str:
     return json.dumps({"bench": report.to_dict()})
 
 
-__all__ = ["BenchReport", "PartResult", "Spread", "bench_course", "format_report", "paired_times", "ratios",
-           "to_json", "why_not_timed"]
+__all__ = [
+    "BenchReport",
+    "PartResult",
+    "Spread",
+    "bench_course",
+    "format_report",
+    "paired_times",
+    "ratios",
+    "to_json",
+    "why_not_timed",
+]

@@ -20,6 +20,7 @@ scheduler step moves no tensors: it has none.
 Sizes: "small" (fast mode, the capstone, the tests: each call well under 10 ms on a laptop CPU)
 and "full" (`progress --bench`: tensors larger than a CPU's caches).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -36,6 +37,7 @@ SIZES = ("small", "full")
 @dataclass
 class Workload:
     """One side's calls on one set of inputs."""
+
     ready: Callable[[], Callable[[], object]]  # -> a zero-argument callable that makes `calls` calls
     calls: int  # calls made by one callable from `ready` (a timing sample is their time / calls)
     bytes_moved: int | None  # the least one call reads and writes, None for a part that moves no tensor
@@ -74,7 +76,9 @@ def _repeated(fn: Callable[[], object], calls: int) -> Callable[[], Callable[[],
         def run():
             for _ in range(calls):
                 fn()
+
         return run
+
     return ready
 
 
@@ -84,8 +88,10 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 
 # --------------------------------------------------------------------------- paged attention (07)
 
-PAGED_SHAPES = {"small": dict(batch=8, heads=8, kv_heads=2, head_dim=64, block_size=16, context=512, calls=2),
-                "full": dict(batch=16, heads=16, kv_heads=4, head_dim=64, block_size=16, context=1024, calls=1)}
+PAGED_SHAPES = {
+    "small": dict(batch=8, heads=8, kv_heads=2, head_dim=64, block_size=16, context=512, calls=2),
+    "full": dict(batch=16, heads=16, kv_heads=4, head_dim=64, block_size=16, context=1024, calls=1),
+}
 
 
 def paged_attention_workload(attend, size: str, seed: int, device="cpu") -> Workload:
@@ -99,7 +105,7 @@ def paged_attention_workload(attend, size: str, seed: int, device="cpu") -> Work
     order = torch.randperm(sum(per_seq), generator=g).tolist()  # blocks scattered over the pool
     tables, start = [], 0
     for count in per_seq:
-        tables.append(order[start:start + count])
+        tables.append(order[start : start + count])
         start += count
     shape = (sum(per_seq), block, s["kv_heads"], s["head_dim"])
     keys, values = (torch.randn(shape, generator=g).to(device) for _ in range(2))
@@ -112,8 +118,10 @@ def paged_attention_workload(attend, size: str, seed: int, device="cpu") -> Work
 
 # --------------------------------------------------------------------------- int8 linear (06)
 
-LINEAR_SHAPES = {"small": dict(tokens=4, in_features=2048, out_features=2048, calls=2),
-                 "full": dict(tokens=4, in_features=4096, out_features=8192, calls=1)}
+LINEAR_SHAPES = {
+    "small": dict(tokens=4, in_features=2048, out_features=2048, calls=2),
+    "full": dict(tokens=4, in_features=4096, out_features=8192, calls=1),
+}
 
 
 def int8_linear_workload(layer_class, size: str, seed: int, device="cpu") -> Workload:
@@ -131,10 +139,30 @@ def int8_linear_workload(layer_class, size: str, seed: int, device="cpu") -> Wor
 
 # --------------------------------------------------------------------------- decode step (01)
 
-MODEL_SHAPES = {"small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8,
-                              num_key_value_heads=2, vocab_size=2048, batch=4, context=128, calls=2),
-                "full": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=12,
-                             num_key_value_heads=4, vocab_size=8192, batch=4, context=512, calls=1)}
+MODEL_SHAPES = {
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=2048,
+        batch=4,
+        context=128,
+        calls=2,
+    ),
+    "full": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=8192,
+        batch=4,
+        context=512,
+        calls=1,
+    ),
+}
 
 
 def decode_step_workload(forward, size: str, seed: int, device="cpu") -> Workload:
@@ -152,8 +180,10 @@ def decode_step_workload(forward, size: str, seed: int, device="cpu") -> Workloa
     weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
     g = torch.Generator().manual_seed(seed)
     held_shape = (batch, config.num_key_value_heads, context, config.head_dim)  # [B, H_kv, S, D]
-    held = [tuple(torch.randn(held_shape, generator=g).to(device) for _ in range(2))
-            for _ in range(config.num_hidden_layers)]
+    held = [
+        tuple(torch.randn(held_shape, generator=g).to(device) for _ in range(2))
+        for _ in range(config.num_hidden_layers)
+    ]
 
     def attend(layer_index, q, k, v):  # q [B, H, 1, D], k, v [B, H_kv, 1, D]
         keys, values = held[layer_index]
@@ -170,8 +200,10 @@ def decode_step_workload(forward, size: str, seed: int, device="cpu") -> Workloa
 
 # --------------------------------------------------------------------------- scheduler step (08)
 
-SCHEDULER_SHAPES = {"small": dict(running=48, waiting=8, block_size=16, calls=8),
-                    "full": dict(running=192, waiting=32, block_size=16, calls=4)}
+SCHEDULER_SHAPES = {
+    "small": dict(running=48, waiting=8, block_size=16, calls=8),
+    "full": dict(running=192, waiting=32, block_size=16, calls=4),
+}
 
 
 def _scheduler_state(scheduler_class, size: str, seed: int):
@@ -183,8 +215,15 @@ def _scheduler_state(scheduler_class, size: str, seed: int):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(8, 200, (s["running"],), generator=g).tolist()
     blocks = sum(-(-(n + 1) // s["block_size"]) + 1 for n in lengths) + 16
-    scheduler = toy_scheduler(lengths, num_blocks=blocks, block_size=s["block_size"], max_num_seqs=s["running"] + 4,
-                              max_num_batched_tokens=10**6, admitted=True, scheduler_cls=scheduler_class)
+    scheduler = toy_scheduler(
+        lengths,
+        num_blocks=blocks,
+        block_size=s["block_size"],
+        max_num_seqs=s["running"] + 4,
+        max_num_batched_tokens=10**6,
+        admitted=True,
+        scheduler_cls=scheduler_class,
+    )
     for i in range(s["waiting"]):
         scheduler.add(make_sequence(s["running"] + i, int(torch.randint(16, 300, (1,), generator=g))))
     scheduler.chunked_prefill = True
@@ -194,8 +233,12 @@ def _scheduler_state(scheduler_class, size: str, seed: int):
 
 def _schedule_summary(scheduler) -> tuple:
     seqs, is_prefill = scheduler.schedule()
-    return ([(s.seq_id, s.num_scheduled_tokens, list(s.block_table)) for s in seqs], is_prefill,
-            [s.seq_id for s in scheduler.waiting], scheduler.num_preemptions)
+    return (
+        [(s.seq_id, s.num_scheduled_tokens, list(s.block_table)) for s in seqs],
+        is_prefill,
+        [s.seq_id for s in scheduler.waiting],
+        scheduler.num_preemptions,
+    )
 
 
 def scheduler_step_workload(scheduler_class, size: str, seed: int, device="cpu") -> Workload:
@@ -209,6 +252,7 @@ def scheduler_step_workload(scheduler_class, size: str, seed: int, device="cpu")
         def run():
             for scheduler in states:
                 scheduler.schedule()
+
         return run
 
     return Workload(ready, calls, None, lambda: _schedule_summary(_scheduler_state(scheduler_class, size, seed)))
@@ -220,19 +264,45 @@ def your_scheduler(namespace: dict) -> type:
     from decodelab.engine.scheduler import Scheduler
 
     _, methods = stage_exercises("scheduler")
-    return type("YourScheduler", (Scheduler,), {**{name: namespace[name] for name in methods},
-                                                "__module__": namespace["__name__"]})
+    return type(
+        "YourScheduler",
+        (Scheduler,),
+        {**{name: namespace[name] for name in methods}, "__module__": namespace["__name__"]},
+    )
 
 
 PARTS: tuple[TimedPart, ...] = (
-    TimedPart("paged attention", "07_paged_kv", ("paged_decode_attention",), lambda ns: ns["paged_decode_attention"],
-              paged_attention_workload, tolerance=1e-4),
-    TimedPart("int8 linear", "06_quantization", ("quantize_int8_per_channel", "Int8Linear"),
-              lambda ns: ns["Int8Linear"], int8_linear_workload, tolerance=1e-3),
-    TimedPart("decode step", "01_forward_pass", ("rms_norm", "rope", "mlp", "forward"), lambda ns: ns["forward"],
-              decode_step_workload, tolerance=1e-3),
-    TimedPart("scheduler step", "08_continuous_batching", ("preempt", "decode_batch", "finish", "schedule_chunked"),
-              your_scheduler, scheduler_step_workload),
+    TimedPart(
+        "paged attention",
+        "07_paged_kv",
+        ("paged_decode_attention",),
+        lambda ns: ns["paged_decode_attention"],
+        paged_attention_workload,
+        tolerance=1e-4,
+    ),
+    TimedPart(
+        "int8 linear",
+        "06_quantization",
+        ("quantize_int8_per_channel", "Int8Linear"),
+        lambda ns: ns["Int8Linear"],
+        int8_linear_workload,
+        tolerance=1e-3,
+    ),
+    TimedPart(
+        "decode step",
+        "01_forward_pass",
+        ("rms_norm", "rope", "mlp", "forward"),
+        lambda ns: ns["forward"],
+        decode_step_workload,
+        tolerance=1e-3,
+    ),
+    TimedPart(
+        "scheduler step",
+        "08_continuous_batching",
+        ("preempt", "decode_batch", "finish", "schedule_chunked"),
+        your_scheduler,
+        scheduler_step_workload,
+    ),
 )
 
 
@@ -266,10 +336,22 @@ def outputs_differ(got, expected, tolerance: float) -> str | None:
             return f"the output differs from the reference's by up to {gap:.3g} (allowed {tolerance:g})"
         return None
     if got != expected:
-        return "the output differs from the reference's (for the scheduler: the sequences scheduled, their " \
-               "token counts or block tables)"
+        return (
+            "the output differs from the reference's (for the scheduler: the sequences scheduled, their "
+            "token counts or block tables)"
+        )
     return None
 
 
-__all__ = ["PARTS", "SIZES", "TimedPart", "Workload", "function_workload", "outputs_differ", "part_named",
-           "reference_namespace", "same_output", "your_scheduler"]
+__all__ = [
+    "PARTS",
+    "SIZES",
+    "TimedPart",
+    "Workload",
+    "function_workload",
+    "outputs_differ",
+    "part_named",
+    "reference_namespace",
+    "same_output",
+    "your_scheduler",
+]

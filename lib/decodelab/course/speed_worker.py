@@ -6,6 +6,7 @@ the two in order-alternated pairs. One JSON line per part to the results file:
 
     python -m decodelab.course.speed_worker SPEC.json RESULTS.jsonl
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,6 +56,7 @@ def worker(spec_path: str, results_path: str) -> int:
     statuses = {(nb, ex): status for nb, ex, status in spec["statuses"]}
     parts = [part_named(name) for name in spec["parts"]]
     with open(results_path, "a", buffering=1) as results:
+
         def emit(**event):
             results.write(json.dumps(event) + "\n")
             results.flush()
@@ -76,6 +78,8 @@ def worker(spec_path: str, results_path: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m decodelab.course.speed_worker SPEC.json RESULTS.jsonl "
-                 "(progress --bench starts it; you want: python -m decodelab progress --course DIR --bench)")
+        sys.exit(
+            "usage: python -m decodelab.course.speed_worker SPEC.json RESULTS.jsonl "
+            "(progress --bench starts it; you want: python -m decodelab progress --course DIR --bench)"
+        )
     sys.exit(worker(sys.argv[1], sys.argv[2]))

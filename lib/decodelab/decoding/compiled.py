@@ -17,6 +17,7 @@ tokens at once, once per request) stays eager.
 The first step compiles (tens of seconds on a small CPU): it pays only for long or many runs.
 `decoder.compiles` counts the graphs compiled, to show that a growing context compiles nothing.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,7 @@ class SlotAttention:
     token written at `position` [1] (a tensor), and attention over all S_max slots with the
     unwritten ones (and, with a sliding window, the too-old ones) masked out."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
-                 sliding_window: int | None):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor, sliding_window: int | None):
         self.keys, self.values, self.position = keys, values, position
         slots = torch.arange(keys.shape[3], device=keys.device)  # [S_max]
         allowed = slots <= position  # [S_max]
@@ -75,8 +75,9 @@ class CompiledDecoder:
         slots = SlotAttention(keys, values, position, self.config.sliding_window)
         return self.model(input_ids, positions=position, kv_cache=slots, last_only=True)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, kv_cache=None,
-                 last_only: bool = False) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, kv_cache=None, last_only: bool = False
+    ) -> torch.Tensor:
         """input_ids [1, 1] with a KVCache -> logits [1, 1, V] from the compiled step; else the
         model's own forward (same arguments, same result)."""
         if kv_cache is None or positions is not None or input_ids.shape != (1, 1):
@@ -85,11 +86,14 @@ class CompiledDecoder:
             raise TypeError(f"the compiled step writes into decodelab's KVCache, got a {type(kv_cache).__name__}")
         position = kv_cache.seq_len
         if min(kv_cache.lengths) != position or position >= kv_cache.max_seq_len:
-            raise ValueError(f"the cache cannot take a token at position {position} "
-                             f"(layers hold {sorted(set(kv_cache.lengths))}, max_seq_len={kv_cache.max_seq_len})")
+            raise ValueError(
+                f"the cache cannot take a token at position {position} "
+                f"(layers hold {sorted(set(kv_cache.lengths))}, max_seq_len={kv_cache.max_seq_len})"
+            )
         if position >= self.config.max_position_embeddings:
-            raise ValueError(f"position {position} is beyond the model's context of "
-                             f"{self.config.max_position_embeddings} tokens")
+            raise ValueError(
+                f"position {position} is beyond the model's context of {self.config.max_position_embeddings} tokens"
+            )
         torch._dynamo.mark_dynamic(kv_cache.keys, 3)  # any max_seq_len: one graph for all
         torch._dynamo.mark_dynamic(kv_cache.values, 3)
         before = counters["stats"]["unique_graphs"]

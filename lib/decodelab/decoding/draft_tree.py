@@ -18,14 +18,15 @@ With t the target's choice after p (row 0): if t is some c_i, the step emits c_i
 target's choice after it (row i), and c_i's cache row moves to row n+1; otherwise it emits t.
 Shapes: w candidates, V vocab_size, E hidden_size.
 """
+
 from __future__ import annotations
 
 import torch
 
-from decodelab.model.attention import masked_attention
 from decodelab.decoding.eagle import FeatureDraftSession
-from decodelab.model.kv_cache import KVCache
 from decodelab.decoding.sampling import greedy
+from decodelab.model.attention import masked_attention
+from decodelab.model.kv_cache import KVCache
 
 
 class TreeMaskedCache:
@@ -65,8 +66,9 @@ def top_candidates(session: FeatureDraftSession, ids: list[int], width: int) -> 
     return logits.topk(width).indices
 
 
-def verify_candidates(target, cache: KVCache, pending: torch.Tensor, candidates: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_candidates(
+    target, cache: KVCache, pending: torch.Tensor, candidates: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ONE target pass over [pending, c_1 .. c_w] (pending [1], candidates [w]) laid out as the
     module docstring shows -> (logits [w+1, V], features [w+1, E]); row i is the target's
     next-token distribution after c_i (row 0: after pending)."""

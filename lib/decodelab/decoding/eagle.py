@@ -30,10 +30,10 @@ target features the drafter has not consumed yet.
 
 Shapes: B batch, T positions, E hidden_size, V vocab_size, k drafted tokens.
 """
+
 from __future__ import annotations
 
 import copy
-
 import dataclasses
 import json
 from pathlib import Path
@@ -42,11 +42,11 @@ import torch
 from torch import nn
 
 from decodelab.config import ModelConfig
+from decodelab.decoding.sampling import draw_draft_token
 from decodelab.model.kv_cache import KVCache
 from decodelab.model.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 from decodelab.model.packed_linear import PackedLinear, can_prepack
 from decodelab.params import SamplingParams
-from decodelab.decoding.sampling import draw_draft_token
 from decodelab.paths import PACKAGE_DATA
 
 NAMED_DRAFTERS = {"smollm2-eagle": "smollm2"}  # drafter name -> the target it was trained for
@@ -82,11 +82,12 @@ class FeatureDrafter(nn.Module):
 
     def attach(self, target: LlamaForCausalLM) -> "FeatureDrafter":
         """Use `target`'s embedding, lm_head and RoPE tables (shared, not copied)."""
-        if target.config.hidden_size != self.config.hidden_size or \
-                target.config.vocab_size != self.config.vocab_size:
-            raise ValueError(f"this drafter was built for hidden_size {self.config.hidden_size} and vocabulary "
-                             f"{self.config.vocab_size}; the target has {target.config.hidden_size} and "
-                             f"{target.config.vocab_size}")
+        if target.config.hidden_size != self.config.hidden_size or target.config.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"this drafter was built for hidden_size {self.config.hidden_size} and vocabulary "
+                f"{self.config.vocab_size}; the target has {target.config.hidden_size} and "
+                f"{target.config.vocab_size}"
+            )
         self._target = (target,)
         return self
 
@@ -96,8 +97,13 @@ class FeatureDrafter(nn.Module):
             raise RuntimeError("FeatureDrafter.attach(target) first: it borrows the target's embedding and lm_head")
         return self._target[0]
 
-    def forward(self, features: torch.Tensor, next_ids: torch.Tensor, kv_cache: KVCache | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        features: torch.Tensor,
+        next_ids: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """features [B, T, E] (f_t) and next_ids [B, T] (x_{t+1}) -> predicted features
         [B, T, E] (f^_{t+1}). Entry t attends to the entries before it (in kv_cache, if given)."""
         target = self.target
@@ -114,8 +120,7 @@ class FeatureDrafter(nn.Module):
         """Propose only these token ids (any shape, duplicates ignored); None: the whole vocabulary."""
         if token_ids is not None:
             token_ids = torch.unique(torch.as_tensor(token_ids).long().flatten())
-            if token_ids.numel() == 0 or int(token_ids.min()) < 0 or \
-                    int(token_ids.max()) >= self.config.vocab_size:
+            if token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size:
                 raise ValueError(f"a draft vocabulary needs token ids in 0..{self.config.vocab_size - 1}")
         self.draft_vocab, self._head_cache = token_ids, None
         return self
@@ -145,8 +150,10 @@ class FeatureDrafter(nn.Module):
             return target.lm_head.weight
         if target.config.tie_word_embeddings:
             return target.model.embed_tokens.weight
-        raise ValueError("a draft vocabulary needs the rows of the target's lm_head, and this one is packed "
-                         "(decodelab.model.packed_linear): restrict_vocabulary(None), or do not pack the lm_head")
+        raise ValueError(
+            "a draft vocabulary needs the rows of the target's lm_head, and this one is packed "
+            "(decodelab.model.packed_linear): restrict_vocabulary(None), or do not pack the lm_head"
+        )
 
 
 # ------------------------------------------------------------------------- saving, loading
@@ -170,8 +177,10 @@ def resolve_drafter(name_or_folder: str | Path) -> Path:
     else:
         folder = Path(name_or_folder)
     if not (folder / WEIGHTS_FILE).exists() or not (folder / CONFIG_FILE).exists():
-        raise ValueError(f"no feature drafter at {name_or_folder!r}: expected {WEIGHTS_FILE} and {CONFIG_FILE} "
-                         f"(named drafters: {', '.join(NAMED_DRAFTERS)})")
+        raise ValueError(
+            f"no feature drafter at {name_or_folder!r}: expected {WEIGHTS_FILE} and {CONFIG_FILE} "
+            f"(named drafters: {', '.join(NAMED_DRAFTERS)})"
+        )
     return folder
 
 
@@ -231,15 +240,18 @@ class FeatureDraftSession:
         return the drafter's prediction for the pending token's feature, f^_{len(ids)-1} [1, 1, E]."""
         start, m = self.cache.seq_len, self.unfed.shape[0]
         if self.offset + start + m != len(ids) - 1:
-            raise RuntimeError(f"drafter out of step: {start} entries + {m} unfed features from position "
-                               f"{self.offset} for {len(ids)} tokens")
-        next_ids = torch.tensor([ids[self.offset + start + 1:]], device=self.unfed.device)  # [1, m]
+            raise RuntimeError(
+                f"drafter out of step: {start} entries + {m} unfed features from position "
+                f"{self.offset} for {len(ids)} tokens"
+            )
+        next_ids = torch.tensor([ids[self.offset + start + 1 :]], device=self.unfed.device)  # [1, m]
         feature = self.drafter(self.unfed[None], next_ids, kv_cache=self.cache)[:, -1:]  # [1, 1, E]
         self.unfed = self.unfed[:0]
         return feature
 
-    def propose(self, ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(
+        self, ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k >= 1 guesses after ids -> (draft_tokens [k], draft_probs [k, V], or None when greedy).
 
         `catch_up` makes the first prediction from the target's own features; the k - 1 later
@@ -248,8 +260,9 @@ class FeatureDraftSession:
         feature yet, so the first step drafts nothing."""
         if len(ids) < 2:
             empty = torch.empty(0, dtype=torch.long, device=self.unfed.device)
-            return empty, None if params.greedy else torch.empty(0, self.drafter.config.vocab_size,
-                                                                 device=self.unfed.device)
+            return empty, None if params.greedy else torch.empty(
+                0, self.drafter.config.vocab_size, device=self.unfed.device
+            )
         feature = self.catch_up(ids)  # [1, 1, E]
         tokens, dists = [], []
         for i in range(k):

@@ -4,6 +4,7 @@ decode one token at a time until a stop token, a stop string or max_tokens.
 This is the single-request path that the early notebooks build; the batched, paged
 serving engine (`decodelab.LLM`) generalizes it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,10 +12,10 @@ from typing import Iterator
 
 import torch
 
-from decodelab.model.kv_cache import KVCache
-from decodelab.params import SamplingParams
 from decodelab.decoding.sampling import apply_repetition_penalty, sample
+from decodelab.model.kv_cache import KVCache
 from decodelab.model.tokenizer import StreamDecoder, Tokenizer
+from decodelab.params import SamplingParams
 from decodelab.validation import check_int
 
 
@@ -26,8 +27,10 @@ def check_prompt(prompt_ids: list[int], context_length: int, vocab_size: int) ->
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty: give at least one token")
     if len(prompt_ids) >= context_length:
-        raise PromptTooLongError(f"prompt of {len(prompt_ids)} tokens does not fit the model's context "
-                                 f"of {context_length} tokens (at least one must be left to generate)")
+        raise PromptTooLongError(
+            f"prompt of {len(prompt_ids)} tokens does not fit the model's context "
+            f"of {context_length} tokens (at least one must be left to generate)"
+        )
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
@@ -45,8 +48,10 @@ def _check_greedy_request(model, prompt_ids: list[int], max_new_tokens: int) -> 
     check_prompt(prompt_ids, model.config.max_position_embeddings, model.config.vocab_size)
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     if len(prompt_ids) + max_new_tokens > model.config.max_position_embeddings:
-        raise PromptTooLongError(f"{len(prompt_ids)} prompt + {max_new_tokens} new tokens exceed the model's "
-                                 f"context of {model.config.max_position_embeddings} tokens")
+        raise PromptTooLongError(
+            f"{len(prompt_ids)} prompt + {max_new_tokens} new tokens exceed the model's "
+            f"context of {model.config.max_position_embeddings} tokens"
+        )
 
 
 @torch.inference_mode()
@@ -62,7 +67,7 @@ def generate_without_cache(model, prompt_ids: list[int], max_new_tokens: int) ->
     for _ in range(max_new_tokens):
         logits = model(torch.tensor([ids], device=model.device), last_only=True)  # [1, 1, V]
         ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 @torch.inference_mode()
@@ -84,8 +89,9 @@ def generate_with_cache(model, prompt_ids: list[int], max_new_tokens: int, cache
 
 
 @torch.inference_mode()
-def stream_token_ids(model, prompt_ids: list[int], params: SamplingParams,
-                     stop_token_ids: list[int] = (), cache_class=KVCache) -> Iterator[int]:
+def stream_token_ids(
+    model, prompt_ids: list[int], params: SamplingParams, stop_token_ids: list[int] = (), cache_class=KVCache
+) -> Iterator[int]:
     """Yield generated ids one by one (a stop token is yielded, then generation ends).
 
     Ends early at the context's end. Prefill runs the whole prompt in one forward pass;
@@ -135,8 +141,14 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], chat: bool) ->
     return tokenizer.encode(prompt)
 
 
-def stream_text(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
-                completion: Completion | None = None, cache_class=KVCache) -> Iterator[str]:
+def stream_text(
+    model,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    completion: Completion | None = None,
+    cache_class=KVCache,
+) -> Iterator[str]:
     """Yield text pieces as tokens arrive; fills `completion` (ids, text, finish_reason).
 
     A stop string ends generation and is left out of the text, as in vLLM; text that could
@@ -158,7 +170,7 @@ def stream_text(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samp
             text, completion.finish_reason = text[:cut], "stop"
             break
         if len(text) - hold > emitted:
-            yield text[emitted:len(text) - hold]
+            yield text[emitted : len(text) - hold]
             emitted = len(text) - hold
     else:
         text += decoder.flush()
@@ -182,8 +194,14 @@ def first_stop_string(text: str, stop: list[str]) -> int | None:
     return min(found) if found else None
 
 
-def generate(model, tokenizer: Tokenizer, prompt: str | list[dict], params: SamplingParams | None = None,
-             chat: bool = True, cache_class=KVCache) -> Completion:
+def generate(
+    model,
+    tokenizer: Tokenizer,
+    prompt: str | list[dict],
+    params: SamplingParams | None = None,
+    chat: bool = True,
+    cache_class=KVCache,
+) -> Completion:
     """Generate a whole completion for one prompt (see `stream_text` for the streaming form).
 
     cache_class: the KV cache to generate with (notebook 03 passes the learner's own)."""

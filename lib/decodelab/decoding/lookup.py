@@ -11,6 +11,7 @@ accepted with probability p(guess) (always, when it is the target's greedy choic
 Use it as a drafter: ``stream_speculative(target, propose_from_prompt, ...)``, or
 ``functools.partial(propose_from_prompt, max_ngram=4)``.
 """
+
 from __future__ import annotations
 
 from decodelab.validation import check_int
@@ -33,6 +34,6 @@ def propose_from_prompt(token_ids: list[int], k: int, max_ngram: int = 3) -> lis
         # Candidate starts, latest first; start + n < length keeps the suffix itself out and
         # leaves at least one token to propose.
         for start in range(length - n - 1, -1, -1):
-            if token_ids[start:start + n] == suffix:
-                return token_ids[start + n:start + n + k]
+            if token_ids[start : start + n] == suffix:
+                return token_ids[start + n : start + n + k]
     return []

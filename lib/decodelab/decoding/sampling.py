@@ -11,6 +11,7 @@ A batch, each row with its own request's settings (what the engine samples every
 temperature, top-k, top-p), and `sample_batch` draws each row's token from it with that row's own
 generator, so a seeded request gets the same tokens in a batch as alone (`sample`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -61,8 +62,9 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: torch.Tensor, pena
     if not penalty > 0:
         raise ValueError(f"repetition penalty must be > 0, got {penalty}")
     if token_ids.shape[:-1] != logits.shape[:-1]:
-        raise ValueError(f"token_ids {tuple(token_ids.shape)} must have the leading dims of logits "
-                         f"{tuple(logits.shape)}")
+        raise ValueError(
+            f"token_ids {tuple(token_ids.shape)} must have the leading dims of logits {tuple(logits.shape)}"
+        )
     if token_ids.shape[-1] == 0 or penalty == 1:
         return logits
     token_ids = token_ids.long()
@@ -105,15 +107,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return torch.multinomial(flat, 1, generator=generator).reshape(distribution.shape[:-1])
 
 
-def draw_draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draw_draft_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A drafter's guess: logits [V] -> (token id [1], the distribution q it was drawn from [V],
     or None when greedy, where q is one-hot and the acceptance rule does not need it)."""
     if params.greedy:
         return greedy(logits)[None], None
     q = probs(logits, params)  # [V]
     return torch.multinomial(q, 1, generator=generator), q
-
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories=None) -> torch.Tensor:
@@ -133,8 +135,10 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories
     params entry (and per history).
     """
     if logits.dim() != 2 or logits.shape[0] != len(params):
-        raise ValueError(f"logits must be [B, V] with one row per SamplingParams: got shape {tuple(logits.shape)} "
-                         f"for {len(params)} params")
+        raise ValueError(
+            f"logits must be [B, V] with one row per SamplingParams: got shape {tuple(logits.shape)} "
+            f"for {len(params)} params"
+        )
     if histories is not None and len(histories) != len(params):
         raise ValueError(f"histories must have one entry per row: got {len(histories)} for {len(params)} rows")
     out = logits.float().clone()  # [B, V]
@@ -149,8 +153,9 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories
     temperature = torch.tensor([p.temperature if s else 1.0 for p, s in zip(params, sampled)], device=out.device)
     out = out / temperature[:, None]  # greedy rows divide by 1
     if any(s and p.uses_top_k and p.top_k < vocab for p, s in zip(params, sampled)):
-        top_k = torch.tensor([min(p.top_k, vocab) if s and p.uses_top_k else vocab for p, s in zip(params, sampled)],
-                             device=out.device)
+        top_k = torch.tensor(
+            [min(p.top_k, vocab) if s and p.uses_top_k else vocab for p, s in zip(params, sampled)], device=out.device
+        )
         kth_largest = out.sort(dim=-1, descending=True).values.gather(-1, (top_k - 1)[:, None])  # [B, 1]
         out = out.masked_fill(out < kth_largest, float("-inf"))  # ties with the k-th stay
     if any(s and p.uses_top_p for p, s in zip(params, sampled)):
@@ -186,9 +191,11 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators=
     finite = torch.isfinite(distributions).all(dim=-1) & (distributions >= 0).all(dim=-1)
     if not bool(finite.all()):
         bad = rows[int((~finite).nonzero()[0, 0])]
-        raise RuntimeError(f"probability tensor contains either inf, nan or element < 0 (row {bad}, "
-                           f"temperature={params[bad].temperature})")
+        raise RuntimeError(
+            f"probability tensor contains either inf, nan or element < 0 (row {bad}, "
+            f"temperature={params[bad].temperature})"
+        )
     for j, i in enumerate(rows):
         generator = None if generators is None else generators[i]
-        tokens[i] = torch.multinomial(distributions[j:j + 1], 1, generator=generator)[0, 0]
+        tokens[i] = torch.multinomial(distributions[j : j + 1], 1, generator=generator)[0, 0]
     return tokens

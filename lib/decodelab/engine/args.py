@@ -12,6 +12,7 @@ the values that need no model (counts and sizes in range, switches True or False
 model (does `kv_cache_memory` hold one KV block? is `max_model_len` within the context? is the
 device there?) run when the engine is built.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -98,8 +99,10 @@ class EngineArgs:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
         if getattr(self.hooks, "linear", None) is not None and self.quantization is None:
-            raise ValueError("EngineHooks(linear=...) builds the quantized linear layers, so it needs "
-                             "quantization='int8' (or 'int4') as well")
+            raise ValueError(
+                "EngineHooks(linear=...) builds the quantized linear layers, so it needs "
+                "quantization='int8' (or 'int4') as well"
+            )
         self._check_sizes()
         for name in ("enable_prefix_caching", "mix_decode_with_prefill", "chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
@@ -111,15 +114,21 @@ class EngineArgs:
         if self.compile_decode is not None and not isinstance(self.compile_decode, bool):
             raise ValueError(f"compile_decode must be None, True or False, got {self.compile_decode!r}")
         if self.compile_decode and (self.quantization != "int8" or getattr(self.hooks, "linear", None) is not None):
-            raise ValueError("compile_decode=True compiles the library's int8 products, so it needs "
-                             "quantization='int8' and no EngineHooks(linear=...)")
+            raise ValueError(
+                "compile_decode=True compiles the library's int8 products, so it needs "
+                "quantization='int8' and no EngineHooks(linear=...)"
+            )
         if getattr(self.hooks, "forward", None) is not None:
             if self.quantization is not None:
-                raise ValueError(f"EngineHooks(forward=...) reads the float weights by name, and quantization="
-                                 f"{self.quantization!r} replaces them: use one or the other")
+                raise ValueError(
+                    f"EngineHooks(forward=...) reads the float weights by name, and quantization="
+                    f"{self.quantization!r} replaces them: use one or the other"
+                )
             if self.prepack_weights:
-                raise ValueError("EngineHooks(forward=...) reads the weights by name, and prepack_weights=True "
-                                 "repacks them: leave prepack_weights at None or False")
+                raise ValueError(
+                    "EngineHooks(forward=...) reads the weights by name, and prepack_weights=True "
+                    "repacks them: leave prepack_weights at None or False"
+                )
         # Only a speculating engine uses k, so only then is a bad one an error (as before EngineArgs).
         if self.speculative_model is not None:
             check_int("num_speculative_tokens", self.num_speculative_tokens, 1, allowed=">= 1")
@@ -137,15 +146,21 @@ class EngineArgs:
 
     def _check_chunked_prefill(self) -> None:
         if self.speculative_model is not None:
-            raise ValueError("chunked_prefill=True does not run with a speculative_model: speculative decode "
-                             "steps stay apart from prefills; set one of them only")
+            raise ValueError(
+                "chunked_prefill=True does not run with a speculative_model: speculative decode "
+                "steps stay apart from prefills; set one of them only"
+            )
         if not self.mix_decode_with_prefill:
-            raise ValueError("chunked_prefill=True mixes decodes and prompt slices in every step, so it needs "
-                             "mix_decode_with_prefill=True")
+            raise ValueError(
+                "chunked_prefill=True mixes decodes and prompt slices in every step, so it needs "
+                "mix_decode_with_prefill=True"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"with chunked_prefill=True every step decodes each running sequence within the "
-                             f"token budget, so max_num_batched_tokens must be >= max_num_seqs "
-                             f"({self.max_num_seqs}), got {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"with chunked_prefill=True every step decodes each running sequence within the "
+                f"token budget, so max_num_batched_tokens must be >= max_num_seqs "
+                f"({self.max_num_seqs}), got {self.max_num_batched_tokens}"
+            )
 
     def compiles_decode(self, model) -> bool:
         """Will the engine compile the int8 one-row products of `model` (float, before quantization)?
@@ -154,6 +169,7 @@ class EngineArgs:
         if self.compile_decode is not None:
             return self.compile_decode
         from decodelab.model.fused_int8 import compile_by_default
+
         plain = getattr(self.hooks, "linear", None) is None and getattr(self.hooks, "forward", None) is None
         if not (self.quantization == "int8" and plain and torch.device(model.device).type == "cpu"):
             return False

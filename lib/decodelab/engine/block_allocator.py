@@ -11,6 +11,7 @@ With prefix caching, every full block is named by a chained hash of (parent bloc
 its token ids); a freed block keeps its name and contents until it is reused, so a later
 request with the same prefix finds it (least recently freed blocks are evicted first).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -122,7 +123,7 @@ class BlockAllocator:
         found, parent = [], None
         # Keep at least one token to compute: its logits are needed to sample the next token.
         for start in range(0, len(token_ids) - 1 - (len(token_ids) - 1) % self.block_size, self.block_size):
-            chunk = tuple(token_ids[start:start + self.block_size])
+            chunk = tuple(token_ids[start : start + self.block_size])
             h = block_hash(parent, chunk)
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != chunk:  # miss or collision
@@ -146,7 +147,7 @@ class BlockAllocator:
             parent = self.blocks[block_id].hash
         for index in range(len(cached), self.blocks_needed(len(token_ids))):
             block = self.take_free_block()
-            chunk = token_ids[index * self.block_size:(index + 1) * self.block_size]
+            chunk = token_ids[index * self.block_size : (index + 1) * self.block_size]
             if len(chunk) == self.block_size:
                 self._register_full_block(block, parent, chunk)
                 parent = block.hash
@@ -173,7 +174,7 @@ class BlockAllocator:
         last = self.blocks[block_table[-1]]
         if (position + 1) % self.block_size == 0:
             parent = self.blocks[block_table[-2]].hash if len(block_table) > 1 else None
-            self._register_full_block(last, parent, token_ids[position + 1 - self.block_size:position + 1])
+            self._register_full_block(last, parent, token_ids[position + 1 - self.block_size : position + 1])
 
     def reserve(self, block_table: list[int], num_tokens: int) -> bool:
         """Grow a table to hold num_tokens slots for tokens not known yet (speculative drafts):
@@ -199,7 +200,7 @@ class BlockAllocator:
         for index, block_id in enumerate(block_table[: num_computed // self.block_size]):
             block = self.blocks[block_id]
             if block.hash is None:
-                chunk = token_ids[index * self.block_size:(index + 1) * self.block_size]
+                chunk = token_ids[index * self.block_size : (index + 1) * self.block_size]
                 self._register_full_block(block, parent, chunk)
             parent = block.hash
 
@@ -221,7 +222,7 @@ class BlockAllocator:
         written in the same step's forward pass. When that step is aborted (an exception, a
         KeyboardInterrupt) the names would point a later prompt at rows never written; unnamed,
         the blocks are plain free blocks once released."""
-        for block_id in block_table[num_computed // self.block_size:]:
+        for block_id in block_table[num_computed // self.block_size :]:
             block = self.blocks[block_id]
             if block.hash is not None and self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
@@ -240,11 +241,14 @@ class BlockAllocator:
                 counts[block_id] += 1
         for block in self.blocks:
             if block.ref_count != counts[block.block_id]:
-                raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count}, "
-                                     f"held by {counts[block.block_id]} tables")
+                raise AssertionError(
+                    f"block {block.block_id}: ref_count {block.ref_count}, held by {counts[block.block_id]} tables"
+                )
             if (block.ref_count == 0) != (block.block_id in self.free):
-                raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count} "
-                                     f"but {'in' if block.block_id in self.free else 'not in'} the free list")
+                raise AssertionError(
+                    f"block {block.block_id}: ref_count {block.ref_count} "
+                    f"but {'in' if block.block_id in self.free else 'not in'} the free list"
+                )
 
 
 def slot_of(block_table: list[int], position: int, block_size: int) -> int:

@@ -21,6 +21,7 @@ With the library's own `sample` and `repetition_penalty` (`samples_with_library_
 samples every row of a step at once (`decodelab.decoding.sampling.sample_batch`); with a learner's,
 it calls theirs row by row.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,6 +8,7 @@ A prompt of the right type that cannot run (empty, too long for the context, ids
 vocabulary) is not an exception: the engine refuses that request alone, and its RequestOutput
 says why (`decodelab.decoding.generate.check_prompt`).
 """
+
 from __future__ import annotations
 
 from decodelab.params import SamplingParams
@@ -36,13 +37,15 @@ def checked_prompt(index: int, prompt) -> str | list[int]:
     if getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):  # a 1-D tensor or array
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
-        raise TypeError(f"prompt {index} must be a str or a list of token ids, got {type(prompt).__name__} "
-                        f"{_short(prompt)}")
+        raise TypeError(
+            f"prompt {index} must be a str or a list of token ids, got {type(prompt).__name__} {_short(prompt)}"
+        )
     ids = [as_integer(token) for token in prompt]
     if None in ids:
         position = ids.index(None)
-        raise TypeError(f"prompt {index}: token ids must be integers, got {_short(prompt[position])} "
-                        f"at position {position}")
+        raise TypeError(
+            f"prompt {index}: token ids must be integers, got {_short(prompt[position])} at position {position}"
+        )
     return ids
 
 
@@ -71,4 +74,4 @@ def params_per_prompt(params, num_prompts: int) -> list[SamplingParams]:
 def _short(value, limit: int = 60) -> str:
     """repr(value), cut to `limit` characters for an error message."""
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -25,6 +25,7 @@ Each step samples every sequence's token at once (`decoding.sampling.sample_batc
 batch's logits processors in vLLM's order, each row with its own settings and generator), or row
 by row through a learner's `sample` / `repetition_penalty` hook.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,21 +38,29 @@ from typing import Iterator
 import torch
 
 from decodelab.decoding.generate import check_prompt, encode_prompt, first_stop_string, make_generator, stop_token_set
-from decodelab.model.registry import load
-from decodelab.model.packed_linear import can_prepack, prepack_linear_layers, prepacked_copy
-from decodelab.engine.block_allocator import blocks_needed
+from decodelab.decoding.sampling import sample_batch
 from decodelab.engine.args import DEFAULT_KV_CACHE_BYTES, EngineArgs
+from decodelab.engine.block_allocator import blocks_needed
 from decodelab.engine.hooks import EngineHooks, sample_one
 from decodelab.engine.inputs import as_prompt_list, checked_prompt, params_per_prompt
 from decodelab.engine.model_runner import ModelRunner
 from decodelab.engine.paged_attention import PagedKVStore
-from decodelab.params import SamplingParams
-from decodelab.decoding.sampling import sample_batch
 from decodelab.engine.sequence import Request, Sequence, Status
+from decodelab.model.packed_linear import can_prepack, prepack_linear_layers, prepacked_copy
+from decodelab.model.registry import load
 from decodelab.model.tokenizer import StreamDecoder
+from decodelab.params import SamplingParams
 
-__all__ = ["LLM", "EngineHooks", "engine_step", "kv_blocks_for_memory", "CompletionOutput", "RequestOutput",
-           "StreamEvent", "sample_one"]  # EngineHooks and sample_one live in engine.hooks
+__all__ = [
+    "LLM",
+    "EngineHooks",
+    "engine_step",
+    "kv_blocks_for_memory",
+    "CompletionOutput",
+    "RequestOutput",
+    "StreamEvent",
+    "sample_one",
+]  # EngineHooks and sample_one live in engine.hooks
 
 
 def kv_blocks_for_memory(config, memory_bytes: int, block_size: int, dtype=torch.float32) -> int:
@@ -68,8 +77,9 @@ def kv_blocks_for_memory(config, memory_bytes: int, block_size: int, dtype=torch
     per_block = PagedKVStore.bytes_per_block(config, block_size, dtype)
     blocks = int(memory_bytes // per_block)
     if blocks < 1:
-        raise ValueError(f"{memory_bytes:,} bytes hold no KV block: one block of {block_size} tokens needs "
-                         f"{per_block:,} bytes")
+        raise ValueError(
+            f"{memory_bytes:,} bytes hold no KV block: one block of {block_size} tokens needs {per_block:,} bytes"
+        )
     return blocks
 
 
@@ -152,24 +162,50 @@ class LLM:
     queued and frees their KV blocks (`abort_since`), so the engine is ready for the next call.
     """
 
-    def __init__(self, model="smollm2", device=None, dtype="float32", quantization=None, kv_block_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, num_kv_blocks: int | None = None,
-                 kv_cache_memory: int = DEFAULT_KV_CACHE_BYTES, enable_prefix_caching: bool = True,
-                 speculative_model=None, num_speculative_tokens: int = 4, max_model_len: int | None = None,
-                 mix_decode_with_prefill: bool = True, chunked_prefill: bool = False,
-                 prepack_weights: bool | None = None, compile_decode: bool | None = None,
-                 hooks: EngineHooks | None = None):
+    def __init__(
+        self,
+        model="smollm2",
+        device=None,
+        dtype="float32",
+        quantization=None,
+        kv_block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int = DEFAULT_KV_CACHE_BYTES,
+        enable_prefix_caching: bool = True,
+        speculative_model=None,
+        num_speculative_tokens: int = 4,
+        max_model_len: int | None = None,
+        mix_decode_with_prefill: bool = True,
+        chunked_prefill: bool = False,
+        prepack_weights: bool | None = None,
+        compile_decode: bool | None = None,
+        hooks: EngineHooks | None = None,
+    ):
         """Load the model, build the paged KV cache, its allocator and the scheduler, and with a
         speculative_model the speculator. Every argument is an `EngineArgs` field (documented
         there); `self.args` holds them, and `LLM.from_args(args)` builds the same engine."""
-        self.args = EngineArgs(model=model, device=device, dtype=dtype, quantization=quantization,
-                               kv_block_size=kv_block_size, max_num_seqs=max_num_seqs,
-                               max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
-                               kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-                               speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
-                               max_model_len=max_model_len, mix_decode_with_prefill=mix_decode_with_prefill,
-                               chunked_prefill=chunked_prefill, prepack_weights=prepack_weights,
-                               compile_decode=compile_decode, hooks=hooks)
+        self.args = EngineArgs(
+            model=model,
+            device=device,
+            dtype=dtype,
+            quantization=quantization,
+            kv_block_size=kv_block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            speculative_model=speculative_model,
+            num_speculative_tokens=num_speculative_tokens,
+            max_model_len=max_model_len,
+            mix_decode_with_prefill=mix_decode_with_prefill,
+            chunked_prefill=chunked_prefill,
+            prepack_weights=prepack_weights,
+            compile_decode=compile_decode,
+            hooks=hooks,
+        )
         self.model, self.tokenizer = self._load_model(self.args)
         self.config, self.device = self.model.config, self.model.device
         self.hooks = self.args.hooks or EngineHooks()
@@ -192,15 +228,19 @@ class LLM:
         self.compiles_decode = args.compiles_decode(model)
         if args.quantization is not None:
             from decodelab.model.quantization import quantize_model
+
             linear = getattr(args.hooks, "linear", None)  # None: the library's QuantizedLinear
             if self.compiles_decode:  # the same int8 levels; one-row products compiled
                 from decodelab.model.fused_int8 import RowCompiledInt8Linear
+
                 linear = RowCompiledInt8Linear.from_linear
             quantize_model(model, bits=8 if args.quantization == "int8" else 4, linear=linear)
         # prepack_weights: None packs where it helps (CPU, bfloat16) and no forward hook reads the
         # weights by name; True insists; False never
         as_named = getattr(args.hooks, "forward", None) is None
-        if args.prepack_weights or (args.prepack_weights is None and as_named and can_prepack(model.device, model.dtype)):
+        if args.prepack_weights or (
+            args.prepack_weights is None and as_named and can_prepack(model.device, model.dtype)
+        ):
             if args.loads_model:  # nobody else holds this model: pack it in place
                 prepack_linear_layers(model)
             else:  # the caller's model stays as it was
@@ -213,14 +253,17 @@ class LLM:
         model's context and the blocks."""
         context = self.config.max_position_embeddings
         if args.max_model_len is not None and args.max_model_len > context:
-            raise ValueError(f"max_model_len must be at most the model's context of {context} tokens "
-                             f"(max_position_embeddings), got {args.max_model_len}")
+            raise ValueError(
+                f"max_model_len must be at most the model's context of {context} tokens "
+                f"(max_position_embeddings), got {args.max_model_len}"
+            )
         self.max_model_len = context if args.max_model_len is None else args.max_model_len
         num_kv_blocks, block_size = args.num_kv_blocks, args.kv_block_size
         if num_kv_blocks is None:  # the memory budget, but no more than max_num_seqs full contexts
             enough = args.max_num_seqs * blocks_needed(self.max_model_len, block_size)
-            num_kv_blocks = min(kv_blocks_for_memory(self.config, args.kv_cache_memory, block_size, self.model.dtype),
-                                enough)
+            num_kv_blocks = min(
+                kv_blocks_for_memory(self.config, args.kv_cache_memory, block_size, self.model.dtype), enough
+            )
         self.store = PagedKVStore(self.config, num_kv_blocks, block_size, self.device, self.model.dtype)
         self.allocator = self.hooks.allocator(num_kv_blocks, block_size, args.enable_prefix_caching)
         self.scheduler = self.hooks.scheduler(self.allocator, args.max_num_seqs, args.max_num_batched_tokens)
@@ -231,19 +274,23 @@ class LLM:
         self.speculator = None
         if args.speculative_model is not None:
             from decodelab.engine.speculative import make_speculator
+
             self.speculator = make_speculator(self, args.speculative_model, args.num_speculative_tokens)
         self.runner.speculator = self.speculator
         if hasattr(self.scheduler, "mix_decode_with_prefill"):  # speculative decode steps stay apart
             self.scheduler.mix_decode_with_prefill = args.mix_decode_with_prefill and self.speculator is None
         if args.chunked_prefill and not hasattr(self.scheduler, "schedule_chunked"):
-            raise ValueError(f"chunked_prefill=True needs a scheduler with schedule_chunked; "
-                             f"{type(self.scheduler).__name__} has none")
+            raise ValueError(
+                f"chunked_prefill=True needs a scheduler with schedule_chunked; "
+                f"{type(self.scheduler).__name__} has none"
+            )
         if hasattr(self.scheduler, "chunked_prefill"):  # EngineArgs refused it with a speculative_model
             self.scheduler.chunked_prefill = args.chunked_prefill
 
     # ------------------------------------------------------------------ public API
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order. A prompt is a str or a list of token ids.
 
         Every prompt and SamplingParams is checked before any request is queued (a TypeError or
@@ -262,8 +309,10 @@ class LLM:
         """messages: one conversation [{"role", "content"}, ...] or a list of them. Runs as `generate`
         does (checked first, aborted on failure, one call at a time)."""
         if not isinstance(messages, (list, tuple)):
-            raise TypeError(f"chat takes a conversation (a list of {{'role', 'content'}} dicts) or a list of them, "
-                            f"got {type(messages).__name__}; a plain prompt goes to generate")
+            raise TypeError(
+                f"chat takes a conversation (a list of {{'role', 'content'}} dicts) or a list of them, "
+                f"got {type(messages).__name__}; a plain prompt goes to generate"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [encode_prompt(self.tokenizer, c, chat=True) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
@@ -357,9 +406,17 @@ class LLM:
         stop_ids = frozenset(stop_token_set(params, self.tokenizer.stop_token_ids()))  # once, not per token
         for j in range(params.n):
             seed = None if params.seed is None else params.seed + j
-            seq = Sequence(self._next_seq_id, index, j, list(ids), params, arrival_time=now,
-                           generator=make_generator(seed, self.device), decoder=StreamDecoder(self.tokenizer),
-                           stop_token_ids=stop_ids)
+            seq = Sequence(
+                self._next_seq_id,
+                index,
+                j,
+                list(ids),
+                params,
+                arrival_time=now,
+                generator=make_generator(seed, self.device),
+                decoder=StreamDecoder(self.tokenizer),
+                stop_token_ids=stop_ids,
+            )
             self._next_seq_id += 1
             request.seqs.append(seq)
         first = request.seqs[0]
@@ -463,8 +520,12 @@ class LLM:
         library = self.hooks.samples_with_library_code
         if library:
             try:
-                tokens = sample_batch(logits, [seq.params for seq in seqs], [seq.generator for seq in seqs],
-                                      [seq.token_ids for seq in seqs]).tolist()
+                tokens = sample_batch(
+                    logits,
+                    [seq.params for seq in seqs],
+                    [seq.generator for seq in seqs],
+                    [seq.token_ids for seq in seqs],
+                ).tolist()
             except (RuntimeError, ValueError) as exc:
                 if isinstance(exc, torch.cuda.OutOfMemoryError):
                     raise
@@ -485,9 +546,12 @@ class LLM:
     def _fail_sampling(self, seq: Sequence, exc: Exception) -> None:
         params = seq.params
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        self.fail_sequence(seq, f"sampling failed ({reason}) with temperature={params.temperature}, "
-                                f"top_k={params.top_k}, top_p={params.top_p}, "
-                                f"repetition_penalty={params.repetition_penalty}")
+        self.fail_sequence(
+            seq,
+            f"sampling failed ({reason}) with temperature={params.temperature}, "
+            f"top_k={params.top_k}, top_p={params.top_p}, "
+            f"repetition_penalty={params.repetition_penalty}",
+        )
 
     def fail_sequence(self, seq: Sequence, message: str) -> None:
         """Retire seq with finish_reason "error" and `message` as its error; its blocks go back to the pool."""
@@ -518,14 +582,23 @@ class LLM:
     # ------------------------------------------------------------------ outputs
     def _request_output(self, index: int, request: Request) -> RequestOutput:
         if request.error is not None:
-            return RequestOutput(index, request.prompt, request.prompt_token_ids,
-                                 [CompletionOutput(0, "", [], "error", request.error)], error=request.error)
-        outputs = [CompletionOutput(s.sample_index, s.text, list(s.output_token_ids), s.finish_reason, s.error)
-                   for s in request.seqs]
+            return RequestOutput(
+                index,
+                request.prompt,
+                request.prompt_token_ids,
+                [CompletionOutput(0, "", [], "error", request.error)],
+                error=request.error,
+            )
+        outputs = [
+            CompletionOutput(s.sample_index, s.text, list(s.output_token_ids), s.finish_reason, s.error)
+            for s in request.seqs
+        ]
         first = request.seqs[0]
-        metrics = {"ttft_s": (first.first_token_time or first.arrival_time) - first.arrival_time,
-                   "latency_s": max((s.finish_time or s.arrival_time) for s in request.seqs) - first.arrival_time,
-                   "preemptions": sum(s.num_preemptions for s in request.seqs)}
+        metrics = {
+            "ttft_s": (first.first_token_time or first.arrival_time) - first.arrival_time,
+            "latency_s": max((s.finish_time or s.arrival_time) for s in request.seqs) - first.arrival_time,
+            "preemptions": sum(s.num_preemptions for s in request.seqs),
+        }
         return RequestOutput(index, request.prompt, request.prompt_token_ids, outputs, metrics=metrics)
 
     @staticmethod
@@ -533,4 +606,5 @@ class LLM:
         if not use_tqdm or total < 2 or os.environ.get("NBGRADER_EXECUTION"):
             return None
         from tqdm.auto import tqdm
+
         return tqdm(total=total, desc="generating", unit="req")

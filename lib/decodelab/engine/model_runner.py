@@ -10,6 +10,7 @@ through the same `packed_forward` on its own store, and its store follows the co
 Hooks it honours (`EngineHooks`, the target model's passes only): `forward` (the model as a function
 of its state dict, fed `weights`) and `attention` (each sequence's attention over its paged blocks).
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,7 +43,7 @@ class ModelRunner:
         items = []
         for seq in seqs:
             start = seq.num_computed_tokens
-            items.append((seq.token_ids[start:start + seq.num_tokens_this_step], start, seq.block_table))
+            items.append((seq.token_ids[start : start + seq.num_tokens_this_step], start, seq.block_table))
         speculator = self.speculator
         if speculator is not None and speculator.reads_features:  # a feature drafter reads them
             logits, features = self.packed_forward(self.model, self.store, items, features=True)
@@ -76,8 +77,13 @@ class ModelRunner:
             slots += [slot_of(table, p, block_size) for p in range(start, end)]
         device = self.device
         hooked = model is self.model  # the hooks are the target's; a draft model runs as it is
-        batch = PagedBatch(store, slices, torch.tensor(slots, device=device), model.config.sliding_window,
-                           attention_fn=self.hooks.attention if hooked else None)
+        batch = PagedBatch(
+            store,
+            slices,
+            torch.tensor(slots, device=device),
+            model.config.sliding_window,
+            attention_fn=self.hooks.attention if hooked else None,
+        )
         input_ids, positions = torch.tensor([ids], device=device), torch.tensor(positions, device=device)
         wanted = torch.tensor(wanted, device=device)
         sizes = [len(tokens) for tokens, _, _ in items]

@@ -18,6 +18,7 @@ that stores K/V with ``cache.append(layer_index, k, v)`` (notebook 01's, the eng
 sequence with a `PagedSequenceCache`, whose ``append`` writes into that sequence's slots and
 returns its whole context gathered from its blocks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,9 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from decodelab.model.attention import causal_attention
 from decodelab.config import ModelConfig
 from decodelab.engine.block_allocator import blocks_needed, slot_of
+from decodelab.model.attention import causal_attention
 
 
 class PagedKVStore:
@@ -40,8 +41,10 @@ class PagedKVStore:
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_blocks * block_size, H_kv, D] views: one row per slot."""
-        return (self.keys[layer].view(-1, self.num_kv_heads, self.head_dim),
-                self.values[layer].view(-1, self.num_kv_heads, self.head_dim))
+        return (
+            self.keys[layer].view(-1, self.num_kv_heads, self.head_dim),
+            self.values[layer].view(-1, self.num_kv_heads, self.head_dim),
+        )
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: duplicate a shared block's K/V in every layer."""
@@ -63,8 +66,10 @@ def gather_kv(flat_cache: torch.Tensor, block_table: list[int], context_len: int
     table's blocks hold fewer than context_len slots.
     """
     if context_len > len(block_table) * block_size:
-        raise ValueError(f"context_len {context_len} needs {blocks_needed(context_len, block_size)} blocks of "
-                         f"{block_size}, the block table has {len(block_table)}")
+        raise ValueError(
+            f"context_len {context_len} needs {blocks_needed(context_len, block_size)} blocks of "
+            f"{block_size}, the block table has {len(block_table)}"
+        )
     positions = torch.arange(context_len, device=flat_cache.device)
     table = torch.as_tensor(block_table, dtype=torch.long, device=flat_cache.device)
     slots = slot_of(table, positions, block_size)  # [context_len] (slot_of works on tensors too)
@@ -116,7 +121,7 @@ def group_by_length(num_blocks: list[int], block_size: int, cost_per_group: int)
                 best[j], cut[j] = cost, i - 1
     groups, j = [], len(lengths)
     while j > 0:
-        groups.append(sorted(i for n in lengths[cut[j]:j] for i in members[n]))
+        groups.append(sorted(i for n in lengths[cut[j] : j] for i in members[n]))
         j = cut[j]
     return groups[::-1]
 
@@ -136,13 +141,20 @@ class PagedBatch:
     # group and layer (~75 us) over the time per attended key position (~90 ns) on a 2-core CPU.
     DECODE_GROUP_COST = 1024
 
-    def __init__(self, store: PagedKVStore, slices: list[SequenceSlice], slot_mapping: torch.Tensor,
-                 sliding_window: int | None = None, attention_fn=None):
+    def __init__(
+        self,
+        store: PagedKVStore,
+        slices: list[SequenceSlice],
+        slot_mapping: torch.Tensor,
+        sliding_window: int | None = None,
+        attention_fn=None,
+    ):
         self.store, self.slices, self.slot_mapping = store, slices, slot_mapping
         self.sliding_window = sliding_window
         if attention_fn is not None and sliding_window is not None:
-            raise ValueError(f"an attention hook attends over every held token; this model has a sliding window "
-                             f"of {sliding_window}")
+            raise ValueError(
+                f"an attention hook attends over every held token; this model has a sliding window of {sliding_window}"
+            )
         self.attention_fn = attention_fn  # None: the library's attention below
         self.decode_slices = [s for s in slices if s.q_len == 1]
         self.prefill_slices = [s for s in slices if s.q_len > 1]
@@ -152,8 +164,9 @@ class PagedBatch:
             block_size = store.block_size
             needed = [blocks_needed(s.context_len, block_size) for s in self.decode_slices]
             for members in group_by_length(needed, block_size, self.DECODE_GROUP_COST):
-                self.decode_groups.append(self.decode_group([self.decode_slices[i] for i in members],
-                                                            slot_mapping.device))
+                self.decode_groups.append(
+                    self.decode_group([self.decode_slices[i] for i in members], slot_mapping.device)
+                )
 
     def decode_group(self, slices: list[SequenceSlice], device) -> DecodeGroup:
         """The DecodeGroup of these decode slices (tables, mask and rows built once per step)."""
@@ -169,8 +182,11 @@ class PagedBatch:
         if self.sliding_window is not None:
             valid &= key_pos[None, :] >= (lengths[:, None] - self.sliding_window)
         additive = torch.zeros(valid.shape, dtype=self.store.keys.dtype).masked_fill_(~valid, float("-inf"))
-        return DecodeGroup(rows=torch.tensor([s.q_start for s in slices], device=device),
-                           blocks=tables.to(device), mask=additive[:, None, None, :].to(device))
+        return DecodeGroup(
+            rows=torch.tensor([s.q_start for s in slices], device=device),
+            blocks=tables.to(device),
+            mask=additive[:, None, None, :].to(device),
+        )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [1, H, N, D], k/v [1, H_kv, N, D] for the N packed new tokens -> [1, H, N, D]."""
@@ -185,11 +201,14 @@ class PagedBatch:
         for group in self.decode_groups:
             out[:, :, group.rows] = self._attend_decode(layer, q[:, :, group.rows], group)
         for s in self.prefill_slices:
-            k_ctx = gather_kv(flat_k, s.block_table, s.context_len, self.store.block_size)[None]  # [1, H_kv, context, D]
+            k_ctx = gather_kv(flat_k, s.block_table, s.context_len, self.store.block_size)[
+                None
+            ]  # [1, H_kv, context, D]
             v_ctx = gather_kv(flat_v, s.block_table, s.context_len, self.store.block_size)[None]
-            q_seq = q[:, :, s.q_start:s.q_start + s.q_len]
-            out[:, :, s.q_start:s.q_start + s.q_len] = causal_attention(
-                q_seq, k_ctx, v_ctx, q_offset=s.context_len - s.q_len, sliding_window=self.sliding_window)
+            q_seq = q[:, :, s.q_start : s.q_start + s.q_len]
+            out[:, :, s.q_start : s.q_start + s.q_len] = causal_attention(
+                q_seq, k_ctx, v_ctx, q_offset=s.context_len - s.q_len, sliding_window=self.sliding_window
+            )
         return out
 
     def _attend_decode(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
@@ -234,11 +253,15 @@ class PagedSequenceCache:
         in this layer, [1, H_kv, context_len, D] each, in token order."""
         s, store = self.seq, self.batch.store
         if k.shape[0] != 1 or k.shape[2] != s.q_len:
-            raise ValueError(f"append got k of shape {list(k.shape)}; this sequence has {s.q_len} new tokens "
-                             f"(expected [1, H_kv, {s.q_len}, D])")
+            raise ValueError(
+                f"append got k of shape {list(k.shape)}; this sequence has {s.q_len} new tokens "
+                f"(expected [1, H_kv, {s.q_len}, D])"
+            )
         flat_k, flat_v = store.flat(layer)
-        slots = self.batch.slot_mapping[s.q_start:s.q_start + s.q_len]
+        slots = self.batch.slot_mapping[s.q_start : s.q_start + s.q_len]
         flat_k[slots] = k[0].transpose(0, 1)  # [q_len, H_kv, D] into their slots
         flat_v[slots] = v[0].transpose(0, 1)
-        return (gather_kv(flat_k, s.block_table, s.context_len, store.block_size)[None],
-                gather_kv(flat_v, s.block_table, s.context_len, store.block_size)[None])
+        return (
+            gather_kv(flat_k, s.block_table, s.context_len, store.block_size)[None],
+            gather_kv(flat_v, s.block_table, s.context_len, store.block_size)[None],
+        )

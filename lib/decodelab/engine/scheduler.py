@@ -21,6 +21,7 @@ The step pieces (`admit`, `decode_batch`, `preempt`, `finish`, `schedule_chunked
 functions of the scheduler, bound as its methods: notebook 08 has the learner write most of
 them, and a subclass with the learner's versions plugs into `EngineHooks(scheduler=...)`.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -147,14 +148,18 @@ def schedule_chunked(scheduler: Scheduler) -> list[Sequence]:
         held = end = seq.num_computed_tokens
         tokens = seq.token_ids  # built once: the property joins prompt and output on every call
         while end < held + min(seq.num_new_tokens, budget) and allocator.can_append(seq.block_table, end):
-            allocator.append_slot(seq.block_table, tokens[:end + 1])
+            allocator.append_slot(seq.block_table, tokens[: end + 1])
             end += 1
         if end > held:
             seq.num_scheduled_tokens = end - held
             budget -= end - held
             batch.append(seq)
-    while (scheduler.num_preemptions == preemptions and scheduler.waiting and budget > 0
-           and len(scheduler.running) < scheduler.max_num_seqs):
+    while (
+        scheduler.num_preemptions == preemptions
+        and scheduler.waiting
+        and budget > 0
+        and len(scheduler.running) < scheduler.max_num_seqs
+    ):
         seq = scheduler.waiting[0]
         prefix = seq.token_ids[:budget]
         if not allocator.can_allocate(prefix):

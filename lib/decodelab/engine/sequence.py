@@ -1,4 +1,5 @@
 """A request in flight: its tokens, its blocks, its sampling state."""
+
 from __future__ import annotations
 
 import enum

@@ -12,17 +12,18 @@ The draft model writes to its own `PagedKVStore` through the same block tables, 
 allocator manages both caches. The draft cache may lag the target by one token (the last
 accepted draft is never fed to the draft model); step 2 feeds it first.
 """
+
 from __future__ import annotations
 
 import os
 
 import torch
 
-from decodelab.model.registry import load
-from decodelab.engine.paged_attention import PagedKVStore
 from decodelab.decoding.sampling import probs
-from decodelab.engine.sequence import Sequence
 from decodelab.decoding.speculative import accept_draft_tokens
+from decodelab.engine.paged_attention import PagedKVStore
+from decodelab.engine.sequence import Sequence
+from decodelab.model.registry import load
 
 
 def drafts_fit(engine, seqs: list[Sequence], k: int) -> bool:
@@ -50,6 +51,7 @@ def make_speculator(engine, draft, num_speculative_tokens: int):
     """The engine's speculator for `draft`: a feature drafter (an attached `FeatureDrafter`, or a
     named one such as "smollm2-eagle") or a draft model (anything `BatchSpeculator` takes)."""
     from decodelab.decoding.eagle import NAMED_DRAFTERS, FeatureDrafter
+
     if isinstance(draft, FeatureDrafter) or (isinstance(draft, str) and draft in NAMED_DRAFTERS):
         return FeatureBatchSpeculator(engine, draft, num_speculative_tokens)
     return BatchSpeculator(engine, draft, num_speculative_tokens)
@@ -57,6 +59,7 @@ def make_speculator(engine, draft, num_speculative_tokens: int):
 
 class BatchSpeculator:
     """Speculation with a draft model, whose paged cache mirrors the target's."""
+
     reads_features = False  # the engine's passes give it tokens, not the target's hidden states
 
     def __init__(self, engine, draft, num_speculative_tokens: int):
@@ -67,8 +70,10 @@ class BatchSpeculator:
         elif isinstance(draft, tuple):
             draft = draft[0]
         if draft.config.vocab_size != engine.config.vocab_size:
-            raise ValueError(f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
-                             f"({engine.config.vocab_size}): they must share a tokenizer")
+            raise ValueError(
+                f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
+                f"({engine.config.vocab_size}): they must share a tokenizer"
+            )
         self.engine, self.draft, self.k = engine, draft, num_speculative_tokens
         allocator = engine.allocator
         self.store = PagedKVStore(draft.config, allocator.num_blocks, allocator.block_size, engine.device, draft.dtype)
@@ -92,8 +97,9 @@ class BatchSpeculator:
         for seq in seqs:
             allocator.reserve(seq.block_table, len(seq) + k)
         drafts, draft_probs = self.propose(seqs)  # [B, k], [B, k, V]
-        items = [([seq.token_ids[-1]] + drafts[i].tolist(), len(seq) - 1, seq.block_table)
-                 for i, seq in enumerate(seqs)]
+        items = [
+            ([seq.token_ids[-1]] + drafts[i].tolist(), len(seq) - 1, seq.block_table) for i, seq in enumerate(seqs)
+        ]
         target_logits = engine.runner.packed_forward(engine.model, engine.store, items, all_logits=True)
         self.target_calls += 1
         events = []
@@ -111,15 +117,18 @@ class BatchSpeculator:
     def propose(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """k draft tokens per sequence and the distributions they were drawn from."""
         engine = self.engine
-        items = [(seq.token_ids[seq.draft_computed_tokens:], seq.draft_computed_tokens, seq.block_table)
-                 for seq in seqs]
+        items = [
+            (seq.token_ids[seq.draft_computed_tokens :], seq.draft_computed_tokens, seq.block_table) for seq in seqs
+        ]
         tokens, dists = [], []
         for j in range(self.k):
             logits = engine.runner.packed_forward(self.draft, self.store, items)  # list of [V]
             self.draft_calls += 1
             q = torch.stack([probs(row, seq.params) for row, seq in zip(logits, seqs)])  # [B, V]
-            chosen = [int(q_row.argmax()) if seq.params.greedy
-                      else int(torch.multinomial(q_row, 1, generator=seq.generator)) for q_row, seq in zip(q, seqs)]
+            chosen = [
+                int(q_row.argmax()) if seq.params.greedy else int(torch.multinomial(q_row, 1, generator=seq.generator))
+                for q_row, seq in zip(q, seqs)
+            ]
             tokens.append(chosen)
             dists.append(q)
             items = [([token], len(seq) + j, seq.block_table) for token, seq in zip(chosen, seqs)]
@@ -127,8 +136,13 @@ class BatchSpeculator:
 
     def stats(self) -> dict:
         rate = self.accepted / self.proposed if self.proposed else 0.0
-        return {"proposed": self.proposed, "accepted": self.accepted, "acceptance_rate": rate,
-                "target_calls": self.target_calls, "draft_calls": self.draft_calls}
+        return {
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": rate,
+            "target_calls": self.target_calls,
+            "draft_calls": self.draft_calls,
+        }
 
 
 class FeatureBatchSpeculator:
@@ -143,20 +157,26 @@ class FeatureBatchSpeculator:
     drafter is one layer); the verify pass is one packed target pass, as with a draft model.
     Greedy drafts carry one-hot q, so the acceptance rule (the engine hook) is the same.
     """
+
     reads_features = True
     store = None  # the drafter's caches are per sequence, outside the paged pool
 
     def __init__(self, engine, draft, num_speculative_tokens: int):
         from decodelab.decoding.eagle import FeatureDrafter, load_drafter
+
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if engine.hooks.forward is not None:
-            raise ValueError("a feature drafter reads the target's hidden states, and EngineHooks(forward=...) "
-                             "returns logits only: speculate with a draft model, or drop the forward hook")
+            raise ValueError(
+                "a feature drafter reads the target's hidden states, and EngineHooks(forward=...) "
+                "returns logits only: speculate with a draft model, or drop the forward hook"
+            )
         if isinstance(draft, FeatureDrafter):
             if draft.target is not engine.model:
-                raise ValueError("this FeatureDrafter is attached to another model: load_drafter(llm.model, ...) "
-                                 "or pass its name (e.g. 'smollm2-eagle')")
+                raise ValueError(
+                    "this FeatureDrafter is attached to another model: load_drafter(llm.model, ...) "
+                    "or pass its name (e.g. 'smollm2-eagle')"
+                )
         else:
             draft = load_drafter(engine.model, draft)
         self.engine, self.drafter, self.k = engine, draft, num_speculative_tokens
@@ -168,6 +188,7 @@ class FeatureBatchSpeculator:
         session expects them appends them; any other (new, preempted, after a cached prefix)
         starts a session at the first of them."""
         from decodelab.decoding.eagle import FeatureDraftSession
+
         for seq, (tokens, start, _), rows in zip(seqs, items, features):
             session = seq.draft_state
             if session is None or session.next_position != start:
@@ -188,17 +209,20 @@ class FeatureBatchSpeculator:
             tokens, q = seq.draft_state.propose(seq.token_ids, k, seq.params, seq.generator)  # [k], [k, V] | None
             drafted.append((tokens, torch.nn.functional.one_hot(tokens, vocab).float() if q is None else q))
         self.draft_calls += k * len(seqs)
-        items = [([seq.token_ids[-1]] + tokens.tolist(), len(seq) - 1, seq.block_table)
-                 for (tokens, _), seq in zip(drafted, seqs)]
-        target_logits, features = engine.runner.packed_forward(engine.model, engine.store, items, all_logits=True,
-                                                        features=True)
+        items = [
+            ([seq.token_ids[-1]] + tokens.tolist(), len(seq) - 1, seq.block_table)
+            for (tokens, _), seq in zip(drafted, seqs)
+        ]
+        target_logits, features = engine.runner.packed_forward(
+            engine.model, engine.store, items, all_logits=True, features=True
+        )
         self.target_calls += 1
         events = []
         for seq, (tokens, q), logits, rows in zip(seqs, drafted, target_logits, features):
             emitted = self.accept(tokens, q, probs(logits, seq.params), seq.generator).tolist()
             self.proposed += len(tokens)
             self.accepted += len(emitted) - 1
-            seq.draft_state.add_features(rows[:len(emitted)])  # the pending token's and the accepted drafts'
+            seq.draft_state.add_features(rows[: len(emitted)])  # the pending token's and the accepted drafts'
             events += emit(engine, seq, emitted)
         return events
 

@@ -22,6 +22,7 @@ decoding. `sequence_logprob` scores any continuation with one forward pass, with
 
 Shapes: b running beams (1 before the first step), V vocabulary.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,14 @@ from decodelab.validation import check_int
 
 
 @torch.inference_mode()
-def beam_search(model, prompt_ids: list[int], num_beams: int, max_new_tokens: int,
-                eos_token_id: int | None = None, length_penalty: float = 1.0) -> tuple[list[int], float]:
+def beam_search(
+    model,
+    prompt_ids: list[int],
+    num_beams: int,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    length_penalty: float = 1.0,
+) -> tuple[list[int], float]:
     """The best continuation of prompt_ids by beam search, and its score.
 
     Returns (new ids, the EOS included when it ended with one; its score sum_logprob / len ** length_penalty,
@@ -48,11 +55,15 @@ def beam_search(model, prompt_ids: list[int], num_beams: int, max_new_tokens: in
     config, device = model.config, model.device
     check_prompt(prompt_ids, config.max_position_embeddings, config.vocab_size)
     if 2 * num_beams > config.vocab_size:
-        raise ValueError(f"beam search keeps 2 x num_beams candidates: num_beams={num_beams} needs a vocabulary "
-                         f"of at least {2 * num_beams} tokens, the model has {config.vocab_size}")
+        raise ValueError(
+            f"beam search keeps 2 x num_beams candidates: num_beams={num_beams} needs a vocabulary "
+            f"of at least {2 * num_beams} tokens, the model has {config.vocab_size}"
+        )
     if len(prompt_ids) + max_new_tokens > config.max_position_embeddings:
-        raise PromptTooLongError(f"{len(prompt_ids)} prompt + {max_new_tokens} new tokens exceed the model's "
-                                 f"context of {config.max_position_embeddings} tokens")
+        raise PromptTooLongError(
+            f"{len(prompt_ids)} prompt + {max_new_tokens} new tokens exceed the model's "
+            f"context of {config.max_position_embeddings} tokens"
+        )
     cache = KVCache(config, 1, len(prompt_ids) + max_new_tokens, device=device, dtype=model.dtype)
     inputs = torch.tensor([prompt_ids], device=device)  # [1, P]: one beam until the first step
     beams, totals = [[]], torch.zeros(1, device=device)  # new ids per beam; their summed log-probs [b]
@@ -85,4 +96,4 @@ def beam_search(model, prompt_ids: list[int], num_beams: int, max_new_tokens: in
 def sequence_logprob(model, prompt_ids: list[int], new_ids: list[int]) -> float:
     """Total log-probability (nats) of new_ids after prompt_ids, from one forward pass without a cache."""
     nlls = token_nlls(model, list(prompt_ids) + list(new_ids))  # [P + N - 1]: token i + 1 given tokens 0..i
-    return -float(nlls[len(prompt_ids) - 1:].double().sum())
+    return -float(nlls[len(prompt_ids) - 1 :].double().sum())

@@ -13,6 +13,7 @@ The algorithm, for one pre-tokenized word (its UTF-8 bytes):
 `tokenizer.json` writes bytes in GPT-2's printable alphabet (`byte_to_unicode`: a space is "Ġ");
 the tables here are in plain bytes.
 """
+
 from __future__ import annotations
 
 import json

@@ -13,6 +13,7 @@ later (Sarathi-Serve's trade).
 time to first token (TTFT). `compare_stalls` runs the same scenario on several engines,
 alternating, and keeps each one's run with the smallest p99 ITL (a busy machine only ever adds time).
 """
+
 from __future__ import annotations
 
 import math
@@ -54,13 +55,16 @@ class StallResult:
         return percentile(self.gaps, 99)
 
     def summary(self) -> str:
-        return (f"{self.label:>24}: running requests' ITL p50 {1000 * self.itl_p50:7.1f} ms, p99 "
-                f"{1000 * self.itl_p99:7.1f} ms, max {1000 * max(self.gaps):7.1f} ms | newcomer TTFT "
-                f"{1000 * self.ttft:7.1f} ms over {self.steps_to_first_token} steps")
+        return (
+            f"{self.label:>24}: running requests' ITL p50 {1000 * self.itl_p50:7.1f} ms, p99 "
+            f"{1000 * self.itl_p99:7.1f} ms, max {1000 * max(self.gaps):7.1f} ms | newcomer TTFT "
+            f"{1000 * self.ttft:7.1f} ms over {self.steps_to_first_token} steps"
+        )
 
 
-def newcomer_run(llm, running_prompts, newcomer_prompt, label: str, decode_tokens: int = 32,
-                 arrive_after: int = 4) -> StallResult:
+def newcomer_run(
+    llm, running_prompts, newcomer_prompt, label: str, decode_tokens: int = 32, arrive_after: int = 4
+) -> StallResult:
     """Start every running prompt (greedy, decode_tokens tokens each, no early stop), run
     arrive_after steps, then add newcomer_prompt (one token wanted) and run until all are done.
     The running requests must outlast the newcomer's prefill: decode_tokens > arrive_after + the
@@ -68,8 +72,10 @@ def newcomer_run(llm, running_prompts, newcomer_prompt, label: str, decode_token
     if llm.scheduler.has_unfinished():
         raise ValueError("newcomer_run needs an idle engine: another generate() or stream() is in flight")
     if llm.scheduler.max_num_seqs <= len(running_prompts):
-        raise ValueError(f"{len(running_prompts)} running prompts fill max_num_seqs={llm.scheduler.max_num_seqs}: "
-                         "the newcomer needs a sequence slot of its own")
+        raise ValueError(
+            f"{len(running_prompts)} running prompts fill max_num_seqs={llm.scheduler.max_num_seqs}: "
+            "the newcomer needs a sequence slot of its own"
+        )
     params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
     for index, prompt in enumerate(running_prompts):
         llm.add_request(prompt, params, index=index)
@@ -78,8 +84,9 @@ def newcomer_run(llm, running_prompts, newcomer_prompt, label: str, decode_token
     while llm.scheduler.has_unfinished():
         if steps == arrive_after:
             arrival = time.perf_counter()
-            llm.add_request(newcomer_prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                            index=newcomer_index)
+            llm.add_request(
+                newcomer_prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), index=newcomer_index
+            )
         start = time.perf_counter()
         events = llm.step()
         now = time.perf_counter()
@@ -92,24 +99,34 @@ def newcomer_run(llm, running_prompts, newcomer_prompt, label: str, decode_token
             else:
                 times[event.request_index].append(now)
     if arrival is None or first_token is None:
-        raise ValueError(f"the running requests ended before the newcomer arrived or started: decode_tokens "
-                         f"({decode_tokens}) must exceed arrive_after ({arrive_after})")
+        raise ValueError(
+            f"the running requests ended before the newcomer arrived or started: decode_tokens "
+            f"({decode_tokens}) must exceed arrive_after ({arrive_after})"
+        )
     if any(len(t) < 2 or t[-1] < first_token[0] for t in times):
         raise ValueError("a running request ended before the newcomer's first token: raise decode_tokens")
-    return StallResult(label, [[t - arrival for t in request] for request in times], first_token[0] - arrival,
-                       first_token[1], step_seconds)
+    return StallResult(
+        label,
+        [[t - arrival for t in request] for request in times],
+        first_token[0] - arrival,
+        first_token[1],
+        step_seconds,
+    )
 
 
-def compare_stalls(engines: dict, running_prompts, newcomer_prompt, decode_tokens: int = 32,
-                   arrive_after: int = 4, rounds: int = 2) -> dict[str, StallResult]:
+def compare_stalls(
+    engines: dict, running_prompts, newcomer_prompt, decode_tokens: int = 32, arrive_after: int = 4, rounds: int = 2
+) -> dict[str, StallResult]:
     """newcomer_run on every engine ({label: LLM}), `rounds` times in alternating order -> per label
     the run with the smallest p99 ITL. The engines' first run also warms them up. Each engine must
     be built with enable_prefix_caching=False: the rounds repeat the same newcomer, and a prefix
     cache would find its prompt from the second round on."""
     cached = [label for label, llm in engines.items() if llm.args.enable_prefix_caching]
     if cached:
-        raise ValueError(f"compare_stalls repeats the same prompts: build {', '.join(cached)} with "
-                         "enable_prefix_caching=False, or the later rounds would find the newcomer cached")
+        raise ValueError(
+            f"compare_stalls repeats the same prompts: build {', '.join(cached)} with "
+            "enable_prefix_caching=False, or the later rounds would find the newcomer cached"
+        )
     best: dict[str, StallResult] = {}
     for _ in range(rounds):
         for label, llm in engines.items():
@@ -130,8 +147,14 @@ def steps_to_first_token(prompt_len: int, budget: int, decoding: int = 4, block_
     if prompt_len < 1 or budget <= decoding:
         raise ValueError(f"need prompt_len >= 1 and a budget above the {decoding} decodes, got {prompt_len}, {budget}")
     pool = blocks_needed(prompt_len, block_size) + decoding * blocks_needed(prompt_len + 2, block_size)
-    state = toy_scheduler([1] * decoding, num_blocks=pool, block_size=block_size, max_num_seqs=decoding + 1,
-                          max_num_batched_tokens=budget, admitted=True)  # `decoding` requests, each ready to decode
+    state = toy_scheduler(
+        [1] * decoding,
+        num_blocks=pool,
+        block_size=block_size,
+        max_num_seqs=decoding + 1,
+        max_num_batched_tokens=budget,
+        admitted=True,
+    )  # `decoding` requests, each ready to decode
     newcomer = make_sequence(decoding, prompt_len)
     state.add(newcomer)
     for step in range(1, prompt_len + 1):

@@ -19,6 +19,7 @@ Two policies over a workload of `Request(arrival, prompt_len, output_len)`:
 * continuous (iteration-level): a request joins the scheduler's queue when it arrives and
   takes a slot at the first step after one frees up.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,9 +30,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from decodelab.engine.block_allocator import BlockAllocator, blocks_needed
-from decodelab.params import SamplingParams
 from decodelab.engine.scheduler import Scheduler
 from decodelab.engine.sequence import Sequence
+from decodelab.params import SamplingParams
 
 POLICIES = ("static", "continuous")
 
@@ -52,8 +53,15 @@ def seq_ids(seqs) -> list[int]:
     return [seq.seq_id for seq in seqs]
 
 
-def toy_scheduler(prompt_lens, num_blocks: int = 8, block_size: int = 4, max_num_seqs: int = 4,
-                  max_num_batched_tokens: int = 64, admitted: bool = False, scheduler_cls=Scheduler):
+def toy_scheduler(
+    prompt_lens,
+    num_blocks: int = 8,
+    block_size: int = 4,
+    max_num_seqs: int = 4,
+    max_num_batched_tokens: int = 64,
+    admitted: bool = False,
+    scheduler_cls=Scheduler,
+):
     """A scheduler on a small pool (no prefix caching) with one waiting sequence per prompt length.
 
     admitted=True: the library's reference admits them and each gets its first output token,
@@ -97,8 +105,9 @@ class Request:
     output_len: int  # tokens it generates (no early stop)
 
 
-def mixed_workload(num_requests: int, arrival_rate: float, prompt_lens=(16, 128), output_lens=(16, 128),
-                   seed: int = 0) -> list[Request]:
+def mixed_workload(
+    num_requests: int, arrival_rate: float, prompt_lens=(16, 128), output_lens=(16, 128), seed: int = 0
+) -> list[Request]:
     """Poisson arrivals at arrival_rate requests per second (math.inf: all at time 0), prompt and
     output lengths uniform in the given inclusive ranges."""
     if num_requests < 1 or not arrival_rate > 0:
@@ -135,8 +144,9 @@ class StepCost:
         xs, ys = list(map(float, batch_sizes)), list(map(float, decode_seconds))
         if len(set(xs)) < 2:
             raise ValueError("fitting a step cost needs decode steps of at least two batch sizes")
-        slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
-                  if xs[j] != xs[i]]
+        slopes = [
+            (ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[j] != xs[i]
+        ]
         slope = max(0.0, statistics.median(slopes))
         fixed = max(1e-6, statistics.median(y - slope * x for x, y in zip(xs, ys)))
         per_token = [max(0.0, (s - fixed) / n) for n, s in zip(prefill_tokens, prefill_seconds) if n > 0]
@@ -192,17 +202,27 @@ class BatchingResult:
         return used / (busy * self.max_num_seqs) if busy > 0 else 0.0
 
     def summary(self) -> str:
-        return (f"{self.policy:>10}: {self.throughput:8.1f} tokens/s, mean latency {self.mean_latency:6.2f} s, "
-                f"mean TTFT {self.mean_ttft:6.2f} s, slots in use {100 * self.occupancy:4.0f}%, "
-                f"{len(self.steps)} steps, {self.num_preemptions} preemptions")
+        return (
+            f"{self.policy:>10}: {self.throughput:8.1f} tokens/s, mean latency {self.mean_latency:6.2f} s, "
+            f"mean TTFT {self.mean_ttft:6.2f} s, slots in use {100 * self.occupancy:4.0f}%, "
+            f"{len(self.steps)} steps, {self.num_preemptions} preemptions"
+        )
 
 
 # --------------------------------------------------------------------------- the simulator
 
 
-def simulate(workload: list[Request], policy: str = "continuous", scheduler_cls=Scheduler, max_num_seqs: int = 8,
-             max_num_batched_tokens: int = 4096, num_blocks: int | None = None, block_size: int = 16,
-             cost: StepCost | None = None, chunked_prefill: bool | None = None) -> BatchingResult:
+def simulate(
+    workload: list[Request],
+    policy: str = "continuous",
+    scheduler_cls=Scheduler,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 4096,
+    num_blocks: int | None = None,
+    block_size: int = 16,
+    cost: StepCost | None = None,
+    chunked_prefill: bool | None = None,
+) -> BatchingResult:
     """Serve the workload with scheduler_cls(allocator, max_num_seqs, max_num_batched_tokens),
     no model: each step appends a placeholder token per scheduled sequence whose tokens are all
     computed (a slice of a prompt under chunked_prefill appends none) and costs cost.step(...).
@@ -217,8 +237,9 @@ def simulate(workload: list[Request], policy: str = "continuous", scheduler_cls=
         num_blocks = max_num_seqs * blocks_needed(longest, block_size)
     elif blocks_needed(longest, block_size) > num_blocks:
         raise ValueError(f"a request of {longest} tokens does not fit in {num_blocks} blocks of {block_size}")
-    scheduler = scheduler_cls(BlockAllocator(num_blocks, block_size, enable_prefix_caching=False),
-                              max_num_seqs, max_num_batched_tokens)
+    scheduler = scheduler_cls(
+        BlockAllocator(num_blocks, block_size, enable_prefix_caching=False), max_num_seqs, max_num_batched_tokens
+    )
     if chunked_prefill is not None:
         scheduler.chunked_prefill = chunked_prefill
     seqs = [make_sequence(i, r.prompt_len, r.output_len) for i, r in enumerate(workload)]
@@ -228,8 +249,10 @@ def simulate(workload: list[Request], policy: str = "continuous", scheduler_cls=
     max_steps = 4 * sum(r.prompt_len + r.output_len for r in workload) + 100  # far more than any scheduler needs
     while next_arrival < len(order) or held or scheduler.has_unfinished():
         if len(steps) > max_steps:
-            raise RuntimeError(f"{scheduler_cls.__name__} ran {len(steps)} steps without finishing the workload: "
-                               "does finish() take a sequence out of running?")
+            raise RuntimeError(
+                f"{scheduler_cls.__name__} ran {len(steps)} steps without finishing the workload: "
+                "does finish() take a sequence out of running?"
+            )
         while next_arrival < len(order) and workload[order[next_arrival]].arrival <= now:
             seq = seqs[order[next_arrival]]
             (held.append if policy == "static" else scheduler.add)(seq)
@@ -242,13 +265,25 @@ def simulate(workload: list[Request], policy: str = "continuous", scheduler_cls=
             continue
         batch, is_prefill = scheduler.schedule()
         if not batch:
-            raise RuntimeError(f"the scheduler ran nothing with {len(scheduler.waiting)} waiting and "
-                               f"{len(scheduler.running)} running: is the pool ({num_blocks} blocks) too small?")
+            raise RuntimeError(
+                f"the scheduler ran nothing with {len(scheduler.waiting)} waiting and "
+                f"{len(scheduler.running)} running: is the pool ({num_blocks} blocks) too small?"
+            )
         num_tokens = sum(s.num_tokens_this_step for s in batch)
         seconds = cost.step(len(batch), num_tokens, is_prefill)
-        steps.append(StepRecord(now, seconds, is_prefill, len(batch), num_tokens, len(scheduler.running),
-                                len(scheduler.waiting) + len(held), scheduler.allocator.num_free,
-                                scheduler.num_preemptions))
+        steps.append(
+            StepRecord(
+                now,
+                seconds,
+                is_prefill,
+                len(batch),
+                num_tokens,
+                len(scheduler.running),
+                len(scheduler.waiting) + len(held),
+                scheduler.allocator.num_free,
+                scheduler.num_preemptions,
+            )
+        )
         now += seconds
         for seq in advance(batch):
             first_token[seq.seq_id] = first_token[seq.seq_id] or now
@@ -256,9 +291,16 @@ def simulate(workload: list[Request], policy: str = "continuous", scheduler_cls=
                 scheduler.finish(seq, "length")
                 done[seq.seq_id] = now
     arrivals = [r.arrival for r in workload]
-    return BatchingResult(policy, max_num_seqs, steps, [f - a for f, a in zip(first_token, arrivals)],
-                          [d - a for d, a in zip(done, arrivals)], sum(r.output_len for r in workload),
-                          max(done) - min(arrivals), scheduler.num_preemptions)
+    return BatchingResult(
+        policy,
+        max_num_seqs,
+        steps,
+        [f - a for f, a in zip(first_token, arrivals)],
+        [d - a for d, a in zip(done, arrivals)],
+        sum(r.output_len for r in workload),
+        max(done) - min(arrivals),
+        scheduler.num_preemptions,
+    )
 
 
 # --------------------------------------------------------------------------- the real engine
@@ -275,8 +317,18 @@ def recording(scheduler_cls=Scheduler):
 
         def schedule(self):
             seqs, is_prefill = super().schedule()
-            self.log.append((time.perf_counter(), len(seqs), is_prefill, sum(s.num_tokens_this_step for s in seqs),
-                             len(self.running), len(self.waiting), self.allocator.num_free, self.num_preemptions))
+            self.log.append(
+                (
+                    time.perf_counter(),
+                    len(seqs),
+                    is_prefill,
+                    sum(s.num_tokens_this_step for s in seqs),
+                    len(self.running),
+                    len(self.waiting),
+                    self.allocator.num_free,
+                    self.num_preemptions,
+                )
+            )
             return seqs, is_prefill
 
     Recording.__name__ = Recording.__qualname__ = f"Recording{scheduler_cls.__name__}"
@@ -298,22 +350,42 @@ def serve(llm, prompts, params, policy: str = "continuous") -> BatchingResult:
     for i in range(0, len(prompts), group):
         scheduler.log.clear()
         called = time.perf_counter()
-        outs = llm.generate(prompts[i:i + group], params[i:i + group], use_tqdm=False)
+        outs = llm.generate(prompts[i : i + group], params[i : i + group], use_tqdm=False)
         ended = time.perf_counter()
         log = scheduler.log
         for entry, following in zip(log, log[1:] + [(ended,)]):
             at, num_seqs, is_prefill, num_tokens, running, waiting, free, preemptions = entry
             held = len(prompts) - i - group if policy == "static" else 0
-            steps.append(StepRecord(at - start, following[0] - at, is_prefill, num_seqs, num_tokens, running,
-                                    waiting + max(0, held), free, preemptions - preempted_before))
+            steps.append(
+                StepRecord(
+                    at - start,
+                    following[0] - at,
+                    is_prefill,
+                    num_seqs,
+                    num_tokens,
+                    running,
+                    waiting + max(0, held),
+                    free,
+                    preemptions - preempted_before,
+                )
+            )
         for out in outs:
             latency.append(called - start + out.metrics["latency_s"])
             ttft.append(called - start + out.metrics["ttft_s"])
         outputs += outs
     makespan = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
-    return BatchingResult(policy, scheduler.max_num_seqs, steps, ttft, latency, tokens, makespan,
-                          scheduler.num_preemptions - preempted_before, outputs)
+    return BatchingResult(
+        policy,
+        scheduler.max_num_seqs,
+        steps,
+        ttft,
+        latency,
+        tokens,
+        makespan,
+        scheduler.num_preemptions - preempted_before,
+        outputs,
+    )
 
 
 def measure_step_cost(llm, batch_sizes, num_tokens: int = 8, prompt_len: int = 8):
@@ -333,6 +405,19 @@ def measure_step_cost(llm, batch_sizes, num_tokens: int = 8, prompt_len: int = 8
     return decode, StepCost.fit(list(decode), list(decode.values()), prefill_tokens, prefill_seconds)
 
 
-__all__ = ["Request", "StepCost", "StepRecord", "BatchingResult", "make_sequence", "seq_ids", "toy_scheduler", "advance",
-           "mixed_workload",
-           "simulate", "recording", "serve", "measure_step_cost", "POLICIES"]
+__all__ = [
+    "Request",
+    "StepCost",
+    "StepRecord",
+    "BatchingResult",
+    "make_sequence",
+    "seq_ids",
+    "toy_scheduler",
+    "advance",
+    "mixed_workload",
+    "simulate",
+    "recording",
+    "serve",
+    "measure_step_cost",
+    "POLICIES",
+]

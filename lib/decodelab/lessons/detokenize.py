@@ -10,6 +10,7 @@ engine streams with. This module holds what the lesson needs around it:
   dropped): a token decoded alone there reads differently than in context, which SmolLM2's
   byte-level BPE never shows.
 """
+
 from __future__ import annotations
 
 from tokenizers import Tokenizer as BackendTokenizer
@@ -19,8 +20,31 @@ from decodelab.model.tokenizer import Tokenizer
 
 # The whole words of the SentencePiece-style vocabulary; anything else is spelled with letters,
 # digits and punctuation, and the rest of Unicode with byte tokens <0x00> ... <0xFF>.
-WORDS = ("▁the", "▁Hello", "▁world", "▁is", "▁round", "▁and", "▁say", "▁hi", "▁in", "▁Japanese", "▁to", "▁a",
-         "▁of", "▁you", "▁good", "▁morning", "▁stream", "▁text", "▁token", "▁one", "▁at", "▁time", "▁")
+WORDS = (
+    "▁the",
+    "▁Hello",
+    "▁world",
+    "▁is",
+    "▁round",
+    "▁and",
+    "▁say",
+    "▁hi",
+    "▁in",
+    "▁Japanese",
+    "▁to",
+    "▁a",
+    "▁of",
+    "▁you",
+    "▁good",
+    "▁morning",
+    "▁stream",
+    "▁text",
+    "▁token",
+    "▁one",
+    "▁at",
+    "▁time",
+    "▁",
+)
 SPECIAL = ("<unk>", "<s>", "</s>")
 
 
@@ -33,12 +57,17 @@ def sentencepiece_style_tokenizer() -> Tokenizer:
     "world" while the same id after "▁Hello" reads " world".
     """
     characters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:;!?'\"()-"
-    vocab = ([(token, 0.0) for token in SPECIAL] + [(f"<0x{b:02X}>", -20.0) for b in range(256)]
-             + [(word, -5.0) for word in WORDS] + [(c, -10.0) for c in characters])
+    vocab = (
+        [(token, 0.0) for token in SPECIAL]
+        + [(f"<0x{b:02X}>", -20.0) for b in range(256)]
+        + [(word, -5.0) for word in WORDS]
+        + [(c, -10.0) for c in characters]
+    )
     backend = BackendTokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     backend.add_special_tokens(list(SPECIAL))
     return Tokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>"})
 

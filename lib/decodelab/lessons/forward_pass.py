@@ -33,6 +33,7 @@ Qwen2); Llama 3.1's scaled frequencies are `decodelab.model.rope.inverse_frequen
 Shapes: B batch, T new tokens, S tokens attended to (held before + new), H query heads, H_kv KV
 heads, D head_dim, E hidden_size, F intermediate_size, V vocab_size.
 """
+
 from __future__ import annotations
 
 import functools
@@ -99,11 +100,15 @@ def mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, dow
 
 def _check_supported(config) -> None:
     if config.rope_scaling is not None:
-        raise ValueError(f"this forward pass implements plain RoPE; the config has rope_scaling="
-                         f"{config.rope_scaling!r} (use decodelab.model.llama.LlamaForCausalLM)")
+        raise ValueError(
+            f"this forward pass implements plain RoPE; the config has rope_scaling="
+            f"{config.rope_scaling!r} (use decodelab.model.llama.LlamaForCausalLM)"
+        )
     if config.sliding_window is not None:
-        raise ValueError(f"this forward pass has no sliding window; the config has sliding_window="
-                         f"{config.sliding_window} (use decodelab.model.llama.LlamaForCausalLM)")
+        raise ValueError(
+            f"this forward pass has no sliding window; the config has sliding_window="
+            f"{config.sliding_window} (use decodelab.model.llama.LlamaForCausalLM)"
+        )
 
 
 def _split_heads(h: torch.Tensor, weights: dict, name: str, num_heads: int, head_dim: int) -> torch.Tensor:
@@ -113,8 +118,9 @@ def _split_heads(h: torch.Tensor, weights: dict, name: str, num_heads: int, head
     return out.view(h.shape[0], h.shape[1], num_heads, head_dim).transpose(1, 2)
 
 
-def decoder_layer(weights: dict, config, layer_index: int, x: torch.Tensor, positions: torch.Tensor,
-                  attend) -> torch.Tensor:
+def decoder_layer(
+    weights: dict, config, layer_index: int, x: torch.Tensor, positions: torch.Tensor, attend
+) -> torch.Tensor:
     """One pre-norm decoder layer: x [B, T, E] -> [B, T, E].
 
     x = x + o_proj(attend(layer_index, rope(q), rope(k), v)) with q, k, v the projections of
@@ -135,12 +141,17 @@ def decoder_layer(weights: dict, config, layer_index: int, x: torch.Tensor, posi
     out = out.transpose(1, 2).reshape(batch, num_new, heads * head_dim)  # [B, T, H * D]
     x = x + F.linear(out, weights[prefix + "self_attn.o_proj.weight"])
     h = rms_norm(x, weights[prefix + "post_attention_layernorm.weight"], config.rms_norm_eps)
-    return x + mlp(h, weights[prefix + "mlp.gate_proj.weight"], weights[prefix + "mlp.up_proj.weight"],
-                   weights[prefix + "mlp.down_proj.weight"])
+    return x + mlp(
+        h,
+        weights[prefix + "mlp.gate_proj.weight"],
+        weights[prefix + "mlp.up_proj.weight"],
+        weights[prefix + "mlp.down_proj.weight"],
+    )
 
 
-def forward(weights: dict, config, input_ids: torch.Tensor, attend,
-            positions: torch.Tensor | None = None) -> torch.Tensor:
+def forward(
+    weights: dict, config, input_ids: torch.Tensor, attend, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """The whole model: input_ids [B, T] -> logits [B, T, V], float32.
 
     Token embedding (``model.embed_tokens.weight`` [V, E]), the config's decoder layers in order
@@ -167,8 +178,16 @@ def cache_attend(cache: KVCache, attention_fn=attention):
 
 
 @torch.inference_mode()
-def greedy_generate(weights: dict, config, prompt_ids: list[int], max_new_tokens: int, forward_fn=forward,
-                    attention_fn=attention, device=None, dtype=torch.float32) -> list[int]:
+def greedy_generate(
+    weights: dict,
+    config,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    forward_fn=forward,
+    attention_fn=attention,
+    device=None,
+    dtype=torch.float32,
+) -> list[int]:
     """Greedy generation with `forward_fn` over a `KVCache` read through `attention_fn`: the new
     ids (always max_new_tokens of them; no stop token). Prefill feeds the prompt at positions
     0 .. P-1, each later step one token at the next position."""

@@ -23,6 +23,7 @@ The pool's memory-time (slots x steps) splits four ways:
 * **idle**: the other free slots (the queue is empty, or the next request needs more than
   all of them together).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -75,8 +76,16 @@ class _Contiguous:
         del self.ends[start]
 
 
-def simulate(lengths, layout: str, pool_slots: int, max_len: int | None = None, block_size: int = 16,
-             min_stay: int = 1, max_stay: int = 1000, seed: int = 0) -> Fragmentation:
+def simulate(
+    lengths,
+    layout: str,
+    pool_slots: int,
+    max_len: int | None = None,
+    block_size: int = 16,
+    min_stay: int = 1,
+    max_stay: int = 1000,
+    seed: int = 0,
+) -> Fragmentation:
     """Serve `lengths` (final request lengths, in arrival order) under one layout; see the module."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -95,8 +104,9 @@ def simulate(lengths, layout: str, pool_slots: int, max_len: int | None = None, 
         return pool.blocks_needed(length) * block_size
 
     def free_slots() -> int:
-        return pool.num_free * block_size if layout == "paged" else pool_slots - sum(
-            pool.ends[s] - s for s in pool.starts)
+        return (
+            pool.num_free * block_size if layout == "paged" else pool_slots - sum(pool.ends[s] - s for s in pool.starts)
+        )
 
     rng = random.Random(f"stays {seed}")  # not the stream that drew the lengths from the same seed
     stays = [rng.randint(min_stay, max_stay) for _ in lengths]  # the same for every layout
@@ -141,9 +151,15 @@ def simulate(lengths, layout: str, pool_slots: int, max_len: int | None = None, 
                 pool.release(handle)
             used, held = used - length, held - reserved(length)
     time_slots = max(1, now) * pool_slots
-    return Fragmentation(layout, totals["tokens"] / time_slots, totals["internal"] / time_slots,
-                         totals["external"] / time_slots, totals["idle"] / time_slots,
-                         totals["running"] / max(1, now), refusals)
+    return Fragmentation(
+        layout,
+        totals["tokens"] / time_slots,
+        totals["internal"] / time_slots,
+        totals["external"] / time_slots,
+        totals["idle"] / time_slots,
+        totals["running"] / max(1, now),
+        refusals,
+    )
 
 
 __all__ = ["LAYOUTS", "Fragmentation", "simulate"]

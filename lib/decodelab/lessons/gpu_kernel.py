@@ -27,6 +27,7 @@ Element (block, slot, head, d) of a cache lives at ((block * BLOCK_SIZE + slot) 
 kernel source, executed by NumPy one program at a time: right answers, no speed.
 Importing this module without triton installed works; launching a kernel then raises ImportError.
 """
+
 from __future__ import annotations  # "tl.constexpr" stays a string: the kernels can be defined without triton
 
 import math
@@ -35,7 +36,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from decodelab.lessons.paged_kv import per_sequence_decode_attention, random_paged_batch  # the latter re-exported (__all__)
+from decodelab.lessons.paged_kv import (  # the latter re-exported (__all__)
+    per_sequence_decode_attention,
+    random_paged_batch,
+)
 
 
 def use_interpreter_without_gpu() -> str:
@@ -92,16 +96,26 @@ if triton is not None and MODE == "interpreter":
 def require_triton() -> None:
     """Raise ImportError with the fix when triton is not installed."""
     if triton is None:
-        raise ImportError("triton is not installed: `pip install triton==3.6.0` (Linux), or "
-                          "`pip install -e '.[course]'`; the GPU kernel notebook needs it")
+        raise ImportError(
+            "triton is not installed: `pip install triton==3.6.0` (Linux), or "
+            "`pip install -e '.[course]'`; the GPU kernel notebook needs it"
+        )
 
 
 # --------------------------------------------------------------------------- the kernels
 
 
 @jit
-def gather_kv_kernel(cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, num_kv_heads, max_blocks,
-                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def gather_kv_kernel(
+    cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    num_kv_heads,
+    max_blocks,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     """Program (b, h) copies KV head h of sequence b, block by block, into out[b, h] in token order.
 
     cache [num_blocks, BLOCK_SIZE, H_kv, D]; block_tables [B, max_blocks]; context_lens [B];
@@ -125,10 +139,21 @@ def gather_kv_kernel(cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, num
 
 
 @jit
-def paged_attention_kernel(q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-                           scale, num_kv_heads, max_blocks,
-                           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-                           GROUP_PAD: tl.constexpr):
+def paged_attention_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    scale,
+    num_kv_heads,
+    max_blocks,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+):
     """Program (b, kv) attends the GROUP query heads of KV head kv of sequence b over its blocks.
 
     q, out [B, H, D] with H = num_kv_heads * GROUP; caches [num_blocks, BLOCK_SIZE, H_kv, D];
@@ -177,12 +202,15 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     NotImplementedError (an unwritten stub, which Triton cannot compile) raises NotImplementedError."""
     require_triton()
     if not hasattr(kernel, "__getitem__"):
-        raise TypeError(f"{getattr(kernel, '__name__', kernel)} is not a Triton kernel: put @triton.jit on the line "
-                        f"above its def")
+        raise TypeError(
+            f"{getattr(kernel, '__name__', kernel)} is not a Triton kernel: put @triton.jit on the line above its def"
+        )
     if interpreter_active() and type(tl.cdiv).__name__ == "JITFunction":
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so its own functions (tl.cdiv) "
-                           "are compiled ones the interpreter cannot call: restart the kernel and import "
-                           "decodelab.lessons.gpu_kernel (or run the set-up cell) before anything imports triton")
+        raise RuntimeError(
+            "triton was imported before TRITON_INTERPRET=1 was set, so its own functions (tl.cdiv) "
+            "are compiled ones the interpreter cannot call: restart the kernel and import "
+            "decodelab.lessons.gpu_kernel (or run the set-up cell) before anything imports triton"
+        )
     try:
         kernel[grid](*args, **kwargs)
     except Exception as exc:
@@ -192,13 +220,18 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         from triton.compiler.errors import CompilationError
 
         if isinstance(exc, CompilationError) and "raise NotImplementedError" in getattr(kernel, "src", ""):
-            raise NotImplementedError(f"{kernel.__name__} is not written yet: its body still raises "
-                                      f"NotImplementedError") from None
+            raise NotImplementedError(
+                f"{kernel.__name__} is not written yet: its body still raises NotImplementedError"
+            ) from None
         raise
 
 
-def check_paged_inputs(key_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                       value_cache: torch.Tensor | None = None) -> None:
+def check_paged_inputs(
+    key_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    value_cache: torch.Tensor | None = None,
+) -> None:
     """ValueError naming the problem unless the shapes and values fit the layouts above."""
     if key_cache.dim() != 4:
         raise ValueError(f"key_cache must be [num_blocks, block_size, H_kv, D], got shape {list(key_cache.shape)}")
@@ -209,20 +242,24 @@ def check_paged_inputs(key_cache: torch.Tensor, block_tables: torch.Tensor, cont
         if size & (size - 1):
             raise ValueError(f"{name} must be a power of two (tl.arange needs one), got {size}")
     if block_tables.dim() != 2 or context_lens.shape != (block_tables.shape[0],):
-        raise ValueError(f"block_tables must be [B, max_blocks] and context_lens [B], got "
-                         f"{list(block_tables.shape)} and {list(context_lens.shape)}")
+        raise ValueError(
+            f"block_tables must be [B, max_blocks] and context_lens [B], got "
+            f"{list(block_tables.shape)} and {list(context_lens.shape)}"
+        )
     if block_tables.is_floating_point() or context_lens.is_floating_point():
         raise ValueError("block_tables and context_lens must hold integers")
     capacity = block_tables.shape[1] * block_size
     if len(context_lens) and (int(context_lens.min()) < 1 or int(context_lens.max()) > capacity):
-        raise ValueError(f"context_lens must lie in 1 .. {capacity} (max_blocks x block_size), "
-                         f"got {context_lens.tolist()}")
+        raise ValueError(
+            f"context_lens must lie in 1 .. {capacity} (max_blocks x block_size), got {context_lens.tolist()}"
+        )
     if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks):
         raise ValueError(f"block_tables must hold block ids in 0 .. {num_blocks - 1}")
 
 
-def gather_kv_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     kernel=None) -> torch.Tensor:
+def gather_kv_blocks(
+    cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, kernel=None
+) -> torch.Tensor:
     """One layer's keys (or values) of every sequence, in token order, by a Triton kernel.
 
     cache [num_blocks, block_size, H_kv, D], block_tables [B, max_blocks], context_lens [B] ->
@@ -234,14 +271,29 @@ def gather_kv_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_le
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     batch, max_blocks = block_tables.shape
     out = torch.zeros(batch, num_kv_heads, max_blocks * block_size, head_dim, dtype=cache.dtype, device=cache.device)
-    launch(kernel or gather_kv_kernel, (batch, num_kv_heads), cache.contiguous(), block_tables.to(torch.int32).contiguous(),
-           context_lens.to(torch.int32).contiguous(), out, num_kv_heads, max_blocks,
-           BLOCK_SIZE=block_size, HEAD_DIM=head_dim)
+    launch(
+        kernel or gather_kv_kernel,
+        (batch, num_kv_heads),
+        cache.contiguous(),
+        block_tables.to(torch.int32).contiguous(),
+        context_lens.to(torch.int32).contiguous(),
+        out,
+        num_kv_heads,
+        max_blocks,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+    )
     return out
 
 
-def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, kernel=None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    kernel=None,
+) -> torch.Tensor:
     """Decode attention of q [B, H, D] over each sequence's cached keys and values, read in place
     through its block table by one Triton program per (sequence, KV head); returns [B, H, D].
 
@@ -260,26 +312,49 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     batch, group = q.shape[0], q.shape[1] // num_kv_heads
     q = q.contiguous()
     out = torch.empty_like(q)
-    launch(kernel or paged_attention_kernel, (batch, num_kv_heads), q, key_cache.contiguous(), value_cache.contiguous(),
-           block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(), out,
-           1.0 / math.sqrt(head_dim), num_kv_heads, block_tables.shape[1],
-           BLOCK_SIZE=key_cache.shape[1], HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=triton.next_power_of_2(group))
+    launch(
+        kernel or paged_attention_kernel,
+        (batch, num_kv_heads),
+        q,
+        key_cache.contiguous(),
+        value_cache.contiguous(),
+        block_tables.to(torch.int32).contiguous(),
+        context_lens.to(torch.int32).contiguous(),
+        out,
+        1.0 / math.sqrt(head_dim),
+        num_kv_heads,
+        block_tables.shape[1],
+        BLOCK_SIZE=key_cache.shape[1],
+        HEAD_DIM=head_dim,
+        GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group),
+    )
     return out
 
 
 # --------------------------------------------------------------------------- the oracles: gather, then SDPA
 
 
-def sdpa_by_gather(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-                   context_lens: torch.Tensor) -> torch.Tensor:
+def sdpa_by_gather(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
     """The engine's way, one sequence at a time: `gather_kv` through the block table, then SDPA
     (`causal_attention` with grouped heads). Same arguments and result as `paged_attention`."""
     check_paged_inputs(key_cache, block_tables, context_lens, value_cache)
     return per_sequence_decode_attention(q, key_cache, value_cache, block_tables, context_lens)
 
 
-def batched_sdpa_by_gather(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+def batched_sdpa_by_gather(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
     """Gather + SDPA for the whole batch at once, as the engine's decode step does it
     (`PagedBatch._attend_decode`): whole blocks copied into a [B, H_kv, max_blocks * block_size, D]
     batch, the padding masked, the query heads of a KV head folded into SDPA's query axis. The
@@ -289,7 +364,9 @@ def batched_sdpa_by_gather(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     max_blocks = block_tables.shape[1]
     context = max_blocks * block_size
     blocks = block_tables.reshape(-1).long()
-    k = key_cache.index_select(0, blocks).view(batch, context, num_kv_heads, head_dim).transpose(1, 2)  # [B, H_kv, S, D]
+    k = (
+        key_cache.index_select(0, blocks).view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
+    )  # [B, H_kv, S, D]
     v = value_cache.index_select(0, blocks).view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
     valid = torch.arange(context, device=q.device)[None, :] < context_lens.to(q.device)[:, None]  # [B, S]
     mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
@@ -306,9 +383,18 @@ def kv_bytes_read(context_lens, num_kv_heads: int, head_dim: int, bytes_per_valu
     return 2 * float(sum(int(n) for n in context_lens)) * num_kv_heads * head_dim * bytes_per_value
 
 
-def time_against_gather(attentions: dict, context_lengths: list[int], batch_size: int = 32, device="cuda",
-                        dtype=torch.bfloat16, num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
-                        block_size: int = 16, repeats: int = 20) -> dict[str, list[dict]]:
+def time_against_gather(
+    attentions: dict,
+    context_lengths: list[int],
+    batch_size: int = 32,
+    device="cuda",
+    dtype=torch.bfloat16,
+    num_heads: int = 9,
+    num_kv_heads: int = 3,
+    head_dim: int = 64,
+    block_size: int = 16,
+    repeats: int = 20,
+) -> dict[str, list[dict]]:
     """Median time of each attention (name -> fn(**batch), e.g. `paged_attention` and
     `batched_sdpa_by_gather`) on a decode batch of batch_size sequences of each context length;
     returns name -> [{"context": n, "ms": ..., "bytes_per_s": KV bytes read / time}] in order.
@@ -317,8 +403,9 @@ def time_against_gather(attentions: dict, context_lengths: list[int], batch_size
 
     results: dict[str, list[dict]] = {name: [] for name in attentions}
     for n in context_lengths:
-        batch = random_paged_batch([n] * batch_size, num_heads, num_kv_heads, head_dim, block_size, device=device,
-                                   dtype=dtype)
+        batch = random_paged_batch(
+            [n] * batch_size, num_heads, num_kv_heads, head_dim, block_size, device=device, dtype=dtype
+        )
         kv_bytes = kv_bytes_read(batch["context_lens"].tolist(), num_kv_heads, head_dim, batch["q"].element_size())
         for name, fn in attentions.items():
             seconds = median(time_call(lambda: fn(**batch), device=device, repeats=repeats, warmup=3))
@@ -331,6 +418,20 @@ def interpreter_active() -> bool:
     return triton is not None and type(paged_attention_kernel).__name__ == "InterpretedFunction"
 
 
-__all__ = ["use_interpreter_without_gpu", "MODE", "require_triton", "gather_kv_kernel", "paged_attention_kernel",
-           "launch", "check_paged_inputs", "gather_kv_blocks", "paged_attention", "sdpa_by_gather",
-           "batched_sdpa_by_gather", "random_paged_batch", "kv_bytes_read", "time_against_gather", "interpreter_active"]
+__all__ = [
+    "use_interpreter_without_gpu",
+    "MODE",
+    "require_triton",
+    "gather_kv_kernel",
+    "paged_attention_kernel",
+    "launch",
+    "check_paged_inputs",
+    "gather_kv_blocks",
+    "paged_attention",
+    "sdpa_by_gather",
+    "batched_sdpa_by_gather",
+    "random_paged_batch",
+    "kv_bytes_read",
+    "time_against_gather",
+    "interpreter_active",
+]

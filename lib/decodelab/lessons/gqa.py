@@ -19,6 +19,7 @@ quality drops, which the course measures as perplexity.
 Shapes: B batch, H query heads, H_kv KV heads, T new tokens (queries), S keys
 (S = q_offset + T), D head_dim, E hidden_size.
 """
+
 from __future__ import annotations
 
 import copy
@@ -52,18 +53,21 @@ def kv_head_for_query_head(query_head: int, num_heads: int, num_kv_heads: int) -
 def _attention_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> tuple[int, ...]:
     """(B, H, H_kv, T, S, D) of q [B, H, T, D] and k, v [B, H_kv, S, D]; ValueError if they do not fit."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
-        raise ValueError(f"expected q [B, H, T, D] and k, v [B, H_kv, S, D]; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"expected q [B, H, T, D] and k, v [B, H_kv, S, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     batch, num_heads, num_queries, head_dim = q.shape
     num_kv_heads, num_keys = k.shape[1], k.shape[2]
     if k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head_dim")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise ValueError(f"the number of KV heads ({num_kv_heads}) must divide the number of "
-                         f"query heads ({num_heads})")
+        raise ValueError(f"the number of KV heads ({num_kv_heads}) must divide the number of query heads ({num_heads})")
     if q_offset < 0 or num_keys != q_offset + num_queries:
-        raise ValueError(f"got {num_keys} keys for {num_queries} queries at q_offset={q_offset}; "
-                         f"expected q_offset + T = {q_offset + num_queries} keys")
+        raise ValueError(
+            f"got {num_keys} keys for {num_queries} queries at q_offset={q_offset}; "
+            f"expected q_offset + T = {q_offset + num_queries} keys"
+        )
     return batch, num_heads, num_kv_heads, num_queries, num_keys, head_dim
 
 
@@ -112,9 +116,9 @@ def broadcast_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     return out.view(batch, num_heads, num_queries, head_dim).to(q.dtype)  # head j*g + i, as q had them
 
 
-
-def gqa_decode_step(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, length: int) -> tuple[torch.Tensor, int]:
+def gqa_decode_step(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int
+) -> tuple[torch.Tensor, int]:
     """One decode step of grouped-query attention over a preallocated KV cache, and the bytes it reads.
 
     q [B, H, 1, D]: the new token's queries; k_new, v_new [B, H_kv, 1, D]: its key and value;
@@ -129,19 +133,21 @@ def gqa_decode_step(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k
     batch, num_heads, num_queries, head_dim = q.shape
     num_kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
     if num_queries != 1 or num_heads % num_kv_heads:
-        raise ValueError(f"a decode step takes q [B, H, 1, D] with H a multiple of H_kv = {num_kv_heads}, "
-                         f"got q {tuple(q.shape)}")
+        raise ValueError(
+            f"a decode step takes q [B, H, 1, D] with H a multiple of H_kv = {num_kv_heads}, got q {tuple(q.shape)}"
+        )
     if not 0 <= length < max_len:
         raise ValueError(f"the cache holds {max_len} positions and {length} are taken: no room for one more")
     k_cache[:, :, length] = k_new[:, :, 0]  # the new token's row, in place
     v_cache[:, :, length] = v_new[:, :, 0]
-    keys, values = k_cache[:, :, :length + 1], v_cache[:, :, :length + 1]  # views [B, H_kv, length + 1, D]
+    keys, values = k_cache[:, :, : length + 1], v_cache[:, :, : length + 1]  # views [B, H_kv, length + 1, D]
     group = num_heads // num_kv_heads
     rows = q.float().reshape(batch, num_kv_heads, group, head_dim)  # [B, H_kv, g, D]: the g heads of a group
     scores = rows @ keys.float().transpose(-2, -1) / math.sqrt(head_dim)  # [B, H_kv, g, length + 1]
     out = torch.softmax(scores, dim=-1) @ values.float()  # [B, H_kv, g, D]
     bytes_read = 2 * batch * num_kv_heads * (length + 1) * head_dim * k_cache.element_size()  # K and V rows
     return out.reshape(batch, num_heads, 1, head_dim).to(q.dtype), bytes_read
+
 
 def pool_kv_heads(k_proj_weight: torch.Tensor, num_kv_heads_new: int, head_dim: int) -> torch.Tensor:
     """Mean-pool consecutive groups of KV heads in a k_proj (or v_proj) weight or bias.
@@ -157,10 +163,12 @@ def pool_kv_heads(k_proj_weight: torch.Tensor, num_kv_heads_new: int, head_dim: 
     if head_dim < 1 or rows % head_dim:
         raise ValueError(f"weight has {rows} rows, not a multiple of head_dim={head_dim}")
     num_kv_heads = rows // head_dim
-    if not isinstance(num_kv_heads_new, int) or not 1 <= num_kv_heads_new <= num_kv_heads \
-            or num_kv_heads % num_kv_heads_new:
-        raise ValueError(f"num_kv_heads_new must divide the current {num_kv_heads} KV heads, "
-                         f"got {num_kv_heads_new!r}")
+    if (
+        not isinstance(num_kv_heads_new, int)
+        or not 1 <= num_kv_heads_new <= num_kv_heads
+        or num_kv_heads % num_kv_heads_new
+    ):
+        raise ValueError(f"num_kv_heads_new must divide the current {num_kv_heads} KV heads, got {num_kv_heads_new!r}")
     group = num_kv_heads // num_kv_heads_new
     rest = k_proj_weight.shape[1:]  # (E,) for a weight, () for a bias
     heads = k_proj_weight.reshape(num_kv_heads_new, group, head_dim, *rest)  # [H_new, g, D, E]
@@ -170,8 +178,9 @@ def pool_kv_heads(k_proj_weight: torch.Tensor, num_kv_heads_new: int, head_dim: 
 
 def _pooled_linear(linear: nn.Linear, num_kv_heads: int, head_dim: int, pool=pool_kv_heads) -> nn.Linear:
     weight = linear.weight.detach()
-    pooled = nn.Linear(weight.shape[1], num_kv_heads * head_dim, bias=linear.bias is not None,
-                       device=weight.device, dtype=weight.dtype)
+    pooled = nn.Linear(
+        weight.shape[1], num_kv_heads * head_dim, bias=linear.bias is not None, device=weight.device, dtype=weight.dtype
+    )
     with torch.no_grad():
         pooled.weight.copy_(pool(weight, num_kv_heads, head_dim))
         if linear.bias is not None:
@@ -192,8 +201,9 @@ def pool_model_kv_heads(model, num_kv_heads: int, pool=pool_kv_heads):
     old = config.num_key_value_heads
     divisors = [n for n in range(1, old + 1) if old % n == 0]
     if not is_int(num_kv_heads) or num_kv_heads not in divisors:
-        raise ValueError(f"num_kv_heads must divide the model's {old} KV heads (one of {divisors}), "
-                         f"got {num_kv_heads!r}")
+        raise ValueError(
+            f"num_kv_heads must divide the model's {old} KV heads (one of {divisors}), got {num_kv_heads!r}"
+        )
     pooled = copy.deepcopy(model)  # keeps tied embeddings tied
     pooled.config = dataclasses.replace(config, num_key_value_heads=num_kv_heads, extra=dict(config.extra))
     for layer in pooled.model.layers:
@@ -204,5 +214,13 @@ def pool_model_kv_heads(model, num_kv_heads: int, pool=pool_kv_heads):
     return pooled
 
 
-__all__ = ["attention_kind", "kv_head_for_query_head", "group_query_attention", "broadcast_gqa_attention",
-           "gqa_decode_step", "pool_kv_heads", "pool_model_kv_heads", "repeat_kv"]
+__all__ = [
+    "attention_kind",
+    "kv_head_for_query_head",
+    "group_query_attention",
+    "broadcast_gqa_attention",
+    "gqa_decode_step",
+    "pool_kv_heads",
+    "pool_model_kv_heads",
+    "repeat_kv",
+]

@@ -12,6 +12,7 @@ group size. Figures below use binary units (KiB = 1024 bytes) unless written in 
 A config is a `ModelConfig`, a dict in Hugging Face config.json field names, or the name
 of one of the `PRESETS`, whose values are typed in from the real config.json files.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,37 +26,96 @@ from decodelab.validation import check_int
 # The config.json fields we rely on, per model; source repository in the comment above each.
 PRESETS: dict[str, dict] = {
     # meta-llama/Llama-3.1-8B, config.json (no head_dim field: 4096 / 32 heads = 128)
-    "Llama-3.1-8B": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         max_position_embeddings=131072, tie_word_embeddings=False),
+    "Llama-3.1-8B": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    ),
     # Qwen/Qwen3-8B, config.json (use_sliding_window: false; per-head q_norm / k_norm weights)
-    "Qwen3-8B": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     max_position_embeddings=40960, tie_word_embeddings=False),
+    "Qwen3-8B": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
     # openai/gpt-oss-20b, config.json: layer_types alternate sliding (even layers) and full (odd),
     # sliding_window 128. A mixture-of-experts model: parameter_count does not cover it.
-    "gpt-oss-20b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, num_hidden_layers=24,
-                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
-                        layer_types=["sliding_attention", "full_attention"] * 12,
-                        max_position_embeddings=131072, tie_word_embeddings=False),
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss",
+        vocab_size=201088,
+        hidden_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    ),
     # GPT-3 175B has no published config.json: Brown et al. 2020, "Language Models are
     # Few-Shot Learners", Table 2.1 (n_layers 96, d_model 12288, n_heads 96, d_head 128,
     # context 2048), in HF field names. Multi-head attention: one KV head per query head.
-    "GPT-3-175B": dict(model_type="gpt3", num_hidden_layers=96, hidden_size=12288, num_attention_heads=96,
-                       num_key_value_heads=96, head_dim=128, max_position_embeddings=2048),
+    "GPT-3-175B": dict(
+        model_type="gpt3",
+        num_hidden_layers=96,
+        hidden_size=12288,
+        num_attention_heads=96,
+        num_key_value_heads=96,
+        head_dim=128,
+        max_position_embeddings=2048,
+    ),
     # HuggingFaceTB/SmolLM2-135M-Instruct, config.json (= the folder `decodelab.model.registry.load("smollm2")` reads)
-    "SmolLM2-135M": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                         max_position_embeddings=8192, tie_word_embeddings=True),
+    "SmolLM2-135M": dict(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
     # our tiny model: decodelab.training.train_tiny.MODELS["target"] with the 1024-token BPE (data/tiny/config.json)
-    "tiny": dict(model_type="llama", vocab_size=1024, hidden_size=256, intermediate_size=704,
-                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
-                 max_position_embeddings=1024, tie_word_embeddings=True),
+    "tiny": dict(
+        model_type="llama",
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    ),
 }
 ALIASES = {"smollm2": "SmolLM2-135M", "gpt-3": "GPT-3-175B", "gpt3": "GPT-3-175B"}
 
-BYTES_PER_VALUE = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2,
-                   "fp8": 1, "int8": 1, "int4": 0.5}
+BYTES_PER_VALUE = {
+    "fp32": 4,
+    "float32": 4,
+    "fp16": 2,
+    "float16": 2,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "int8": 1,
+    "int4": 0.5,
+}
 
 
 def config_fields(config) -> dict:
@@ -72,8 +132,9 @@ def config_fields(config) -> dict:
     elif isinstance(config, dict):
         fields = dict(config)
     else:
-        raise ValueError(f"config must be a preset name, a ModelConfig or a config.json dict, "
-                         f"got {type(config).__name__}")
+        raise ValueError(
+            f"config must be a preset name, a ModelConfig or a config.json dict, got {type(config).__name__}"
+        )
     for name in ("num_hidden_layers", "num_attention_heads"):
         if name not in fields:
             raise ValueError(f"config has no {name}")
@@ -93,8 +154,9 @@ def bytes_per_value(dtype) -> float:
         return dtype
     if isinstance(dtype, str) and dtype.lower() in BYTES_PER_VALUE:
         return BYTES_PER_VALUE[dtype.lower()]
-    raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(BYTES_PER_VALUE)}, a torch.dtype "
-                     f"or a positive number of bytes")
+    raise ValueError(
+        f"unknown dtype {dtype!r}; use one of {', '.join(BYTES_PER_VALUE)}, a torch.dtype or a positive number of bytes"
+    )
 
 
 def layer_windows(config) -> list[int | None]:
@@ -126,10 +188,10 @@ def kv_bytes(config_or_preset, seq_len: int, batch: int = 1, dtype="fp16") -> in
     check_int("seq_len", seq_len, minimum=0)
     check_int("batch", batch, minimum=1)
     fields = config_fields(config_or_preset)
-    per_layer_position = kv_bytes_per_token(1, fields["num_key_value_heads"], fields["head_dim"],
-                                            bytes_per_value(dtype))  # K and V of one position, one layer
-    positions_kept = sum(seq_len if window is None else min(seq_len, window)
-                         for window in layer_windows(fields))
+    per_layer_position = kv_bytes_per_token(
+        1, fields["num_key_value_heads"], fields["head_dim"], bytes_per_value(dtype)
+    )  # K and V of one position, one layer
+    positions_kept = sum(seq_len if window is None else min(seq_len, window) for window in layer_windows(fields))
     return math.ceil(batch * positions_kept * per_layer_position)
 
 
@@ -144,9 +206,11 @@ def parameter_count(config) -> int:
     fields = config_fields(config)
     missing = [n for n in ("vocab_size", "hidden_size", "intermediate_size") if n not in fields]
     if missing or fields.get("model_type", "llama") not in ("llama", "mistral", "qwen2", "qwen3"):
-        raise ValueError(f"parameter_count covers dense Llama-family configs (llama, mistral, qwen2, "
-                         f"qwen3); got model_type {fields.get('model_type')!r}"
-                         + (f" without {', '.join(missing)}" if missing else ""))
+        raise ValueError(
+            f"parameter_count covers dense Llama-family configs (llama, mistral, qwen2, "
+            f"qwen3); got model_type {fields.get('model_type')!r}"
+            + (f" without {', '.join(missing)}" if missing else "")
+        )
     vocab, hidden, ffn = fields["vocab_size"], fields["hidden_size"], fields["intermediate_size"]
     heads, kv_heads, head_dim = fields["num_attention_heads"], fields["num_key_value_heads"], fields["head_dim"]
     qkv_bias = fields.get("attention_bias", False) or fields.get("model_type") == "qwen2"
@@ -191,5 +255,13 @@ def format_bytes(num_bytes: float, binary: bool = True) -> str:
     return f"{value:.3g} {unit}"
 
 
-__all__ = ["PRESETS", "config_fields", "bytes_per_value", "layer_windows", "kv_bytes", "parameter_count",
-           "format_bytes", "tensor_bytes_held"]
+__all__ = [
+    "PRESETS",
+    "config_fields",
+    "bytes_per_value",
+    "layer_windows",
+    "kv_bytes",
+    "parameter_count",
+    "format_bytes",
+    "tensor_bytes_held",
+]

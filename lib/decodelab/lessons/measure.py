@@ -1,6 +1,7 @@
 """Measuring on the learner's own machine: timers that respect asynchronous devices,
 memory-bandwidth and matmul FLOP/s probes (the two roofs of a roofline), and byte counts.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -113,14 +114,18 @@ def decode_tokens_per_second_bound(num_params: float, bytes_per_param: float, ba
     """The most tokens per second batch-1 decode can reach when every weight byte is read once
     per token: bandwidth / (num_params x bytes_per_param). E.g. 70e9 fp16 parameters (2 bytes)
     on 3.35e12 bytes/s: 140 GB per token, 42 ms, about 24 tokens/s."""
-    for name, value in (("num_params", num_params), ("bytes_per_param", bytes_per_param),
-                        ("bandwidth_bytes_per_s", bandwidth_bytes_per_s)):
+    for name, value in (
+        ("num_params", num_params),
+        ("bytes_per_param", bytes_per_param),
+        ("bandwidth_bytes_per_s", bandwidth_bytes_per_s),
+    ):
         check_positive(name, value)
     return bandwidth_bytes_per_s / (num_params * bytes_per_param)
 
 
-def decode_roofline_fraction(tokens_per_s: float, batch_size: int, weight_bytes: float,
-                             bandwidth_bytes_per_s: float) -> float:
+def decode_roofline_fraction(
+    tokens_per_s: float, batch_size: int, weight_bytes: float, bandwidth_bytes_per_s: float
+) -> float:
     """How close a batched decode comes to the memory-bandwidth roofline, as a fraction.
 
     Each decode step reads every weight byte once and yields one token for each of the
@@ -130,8 +135,11 @@ def decode_roofline_fraction(tokens_per_s: float, batch_size: int, weight_bytes:
     other arguments are > 0.
     """
     check_positive("tokens_per_s", tokens_per_s, allow_zero=True)
-    for name, value in (("batch_size", batch_size), ("weight_bytes", weight_bytes),
-                        ("bandwidth_bytes_per_s", bandwidth_bytes_per_s)):
+    for name, value in (
+        ("batch_size", batch_size),
+        ("weight_bytes", weight_bytes),
+        ("bandwidth_bytes_per_s", bandwidth_bytes_per_s),
+    ):
         check_positive(name, value)
     return tokens_per_s / (batch_size * bandwidth_bytes_per_s / weight_bytes)
 

@@ -18,6 +18,7 @@ next layer, since 0 x NaN is NaN. Each row's logits then equal the prompt's own,
 float rounding. The price: the pass computes all B x T slots, real or not; the pad fraction
 is what was spent on nothing.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,7 +49,7 @@ def padded_prefill(model, prompts: list[list[int]], pad_id: int) -> tuple[torch.
     batch, longest = len(prompts), int(lengths.max())
     ids = torch.full((batch, longest), pad_id, dtype=torch.long, device=device)  # [B, T]
     for row, prompt in enumerate(prompts):
-        ids[row, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.long, device=device)
+        ids[row, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device=device)
     columns = torch.arange(longest, device=device)  # [T]
     first_real = longest - lengths  # [B]: the column of each prompt's first token
     real = columns[None, :] >= first_real[:, None]  # [B, T]
@@ -80,7 +81,7 @@ def batch_padding(prefill, model, prompts: list[list[int]], batch_size: int, by_
     pad_id = default_pad_id(model.config)
     pads = slots = 0.0
     for start in range(0, len(order), batch_size):
-        group = order[start:start + batch_size]
+        group = order[start : start + batch_size]
         _, fraction = prefill(model, group, pad_id)
         group_slots = len(group) * max(len(p) for p in group)
         pads, slots = pads + fraction * group_slots, slots + group_slots

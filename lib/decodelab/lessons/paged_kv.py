@@ -20,6 +20,7 @@ Layouts:
     context_lens  [B], a list or a tensor: the tokens sequence b attends over
 Query head h reads KV head h // (H / H_kv), the library's grouping (`model.attention`).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,9 @@ from decodelab.lessons.measure import median
 from decodelab.model.attention import causal_attention
 
 
-def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables,
-                           context_lens) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables, context_lens
+) -> torch.Tensor:
     """Decode attention of a batch, one new token per sequence, read through the block tables.
 
     q [B, H, D]: each sequence's newest token (its K/V already written to the pool).
@@ -54,18 +56,21 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         tables = block_tables.to(device=q.device, dtype=torch.long)
     else:  # ragged lists: pad each with -1 to the longest
         width = max(len(table) for table in block_tables)
-        tables = torch.tensor([list(table) + [-1] * (width - len(table)) for table in block_tables],
-                              dtype=torch.long, device=q.device)
+        tables = torch.tensor(
+            [list(table) + [-1] * (width - len(table)) for table in block_tables], dtype=torch.long, device=q.device
+        )
     lengths = torch.as_tensor(context_lens, dtype=torch.long, device=q.device)  # [B]
     if tables.shape[0] != batch or lengths.shape != (batch,):
-        raise ValueError(f"q holds {batch} sequences; got {tables.shape[0]} block tables and "
-                         f"{lengths.numel()} context lengths")
+        raise ValueError(
+            f"q holds {batch} sequences; got {tables.shape[0]} block tables and {lengths.numel()} context lengths"
+        )
     if tables.numel() and (tables.min() < -1 or tables.max() >= num_blocks):
         raise ValueError(f"block ids must lie in 0 .. {num_blocks - 1} (-1: padding), got {tables.tolist()}")
     held = (tables >= 0).sum(dim=1) * block_size  # [B]: the slots of each table's blocks
     if (lengths < 1).any() or (lengths > held).any():
-        raise ValueError(f"context_lens {lengths.tolist()} must each lie in 1 .. the slots of their table's "
-                         f"blocks, {held.tolist()}")
+        raise ValueError(
+            f"context_lens {lengths.tolist()} must each lie in 1 .. the slots of their table's blocks, {held.tolist()}"
+        )
     context = tables.shape[1] * block_size  # S: every sequence padded to the longest table
     blocks = tables.clamp(min=0).reshape(-1)  # padding reads block 0; the mask drops it
     keys = key_cache.index_select(0, blocks).view(batch, context, num_kv_heads, head_dim)  # one gather for all
@@ -78,8 +83,9 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     return (weights @ values).reshape(batch, num_heads, head_dim).to(q.dtype)  # [B, H, D]
 
 
-def per_sequence_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                                  block_tables, context_lens, gather=gather_kv) -> torch.Tensor:
+def per_sequence_decode_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables, context_lens, gather=gather_kv
+) -> torch.Tensor:
     """The same result as `paged_decode_attention`, one sequence at a time: its keys and values
     gathered in token order (`gather`, with `gather_kv`'s signature), then the causal attention of
     its one query. The same arguments (tables as lists or a padded tensor); returns [B, H, D]."""
@@ -90,16 +96,24 @@ def per_sequence_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, valu
     lengths = context_lens.tolist() if isinstance(context_lens, torch.Tensor) else context_lens
     out = torch.empty_like(q)
     for b, (table, length) in enumerate(zip(tables, lengths)):
-        used = table[:blocks_needed(length, block_size)]  # padding, if any, lies past the context
+        used = table[: blocks_needed(length, block_size)]  # padding, if any, lies past the context
         k = gather(flat_k, used, length, block_size)[None]  # [1, H_kv, length, D]
         v = gather(flat_v, used, length, block_size)[None]
         out[b] = causal_attention(q[b, :, None][None], k, v, q_offset=length - 1)[0, :, 0]
     return out
 
 
-def random_paged_batch(context_lens: list[int], num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
-                       block_size: int = 16, spare_blocks: int = 3, seed: int = 0, device="cpu",
-                       dtype=torch.float32) -> dict[str, torch.Tensor]:
+def random_paged_batch(
+    context_lens: list[int],
+    num_heads: int = 9,
+    num_kv_heads: int = 3,
+    head_dim: int = 64,
+    block_size: int = 16,
+    spare_blocks: int = 3,
+    seed: int = 0,
+    device="cpu",
+    dtype=torch.float32,
+) -> dict[str, torch.Tensor]:
     """A decode batch over a shuffled KV pool: the keyword arguments of `paged_decode_attention`
     (and of notebook 12's `gpu_kernel.paged_attention`).
 
@@ -118,10 +132,13 @@ def random_paged_batch(context_lens: list[int], num_heads: int = 9, num_kv_heads
         tables[b] = order[torch.arange(start, start + max_blocks) % num_blocks].to(torch.int32)
         start += n
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return {"q": torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(device, dtype),
-            "key_cache": torch.randn(*shape, generator=gen).to(device, dtype),
-            "value_cache": torch.randn(*shape, generator=gen).to(device, dtype),
-            "block_tables": tables.to(device), "context_lens": torch.tensor(context_lens, dtype=torch.int32, device=device)}
+    return {
+        "q": torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(device, dtype),
+        "key_cache": torch.randn(*shape, generator=gen).to(device, dtype),
+        "value_cache": torch.randn(*shape, generator=gen).to(device, dtype),
+        "block_tables": tables.to(device),
+        "context_lens": torch.tensor(context_lens, dtype=torch.int32, device=device),
+    }
 
 
 def time_side_by_side(attentions: dict, batch: dict, rounds: int = 21) -> dict[str, float]:

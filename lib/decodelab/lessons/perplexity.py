@@ -9,6 +9,7 @@ tokens; each token is scored once, in the first window that holds it as a target
 with at least window - stride tokens of context before it (except near the start), as in
 the Hugging Face perplexity guide.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,7 +59,7 @@ def token_nlls(model, token_ids, window: int = 512, stride: int = 256) -> torch.
         chunk = ids[start:end]  # [L]
         logits = model(chunk[None])[0, :-1].float()  # [L - 1, V]: predicts positions start+1 .. end-1
         nll = F.cross_entropy(logits, chunk[1:], reduction="none")  # [L - 1]
-        nlls.append(nll[scored_until - (start + 1):])
+        nlls.append(nll[scored_until - (start + 1) :])
         scored_until = end
         if end == n:
             break

@@ -13,6 +13,7 @@ own suffix.
 
 Shapes: B batch, T prompt tokens, V vocab_size.
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,9 +21,9 @@ import time
 
 import torch
 
-from decodelab.model.kv_cache import KVCache
 from decodelab.lessons.kv_size import bytes_per_value, config_fields, kv_bytes, parameter_count
 from decodelab.lessons.measure import synchronize
+from decodelab.model.kv_cache import KVCache
 from decodelab.validation import check_int
 
 
@@ -48,7 +49,7 @@ def feed_one_by_one(model, prompt_ids, cache: KVCache) -> torch.Tensor:
     """T forward passes of one token each; fills `cache` like `prefill`, returns the last logits [B, V]."""
     ids = as_batch(model, prompt_ids)
     for t in range(ids.shape[1]):
-        logits = model(ids[:, t:t + 1], kv_cache=cache)[:, -1]
+        logits = model(ids[:, t : t + 1], kv_cache=cache)[:, -1]
     return logits
 
 
@@ -119,15 +120,22 @@ def latencies_from_timestamps(start_s: float, token_times_s: list[float]) -> dic
     for i, (earlier, later) in enumerate(zip([float(start_s)] + times, times)):
         if later < earlier:
             what = "the start" if i == 0 else f"token {i - 1}"
-            raise ValueError(f"token {i} arrived at {later} s, before {what} at {earlier} s: the times must not decrease")
+            raise ValueError(
+                f"token {i} arrived at {later} s, before {what} at {earlier} s: the times must not decrease"
+            )
     itl = [later - earlier for earlier, later in zip(times, times[1:])]
-    return {"ttft_s": times[0] - float(start_s), "itl_s": itl,
-            "tpot_s": (times[-1] - times[0]) / len(itl) if itl else None, "e2e_s": times[-1] - float(start_s)}
+    return {
+        "ttft_s": times[0] - float(start_s),
+        "itl_s": itl,
+        "tpot_s": (times[-1] - times[0]) / len(itl) if itl else None,
+        "e2e_s": times[-1] - float(start_s),
+    }
 
 
 @torch.inference_mode()
-def timed_generate(model, prompt_ids, max_new_tokens: int, cache: KVCache, stop_token_ids=(),
-                   clock=time.perf_counter) -> dict:
+def timed_generate(
+    model, prompt_ids, max_new_tokens: int, cache: KVCache, stop_token_ids=(), clock=time.perf_counter
+) -> dict:
     """Greedy generation of one request in its two phases, reading the clock as a user sees tokens arrive.
 
     The prefill (one pass over the prompt, `prefill`) gives the first token; each decode step feeds
@@ -197,5 +205,15 @@ def decode_greedy(model, cache: KVCache, logits: torch.Tensor, max_tokens: int, 
     return token_ids
 
 
-__all__ = ["prefill", "feed_one_by_one", "clone_cache", "reuse_prefix", "arithmetic_intensity",
-           "latencies_from_timestamps", "timed_generate", "token_timestamps", "measure_latency", "decode_greedy"]
+__all__ = [
+    "prefill",
+    "feed_one_by_one",
+    "clone_cache",
+    "reuse_prefix",
+    "arithmetic_intensity",
+    "latencies_from_timestamps",
+    "timed_generate",
+    "token_timestamps",
+    "measure_latency",
+    "decode_greedy",
+]

@@ -17,6 +17,7 @@ The engine handles stop tokens and stop strings (`LLM.append_token`): a stop str
 the sequence's text, which may remove characters an earlier event already streamed, so the final
 text is the sequence's own (`seq.text`), not the events' text joined.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -30,13 +31,16 @@ DEFAULT_MAX_STEPS = 100_000
 def scheduler_state(scheduler) -> tuple:
     """What a step that makes progress must change: each waiting or running sequence's id, status
     and number of tokens in the KV cache."""
-    return tuple((seq.seq_id, seq.status, seq.num_computed_tokens)
-                 for seq in (*scheduler.waiting, *scheduler.running))
+    return tuple((seq.seq_id, seq.status, seq.num_computed_tokens) for seq in (*scheduler.waiting, *scheduler.running))
 
 
-def generate_all(engine, prompts: list, params: SamplingParams | list[SamplingParams],
-                 on_event: Callable[[StreamEvent], None] | None = None,
-                 max_steps: int = DEFAULT_MAX_STEPS) -> list[RequestOutput]:
+def generate_all(
+    engine,
+    prompts: list,
+    params: SamplingParams | list[SamplingParams],
+    on_event: Callable[[StreamEvent], None] | None = None,
+    max_steps: int = DEFAULT_MAX_STEPS,
+) -> list[RequestOutput]:
     """Serve every prompt with `engine` (an idle `LLM`) and return one RequestOutput per prompt, in order.
 
     prompts: texts or lists of token ids; params: one SamplingParams for all, or one per prompt.
@@ -61,14 +65,16 @@ def generate_all(engine, prompts: list, params: SamplingParams | list[SamplingPa
     while engine.scheduler.has_unfinished():
         if steps == max_steps:
             unfinished = sum(not request.is_done for request in requests)
-            raise RuntimeError(f"{unfinished} of {len(requests)} requests still unfinished after {max_steps} "
-                               "engine steps (max_steps)")
+            raise RuntimeError(
+                f"{unfinished} of {len(requests)} requests still unfinished after {max_steps} engine steps (max_steps)"
+            )
         before = scheduler_state(engine.scheduler)
         events = engine.step()
         steps += 1
         if not events and scheduler_state(engine.scheduler) == before:
-            raise RuntimeError(f"engine step {steps} made no progress: no token, and every waiting or running "
-                               "sequence as it was")
+            raise RuntimeError(
+                f"engine step {steps} made no progress: no token, and every waiting or running sequence as it was"
+            )
         for event in events:
             tokens[event.request_index][event.sample_index].append(event.token_id)
             if on_event is not None:
@@ -78,7 +84,8 @@ def generate_all(engine, prompts: list, params: SamplingParams | list[SamplingPa
         if request.error is not None:
             completions = [CompletionOutput(0, "", [], "error")]
         else:
-            completions = [CompletionOutput(j, seq.text, tokens[i][j], seq.finish_reason)
-                           for j, seq in enumerate(request.seqs)]
+            completions = [
+                CompletionOutput(j, seq.text, tokens[i][j], seq.finish_reason) for j, seq in enumerate(request.seqs)
+            ]
         outputs.append(RequestOutput(i, request.prompt, request.prompt_token_ids, completions, error=request.error))
     return outputs

@@ -13,6 +13,7 @@ if that path had been run alone. At temperature 0 the step follows the target's 
 tree as far as a child carries it, emits that path's tokens and the argmax at its end, and keeps
 only the path's K/V rows (moved next to the pending token's). Shapes: n nodes, V vocab_size.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,8 +42,10 @@ def greedy_path(choice: list[int], tree_tokens: list[int], parents: list[int]) -
     the target's choice at the current row, while there is one -> the path's rows (1-based)."""
     path, row = [], 0
     while True:
-        child = next((node + 1 for node, parent in enumerate(parents)
-                      if parent + 1 == row and tree_tokens[node] == choice[row]), None)
+        child = next(
+            (node + 1 for node, parent in enumerate(parents) if parent + 1 == row and tree_tokens[node] == choice[row]),
+            None,
+        )
         if child is None:
             return path
         path.append(child)
@@ -54,8 +57,8 @@ def keep_path(cache: KVCache, start: int, path: list[int]) -> None:
     moved to start + 1 .. start + len(path); forget the rest."""
     if path:
         source = torch.tensor(path, device=cache.keys.device) + start
-        cache.keys[:, :, :, start + 1:start + 1 + len(path)] = cache.keys[:, :, :, source]
-        cache.values[:, :, :, start + 1:start + 1 + len(path)] = cache.values[:, :, :, source]
+        cache.keys[:, :, :, start + 1 : start + 1 + len(path)] = cache.keys[:, :, :, source]
+        cache.values[:, :, :, start + 1 : start + 1 + len(path)] = cache.values[:, :, :, source]
     cache.truncate(start + 1 + len(path))
 
 
@@ -86,7 +89,7 @@ def propose_tree(draft, draft_cache: KVCache, ids: list[int], depth: int, width:
     of width branches (width 1: a chain) -> (tree_tokens, parents), flattened level by level.
     draft_cache holds a prefix of ids; it is fed the rest and ends holding all of ids (each
     branch's guesses are truncated away after it)."""
-    unseen = torch.tensor([ids[draft_cache.seq_len:]], device=draft.device)  # [1, >= 1]
+    unseen = torch.tensor([ids[draft_cache.seq_len :]], device=draft.device)  # [1, >= 1]
     logits = draft(unseen, kv_cache=draft_cache, last_only=True)[0, -1]  # [V]
     branches = []
     for first in logits.topk(width).indices.tolist():
@@ -105,8 +108,9 @@ def propose_tree(draft, draft_cache: KVCache, ids: list[int], depth: int, width:
 
 
 @torch.inference_mode()
-def tree_generate(target, draft, ids: list[int], max_tokens: int, depth: int, width: int,
-                  verify=verify_tree) -> tuple[list[int], int]:
+def tree_generate(
+    target, draft, ids: list[int], max_tokens: int, depth: int, width: int, verify=verify_tree
+) -> tuple[list[int], int]:
     """Greedy decoding with a draft tree per step (`propose_tree`, judged by `verify`) ->
     (the first max_tokens generated tokens, the target's forward passes, prefill excluded)."""
     room = len(ids) + max_tokens + depth * width + 1

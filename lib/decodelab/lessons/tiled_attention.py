@@ -22,6 +22,7 @@ tiles that cross the diagonal need a mask.
 Shapes: q [B, H, T, D]; k, v [B, H_kv, S, D] with H a multiple of H_kv (grouped-query
 attention as in `decodelab.model.attention.causal_attention`).
 """
+
 from __future__ import annotations
 
 import math
@@ -34,9 +35,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from decodelab.model.attention import repeat_kv
 
 
-def online_softmax_update(running_max: torch.Tensor, running_sum: torch.Tensor, running_out: torch.Tensor,
-                          scores_tile: torch.Tensor, v_tile: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def online_softmax_update(
+    running_max: torch.Tensor,
+    running_sum: torch.Tensor,
+    running_out: torch.Tensor,
+    scores_tile: torch.Tensor,
+    v_tile: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fold one tile of keys into the running softmax state; returns (new_max, new_sum, new_out).
 
     running_max [..., T]: the largest score seen so far per query (-inf before the first tile).
@@ -57,7 +62,6 @@ def online_softmax_update(running_max: torch.Tensor, running_sum: torch.Tensor, 
     return new_max, new_sum, new_out
 
 
-
 def combine_partial_attention(maxes: torch.Tensor, sums: torch.Tensor, outs: torch.Tensor) -> torch.Tensor:
     """Merge C partial softmax states, each over its own split of the keys, into the attention output.
 
@@ -71,16 +75,20 @@ def combine_partial_attention(maxes: torch.Tensor, sums: torch.Tensor, outs: tor
     ValueError when the shapes do not line up.
     """
     if maxes.shape != sums.shape or outs.shape[:-1] != maxes.shape:
-        raise ValueError(f"maxes {tuple(maxes.shape)} and sums {tuple(sums.shape)} must be [C, ..., T] and outs "
-                         f"{tuple(outs.shape)} [C, ..., T, D]")
+        raise ValueError(
+            f"maxes {tuple(maxes.shape)} and sums {tuple(sums.shape)} must be [C, ..., T] and outs "
+            f"{tuple(outs.shape)} [C, ..., T, D]"
+        )
     top = maxes.amax(dim=0)  # [..., T]: the largest score of all splits
     shift = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # no -inf - (-inf)
     scale = torch.exp(maxes - shift)  # [C, ..., T]: 0 for a split a query did not see
     total = (sums * scale).sum(dim=0)  # [..., T]
     return (outs * scale[..., None]).sum(dim=0) / total[..., None]  # [..., T, D]
 
-def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_size: int = 64,
-                    causal: bool = True, q_offset: int = 0) -> torch.Tensor:
+
+def tiled_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_size: int = 64, causal: bool = True, q_offset: int = 0
+) -> torch.Tensor:
     """Attention of q [B, H, T, D] over k, v [B, H_kv, S, D], one tile of keys at a time; [B, H, T, D].
 
     Never holds a score block larger than [B, H, T, tile_size]. causal=True: query t sits at
@@ -111,12 +119,14 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_size
             k_pos = torch.arange(start, end, device=q.device)[None, :]  # [1, tile]
             scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         running_max, running_sum, running_out = online_softmax_update(
-            running_max, running_sum, running_out, scores, v_tile)
+            running_max, running_sum, running_out, scores, v_tile
+        )
     return (running_out / running_sum[..., None]).to(q.dtype)
 
 
-def tiled_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_size: int = 64,
-                           q_offset: int = 0) -> tuple[torch.Tensor, int, int]:
+def tiled_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_size: int = 64, q_offset: int = 0
+) -> tuple[torch.Tensor, int, int]:
     """Causal attention in square tiles, FlashAttention's way; returns (out [B, H, T, D], tiles_computed, tiles_masked).
 
     q [B, H, T, D] holds the queries at positions q_offset .. q_offset + T - 1; k, v [B, H_kv, S, D]
@@ -160,14 +170,21 @@ def tiled_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ti
                 scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
                 masked += 1
             running_max, running_sum, running_out = online_softmax_update(
-                running_max, running_sum, running_out, scores, v_tile)
+                running_max, running_sum, running_out, scores, v_tile
+            )
             computed += 1
         out[:, :, q_start:q_end] = running_out / running_sum[..., None]
     return out.to(q.dtype), computed, masked
 
 
-def attention_memory_bytes(num_queries: int, num_keys: int, num_heads: int = 1, batch_size: int = 1,
-                           tile_size: int | None = None, bytes_per_value: float = 4) -> int:
+def attention_memory_bytes(
+    num_queries: int,
+    num_keys: int,
+    num_heads: int = 1,
+    batch_size: int = 1,
+    tile_size: int | None = None,
+    bytes_per_value: float = 4,
+) -> int:
     """Bytes of the largest score block one attention call holds: B * H * T * w * bytes_per_value.
 
     w = num_keys (S) for plain attention (tile_size None: the whole [T, S] matrix per head),
@@ -184,6 +201,7 @@ def attention_memory_bytes(num_queries: int, num_keys: int, num_heads: int = 1, 
 class TensorMemory:
     """What `measure_tensor_memory` saw: the peak of the bytes held by the tensors that the call
     created (its inputs excluded), and the largest single tensor it created."""
+
     peak_bytes: int = 0
     largest_numel: int = 0
     largest_shape: tuple = ()
@@ -210,8 +228,9 @@ class _TrackTensors(TorchDispatchMode):
         """The largest tensor so far; on a tie, a result of the caller's own op names it rather than
         a part inside a composite (matmul's [B*H, T, S] bmm result is the caller's [B, H, T, S])."""
         numel, outer = tensor.numel(), self.depth == 0
-        if numel > self.record.largest_numel or (numel == self.record.largest_numel and outer
-                                                 and not self.largest_is_outer):
+        if numel > self.record.largest_numel or (
+            numel == self.record.largest_numel and outer and not self.largest_is_outer
+        ):
             self.record.largest_numel, self.record.largest_shape = numel, tuple(tensor.shape)
             self.largest_is_outer = outer
 
@@ -275,9 +294,16 @@ def measure_module_memory(module: torch.nn.Module, *args) -> tuple[object, Tenso
     buffers, tensor attributes) counted as there before the call, like its inputs: a slice of a
     stored weight is a view of it, not new memory; a converted or dequantized copy is."""
     own = [t for t in (*module.parameters(), *module.buffers(), *vars(module).values()) if isinstance(t, torch.Tensor)]
-    return measure_tensor_memory(lambda *inputs: module(*inputs[:len(args)]), *args, *own)
+    return measure_tensor_memory(lambda *inputs: module(*inputs[: len(args)]), *args, *own)
 
 
-__all__ = ["online_softmax_update", "combine_partial_attention", "tiled_attention", "tiled_causal_attention",
-           "attention_memory_bytes", "measure_tensor_memory",
-           "measure_module_memory", "TensorMemory"]
+__all__ = [
+    "online_softmax_update",
+    "combine_partial_attention",
+    "tiled_attention",
+    "tiled_causal_attention",
+    "attention_memory_bytes",
+    "measure_tensor_memory",
+    "measure_module_memory",
+    "TensorMemory",
+]

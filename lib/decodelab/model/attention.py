@@ -5,6 +5,7 @@ tokens sit at positions q_offset .. q_offset + T - 1 and may look at every cache
 before them. Grouped-query attention: H query heads share H_kv key/value heads, each KV
 head serving H / H_kv consecutive query heads.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,9 @@ def repeat_kv(x: torch.Tensor, num_queries_per_kv: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h_kv, num_queries_per_kv, s, d).reshape(b, h_kv * num_queries_per_kv, s, d)
 
 
-def causal_mask(num_queries: int, num_keys: int, q_offset: int, device=None,
-                sliding_window: int | None = None) -> torch.Tensor:
+def causal_mask(
+    num_queries: int, num_keys: int, q_offset: int, device=None, sliding_window: int | None = None
+) -> torch.Tensor:
     """Boolean [T, S]: True where query t (at position q_offset + t) may attend to key s."""
     q_pos = torch.arange(q_offset, q_offset + num_queries, device=device)[:, None]
     k_pos = torch.arange(num_keys, device=device)[None, :]
@@ -35,8 +37,9 @@ def causal_mask(num_queries: int, num_keys: int, q_offset: int, device=None,
     return allowed
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0,
-                     sliding_window: int | None = None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0, sliding_window: int | None = None
+) -> torch.Tensor:
     """Attention of q [B, H, T, D] over k, v [B, H_kv, S, D] (S = q_offset + T); returns [B, H, T, D].
 
     The softmax runs in float32 inside SDPA for fp32 inputs; half-precision inputs use the
@@ -52,8 +55,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
     return masked_attention(q, k, v, causal_mask(num_queries, num_keys, q_offset, q.device, sliding_window))
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                     is_causal: bool = False) -> torch.Tensor:
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, is_causal: bool = False
+) -> torch.Tensor:
     """SDPA of q [B, H, T, D] over k, v [B, H_kv, S, D] with grouped KV heads; mask: boolean
     [T, S], or [B, 1, T, S] for a mask per sequence (True: may attend), or None for no mask
     (is_causal: SDPA's own causal mask). A query row with no allowed key comes out as zeros
@@ -77,8 +81,9 @@ class MaskedPass:
 
     def __init__(self, mask: torch.Tensor):
         if mask.dtype != torch.bool or mask.dim() not in (2, 4) or mask.shape[-1] != mask.shape[-2]:
-            raise ValueError(f"MaskedPass needs a boolean [T, T] or [B, 1, T, T] mask, got {mask.dtype} "
-                             f"{list(mask.shape)}")
+            raise ValueError(
+                f"MaskedPass needs a boolean [T, T] or [B, 1, T, T] mask, got {mask.dtype} {list(mask.shape)}"
+            )
         self.mask = mask
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

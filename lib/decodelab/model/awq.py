@@ -24,6 +24,7 @@ divides its input by s (`calibrated_linear.CalibratedLinear`'s `input_scale`); t
 implementation folds 1 / s into the previous RMSNorm or linear instead, which costs nothing at run
 time. One s per linear here (the reference searches one for q/k/v together, as they share a norm).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -70,8 +71,9 @@ class AwqSearch:
     losses: dict[float, float]
 
 
-def search_scales(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int = 128, alphas=ALPHAS,
-                  symmetric: bool = False) -> AwqSearch:
+def search_scales(
+    w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int = 128, alphas=ALPHAS, symmetric: bool = False
+) -> AwqSearch:
     """w [out, in], calibration inputs x [N, in] -> the alpha of `alphas` with the least `output_error`
     of the scaled, rounded weight (ties: the first, so the smallest alpha)."""
     if not alphas:

@@ -16,6 +16,7 @@ each decoder linear its calibrated layer:
     layers = calibrate_model(model, ids, method)          # {name: CalibratedLinear}, model unchanged
     llm = LLM(model=(model, tokenizer), quantization="int4", hooks=EngineHooks(linear=by_identity(model, layers)))
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,13 @@ from decodelab.model.groupwise import GroupwiseWeight, check_bits, pack_levels, 
 class CalibratedLinear(nn.Module):
     """A linear layer stored on the group-wise grid, with AWQ's input scale if it has one."""
 
-    def __init__(self, weight: GroupwiseWeight, bias: torch.Tensor | None = None,
-                 input_scale: torch.Tensor | None = None, method: str = "rtn"):
+    def __init__(
+        self,
+        weight: GroupwiseWeight,
+        bias: torch.Tensor | None = None,
+        input_scale: torch.Tensor | None = None,
+        method: str = "rtn",
+    ):
         super().__init__()
         check_bits(weight.bits)
         self.out_features, self.in_features = weight.levels.shape
@@ -70,8 +76,10 @@ class CalibratedLinear(nn.Module):
         return self.weight_packed.nbytes + self.weight_scale.nbytes + self.weight_zero.nbytes + extra
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.method}, "
-                f"int{self.bits}, group_size={self.group_size}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.method}, "
+            f"int{self.bits}, group_size={self.group_size}"
+        )
 
 
 def by_identity(model: nn.Module, layers: dict[str, nn.Module]):
@@ -82,9 +90,12 @@ def by_identity(model: nn.Module, layers: dict[str, nn.Module]):
     def make(linear: nn.Linear) -> nn.Module:
         name = names.get(id(linear))
         if name not in layers:
-            raise KeyError(f"no calibrated layer for {name or 'a linear outside this model'}: calibrate this model "
-                           "(calibration.calibrate_model) and pass the same model to the engine")
+            raise KeyError(
+                f"no calibrated layer for {name or 'a linear outside this model'}: calibrate this model "
+                "(calibration.calibrate_model) and pass the same model to the engine"
+            )
         return layers[name]
+
     return make
 
 

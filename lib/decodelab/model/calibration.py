@@ -19,6 +19,7 @@ outputs of the already-quantized layers before it, as GPTQ does (all linears of 
 pass; GPTQ's "true sequential" order inside a layer is not followed). The model itself is left
 float; `apply_layers` swaps the made layers in (`quantization.replace_linears`).
 """
+
 from __future__ import annotations
 
 import time
@@ -49,17 +50,24 @@ class TextSplit:
 
 
 def text_split(which: str) -> TextSplit:
-    """"code" (tiny) or "en" (SmolLM2): see the module docstring. FileNotFoundError if a file is absent."""
+    """ "code" (tiny) or "en" (SmolLM2): see the module docstring. FileNotFoundError if a file is absent."""
     if which == "code":
         train, heldout = PACKAGE_DATA / "corpus" / "train.txt", PACKAGE_DATA / "corpus" / "heldout.txt"
-        return TextSplit(train.read_text(encoding="utf-8"), heldout.read_text(encoding="utf-8"),
-                         "corpus/train.txt (tiny's training modules)", "corpus/heldout.txt (7 modules never trained on)")
+        return TextSplit(
+            train.read_text(encoding="utf-8"),
+            heldout.read_text(encoding="utf-8"),
+            "corpus/train.txt (tiny's training modules)",
+            "corpus/heldout.txt (7 modules never trained on)",
+        )
     if which == "en":
         paragraphs = (PACKAGE_DATA / "heldout_en.txt").read_text(encoding="utf-8").strip().split("\n\n")
         half = len(paragraphs) // 2
-        return TextSplit("\n\n".join(paragraphs[half:]), "\n\n".join(paragraphs[:half]),
-                         f"heldout_en.txt paragraphs {half + 1}-{len(paragraphs)}",
-                         f"heldout_en.txt paragraphs 1-{half}")
+        return TextSplit(
+            "\n\n".join(paragraphs[half:]),
+            "\n\n".join(paragraphs[:half]),
+            f"heldout_en.txt paragraphs {half + 1}-{len(paragraphs)}",
+            f"heldout_en.txt paragraphs 1-{half}",
+        )
     raise ValueError(f"which must be 'code' or 'en', got {which!r}")
 
 
@@ -78,8 +86,12 @@ def calibration_ids(tokenizer, text: str, sequences: int, length: int) -> torch.
 
 def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """{name in model: linear} for every nn.Linear inside model.model.layers (what `replace_linears` swaps)."""
-    return {f"model.layers.{i}.{name}": module for i, layer in enumerate(model.model.layers)
-            for name, module in layer.named_modules() if isinstance(module, nn.Linear)}
+    return {
+        f"model.layers.{i}.{name}": module
+        for i, layer in enumerate(model.model.layers)
+        for name, module in layer.named_modules()
+        if isinstance(module, nn.Linear)
+    }
 
 
 @contextmanager
@@ -91,7 +103,9 @@ def recording(modules: dict[str, nn.Module]):
     def hook_for(name):
         def hook(module, args):
             seen[name] = args[0].detach().reshape(-1, args[0].shape[-1])
+
         return hook
+
     handles = [module.register_forward_pre_hook(hook_for(name)) for name, module in modules.items()]
     try:
         yield seen
@@ -110,8 +124,16 @@ def record_inputs(model: nn.Module, ids: torch.Tensor, names=None) -> dict[str, 
     return dict(seen)
 
 
-def quantize_linear(linear: nn.Linear, x: torch.Tensor, method: str, bits: int, group_size: int = 128,
-                    awq_rows: int | None = None, damp: float = DAMP, block_size: int = BLOCK_SIZE) -> CalibratedLinear:
+def quantize_linear(
+    linear: nn.Linear,
+    x: torch.Tensor,
+    method: str,
+    bits: int,
+    group_size: int = 128,
+    awq_rows: int | None = None,
+    damp: float = DAMP,
+    block_size: int = BLOCK_SIZE,
+) -> CalibratedLinear:
     """One linear and its calibration inputs x [N, in] -> its CalibratedLinear by `method`:
     "rtn" (x unused), "awq" (scales searched, then RTN), "gptq", "awq+gptq" (AWQ's scales, then GPTQ on
     W * s with inputs x / s). group_size falls back (`fallback_group_size`) where it does not divide in.
@@ -124,7 +146,9 @@ def quantize_linear(linear: nn.Linear, x: torch.Tensor, method: str, bits: int, 
     x = x.reshape(-1, w.shape[1]).float()
     scales = None
     if method in ("awq", "awq+gptq"):
-        rows = x if awq_rows is None or x.shape[0] <= awq_rows else x[torch.linspace(0, x.shape[0] - 1, awq_rows).long()]
+        rows = (
+            x if awq_rows is None or x.shape[0] <= awq_rows else x[torch.linspace(0, x.shape[0] - 1, awq_rows).long()]
+        )
         scales = search_scales(w, rows, bits, size).scales
         w, x = w * scales, x / scales
     if method in ("gptq", "awq+gptq"):
@@ -142,6 +166,7 @@ def swapped(layer: nn.Module, replacements: dict[str, nn.Module]):
     def put(name, module):
         parent, _, attr = name.rpartition(".")
         setattr(layer.get_submodule(parent) if parent else layer, attr, module)
+
     for name, module in replacements.items():
         put(name, module)
     try:
@@ -165,8 +190,16 @@ class Calibrated:
 
 
 @torch.inference_mode()
-def calibrate_model(model: nn.Module, ids: torch.Tensor, method: str = "gptq", bits: int = 4, group_size: int = 128,
-                    awq_rows: int | None = 512, on_layer=None, **options) -> Calibrated:
+def calibrate_model(
+    model: nn.Module,
+    ids: torch.Tensor,
+    method: str = "gptq",
+    bits: int = 4,
+    group_size: int = 128,
+    awq_rows: int | None = 512,
+    on_layer=None,
+    **options,
+) -> Calibrated:
     """Quantize every decoder linear of `model` by `method`, layer by layer (module docstring), from
     calibration ids [B, T]. The model stays float (apply the result with `apply_layers`).
     on_layer(index, {name in layer: inputs [N, in]}): called with each layer's recorded inputs.
@@ -182,21 +215,30 @@ def calibrate_model(model: nn.Module, ids: torch.Tensor, method: str = "gptq", b
     for index, layer in enumerate(model.model.layers):
         linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
         if not needs_inputs:
-            layers.update({f"model.layers.{index}.{name}": quantize_linear(m, m.weight[:0], method, bits, group_size)
-                           for name, m in linears.items()})
+            layers.update(
+                {
+                    f"model.layers.{index}.{name}": quantize_linear(m, m.weight[:0], method, bits, group_size)
+                    for name, m in linears.items()
+                }
+            )
             continue
         with recording(linears) as inputs:
             float_out = layer(x, cos, sin)
         if on_layer is not None:
             on_layer(index, inputs)
-        made = {name: quantize_linear(linears[name], inputs[name], method, bits, group_size, awq_rows, **options)
-                for name in linears}
+        made = {
+            name: quantize_linear(linears[name], inputs[name], method, bits, group_size, awq_rows, **options)
+            for name in linears
+        }
         layers.update({f"model.layers.{index}.{name}": module for name, module in made.items()})
         del inputs, float_out
         with swapped(layer, made):
             x = layer(x, cos, sin)  # the next layer calibrates on this quantized layer's outputs
-    return Calibrated(layers, time.perf_counter() - start,
-                      {"method": method, "bits": bits, "group_size": group_size, "tokens": list(ids.shape), **options})
+    return Calibrated(
+        layers,
+        time.perf_counter() - start,
+        {"method": method, "bits": bits, "group_size": group_size, "tokens": list(ids.shape), **options},
+    )
 
 
 def apply_layers(model: nn.Module, layers: dict[str, nn.Module]) -> nn.Module:
@@ -204,5 +246,17 @@ def apply_layers(model: nn.Module, layers: dict[str, nn.Module]) -> nn.Module:
     return replace_linears(model, by_identity(model, layers))
 
 
-__all__ = ["METHODS", "TextSplit", "text_split", "calibration_ids", "decoder_linears", "recording", "record_inputs",
-           "quantize_linear", "swapped", "Calibrated", "calibrate_model", "apply_layers"]
+__all__ = [
+    "METHODS",
+    "TextSplit",
+    "text_split",
+    "calibration_ids",
+    "decoder_linears",
+    "recording",
+    "record_inputs",
+    "quantize_linear",
+    "swapped",
+    "Calibrated",
+    "calibrate_model",
+    "apply_layers",
+]

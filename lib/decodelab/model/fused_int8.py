@@ -24,6 +24,7 @@ under `torch.compile` with dynamic shapes, one graph for every layer shape. Othe
 a batched decode step) take `Int8Linear`'s eager form. `LLM(quantization="int8")` builds its layers
 this way when it compiles (`compile_decode`, on by default where it pays: `compile_by_default`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,8 +47,12 @@ def compile_by_default() -> bool:
 def quantize_for_decode(model: nn.Module) -> nn.Module:
     """Replace every nn.Linear in `model` (decoder layers and lm_head) by an `Int8Linear`,
     in place; returns the model. A tied embedding keeps its float weight for the lookup."""
-    targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if type(child) is nn.Linear]
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
     for parent, name, linear in targets:
         setattr(parent, name, Int8Linear.from_linear(linear))
     return model

@@ -13,6 +13,7 @@ Three things need care:
 `load_gguf_state_dict` (the reference of notebook 01's exercise) turns the file's tensors into
 the HF-named float32 state dict (`decodelab.model.gguf_tensors` lists them fast).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,11 @@ LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
-                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 # Digits one by one, then GPT-2's split (llama.cpp's "smollm" pre-tokenizer).
 DIGIT_SPLIT_PRE_TOKENIZERS = ("smollm",)

@@ -4,6 +4,7 @@
 them, which takes seconds; `read_gguf_tensors` skips those values and lists the same tensors in
 tens of milliseconds. Notebook 01 reads SmolLM2's weights through it.
 """
+
 from __future__ import annotations
 
 import struct
@@ -16,8 +17,15 @@ from decodelab.model.gguf_import import GGUFError
 # GGUF metadata value types (gguf.GGUFValueType): the size of each scalar, and the two others.
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
-_ITEM_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
-                "I32": np.int32, "I64": np.int64}
+_ITEM_DTYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}
 
 
 def read_gguf_tensors(path: str | Path) -> list:
@@ -44,7 +52,7 @@ def read_gguf_tensors(path: str | Path) -> list:
         nonlocal offset
         (length,) = take("Q")
         offset += length
-        return bytes(buffer[offset - length:offset]).decode()
+        return bytes(buffer[offset - length : offset]).decode()
 
     def skip_value(kind: int) -> None:
         nonlocal offset
@@ -98,11 +106,21 @@ def read_gguf_tensors(path: str | Path) -> list:
             raise GGUFError(f"{path}: tensor {name!r} ends beyond the end of the file")
         item = _ITEM_DTYPES.get(tensor_type.name)
         if item is None:
-            array = data[at:at + n_bytes].reshape(quant_shape_to_byte_shape(shape, tensor_type))
+            array = data[at : at + n_bytes].reshape(quant_shape_to_byte_shape(shape, tensor_type))
         else:
-            array = data[at:at + n_bytes].view(item).reshape(shape)
-        tensors.append(ReaderTensor(name=name, tensor_type=tensor_type, shape=np.array(dims, dtype=np.uint64),
-                                    n_elements=n_elements, n_bytes=n_bytes, data_offset=at, data=array, field=None))
+            array = data[at : at + n_bytes].view(item).reshape(shape)
+        tensors.append(
+            ReaderTensor(
+                name=name,
+                tensor_type=tensor_type,
+                shape=np.array(dims, dtype=np.uint64),
+                n_elements=n_elements,
+                n_bytes=n_bytes,
+                data_offset=at,
+                data=array,
+                field=None,
+            )
+        )
     return tensors
 
 

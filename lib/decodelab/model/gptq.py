@@ -29,6 +29,7 @@ from the current, already corrected, weights of its columns when its first colum
 `block_size` and `group_size` must divide one another, so that those columns are up to date.
 Columns are taken in their order (no "act-order").
 """
+
 from __future__ import annotations
 
 import torch
@@ -67,8 +68,10 @@ def inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
     """
     lower, info = torch.linalg.cholesky_ex(h)
     if int(info):
-        raise ValueError(f"the Hessian is not positive definite (Cholesky failed at column {int(info) - 1}): "
-                         "too few calibration tokens, or no dampening")
+        raise ValueError(
+            f"the Hessian is not positive definite (Cholesky failed at column {int(info) - 1}): "
+            "too few calibration tokens, or no dampening"
+        )
     inverse = torch.cholesky_inverse(lower)
     upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
     if int(info) or not torch.isfinite(upper).all():
@@ -76,8 +79,15 @@ def inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
     return upper
 
 
-def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int = 128,
-                  block_size: int = BLOCK_SIZE, damp: float = DAMP, symmetric: bool = False) -> GroupwiseWeight:
+def gptq_quantize(
+    w: torch.Tensor,
+    h: torch.Tensor,
+    bits: int,
+    group_size: int = 128,
+    block_size: int = BLOCK_SIZE,
+    damp: float = DAMP,
+    symmetric: bool = False,
+) -> GroupwiseWeight:
     """GPTQ for one linear: w [out, in], h [in, in] from `hessian` of its inputs -> GroupwiseWeight.
 
     The grid is `groupwise`'s (asymmetric unless symmetric). block_size: columns per lazy batch,
@@ -105,16 +115,16 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int =
             j = start + i
             if j % group_size == 0:  # a new group: its grid from its columns as they are now
                 inside = i + group_size <= end - start
-                columns = block[:, i:i + group_size] if inside else w[:, j:j + group_size]
+                columns = block[:, i : i + group_size] if inside else w[:, j : j + group_size]
                 scale, zero = group_params(columns, bits, symmetric)  # [out, 1] each, float32
                 scale, zero = scale.double(), zero.double()
                 scales[:, j // group_size], zeros[:, j // group_size] = scale[:, 0], zero[:, 0]
-            column = block[:, i:i + 1]  # [out, 1]
+            column = block[:, i : i + 1]  # [out, 1]
             level = to_levels(column, scale, zero, bits).double()
-            levels[:, j:j + 1] = level
+            levels[:, j : j + 1] = level
             error = (column - (level - zero) * scale) / u[j, j]  # [out, 1]
-            block[:, i:] -= error @ u[j:j + 1, j:end]  # this block's columns only (column i lands on the grid)
-            errors[:, i:i + 1] = error
+            block[:, i:] -= error @ u[j : j + 1, j:end]  # this block's columns only (column i lands on the grid)
+            errors[:, i : i + 1] = error
         w[:, end:] -= errors @ u[start:end, end:]  # the lazy batch update of every column after the block
     return GroupwiseWeight(levels.to(torch.uint8), scales.float(), zeros.float(), bits, group_size)
 

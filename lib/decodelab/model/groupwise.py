@@ -17,6 +17,7 @@ Levels are stored packed: `pack_levels` puts 32 // b levels in each int32 word (
 3 bits, 4 at 8 bits); `packed_bytes` counts them. The group-size rules (`GROUP_SIZES`, the
 fall-back for a row the size does not divide) are `quantization`'s.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,14 +47,14 @@ def group_params(w: torch.Tensor, bits: int, symmetric: bool = False) -> tuple[t
         return scale, torch.full_like(scale, 2 ** (bits - 1))
     lo = w.amin(dim=1, keepdim=True).clamp(max=0)  # [out, 1]
     hi = w.amax(dim=1, keepdim=True).clamp(min=0)
-    scale = absmax_scale(hi - lo, 2 ** bits - 1)  # (hi - lo) / (2^b - 1); 1.0 for an all-zero row
+    scale = absmax_scale(hi - lo, 2**bits - 1)  # (hi - lo) / (2^b - 1); 1.0 for an all-zero row
     return scale, torch.round(-lo / scale)
 
 
 def to_levels(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     """w [out, c] (float32 or float64: kept, so that GPTQ's float64 columns round as they are), scale and
     zero broadcastable to it -> integer levels in [0, 2^b - 1], in w's dtype."""
-    return torch.clamp(torch.round(w / scale) + zero, 0, 2 ** bits - 1)
+    return torch.clamp(torch.round(w / scale) + zero, 0, 2**bits - 1)
 
 
 def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
@@ -120,7 +121,7 @@ def pack_levels(levels: torch.Tensor, bits: int) -> torch.Tensor:
     padded[:, :inputs] = levels.to(torch.int64)
     shifts = torch.arange(n, dtype=torch.int64) * bits  # [n]
     packed = (padded.reshape(out, words, n) << shifts).sum(-1)  # [out, words], < 2^32
-    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)  # the same 32 bits, signed
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # the same 32 bits, signed
 
 
 def unpack_levels(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
@@ -128,7 +129,7 @@ def unpack_levels(packed: torch.Tensor, bits: int, in_features: int) -> torch.Te
     n = levels_per_word(bits)
     shifts = torch.arange(n, dtype=torch.int64, device=packed.device) * bits
     words = packed.to(torch.int64) & 0xFFFFFFFF  # [out, words], unsigned
-    levels = (words[..., None] >> shifts) & (2 ** bits - 1)  # [out, words, n]
+    levels = (words[..., None] >> shifts) & (2**bits - 1)  # [out, words, n]
     return levels.reshape(packed.shape[0], -1)[:, :in_features].to(torch.uint8)
 
 
@@ -137,5 +138,18 @@ def packed_bytes(out_features: int, in_features: int, bits: int) -> int:
     return 4 * out_features * -(-in_features // levels_per_word(bits))
 
 
-__all__ = ["BITS", "GROUP_SIZES", "GroupwiseWeight", "check_bits", "group_params", "to_levels", "round_to_grid",
-           "quantize_groupwise", "rtn", "pack_levels", "unpack_levels", "packed_bytes", "levels_per_word"]
+__all__ = [
+    "BITS",
+    "GROUP_SIZES",
+    "GroupwiseWeight",
+    "check_bits",
+    "group_params",
+    "to_levels",
+    "round_to_grid",
+    "quantize_groupwise",
+    "rtn",
+    "pack_levels",
+    "unpack_levels",
+    "packed_bytes",
+    "levels_per_word",
+]

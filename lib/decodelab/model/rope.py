@@ -4,6 +4,7 @@ Pairs of channels (i, i + D/2) of every query and key are rotated by an angle th
 with the token's position: position p turns pair i by p * theta^(-2i/D). Attention
 scores then depend only on the distance between two tokens.
 """
+
 from __future__ import annotations
 
 import math

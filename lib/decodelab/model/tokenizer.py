@@ -3,6 +3,7 @@
 A model folder holds ``tokenizer.json`` (the BPE itself) and ``tokenizer_config.json``
 (special tokens, whether a BOS is prepended, the Jinja chat template), as in HF layout.
 """
+
 from __future__ import annotations
 
 import json
@@ -129,8 +130,8 @@ class StreamDecoder:
 
     def _decode_window(self) -> tuple[str, str]:
         """(the text of the context ids, the text of the context and every id after it)."""
-        context = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        window = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        context = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        window = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
         return context, window
 
     def push(self, token_id: int) -> str:
@@ -144,10 +145,10 @@ class StreamDecoder:
         if window.endswith("\ufffd") or len(window) <= len(context):
             return ""  # an unfinished character, or no text yet (a skipped special token): wait
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return window[len(context):]
+        return window[len(context) :]
 
     def flush(self) -> str:
         """End of the stream: the text held back (an unfinished last character reads U+FFFD)."""
         context, window = self._decode_window()
         self.prefix_offset = self.read_offset = len(self.ids)
-        return window[len(context):]
+        return window[len(context) :]

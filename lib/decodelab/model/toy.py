@@ -7,6 +7,7 @@ unit scale instead; `random_llama` builds a model of any shape and randomizes it
 `scramble_rope_` makes a model's positions matter on their own, not only as distances, so
 that a check sees a position off by the same amount for every token.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,9 +18,17 @@ from decodelab.config import ModelConfig
 from decodelab.model.llama import LlamaForCausalLM
 
 # Two layers, 4 query heads over 2 KV heads: every code path of the real model, in microseconds.
-TOY_CONFIG = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  rms_norm_eps=1e-5, rope_theta=10000.0)
+TOY_CONFIG = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)
 
 
 def toy_config(**overrides) -> ModelConfig:
@@ -28,8 +37,13 @@ def toy_config(**overrides) -> ModelConfig:
 
 
 @torch.no_grad()
-def randomize_(model: torch.nn.Module, seed: int = 0, weight_scale: float = 1.0, norm_jitter: float = 0.2,
-               embedding_std: float | None = 1.0) -> torch.nn.Module:
+def randomize_(
+    model: torch.nn.Module,
+    seed: int = 0,
+    weight_scale: float = 1.0,
+    norm_jitter: float = 0.2,
+    embedding_std: float | None = 1.0,
+) -> torch.nn.Module:
     """Redraw every parameter in place from a generator seeded with `seed`; returns the model.
 
     Matrices: N(0, weight_scale^2 / fan_in), so activations stay O(1) layer after layer.
@@ -54,8 +68,14 @@ def randomize_(model: torch.nn.Module, seed: int = 0, weight_scale: float = 1.0,
     return model
 
 
-def random_llama(seed: int = 0, dtype: torch.dtype = torch.float32, weight_scale: float = 1.0,
-                 norm_jitter: float = 0.2, embedding_std: float | None = 1.0, **config_overrides) -> LlamaForCausalLM:
+def random_llama(
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    weight_scale: float = 1.0,
+    norm_jitter: float = 0.2,
+    embedding_std: float | None = 1.0,
+    **config_overrides,
+) -> LlamaForCausalLM:
     """A Llama of shape toy_config(**config_overrides), randomized by `randomize_`, in eval mode
     with gradients off, on the CPU in `dtype`."""
     torch.manual_seed(seed)  # the module constructors draw too; keep them repeatable
@@ -64,12 +84,22 @@ def random_llama(seed: int = 0, dtype: torch.dtype = torch.float32, weight_scale
     return model.to(dtype).eval().requires_grad_(False)
 
 
-def tiny_model(seed: int = 0, sliding_window: int | None = None, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+def tiny_model(
+    seed: int = 0, sliding_window: int | None = None, dtype: torch.dtype = torch.float32
+) -> LlamaForCausalLM:
     """Notebook 03's model: a random 2-layer Llama (4 query heads sharing 2 KV heads, vocabulary
     61, context 64) with plain norms; random weights give O(1) logits whose argmax depends on
     the whole context."""
-    return random_llama(seed, dtype=dtype, norm_jitter=0.0, vocab_size=61, hidden_size=32, intermediate_size=64,
-                        max_position_embeddings=64, sliding_window=sliding_window)
+    return random_llama(
+        seed,
+        dtype=dtype,
+        norm_jitter=0.0,
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        sliding_window=sliding_window,
+    )
 
 
 @torch.no_grad()

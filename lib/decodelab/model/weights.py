@@ -4,6 +4,7 @@
 local disk) and checks every tensor's name and shape against the config before use;
 `save_model` writes a folder that `transformers` loads unchanged.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,14 @@ from decodelab.config import ConfigError, ModelConfig
 from decodelab.model.llama import LlamaForCausalLM
 from decodelab.model.rope import rope_tables
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 class WeightsError(ValueError):
@@ -45,8 +52,10 @@ def safetensors_files(folder: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
             return [folder / name for name in sorted(set(weight_map.values()))]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise WeightsError(f"{index} is not a safetensors index (JSON with a \"weight_map\" of tensor "
-                               f"name -> file name): {type(exc).__name__}: {exc}") from None
+            raise WeightsError(
+                f'{index} is not a safetensors index (JSON with a "weight_map" of tensor '
+                f"name -> file name): {type(exc).__name__}: {exc}"
+            ) from None
     single = folder / "model.safetensors"
     if single.exists():
         return [single]
@@ -66,9 +75,11 @@ def read_state_dict(folder: str | Path, names=None) -> dict[str, torch.Tensor]:
                     if names is None or name in names:
                         tensors[name] = f.get_tensor(name)
         except (SafetensorError, OSError) as exc:  # a corrupt or truncated file, unreadable bytes
-            raise WeightsError(f"{file} is not a readable safetensors file ({exc}): it is corrupt or "
-                               "truncated; write it again (a converted model: delete its folder to convert "
-                               "it again)") from None
+            raise WeightsError(
+                f"{file} is not a readable safetensors file ({exc}): it is corrupt or "
+                "truncated; write it again (a converted model: delete its folder to convert "
+                "it again)"
+            ) from None
     return tensors
 
 
@@ -79,8 +90,9 @@ def check_state_dict(state: dict[str, torch.Tensor], expected: dict[str, torch.S
         raise WeightsError(f"{folder}: missing tensor(s) {shown}")
     for name, shape in expected.items():
         if tuple(state[name].shape) != tuple(shape):
-            raise WeightsError(f"{folder}: tensor {name} has shape {tuple(state[name].shape)}, "
-                               f"config expects {tuple(shape)}")
+            raise WeightsError(
+                f"{folder}: tensor {name} has shape {tuple(state[name].shape)}, config expects {tuple(shape)}"
+            )
 
 
 @contextmanager
@@ -99,8 +111,9 @@ def _without_random_init():
             setattr(torch.nn.init, name, function)
 
 
-def load_model(folder: str | Path, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype | None = "float32") -> LlamaForCausalLM:
+def load_model(
+    folder: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = "float32"
+) -> LlamaForCausalLM:
     """Build the model that folder/config.json describes and load its weights.
 
     Raises ConfigError / WeightsError naming the problem for a malformed config or

@@ -12,6 +12,7 @@ A request's samples run on the engine thread (`serving.engine_loop`); the route 
 updates. A client that goes away (its stream closed, or the connection dropped while it waited for
 a whole answer) is aborted there, and its KV blocks go back to the pool.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,15 @@ from starlette.exceptions import HTTPException
 from decodelab.serving.client_request import ClientRequest
 from decodelab.serving.engine_loop import EngineLoop, EngineUnavailableError, QueueFullError
 from decodelab.serving.metrics import ServingMetrics
-from decodelab.serving.protocol import (ApiError, GenerationRequest, ServedModel, chat_request, completion_request,
-                                        error_body, parse_json_object)
+from decodelab.serving.protocol import (
+    ApiError,
+    GenerationRequest,
+    ServedModel,
+    chat_request,
+    completion_request,
+    error_body,
+    parse_json_object,
+)
 from decodelab.serving.responses import ResponseShape, server_sent_event
 
 RETRY_AFTER_SECONDS = 1  # what a 503 tells the client to wait
@@ -69,12 +77,16 @@ async def api_error_response(request: Request, exc: ApiError) -> JSONResponse:
 async def http_error_response(request: Request, exc: HTTPException) -> JSONResponse:
     """Starlette's own errors (no such route, wrong method) in OpenAI's shape."""
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return JSONResponse(error_body(message, code=str(exc.status_code)), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    return JSONResponse(
+        error_body(message, code=str(exc.status_code)),
+        status_code=exc.status_code,
+        headers=getattr(exc, "headers", None),
+    )
 
 
 def api_key_check(api_key: str | None):
     """A dependency: with an api_key, a request must carry `Authorization: Bearer <api_key>`."""
+
     async def check(request: Request) -> None:
         if api_key is None:
             return
@@ -83,6 +95,7 @@ def api_key_check(api_key: str | None):
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             message = "missing API key: send Authorization: Bearer KEY" if not given else "incorrect API key"
             raise ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
     return check
 
 
@@ -95,8 +108,18 @@ def api_routes(engine_loop: EngineLoop, model: ServedModel, api_key: str | None)
 
     @router.get("/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": started,
-                                            "owned_by": "decodelab", "max_model_len": model.context_length}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model.name,
+                    "object": "model",
+                    "created": started,
+                    "owned_by": "decodelab",
+                    "max_model_len": model.context_length,
+                }
+            ],
+        }
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
@@ -136,8 +159,9 @@ async def answer(request: Request, engine_loop: EngineLoop, job: GenerationReque
     try:
         client = ClientRequest(engine_loop, job.prompts, job.params)
     except QueueFullError as exc:
-        raise ApiError(503, str(exc), type="server_error", code="queue_full",
-                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        raise ApiError(
+            503, str(exc), type="server_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+        ) from None
     except EngineUnavailableError as exc:
         raise ApiError(503, str(exc), type="server_error", code="engine_unavailable") from None
     if job.stream:
@@ -151,8 +175,14 @@ async def answer(request: Request, engine_loop: EngineLoop, job: GenerationReque
     failed = next((update for update in final if update.finish_reason == "error"), None)
     if failed is not None:
         raise ApiError(500, failed.error or "generation failed", type="server_error")
-    return JSONResponse(shape.response([u.text for u in final], [u.finish_reason for u in final],
-                                       job.num_prompt_tokens, sum(u.num_tokens for u in final)))
+    return JSONResponse(
+        shape.response(
+            [u.text for u in final],
+            [u.finish_reason for u in final],
+            job.num_prompt_tokens,
+            sum(u.num_tokens for u in final),
+        )
+    )
 
 
 async def stream_events(client: ClientRequest, job: GenerationRequest, shape: ResponseShape) -> AsyncIterator[str]:
@@ -174,7 +204,7 @@ async def stream_events(client: ClientRequest, job: GenerationRequest, shape: Re
                 return
             end = len(update.text) if update.finished else len(update.text) - holdback
             if end > sent[update.choice]:
-                yield server_sent_event(shape.chunk(update.choice, update.text[sent[update.choice]:end]))
+                yield server_sent_event(shape.chunk(update.choice, update.text[sent[update.choice] : end]))
                 sent[update.choice] = end
             if update.finished:
                 completion_tokens += update.num_tokens

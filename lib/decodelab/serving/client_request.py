@@ -8,6 +8,7 @@ The engine thread hands each step's updates over with `loop.call_soon_threadsafe
 queue of this request's own, so the event loop never blocks on the engine and no other request's
 tokens can reach it.
 """
+
 from __future__ import annotations
 
 import asyncio

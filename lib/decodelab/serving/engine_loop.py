@@ -14,6 +14,7 @@ finished, a sample whose sampling fails ends without one, and a stop string is c
 only once it is complete. So after each step the thread reports every choice that changed: its
 whole text so far, its token count, and its finish reason once it has one (`SampleUpdate`).
 """
+
 from __future__ import annotations
 
 import queue
@@ -129,8 +130,10 @@ class EngineLoop:
         with self._waiting_lock:
             if self._num_waiting >= self.max_waiting:
                 self.metrics.observe_rejected("queue_full")
-                raise QueueFullError(f"the server is busy: {self._num_waiting} requests are already waiting "
-                                     f"(--max-queue {self.max_waiting}); retry later")
+                raise QueueFullError(
+                    f"the server is busy: {self._num_waiting} requests are already waiting "
+                    f"(--max-queue {self.max_waiting}); retry later"
+                )
             self._num_waiting += 1
             self.metrics.set_waiting(self._num_waiting)
         self._inbox.put(("submit", submission))
@@ -165,8 +168,11 @@ class EngineLoop:
         except BaseException as exc:  # noqa: BLE001 - recorded for /health; every client is told below
             self.failure = exc
         finally:
-            self._fail_everything("the server is shutting down" if self.failure is None
-                                  else f"the engine loop stopped: {type(self.failure).__name__}: {self.failure}")
+            self._fail_everything(
+                "the server is shutting down"
+                if self.failure is None
+                else f"the engine loop stopped: {type(self.failure).__name__}: {self.failure}"
+            )
 
     def _take_messages(self, block: bool) -> bool:
         """Add what was submitted and abort what was withdrawn; False when told to stop."""
@@ -178,7 +184,7 @@ class EngineLoop:
                 break
         for message in messages:
             if message == _STOP:
-                for rest in messages[messages.index(message) + 1:]:
+                for rest in messages[messages.index(message) + 1 :]:
                     self._inbox.put(rest)  # for _fail_everything to answer
                 return False
             if message == _WAKE:
@@ -223,8 +229,9 @@ class EngineLoop:
         """Tell each submission what changed in this step; drop those now finished."""
         now = time.perf_counter()
         for submission in list(self._live):
-            if not submission.admitted and all(r.error is not None or r.seqs[0].status is not Status.WAITING
-                                               for r in submission.requests):
+            if not submission.admitted and all(
+                r.error is not None or r.seqs[0].status is not Status.WAITING for r in submission.requests
+            ):
                 self._mark_admitted(submission)
             updates = self._updates(submission, now)
             if updates:
@@ -246,8 +253,15 @@ class EngineLoop:
                     continue
                 if new_tokens:
                     self._time_tokens(submission, choice, new_tokens, now)
-                updates.append(SampleUpdate(choice, seq.text, len(seq.output_token_ids),
-                                            seq.finish_reason if seq.is_finished else None, seq.error))
+                updates.append(
+                    SampleUpdate(
+                        choice,
+                        seq.text,
+                        len(seq.output_token_ids),
+                        seq.finish_reason if seq.is_finished else None,
+                        seq.error,
+                    )
+                )
             if updates[-1].finished:
                 submission.finished_choices.add(choice)
                 self.metrics.observe_finished(updates[-1].finish_reason)
@@ -272,8 +286,11 @@ class EngineLoop:
         """End every unfinished choice of the submission with finish_reason "error" and `message`."""
         for request in submission.requests:
             self.llm.abort(request)
-        failed = [SampleUpdate(choice, "", 0, "error", message) for choice in range(submission.num_choices)
-                  if choice not in submission.finished_choices]
+        failed = [
+            SampleUpdate(choice, "", 0, "error", message)
+            for choice in range(submission.num_choices)
+            if choice not in submission.finished_choices
+        ]
         self.metrics.observe_finished("error", len(failed))
         self._drop(submission)
         if failed:
@@ -310,4 +327,3 @@ class EngineLoop:
         allocator = self.llm.allocator
         running = sum(1 for submission in self._live if submission.admitted)
         self.metrics.set_engine_state(running, allocator.num_blocks - allocator.num_free, allocator.num_blocks)
-

@@ -12,6 +12,7 @@
 The engine thread observes; the front end renders. One lock covers both, so a scrape never sees a
 histogram half updated.
 """
+
 from __future__ import annotations
 
 import threading
@@ -19,8 +20,27 @@ from collections import Counter
 
 # seconds; the edges vLLM uses for the same two histograms, trimmed at the ends
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
-ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-               0.75, 1.0, 2.5)
+ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 
 
 class Histogram:
@@ -41,8 +61,11 @@ class Histogram:
     def lines(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
         lines += [f'{self.name}_bucket{{le="{edge:g}"}} {n}' for edge, n in zip(self.buckets, self.counts)]
-        lines += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {self.sum!r}",
-                  f"{self.name}_count {self.count}"]
+        lines += [
+            f'{self.name}_bucket{{le="+Inf"}} {self.count}',
+            f"{self.name}_sum {self.sum!r}",
+            f"{self.name}_count {self.count}",
+        ]
         return lines
 
 
@@ -60,10 +83,16 @@ class ServingMetrics:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.ttft = Histogram("decodelab_time_to_first_token_seconds",
-                              "Seconds from a request's arrival to its first token.", TTFT_BUCKETS)
-        self.itl = Histogram("decodelab_inter_token_latency_seconds",
-                             "Seconds between two consecutive tokens of one sample.", ITL_BUCKETS)
+        self.ttft = Histogram(
+            "decodelab_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first token.",
+            TTFT_BUCKETS,
+        )
+        self.itl = Histogram(
+            "decodelab_inter_token_latency_seconds",
+            "Seconds between two consecutive tokens of one sample.",
+            ITL_BUCKETS,
+        )
         self.finished = Counter({reason: 0 for reason in self.FINISH_REASONS})
         self.rejected = Counter({"queue_full": 0})
         self.prompt_tokens = self.generation_tokens = 0
@@ -106,24 +135,46 @@ class ServingMetrics:
         """Everything, in Prometheus' text format."""
         with self._lock:
             lines = [
-                *metric_lines("decodelab_num_requests_running", "gauge",
-                              "Requests with a sample in the engine's running batch.", {"": self.running}),
-                *metric_lines("decodelab_num_requests_waiting", "gauge",
-                              "Requests accepted but not yet admitted to the batch.", {"": self.waiting}),
-                *metric_lines("decodelab_kv_blocks_used", "gauge", "Paged KV blocks held by sequences.",
-                              {"": self.kv_blocks_used}),
-                *metric_lines("decodelab_kv_blocks_total", "gauge", "Paged KV blocks in the pool.",
-                              {"": self.kv_blocks_total}),
-                *self.ttft.lines(), *self.itl.lines(),
-                *metric_lines("decodelab_request_finished_total", "counter",
-                              "Samples finished (n per request), by finish reason.",
-                              {f'finish_reason="{r}"': n for r, n in self.finished.items()}),
-                *metric_lines("decodelab_requests_rejected_total", "counter",
-                              "Requests answered 503, by reason.",
-                              {f'reason="{r}"': n for r, n in self.rejected.items()}),
-                *metric_lines("decodelab_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
-                              {"": self.prompt_tokens}),
-                *metric_lines("decodelab_generation_tokens_total", "counter", "Tokens generated.",
-                              {"": self.generation_tokens}),
+                *metric_lines(
+                    "decodelab_num_requests_running",
+                    "gauge",
+                    "Requests with a sample in the engine's running batch.",
+                    {"": self.running},
+                ),
+                *metric_lines(
+                    "decodelab_num_requests_waiting",
+                    "gauge",
+                    "Requests accepted but not yet admitted to the batch.",
+                    {"": self.waiting},
+                ),
+                *metric_lines(
+                    "decodelab_kv_blocks_used", "gauge", "Paged KV blocks held by sequences.", {"": self.kv_blocks_used}
+                ),
+                *metric_lines(
+                    "decodelab_kv_blocks_total", "gauge", "Paged KV blocks in the pool.", {"": self.kv_blocks_total}
+                ),
+                *self.ttft.lines(),
+                *self.itl.lines(),
+                *metric_lines(
+                    "decodelab_request_finished_total",
+                    "counter",
+                    "Samples finished (n per request), by finish reason.",
+                    {f'finish_reason="{r}"': n for r, n in self.finished.items()},
+                ),
+                *metric_lines(
+                    "decodelab_requests_rejected_total",
+                    "counter",
+                    "Requests answered 503, by reason.",
+                    {f'reason="{r}"': n for r, n in self.rejected.items()},
+                ),
+                *metric_lines(
+                    "decodelab_prompt_tokens_total",
+                    "counter",
+                    "Prompt tokens of accepted requests.",
+                    {"": self.prompt_tokens},
+                ),
+                *metric_lines(
+                    "decodelab_generation_tokens_total", "counter", "Tokens generated.", {"": self.generation_tokens}
+                ),
             ]
         return "\n".join(lines) + "\n"

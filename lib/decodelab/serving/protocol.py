@@ -17,6 +17,7 @@ Every problem is an `ApiError`: its status and OpenAI's error body,
     {"error": {"message", "type": "invalid_request_error", "param", "code"}}
 with SamplingParams' own message for a value out of its range.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,19 +29,32 @@ from decodelab.validation import is_int
 
 # OpenAI's name -> SamplingParams field
 SAMPLING_FIELDS = {
-    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
-    "top_p": "top_p", "n": "n", "seed": "seed", "stop": "stop",
-    "top_k": "top_k", "repetition_penalty": "repetition_penalty", "stop_token_ids": "stop_token_ids",
+    "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "n": "n",
+    "seed": "seed",
+    "stop": "stop",
+    "top_k": "top_k",
+    "repetition_penalty": "repetition_penalty",
+    "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
 }
 # parameter -> (the values that ask for nothing, why any other is refused)
 UNSUPPORTED = {
-    "presence_penalty": ((0,), "OpenAI's presence penalty (subtract from the logit of every token already in "
-                               "the output) is not the engine's repetition_penalty (CTRL's, over prompt and "
-                               "output), and the engine has no other; use repetition_penalty"),
-    "frequency_penalty": ((0,), "OpenAI's frequency penalty (subtract from a token's logit by its count in the "
-                                "output) is not the engine's repetition_penalty (CTRL's, over prompt and "
-                                "output), and the engine has no other; use repetition_penalty"),
+    "presence_penalty": (
+        (0,),
+        "OpenAI's presence penalty (subtract from the logit of every token already in "
+        "the output) is not the engine's repetition_penalty (CTRL's, over prompt and "
+        "output), and the engine has no other; use repetition_penalty",
+    ),
+    "frequency_penalty": (
+        (0,),
+        "OpenAI's frequency penalty (subtract from a token's logit by its count in the "
+        "output) is not the engine's repetition_penalty (CTRL's, over prompt and "
+        "output), and the engine has no other; use repetition_penalty",
+    ),
     "logprobs": ((None, False, 0), "the engine does not return log-probabilities"),
     "top_logprobs": ((None, 0), "the engine does not return log-probabilities"),
     "echo": ((None, False), "the engine does not echo the prompt"),
@@ -61,8 +75,15 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default (vLLM'
 class ApiError(Exception):
     """A request the server answers with an error: HTTP `status` and OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type, self.headers = type, headers or {}
@@ -71,8 +92,9 @@ class ApiError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -134,8 +156,9 @@ def completion_request(body: dict, model: ServedModel) -> GenerationRequest:
     """POST /v1/completions: the prompt(s) tokenized as they are (no chat template)."""
     check_fields(body, {"prompt"})
     prompts = prompt_token_ids(body.get("prompt"), model.tokenizer)
-    prompts = [checked_ids(ids, model, "prompt" if len(prompts) == 1 else f"prompt {i}")
-               for i, ids in enumerate(prompts)]
+    prompts = [
+        checked_ids(ids, model, "prompt" if len(prompts) == 1 else f"prompt {i}") for i, ids in enumerate(prompts)
+    ]
     return finished_request(body, model, prompts, default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS)
 
 
@@ -145,8 +168,11 @@ def chat_request(body: dict, model: ServedModel) -> GenerationRequest:
     check_fields(body, {"messages"})
     messages = plain_messages(body.get("messages"))
     if not getattr(model.tokenizer, "chat_template", None):
-        raise invalid(f"the model {model.name} has no chat template: use /v1/completions, or start the server "
-                      f"with --chat-template FILE", "messages")
+        raise invalid(
+            f"the model {model.name} has no chat template: use /v1/completions, or start the server "
+            f"with --chat-template FILE",
+            "messages",
+        )
     try:
         ids = encode_prompt(model.tokenizer, messages, chat=True)
     except ValueError as exc:  # the template's own raise_exception, or a message it cannot render
@@ -166,17 +192,21 @@ def check_fields(body: dict, own: set[str]) -> None:
                 raise invalid(f"{name}={value!r} is not supported: {why}", name)
 
 
-def finished_request(body: dict, model: ServedModel, prompts: list[list[int]],
-                     default_max_tokens: int) -> GenerationRequest:
+def finished_request(
+    body: dict, model: ServedModel, prompts: list[list[int]], default_max_tokens: int
+) -> GenerationRequest:
     """The rest of a request, for either endpoint: its model, sampling and streaming."""
     check_model(body.get("model"), model)
     params = sampling_params(body, default_max_tokens)
     for i, ids in enumerate(prompts):
         if len(ids) + params.max_tokens > model.context_length:
             where = "in the messages" if "messages" in body else "in the prompt" + (f" {i}" if len(prompts) > 1 else "")
-            raise invalid(f"the model's context is {model.context_length} tokens, but {len(ids) + params.max_tokens} "
-                          f"were asked for ({len(ids)} {where}, {params.max_tokens} for the completion): shorten "
-                          f"the prompt or lower max_tokens", "max_tokens")
+            raise invalid(
+                f"the model's context is {model.context_length} tokens, but {len(ids) + params.max_tokens} "
+                f"were asked for ({len(ids)} {where}, {params.max_tokens} for the completion): shorten "
+                f"the prompt or lower max_tokens",
+                "max_tokens",
+            )
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -187,8 +217,12 @@ def finished_request(body: dict, model: ServedModel, prompts: list[list[int]],
 
 def check_model(name, model: ServedModel) -> None:
     if name is not None and name != model.name:
-        raise ApiError(404, f"the model {name!r} does not exist: this server serves {model.name!r}", "model",
-                       code="model_not_found")
+        raise ApiError(
+            404,
+            f"the model {name!r} does not exist: this server serves {model.name!r}",
+            "model",
+            code="model_not_found",
+        )
 
 
 def include_usage(options, stream: bool) -> bool:
@@ -212,9 +246,16 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     """SamplingParams from OpenAI's fields (`SAMPLING_FIELDS`); a null field takes its default.
     Each value is judged alone by SamplingParams itself, so its message names the parameter as sent."""
     given = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
-    if "max_tokens" in given and "max_completion_tokens" in given and given["max_tokens"] != given["max_completion_tokens"]:
-        raise invalid(f"max_tokens ({given['max_tokens']!r}) and max_completion_tokens "
-                      f"({given['max_completion_tokens']!r}) disagree: send one", "max_completion_tokens")
+    if (
+        "max_tokens" in given
+        and "max_completion_tokens" in given
+        and given["max_tokens"] != given["max_completion_tokens"]
+    ):
+        raise invalid(
+            f"max_tokens ({given['max_tokens']!r}) and max_completion_tokens "
+            f"({given['max_completion_tokens']!r}) disagree: send one",
+            "max_completion_tokens",
+        )
     fields = {"max_tokens": default_max_tokens}
     for name, value in given.items():
         field = SAMPLING_FIELDS[name]
@@ -222,8 +263,9 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
             SamplingParams(**{field: value})
         except (ValueError, TypeError) as exc:
             message = str(exc)
-            raise invalid(name + message[len(field):] if message.startswith(field) else f"{name}: {message}",
-                          name) from None
+            raise invalid(
+                name + message[len(field) :] if message.startswith(field) else f"{name}: {message}", name
+            ) from None
         fields[field] = value
     return SamplingParams(**fields)
 
@@ -243,8 +285,11 @@ def prompt_token_ids(prompt, tokenizer) -> list[list[int]]:
             return [list(prompt)]
         if all(isinstance(p, list) and all(is_int(t) for t in p) for p in prompt):
             return [list(p) for p in prompt]
-    raise invalid(f"prompt must be a string, a list of strings, a list of token ids or a list of lists of "
-                  f"token ids, got {shorten(prompt)}", "prompt")
+    raise invalid(
+        f"prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+        f"token ids, got {shorten(prompt)}",
+        "prompt",
+    )
 
 
 def checked_ids(ids: list[int], model: ServedModel, what: str) -> list[int]:
@@ -260,8 +305,9 @@ def plain_messages(messages) -> list[dict]:
     """OpenAI's messages -> [{"role", "content"}] with text content, as the chat template reads them.
     A content given as parts keeps only text parts ({"type": "text", "text": ...}), joined."""
     if not isinstance(messages, list) or not messages:
-        raise invalid(f"messages must be a non-empty list of {{'role', 'content'}} objects, got {shorten(messages)}",
-                      "messages")
+        raise invalid(
+            f"messages must be a non-empty list of {{'role', 'content'}} objects, got {shorten(messages)}", "messages"
+        )
     plain = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -273,13 +319,17 @@ def plain_messages(messages) -> list[dict]:
 def text_content(content, index: int) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise invalid(f"messages[{index}].content must be a string or a list of text parts "
-                  f"({{'type': 'text', 'text': ...}}), got {shorten(content)}", "messages")
+    raise invalid(
+        f"messages[{index}].content must be a string or a list of text parts "
+        f"({{'type': 'text', 'text': ...}}), got {shorten(content)}",
+        "messages",
+    )
 
 
 def shorten(value, limit: int = 80) -> str:
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -8,6 +8,7 @@ The socket is bound here, before uvicorn starts, so an address in use is one cle
 picks a free port, which `bound_address` reports). SIGTERM (and Ctrl-C) stop the server gracefully:
 uvicorn finishes, the app's lifespan stops the engine thread, and the process exits with 0.
 """
+
 from __future__ import annotations
 
 import signal
@@ -91,11 +92,18 @@ def serve(settings: ServeSettings) -> int:
         raise
     app = build_app(llm, settings.model, api_key=settings.api_key, max_queue=settings.max_queue)
     server = make_server(app)
-    print(f"decodelab: serving {settings.model} at {bound_address(sock)}/v1 (SIGTERM or Ctrl-C stops it)",
-          file=sys.stderr, flush=True)
+    print(
+        f"decodelab: serving {settings.model} at {bound_address(sock)}/v1 (SIGTERM or Ctrl-C stops it)",
+        file=sys.stderr,
+        flush=True,
+    )
     if settings.host not in (LOOPBACK, "localhost", "::1") and settings.api_key is None:
-        print(f"decodelab: warning: listening on {settings.host} without --api-key: anyone who can reach this "
-              f"machine can use the server", file=sys.stderr, flush=True)
+        print(
+            f"decodelab: warning: listening on {settings.host} without --api-key: anyone who can reach this "
+            f"machine can use the server",
+            file=sys.stderr,
+            flush=True,
+        )
     # uvicorn catches SIGTERM and SIGINT, shuts down, then raises the signal again for the handler it
     # found: a quiet one here, so a requested stop ends the process with 0 instead of killing it.
     for stop_signal in (signal.SIGTERM, signal.SIGINT):

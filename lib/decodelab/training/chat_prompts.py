@@ -4,6 +4,7 @@ Training prompts fill templates (explanations, how-to, comparisons, poems, Pytho
 translation, arithmetic) with training subjects; held-out prompts use other templates and
 other subjects, so the acceptance rate measured on them is not measured on training text.
 """
+
 from __future__ import annotations
 
 import random
@@ -52,32 +53,60 @@ TRAIN_SENTENCES = """The weather is beautiful today.; I would like a cup of coff
 train station?; My brother works in a hospital.; We are going to the beach tomorrow.; This book is
 very interesting.; Can you help me with my homework?; The museum opens at nine o'clock.""".split(";")
 TRAIN_TEMPLATES = {
-    "topic": ["Explain {x} in simple terms.", "What is {x}?", "Give me three facts about {x}.",
-              "Why is {x} important?", "Write a short paragraph about {x}.", "How does {x} work?",
-              "What are common misconceptions about {x}?", "Tell me something surprising about {x}.",
-              "Summarize the key ideas of {x}.", "Teach me the basics of {x}."],
-    "thing": ["Write a haiku about {x}.", "Write a short poem about {x}.", "Describe {x} in two sentences.",
-              "Write a very short story about {x}."],
-    "task": ["How do I {x}?", "Give me tips to {x}.", "What is the best way to {x}?",
-             "Write step-by-step instructions to {x}."],
+    "topic": [
+        "Explain {x} in simple terms.",
+        "What is {x}?",
+        "Give me three facts about {x}.",
+        "Why is {x} important?",
+        "Write a short paragraph about {x}.",
+        "How does {x} work?",
+        "What are common misconceptions about {x}?",
+        "Tell me something surprising about {x}.",
+        "Summarize the key ideas of {x}.",
+        "Teach me the basics of {x}.",
+    ],
+    "thing": [
+        "Write a haiku about {x}.",
+        "Write a short poem about {x}.",
+        "Describe {x} in two sentences.",
+        "Write a very short story about {x}.",
+    ],
+    "task": [
+        "How do I {x}?",
+        "Give me tips to {x}.",
+        "What is the best way to {x}?",
+        "Write step-by-step instructions to {x}.",
+    ],
     "pair": ["Compare {x}.", "What is the difference between {x}?", "What are the pros and cons of {x}?"],
     "code": ["Write a Python function that {x}.", "Show me Python code that {x}."],
     "email": ["Write a short email to {x}."],
     "translate": ["Translate to French: {x}", "Translate to Spanish: {x}", "Correct the grammar: {x}"],
-    "math": ["What is {a} plus {b}?", "What is {a} times {b}?", "If I have {a} apples and give away {b}, "
-             "how many do I have left?", "A train travels {a} km in {b} hours. What is its average speed?"],
+    "math": [
+        "What is {a} plus {b}?",
+        "What is {a} times {b}?",
+        "If I have {a} apples and give away {b}, how many do I have left?",
+        "A train travels {a} km in {b} hours. What is its average speed?",
+    ],
 }
 EVAL_TOPICS = """tornadoes; the Cold War; quantum computing; the Silk Road; migration of birds; the
 stomach; cryptocurrency; the speed of light; the Moon's phases; the Byzantine Empire; mushrooms;
 3D printing; the French language; the theory of relativity; the human skeleton; opera""".split(";")
-EVAL_TEMPLATES = ["Can you describe {x} to a ten-year-old?", "List five interesting things about {x}.",
-                  "What should everyone know about {x}?", "Write an introduction for an essay on {x}."]
-EVAL_EXTRA = ["Write a limerick about a sleepy penguin.", "What should I pack for a weekend camping trip?",
-              "Write a JavaScript function that checks if an array is sorted.",
-              "How can I become a better listener?", "Suggest a name for a bakery that sells only pies.",
-              "Write a text message inviting my friends to a picnic on Saturday.",
-              "What is 17 multiplied by 23? Explain your steps.",
-              "Give me a weekly workout plan for a beginner."]
+EVAL_TEMPLATES = [
+    "Can you describe {x} to a ten-year-old?",
+    "List five interesting things about {x}.",
+    "What should everyone know about {x}?",
+    "Write an introduction for an essay on {x}.",
+]
+EVAL_EXTRA = [
+    "Write a limerick about a sleepy penguin.",
+    "What should I pack for a weekend camping trip?",
+    "Write a JavaScript function that checks if an array is sorted.",
+    "How can I become a better listener?",
+    "Suggest a name for a bakery that sells only pies.",
+    "Write a text message inviting my friends to a picnic on Saturday.",
+    "What is 17 multiplied by 23? Explain your steps.",
+    "Give me a weekly workout plan for a beginner.",
+]
 
 
 MORE_TOPICS = """the Internet of Things; volcanic islands; the metric system; the Ottoman Empire; ancient Greece;
@@ -100,9 +129,14 @@ Saturn's rings; the Sun; meteor showers; the northern lights""".split(";")
 
 
 EXTRA_TEMPLATES = {
-    "topic": ["Write a quiz question about {x} and give the answer.", "What are the main challenges related to {x}?",
-              "Describe the history of {x} briefly.", "How would you explain {x} to a friend?",
-              "Give an example that illustrates {x}.", "What is the future of {x}?"],
+    "topic": [
+        "Write a quiz question about {x} and give the answer.",
+        "What are the main challenges related to {x}?",
+        "Describe the history of {x} briefly.",
+        "How would you explain {x} to a friend?",
+        "Give an example that illustrates {x}.",
+        "What is the future of {x}?",
+    ],
     "task": ["What mistakes should I avoid when trying to {x}?", "I want to {x}. Where do I start?"],
     "thing": ["Write a four-line rhyming poem about {x}."],
     "code": ["Explain how to write a Python function that {x}."],
@@ -133,23 +167,40 @@ Tokyo; Paris; New York City; London; Rome; Cairo; Rio de Janeiro; Sydney; Icelan
 Kenya; Mexico; Norway; New Zealand; the Grand Canyon; Yellowstone National Park; the Dead Sea; the
 Galapagos Islands; basketball; tennis; cycling; marathons; the World Cup; skiing; surfing""".split(";")
 BROAD_SUBJECT_TEMPLATES = [
-    "Tell me about {x}.", "Give me a short overview of {x}.", "Explain {x} to a beginner.",
-    "What are three key facts about {x}?", "Write the opening of a blog post about {x}.",
-    "Write a short quiz about {x}, with answers.", "What is the most interesting thing about {x}?",
-    "How would a teacher explain {x}?", "Summarize {x} in one paragraph.", "What are some fun facts about {x}?",
-    "Write a tweet about {x}.", "Which words are useful for talking about {x}?", "Describe {x} with an analogy.",
-    "Write a short dialogue between two people discussing {x}.", "Why do people find {x} fascinating?",
-    "Create a short study guide for {x}.", "Write three multiple-choice questions about {x}."]
+    "Tell me about {x}.",
+    "Give me a short overview of {x}.",
+    "Explain {x} to a beginner.",
+    "What are three key facts about {x}?",
+    "Write the opening of a blog post about {x}.",
+    "Write a short quiz about {x}, with answers.",
+    "What is the most interesting thing about {x}?",
+    "How would a teacher explain {x}?",
+    "Summarize {x} in one paragraph.",
+    "What are some fun facts about {x}?",
+    "Write a tweet about {x}.",
+    "Which words are useful for talking about {x}?",
+    "Describe {x} with an analogy.",
+    "Write a short dialogue between two people discussing {x}.",
+    "Why do people find {x} fascinating?",
+    "Create a short study guide for {x}.",
+    "Write three multiple-choice questions about {x}.",
+]
 BROAD_THINGS = """a paper boat; an old clock; a thunderstorm; a bicycle; the desert at noon; a forgotten letter;
 a snowman; a busy market; a quiet forest; a river; a bridge; a sleepy dog; a street musician; a spaceship;
 a haunted house; the last day of summer; a kite; a firefly; a window; a fox; the wind; a candle; an umbrella;
 a sandcastle; a secret door; a tiny island; a city park; an astronaut far from home; a grandmother's kitchen;
 a winter morning; a sunflower; a whale; a bookshop; a clockmaker; a lost balloon; a midnight train""".split(";")
 BROAD_THING_TEMPLATES = [
-    "Write a short poem about {x}.", "Write a story in five sentences about {x}.",
-    "Write a song chorus about {x}.", "Describe {x} using all five senses.", "Write a riddle whose answer is {x}.",
-    "Write a diary entry from the point of view of {x}.", "Write a free verse poem about {x}.",
-    "Write the opening paragraph of a novel about {x}.", "Write a bedtime story about {x}."]
+    "Write a short poem about {x}.",
+    "Write a story in five sentences about {x}.",
+    "Write a song chorus about {x}.",
+    "Describe {x} using all five senses.",
+    "Write a riddle whose answer is {x}.",
+    "Write a diary entry from the point of view of {x}.",
+    "Write a free verse poem about {x}.",
+    "Write the opening paragraph of a novel about {x}.",
+    "Write a bedtime story about {x}.",
+]
 BROAD_TASKS = """make a budget; learn to code; paint a room; memorize vocabulary; wake up early; focus while
 studying; brew coffee at home; clean a cast iron pan; remove a coffee stain; tie a tie; change a car tire;
 read faster; take better notes; prepare for a marathon; start meditating; reduce stress at work; make a
@@ -160,9 +211,13 @@ network; protect my privacy online; create a strong password; learn to draw; dea
 coworker; apologize sincerely; comfort a friend; stop procrastinating; overcome stage fright; travel on a
 budget; teach a child to read; write a good essay; get better at math; keep a journal""".split(";")
 BROAD_TASK_TEMPLATES = [
-    "How can I {x}?", "What are the steps to {x}?", "Give me a simple plan to {x}.",
-    "What do beginners get wrong when they try to {x}?", "Explain how to {x} in five steps.",
-    "I have one hour. How can I {x}?"]
+    "How can I {x}?",
+    "What are the steps to {x}?",
+    "Give me a simple plan to {x}.",
+    "What do beginners get wrong when they try to {x}?",
+    "Explain how to {x} in five steps.",
+    "I have one hour. How can I {x}?",
+]
 BROAD_CODE = """finds the second largest number in a list; counts word frequencies in a sentence; checks
 whether two strings are anagrams; converts a binary string to an integer; returns the greatest common
 divisor of two numbers; capitalizes every word in a sentence; checks whether a year is a leap year;
@@ -174,8 +229,11 @@ converts minutes to hours and minutes; computes the area of a circle; sums the d
 prints a multiplication table; finds the minimum and maximum of a list; counts how often each character
 appears in a string; checks whether a number is a perfect square; returns the first n even numbers;
 merges two sorted lists; removes the punctuation from a string""".split(";")
-BROAD_CODE_TEMPLATES = ["Write a {lang} function that {x}.", "Write a {lang} program that {x}, with comments.",
-                        "How would you write a function in {lang} that {x}?"]
+BROAD_CODE_TEMPLATES = [
+    "Write a {lang} function that {x}.",
+    "Write a {lang} program that {x}, with comments.",
+    "How would you write a function in {lang} that {x}?",
+]
 BROAD_LANGUAGES = ["Python", "Python", "C", "Java", "Go", "Rust"]
 BROAD_PY_FEATURES = """list comprehensions; decorators; generators; f-strings; dictionaries; sets; classes;
 inheritance; exceptions; modules; virtual environments; type hints; recursion; lambda functions; the with
@@ -197,9 +255,14 @@ but the food was excellent.; He has been learning to play the piano for three ye
 this afternoon, so take an umbrella.; The new phone has a bigger screen and a better camera.; Scientists
 found a new species of frog in the rainforest.; I forgot my keys at home this morning.; The concert was
 cancelled because of the storm.""".split(";")
-BROAD_SENTENCE_TEMPLATES = ["Rewrite this sentence to sound more formal: {x}", "Translate to German: {x}",
-                            "Translate to Italian: {x}", "Make this sentence shorter: {x}",
-                            "Explain the grammar of this sentence: {x}", "Turn this sentence into a question: {x}"]
+BROAD_SENTENCE_TEMPLATES = [
+    "Rewrite this sentence to sound more formal: {x}",
+    "Translate to German: {x}",
+    "Translate to Italian: {x}",
+    "Make this sentence shorter: {x}",
+    "Explain the grammar of this sentence: {x}",
+    "Turn this sentence into a question: {x}",
+]
 BROAD_QUESTIONS = """Why is the sky blue?; How do airplanes stay in the air?; Why do cats purr?; What causes
 thunder?; How do magnets work?; Why do leaves change color in autumn?; Why is the ocean salty?; How do
 bees make honey?; Why do we yawn?; How does a refrigerator keep food cold?; What makes a rainbow appear?;
@@ -229,8 +292,11 @@ def _items(text_list: list[str]) -> list[str]:
 def _fill(rng: random.Random, templates: list[str], items: list[str], per_item: int | None = None) -> list[str]:
     """Each of `items` (cleaned by `_items`) put into `per_item` of the templates drawn at random,
     or into every template when per_item is None."""
-    return [t.format(x=x) for x in _items(items)
-            for t in (templates if per_item is None else rng.sample(templates, per_item))]
+    return [
+        t.format(x=x)
+        for x in _items(items)
+        for t in (templates if per_item is None else rng.sample(templates, per_item))
+    ]
 
 
 def _distinct_shuffled(prompts: list[str], rng: random.Random) -> list[str]:
@@ -243,10 +309,15 @@ def _distinct_shuffled(prompts: list[str], rng: random.Random) -> list[str]:
 def train_prompts(seed: int = 0) -> list[str]:
     """About 1,150 distinct training prompts: every template family over the training subjects."""
     rng = random.Random(seed)
-    lists = {"topic": _items(TRAIN_TOPICS), "thing": _items(TRAIN_THINGS), "task": _items(TRAIN_TASKS),
-             "pair": _items(TRAIN_PAIRS), "code": _items(TRAIN_CODE),
-             "email": [f"{p} about {r}" for p in _items(TRAIN_PEOPLE) for r in _items(TRAIN_REASONS)],
-             "translate": _items(TRAIN_SENTENCES)}
+    lists = {
+        "topic": _items(TRAIN_TOPICS),
+        "thing": _items(TRAIN_THINGS),
+        "task": _items(TRAIN_TASKS),
+        "pair": _items(TRAIN_PAIRS),
+        "code": _items(TRAIN_CODE),
+        "email": [f"{p} about {r}" for p in _items(TRAIN_PEOPLE) for r in _items(TRAIN_REASONS)],
+        "translate": _items(TRAIN_SENTENCES),
+    }
     prompts = []
     for kind, templates in TRAIN_TEMPLATES.items():
         if kind == "math":
@@ -270,21 +341,33 @@ def broad_train_prompts(seed: int = 1) -> list[str]:
     prompts = _fill(rng, BROAD_SUBJECT_TEMPLATES, BROAD_SUBJECTS, 3)
     prompts += _fill(rng, BROAD_THING_TEMPLATES, BROAD_THINGS, 3)
     prompts += _fill(rng, BROAD_TASK_TEMPLATES, BROAD_TASKS, 2)
-    prompts += [t.format(x=x, lang=rng.choice(BROAD_LANGUAGES)) for x in _items(BROAD_CODE)
-                for t in rng.sample(BROAD_CODE_TEMPLATES, 2)]
+    prompts += [
+        t.format(x=x, lang=rng.choice(BROAD_LANGUAGES))
+        for x in _items(BROAD_CODE)
+        for t in rng.sample(BROAD_CODE_TEMPLATES, 2)
+    ]
     prompts += _fill(rng, BROAD_PY_TEMPLATES, BROAD_PY_FEATURES)
     prompts += [f"What is the difference between {x}?" for x in _items(BROAD_TECH_PAIRS)]
-    prompts += [rng.choice(BROAD_MAIL_TEMPLATES).format(x=f"{who} about {what}")
-                for who in _items(BROAD_RECIPIENTS) for what in _items(BROAD_SUBJECTS_OF_MAIL)]
+    prompts += [
+        rng.choice(BROAD_MAIL_TEMPLATES).format(x=f"{who} about {what}")
+        for who in _items(BROAD_RECIPIENTS)
+        for what in _items(BROAD_SUBJECTS_OF_MAIL)
+    ]
     prompts += _fill(rng, BROAD_SENTENCE_TEMPLATES, BROAD_SENTENCES, 3)
     prompts += _items(BROAD_QUESTIONS)
     prompts += _fill(rng, BROAD_IDEA_TEMPLATES, BROAD_IDEAS)
     prompts += [f"Recommend three books for someone who likes {x}." for x in _items(BROAD_GENRES)]
     prompts += [f"Plan a one-day visit to {x}." for x in _items(BROAD_CITIES)]
-    arithmetic = ["What is {a} minus {b}?", "What is {a} divided by {b}?", "What is {b} percent of {a}?",
-                  "Solve for x: {b}x + {a} = {c}.", "A pen costs {b} cents. How much do {a} pens cost?",
-                  "What is the square of {b}?", "Convert {a} kilometers to miles.",
-                  "A recipe needs {b} eggs for 4 people. How many eggs do I need for {c} people?"]
+    arithmetic = [
+        "What is {a} minus {b}?",
+        "What is {a} divided by {b}?",
+        "What is {b} percent of {a}?",
+        "Solve for x: {b}x + {a} = {c}.",
+        "A pen costs {b} cents. How much do {a} pens cost?",
+        "What is the square of {b}?",
+        "Convert {a} kilometers to miles.",
+        "A recipe needs {b} eggs for 4 people. How many eggs do I need for {c} people?",
+    ]
     for i in range(80):
         a, b, c = rng.randint(10, 999), rng.randint(2, 60), rng.randint(2, 12)
         prompts.append(arithmetic[i % len(arithmetic)].format(a=a, b=b, c=c))

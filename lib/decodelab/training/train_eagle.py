@@ -25,6 +25,7 @@ Stages (cached under --cache, default /tmp/decodelab_eagle):
 
 Shapes: B conversations in a batch, T positions, E hidden_size, V vocab_size.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,17 +39,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from decodelab.training.chat_prompts import broad_train_prompts, eval_prompts, train_prompts
 from decodelab.decoding.eagle import CONFIG_FILE, FeatureDrafter, load_drafter, save_drafter
 from decodelab.paths import PACKAGE_DATA
+from decodelab.training.chat_prompts import broad_train_prompts, eval_prompts, train_prompts
 
 OUT_NAME = "smollm2-eagle"
 MAX_NEW, EVAL_MAX_NEW = 192, 128
 SAMPLED_SHARE = 0.5  # of train_prompts, also answered at temperature 0.7 (all of broad_train_prompts are)
 REG_WEIGHT, CLS_WEIGHT, NOISE = 1.0, 0.5, 0.2
 TRAIN_JOBS = (  # cache name, prompt set, share of it answered, temperature
-    ("train_greedy", train_prompts, 1.0, 0.0), ("train_sampled", train_prompts, SAMPLED_SHARE, 0.7),
-    ("train_broad", broad_train_prompts, 1.0, 0.0), ("train_broad_sampled", broad_train_prompts, 1.0, 0.7))
+    ("train_greedy", train_prompts, 1.0, 0.0),
+    ("train_sampled", train_prompts, SAMPLED_SHARE, 0.7),
+    ("train_broad", broad_train_prompts, 1.0, 0.0),
+    ("train_broad_sampled", broad_train_prompts, 1.0, 0.7),
+)
 TRAIN_SETS = tuple(name for name, *_ in TRAIN_JOBS)
 RANDOM_CANDIDATES = 1024  # vocabulary entries added at random to each step's softmax
 
@@ -87,14 +91,16 @@ def make_data(cache: Path) -> None:
         if path.exists():
             continue
         texts = prompt_set()
-        subset = texts[:int(share * len(texts))]
+        subset = texts[: int(share * len(texts))]
         llm = llm or LLM("smollm2", device="cpu", dtype="bfloat16", max_num_seqs=48)
         prompts = [chat_ids(llm.tokenizer, p) for p in subset]
         t0 = time.time()
         rows = answer(llm, prompts, temperature, MAX_NEW, 1000)
         torch.save(rows, path)
-        log(f"data: {name}: {len(rows)} conversations, {sum(len(r['answer']) for r in rows):,} answer tokens "
-            f"in {time.time() - t0:.0f} s")
+        log(
+            f"data: {name}: {len(rows)} conversations, {sum(len(r['answer']) for r in rows):,} answer tokens "
+            f"in {time.time() - t0:.0f} s"
+        )
 
 
 @torch.inference_mode()
@@ -107,8 +113,9 @@ def make_features(cache: Path, target) -> None:
         rows, out, t0 = torch.load(cache / f"{name}.pt"), [], time.time()
         for row in rows:
             ids = torch.tensor([row["prompt"] + row["answer"]])
-            out.append({"ids": ids[0], "start": len(row["prompt"]),
-                        "features": target.features(ids)[0].to(torch.bfloat16)})
+            out.append(
+                {"ids": ids[0], "start": len(row["prompt"]), "features": target.features(ids)[0].to(torch.bfloat16)}
+            )
         torch.save(out, path)
         log(f"features: {name}: {sum(len(r['ids']) for r in out):,} positions in {time.time() - t0:.0f} s")
 
@@ -132,7 +139,7 @@ def make_batch(rows: list[dict]):
     for i, r in enumerate(rows):
         n = len(r["ids"])
         ids[i, :n], feats[i, :n], valid[i, :n] = r["ids"], r["features"].float(), True
-        answer_mask[i, r["start"]:n] = True
+        answer_mask[i, r["start"] : n] = True
     return ids, feats, valid, answer_mask
 
 
@@ -168,7 +175,7 @@ def agreement(drafter, rows: list[dict], batch: int = 8) -> float:
     argmax lm_head(f_{t+1}) (alpha for the first draft at temperature 0)."""
     hits = total = 0
     for i in range(0, len(rows), batch):
-        ids, feats, valid, answer_mask = make_batch(rows[i:i + batch])
+        ids, feats, valid, answer_mask = make_batch(rows[i : i + batch])
         predicted = predict(drafter, ids, feats)
         mask = (valid & answer_mask)[:, 1:]
         draft_choice = drafter.logits(predicted[mask]).argmax(-1)
@@ -195,8 +202,16 @@ def init_drafter(target) -> FeatureDrafter:
     return drafter
 
 
-def train(cache: Path, target, minutes: float, lr: float, tokens_per_batch: int, eval_every: float,
-          seed: int, resume: Path | None = None) -> tuple[FeatureDrafter, dict]:
+def train(
+    cache: Path,
+    target,
+    minutes: float,
+    lr: float,
+    tokens_per_batch: int,
+    eval_every: float,
+    seed: int,
+    resume: Path | None = None,
+) -> tuple[FeatureDrafter, dict]:
     """Train for `minutes`, from `init_drafter` or, with `resume`, from a saved drafter (its
     training record is kept under "resumed_from")."""
     torch.manual_seed(seed)
@@ -211,8 +226,9 @@ def train(cache: Path, target, minutes: float, lr: float, tokens_per_batch: int,
     params = [p for p in drafter.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     other = [p for p in params if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}],
-                                  lr=lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95)
+    )
     seen = training_vocabulary(rows)  # [C0]
     vocab = target.config.vocab_size
     rows.sort(key=lambda r: len(r["ids"]))
@@ -225,8 +241,10 @@ def train(cache: Path, target, minutes: float, lr: float, tokens_per_batch: int,
         current.append(r)
     batches.append(current)
     history, best = [], {"agreement": agreement(drafter, held_out), "step": 0, "state": None}
-    log(f"train: {len(rows)} conversations, {sum(len(r['ids']) for r in rows):,} positions, {len(batches)} batches; "
-        f"agreement before training {best['agreement']:.3f}")
+    log(
+        f"train: {len(rows)} conversations, {sum(len(r['ids']) for r in rows):,} positions, {len(batches)} batches; "
+        f"agreement before training {best['agreement']:.3f}"
+    )
     budget, spent, step, next_eval, ema = 60 * minutes, 0.0, 0, eval_every, None
     order = []
     while spent < budget:
@@ -252,24 +270,51 @@ def train(cache: Path, target, minutes: float, lr: float, tokens_per_batch: int,
         if spent >= next_eval or spent >= budget:
             next_eval += eval_every
             score = agreement(drafter, held_out)
-            history.append({"step": step, "minutes": spent / 60, "loss_ema": ema, "reg": reg.item(),
-                            "cls": cls.item(), "agreement": score})
-            log(f"train: step {step}, {spent / 60:.1f} min, loss {ema:.4f} (reg {reg.item():.4f}, "
-                f"cls {cls.item():.3f}), held-out one-step agreement {score:.3f}")
+            history.append(
+                {
+                    "step": step,
+                    "minutes": spent / 60,
+                    "loss_ema": ema,
+                    "reg": reg.item(),
+                    "cls": cls.item(),
+                    "agreement": score,
+                }
+            )
+            log(
+                f"train: step {step}, {spent / 60:.1f} min, loss {ema:.4f} (reg {reg.item():.4f}, "
+                f"cls {cls.item():.3f}), held-out one-step agreement {score:.3f}"
+            )
             if score > best["agreement"]:
-                best = {"agreement": score, "step": step,
-                        "state": {k: v.detach().clone() for k, v in drafter.state_dict().items()}}
+                best = {
+                    "agreement": score,
+                    "step": step,
+                    "state": {k: v.detach().clone() for k, v in drafter.state_dict().items()},
+                }
     if best["state"] is not None:
         drafter.load_state_dict(best["state"])
     drafter.restrict_vocabulary(seen)  # it proposes only what its softmax was trained over
     earlier = json.loads((resume / CONFIG_FILE).read_text())["training"] if resume is not None else None
-    info = {"resumed_from": earlier, "steps": step, "minutes": spent / 60, "lr": lr,
-            "tokens_per_batch": tokens_per_batch,
-            "conversations": len(rows), "positions": sum(len(r["ids"]) for r in rows),
-            "held_out_conversations": len(held_out), "best_step": best["step"],
-            "best_agreement": best["agreement"], "history": history, "seed": seed,
-            "loss": {"reg_weight": REG_WEIGHT, "cls_weight": CLS_WEIGHT, "noise": NOISE,
-                     "softmax_candidates": int(seen.numel()), "random_candidates": RANDOM_CANDIDATES}}
+    info = {
+        "resumed_from": earlier,
+        "steps": step,
+        "minutes": spent / 60,
+        "lr": lr,
+        "tokens_per_batch": tokens_per_batch,
+        "conversations": len(rows),
+        "positions": sum(len(r["ids"]) for r in rows),
+        "held_out_conversations": len(held_out),
+        "best_step": best["step"],
+        "best_agreement": best["agreement"],
+        "history": history,
+        "seed": seed,
+        "loss": {
+            "reg_weight": REG_WEIGHT,
+            "cls_weight": CLS_WEIGHT,
+            "noise": NOISE,
+            "softmax_candidates": int(seen.numel()),
+            "random_candidates": RANDOM_CANDIDATES,
+        },
+    }
     return drafter.eval(), info
 
 
@@ -303,13 +348,21 @@ def step_times(target, drafter, prompt_ids: list[int], rounds: int = 7, steps: i
     return result
 
 
-def evaluate(target, drafter, tokenizer, ks=(1, 2, 3, 4), temperatures=(0.0, 0.7), max_tokens: int = 96,
-             speedup_k: int = 2, n_prompts: int = 16) -> dict:
+def evaluate(
+    target,
+    drafter,
+    tokenizer,
+    ks=(1, 2, 3, 4),
+    temperatures=(0.0, 0.7),
+    max_tokens: int = 96,
+    speedup_k: int = 2,
+    n_prompts: int = 16,
+) -> dict:
     import dataclasses
 
     from decodelab.decoding.generate import stream_token_ids
-    from decodelab.params import SamplingParams
     from decodelab.decoding.speculative import SpeculativeStats, speculative_generate
+    from decodelab.params import SamplingParams
 
     stops = tokenizer.stop_token_ids()
     prompts = [chat_ids(tokenizer, p) for p in eval_prompts()[:n_prompts]]
@@ -322,15 +375,22 @@ def evaluate(target, drafter, tokenizer, ks=(1, 2, 3, 4), temperatures=(0.0, 0.7
                 _, s = speculative_generate(target, drafter, ids, params, k, stops)
                 for f in dataclasses.fields(s):
                     setattr(stats, f.name, getattr(stats, f.name) + getattr(s, f.name))
-            out["alpha"][f"t{temperature}_k{k}"] = {"temperature": temperature, "k": k,
-                                                    "alpha": stats.acceptance_rate,
-                                                    "tokens_per_target_call": stats.tokens_per_target_call,
-                                                    **dataclasses.asdict(stats)}
-            log(f"eval T={temperature} k={k}: alpha {stats.acceptance_rate:.3f}, "
-                f"{stats.tokens_per_target_call:.2f} tokens per target call ({time.time() - t0:.0f} s)")
+            out["alpha"][f"t{temperature}_k{k}"] = {
+                "temperature": temperature,
+                "k": k,
+                "alpha": stats.acceptance_rate,
+                "tokens_per_target_call": stats.tokens_per_target_call,
+                **dataclasses.asdict(stats),
+            }
+            log(
+                f"eval T={temperature} k={k}: alpha {stats.acceptance_rate:.3f}, "
+                f"{stats.tokens_per_target_call:.2f} tokens per target call ({time.time() - t0:.0f} s)"
+            )
     out["step_times"] = step_times(target, drafter, prompts[0] + list(range(1000, 1064)))
-    log(f"eval: target step {1e3 * out['step_times']['target']:.1f} ms, drafter step "
-        f"{1e3 * out['step_times']['drafter']:.1f} ms, c = {out['step_times']['c']:.3f}")
+    log(
+        f"eval: target step {1e3 * out['step_times']['target']:.1f} ms, drafter step "
+        f"{1e3 * out['step_times']['drafter']:.1f} ms, c = {out['step_times']['c']:.3f}"
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     totals = {"plain": 0.0, "speculative": 0.0}
     tokens = 0
@@ -345,45 +405,64 @@ def evaluate(target, drafter, tokenizer, ks=(1, 2, 3, 4), temperatures=(0.0, 0.7
         if output != reference:
             raise AssertionError("greedy speculative output differs from plain greedy decoding")
         tokens += len(output)
-    out["speedup"] = {"k": speedup_k, "prompts": 8, "tokens": tokens, **{f"{k}_s": v for k, v in totals.items()},
-                      "wall": totals["plain"] / totals["speculative"]}
+    out["speedup"] = {
+        "k": speedup_k,
+        "prompts": 8,
+        "tokens": tokens,
+        **{f"{k}_s": v for k, v in totals.items()},
+        "wall": totals["plain"] / totals["speculative"],
+    }
     log(f"eval: greedy speedup at k = {speedup_k}: {out['speedup']['wall']:.2f}x (wall clock, {tokens} tokens)")
     return out
 
 
 def write_report(folder: Path, training: dict, evaluation: dict, data: dict) -> None:
-    rows = [f"| {r['temperature']} | {r['k']} | {r['alpha']:.3f} | {r['tokens_per_target_call']:.2f} |"
-            for r in evaluation["alpha"].values()]
+    rows = [
+        f"| {r['temperature']} | {r['k']} | {r['alpha']:.3f} | {r['tokens_per_target_call']:.2f} |"
+        for r in evaluation["alpha"].values()
+    ]
     phases = [training]  # the first phase first: a resumed run keeps the run it continued
     while phases[0].get("resumed_from"):
         phases.insert(0, phases[0]["resumed_from"])
     hist, steps_before, minutes_before = [], 0, 0.0
     for phase in phases:
-        hist += [f"| {steps_before + h['step']} | {minutes_before + h['minutes']:.1f} | {h['loss_ema']:.4f} | "
-                 f"{h['agreement']:.3f} |" for h in phase["history"]]
+        hist += [
+            f"| {steps_before + h['step']} | {minutes_before + h['minutes']:.1f} | {h['loss_ema']:.4f} | "
+            f"{h['agreement']:.3f} |"
+            for h in phase["history"]
+        ]
         steps_before, minutes_before = steps_before + phase["steps"], minutes_before + phase["minutes"]
-    schedule = "; ".join(f"{p['minutes']:.1f} min at lr {p['lr']} ({p['steps']} steps, {p['conversations']} "
-                         "conversations)" for p in phases)
+    schedule = "; ".join(
+        f"{p['minutes']:.1f} min at lr {p['lr']} ({p['steps']} steps, {p['conversations']} conversations)"
+        for p in phases
+    )
     st = evaluation["step_times"]
     lines = [
-        "# `smollm2-eagle`: a feature drafter for SmolLM2-135M-Instruct", "",
+        "# `smollm2-eagle`: a feature drafter for SmolLM2-135M-Instruct",
+        "",
         "Written by `python -m decodelab.training.train_eagle` (the method is in that module's docstring and in",
         "`decodelab.decoding.eagle`). Load it with `decodelab.decoding.eagle.load_drafter(target)` and pass it to",
-        "`decodelab.decoding.speculative.speculative_generate(target, drafter, ...)`.", "",
-        "## What it is", "",
+        "`decodelab.decoding.speculative.speculative_generate(target, drafter, ...)`.",
+        "",
+        "## What it is",
+        "",
         f"fc (2 x 576 -> 576) + one decoder layer of SmolLM2's shape + an RMSNorm: "
         f"{data['own_parameters'] / 1e6:.2f} M parameters of its own, stored in bfloat16; the embedding and "
         "lm_head are SmolLM2's (frozen, not stored here). It proposes only the "
         f"{training['loss']['softmax_candidates']:,} token ids of its training text (its draft vocabulary, stored "
-        "with it): its lm_head product reads those rows only, the largest part of a draft step.", "",
-        "## Data", "",
+        "with it): its lm_head product reads those rows only, the largest part of a draft step.",
+        "",
+        "## Data",
+        "",
         f"- {data['conversations']} conversations written by SmolLM2 itself (the batched engine, bfloat16 copy) to "
         f"the training prompts of `decodelab.training.chat_prompts` (`train_prompts`, then the broader "
         f"`broad_train_prompts`): greedy for every prompt, and sampled at temperature 0.7 for "
         f"{int(100 * SAMPLED_SHARE)}% of the first set and all of the second; at most {MAX_NEW} answer tokens; "
         f"{data['positions']:,} positions with SmolLM2's float32 features",
         f"- held out: {data['held_out']} prompts from other templates and subjects, answered greedily in float32",
-        "", "## Training", "",
+        "",
+        "## Training",
+        "",
         f"- {minutes_before:.1f} min on this 2-core CPU, {steps_before} steps, batches of about "
         f"{training['tokens_per_batch']} padded positions, AdamW; each phase warms up for 3% of its time, then "
         f"follows a cosine to 10% of its lr: {schedule} (a later phase resumes from the best checkpoint of the one "
@@ -392,12 +471,21 @@ def write_report(folder: Path, training: dict, evaluation: dict, data: dict) -> 
         f"{CLS_WEIGHT} (softmaxes over the {training['loss']['softmax_candidates']:,} token ids of the training "
         f"text plus {training['loss']['random_candidates']:,} random ones per step; evaluation uses the full "
         f"vocabulary); input features get uniform noise of {NOISE} x their mean magnitude",
-        "- initialization: the layer from SmolLM2's last layer, the norm from its final norm, fc = [I | I]", "",
-        "| step | minutes | loss (EMA) | held-out one-step agreement |", "|---:|---:|---:|---:|", *hist, "",
-        "## Measured (held-out prompts, `decodelab.decoding.speculative.speculative_generate`)", "",
+        "- initialization: the layer from SmolLM2's last layer, the norm from its final norm, fc = [I | I]",
+        "",
+        "| step | minutes | loss (EMA) | held-out one-step agreement |",
+        "|---:|---:|---:|---:|",
+        *hist,
+        "",
+        "## Measured (held-out prompts, `decodelab.decoding.speculative.speculative_generate`)",
+        "",
         f"alpha = accepted / judged drafts, {evaluation['prompts']} prompts, at most {evaluation['max_tokens']} "
-        "tokens each.", "",
-        "| temperature | k | alpha | tokens per target call |", "|---:|---:|---:|---:|", *rows, "",
+        "tokens each.",
+        "",
+        "| temperature | k | alpha | tokens per target call |",
+        "|---:|---:|---:|---:|",
+        *rows,
+        "",
         f"One drafter step (drafter forward + lm_head) {1e3 * st['drafter']:.1f} ms vs one SmolLM2 decode step "
         f"{1e3 * st['target']:.1f} ms: c = {st['c']:.3f} (float32, CPU, medians of interleaved rounds; with "
         "the whole vocabulary instead of the draft vocabulary c is about 3x larger).",
@@ -405,7 +493,9 @@ def write_report(folder: Path, training: dict, evaluation: dict, data: dict) -> 
         f"{evaluation['speedup']['prompts']} prompts: {evaluation['speedup']['wall']:.2f}x wall clock, "
         "identical output. On this CPU verifying k + 1 tokens in one pass costs more than one decode step "
         "(the matmuls are compute-bound already at a few rows), so the gain needs a small k; "
-        "`bench/speculative.py --model smollm2 --drafter smollm2-eagle` measures every k.", ""]
+        "`bench/speculative.py --model smollm2 --drafter smollm2-eagle` measures every k.",
+        "",
+    ]
     (folder / "TRAINING.md").write_text("\n".join(lines))
 
 
@@ -419,8 +509,12 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens-per-batch", type=int, default=4096)
     parser.add_argument("--eval-every", type=float, default=120.0, help="seconds of training between evaluations")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--resume", type=Path, default=None,
-                        help="a saved drafter folder to continue training from (instead of the initialization)")
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="a saved drafter folder to continue training from (instead of the initialization)",
+    )
     args = parser.parse_args(argv)
     from decodelab.model.registry import load
 
@@ -431,17 +525,21 @@ def main(argv=None) -> int:
     if args.stage in ("all", "features"):
         make_features(args.cache, target)
     if args.stage in ("all", "train"):
-        drafter, info = train(args.cache, target, args.minutes, args.lr, args.tokens_per_batch, args.eval_every,
-                              args.seed, args.resume)
+        drafter, info = train(
+            args.cache, target, args.minutes, args.lr, args.tokens_per_batch, args.eval_every, args.seed, args.resume
+        )
         save_drafter(drafter, args.out, "smollm2", {"training": info})
     if args.stage in ("all", "train", "eval"):
         drafter = load_drafter(target, args.out)
         meta = json.loads((args.out / "drafter.json").read_text())
         evaluation = evaluate(target, drafter, tokenizer)
         (args.out / "eval.json").write_text(json.dumps(evaluation, indent=2) + "\n")
-        data = {"conversations": meta["training"]["conversations"], "positions": meta["training"]["positions"],
-                "held_out": meta["training"]["held_out_conversations"],
-                "own_parameters": sum(p.numel() for p in drafter.parameters())}
+        data = {
+            "conversations": meta["training"]["conversations"],
+            "positions": meta["training"]["positions"],
+            "held_out": meta["training"]["held_out_conversations"],
+            "own_parameters": sum(p.numel() for p in drafter.parameters()),
+        }
         write_report(args.out, meta["training"], evaluation, data)
         log(f"wrote {args.out}")
     return 0

@@ -13,6 +13,7 @@ speed of the first steps (still in warm-up, so the run is the same as one given 
 with that count) and recorded in each model folder's training.json and in TRAINING.md.
 Shapes: B batch, T sequence length, V vocab_size.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,10 +45,16 @@ shlex shutil statistics string subprocess tarfile tempfile textwrap tokenize tra
 unittest/case urllib/parse weakref zipfile""".split()
 HELDOUT_FILES = "optparse smtplib plistlib timeit filecmp graphlib reprlib".split()
 MODELS = {  # name -> (folder, architecture, default minutes)
-    "target": ("tiny", dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                            num_attention_heads=8, num_key_value_heads=8), 30.0),
-    "draft": ("tiny-draft", dict(hidden_size=128, intermediate_size=352, num_hidden_layers=1,
-                                 num_attention_heads=4, num_key_value_heads=4), 10.0),
+    "target": (
+        "tiny",
+        dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8),
+        30.0,
+    ),
+    "draft": (
+        "tiny-draft",
+        dict(hidden_size=128, intermediate_size=352, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4),
+        10.0,
+    ),
 }
 SEQ_LEN, BATCH, PEAK_LR, WARMUP = 256, 16, 3e-3, 50
 ESTIMATE_AT = WARMUP  # the step count is fixed from the speed of steps 5..ESTIMATE_AT
@@ -65,8 +72,7 @@ def build_corpus(out: Path) -> None:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     out.mkdir(parents=True, exist_ok=True)
     for name, files in (("train.txt", TRAIN_FILES), ("heldout.txt", HELDOUT_FILES)):
-        parts = [HEADER.format(f"{f}.py") + (stdlib / f"{f}.py").read_text(encoding="utf-8")
-                 for f in files]
+        parts = [HEADER.format(f"{f}.py") + (stdlib / f"{f}.py").read_text(encoding="utf-8") for f in files]
         (out / name).write_text("".join(p if p.endswith("\n") else p + "\n" for p in parts), encoding="utf-8")
         log(f"{out / name}: {len(files)} files, {(out / name).stat().st_size:,} bytes")
 
@@ -79,19 +85,30 @@ def documents(text: str) -> list[str]:
 # ---------------------------------------------------------------------- tokenizer
 def train_tokenizer(corpus: Path, out: Path, vocab_size: int) -> None:
     """Byte-level BPE on the training corpus -> out/tokenizer.json + tokenizer_config.json."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     backend.train_from_iterator(documents((corpus / "train.txt").read_text(encoding="utf-8")), trainer)
     out.mkdir(parents=True, exist_ok=True)
     backend.save(str(out / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT,
-              "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-              "model_max_length": 1024}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOT,
+        "eos_token": EOT,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1024,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     log(f"tokenizer: {backend.get_vocab_size()} tokens -> {out}")
 
@@ -117,13 +134,24 @@ def byte_lengths(tokenizer: Tokenizer) -> torch.Tensor:
 def make_model(which: str, vocab_size: int, seed: int) -> LlamaForCausalLM:
     """A freshly initialized model: normal(0.02) weights, residual outputs scaled by 1/sqrt(2L)."""
     arch = MODELS[which][1]
-    config = ModelConfig(vocab_size=vocab_size, max_position_embeddings=1024, rope_theta=10000.0,
-                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, **arch)
+    config = ModelConfig(
+        vocab_size=vocab_size,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        **arch,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     for name, p in model.named_parameters():
         if p.dim() == 2:
-            std = 0.02 / math.sqrt(2 * config.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            std = (
+                0.02 / math.sqrt(2 * config.num_hidden_layers)
+                if name.endswith(("o_proj.weight", "down_proj.weight"))
+                else 0.02
+            )
             torch.nn.init.normal_(p, std=std)
     return model
 
@@ -160,8 +188,9 @@ def make_optimizer(model) -> torch.optim.AdamW:
     """AdamW; weight decay on the matrices only (not on the norms' gains)."""
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                             lr=PEAK_LR, betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}], lr=PEAK_LR, betas=(0.9, 0.95)
+    )
 
 
 def train_step(model, opt, inputs: torch.Tensor, targets: torch.Tensor, lr: float, bf16: bool) -> float:
@@ -177,8 +206,7 @@ def train_step(model, opt, inputs: torch.Tensor, targets: torch.Tensor, lr: floa
     return loss.item()
 
 
-def train(which: str, minutes: float, steps: int | None, seed: int, out: Path, command: str,
-          bf16: bool = True) -> dict:
+def train(which: str, minutes: float, steps: int | None, seed: int, out: Path, command: str, bf16: bool = True) -> dict:
     """Train one model, save it to out/<folder>, return its statistics.
 
     bf16: autocast the matmuls to bfloat16 (master weights and optimizer stay float32);
@@ -208,16 +236,28 @@ def train(which: str, minutes: float, steps: int | None, seed: int, out: Path, c
         if time.time() - last_print >= 30 or step == total:
             probe_loss = evaluate(model, heldout, lengths, probe)["nats_per_token"]
             last_print = time.time()
-            log(f"{which}: step {step}/{total} loss {loss_avg:.3f} held-out {probe_loss:.3f} "
-                f"lr {lr_at(step - 1, total):.2e} {last_print - start:,.0f}s")
-    stats = {"command": command, "steps": step, "train_seconds": round(time.time() - start), "seed": seed,
-             "batch": BATCH, "seq_len": SEQ_LEN, "peak_lr": PEAK_LR, "warmup": WARMUP, "bf16_autocast": bf16,
-             "threads": torch.get_num_threads()}
+            log(
+                f"{which}: step {step}/{total} loss {loss_avg:.3f} held-out {probe_loss:.3f} "
+                f"lr {lr_at(step - 1, total):.2e} {last_print - start:,.0f}s"
+            )
+    stats = {
+        "command": command,
+        "steps": step,
+        "train_seconds": round(time.time() - start),
+        "seed": seed,
+        "batch": BATCH,
+        "seq_len": SEQ_LEN,
+        "peak_lr": PEAK_LR,
+        "warmup": WARMUP,
+        "bf16_autocast": bf16,
+        "threads": torch.get_num_threads(),
+    }
     return finish(which, model, train_ids, heldout, lengths, out, stats)
 
 
-def finish(which: str, model, train_ids: torch.Tensor, heldout: torch.Tensor, lengths: torch.Tensor,
-           out: Path, stats: dict) -> dict:
+def finish(
+    which: str, model, train_ids: torch.Tensor, heldout: torch.Tensor, lengths: torch.Tensor, out: Path, stats: dict
+) -> dict:
     """Save in bfloat16, then measure the saved weights on train and held-out windows."""
     folder = out / MODELS[which][0]
     save_model(model, folder, dtype=torch.bfloat16)
@@ -226,13 +266,20 @@ def finish(which: str, model, train_ids: torch.Tensor, heldout: torch.Tensor, le
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 0}) + "\n")
     saved = load_model(folder)
     all_heldout = torch.arange(0, len(heldout) - SEQ_LEN - 1, SEQ_LEN)
-    some_train = torch.randint(0, len(train_ids) - SEQ_LEN - 1, (len(all_heldout),), generator=torch.Generator().manual_seed(0))
-    stats.update(parameters=saved.num_parameters(), config=MODELS[which][1],
-                 train=evaluate(saved, train_ids, lengths, some_train),
-                 heldout=evaluate(saved, heldout, lengths, all_heldout))
+    some_train = torch.randint(
+        0, len(train_ids) - SEQ_LEN - 1, (len(all_heldout),), generator=torch.Generator().manual_seed(0)
+    )
+    stats.update(
+        parameters=saved.num_parameters(),
+        config=MODELS[which][1],
+        train=evaluate(saved, train_ids, lengths, some_train),
+        heldout=evaluate(saved, heldout, lengths, all_heldout),
+    )
     (folder / "training.json").write_text(json.dumps(stats, indent=2) + "\n")
-    log(f"{which}: train {stats['train']['nats_per_token']:.3f}, held-out {stats['heldout']['nats_per_token']:.3f} "
-        f"nats/token ({stats['heldout']['bits_per_byte']:.3f} bits/byte) -> {folder}")
+    log(
+        f"{which}: train {stats['train']['nats_per_token']:.3f}, held-out {stats['heldout']['nats_per_token']:.3f} "
+        f"nats/token ({stats['heldout']['bits_per_byte']:.3f} bits/byte) -> {folder}"
+    )
     return stats
 
 
@@ -251,29 +298,39 @@ def samples(folder: Path, prompts=SAMPLE_PROMPTS) -> list[tuple[str, str]]:
 
 def write_report(out: Path) -> None:
     """TRAINING.md from each model folder's training.json."""
-    lines = ["# The tiny models: how they were trained", "",
-             "Written by `python -m decodelab.training.train_tiny`; the corpus is described in `corpus/README.md`.",
-             "Losses are measured on the saved bfloat16 weights (run in float32): held-out = every",
-             "256-token window of `corpus/heldout.txt`, train = as many random windows of `train.txt`.",
-             "The corpus is small (0.8M tokens), so longer training overfits: a 1600-step run of the",
-             "target (46 min) reached train 1.455 but held-out 3.304 nats/token, worse than the run below.", ""]
+    lines = [
+        "# The tiny models: how they were trained",
+        "",
+        "Written by `python -m decodelab.training.train_tiny`; the corpus is described in `corpus/README.md`.",
+        "Losses are measured on the saved bfloat16 weights (run in float32): held-out = every",
+        "256-token window of `corpus/heldout.txt`, train = as many random windows of `train.txt`.",
+        "The corpus is small (0.8M tokens), so longer training overfits: a 1600-step run of the",
+        "target (46 min) reached train 1.455 but held-out 3.304 nats/token, worse than the run below.",
+        "",
+    ]
     for which, (name, _, _) in MODELS.items():
         path = out / name / "training.json"
         if not path.exists():
             continue
         s = json.loads(path.read_text())
-        lines += [f"## `{name}` ({which})", "", f"- architecture: `{json.dumps(s['config'])}`, "
-                  f"vocab {json.loads((out / name / 'config.json').read_text())['vocab_size']}, tied embeddings, context 1024",
-                  f"- parameters: {s['parameters']:,}",
-                  f"- training: {s['steps']} steps of {s['batch']} x {s['seq_len']} tokens in {s['train_seconds'] / 60:.1f} min "
-                  f"({s['threads']} CPU thread{'s' * (s['threads'] > 1)}{', bfloat16 autocast' if s['bf16_autocast'] else ''}), AdamW peak lr {s['peak_lr']}, warm-up {s['warmup']}, cosine to 10%, seed {s['seed']}",
-                  f"- command: `{s['command']}`",
-                  f"- reproduce exactly: `python -m decodelab.training.train_tiny --which {which} --steps {s['steps']} --seed {s['seed']}"
-                  f"{'' if s['bf16_autocast'] else ' --fp32'}`"]
+        lines += [
+            f"## `{name}` ({which})",
+            "",
+            f"- architecture: `{json.dumps(s['config'])}`, "
+            f"vocab {json.loads((out / name / 'config.json').read_text())['vocab_size']}, tied embeddings, context 1024",
+            f"- parameters: {s['parameters']:,}",
+            f"- training: {s['steps']} steps of {s['batch']} x {s['seq_len']} tokens in {s['train_seconds'] / 60:.1f} min "
+            f"({s['threads']} CPU thread{'s' * (s['threads'] > 1)}{', bfloat16 autocast' if s['bf16_autocast'] else ''}), AdamW peak lr {s['peak_lr']}, warm-up {s['warmup']}, cosine to 10%, seed {s['seed']}",
+            f"- command: `{s['command']}`",
+            f"- reproduce exactly: `python -m decodelab.training.train_tiny --which {which} --steps {s['steps']} --seed {s['seed']}"
+            f"{'' if s['bf16_autocast'] else ' --fp32'}`",
+        ]
         for split, label in (("train", "train"), ("heldout", "held-out")):
             r = s[split]
-            lines.append(f"- {label} loss: {r['nats_per_token']:.3f} nats/token, {r['bits_per_byte']:.3f} bits/byte "
-                         f"({r['tokens']:,} tokens)")
+            lines.append(
+                f"- {label} loss: {r['nats_per_token']:.3f} nats/token, {r['bits_per_byte']:.3f} bits/byte "
+                f"({r['tokens']:,} tokens)"
+            )
         lines += ["", "Greedy samples (40 tokens):", ""]
         for prompt, text in samples(out / name):
             lines += ["```python", prompt + text, "```"]

@@ -14,6 +14,7 @@ No explorer displays a figure into an ipywidgets.Output: under nbclient (the not
 nbgrader's autograde, the class grader) a cell that writes into an Output widget can stall for
 the whole cell timeout (see `decodelab.course.widgets.tiled_attention.tiled_explorer`).
 """
+
 from __future__ import annotations
 
 import copy

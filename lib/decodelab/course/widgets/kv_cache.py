@@ -5,6 +5,7 @@ sequence grows (a full cache against the sliding-window ring).
 Everything takes the functions to run as arguments (the learner's own, or the library's
 reference while an exercise is unfinished), so the plots show the code the exercises build.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -14,16 +15,22 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 import torch
 
+from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR, log_range
+from decodelab.course.widgets.controls import finish_explorer
 from decodelab.lessons.kv_size import PRESETS, config_fields, format_bytes, parameter_count, tensor_bytes_held
 from decodelab.lessons.measure import synchronize
 from decodelab.model.toy import tiny_model
-from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR, log_range
-from decodelab.course.widgets.controls import finish_explorer
 
 # The seed's table: position T -> (ms per token without a cache, with a cache), a 0.5M-parameter
 # numpy Transformer on a shared 2-core Xeon, one thread.
-SEED_MS_PER_TOKEN = {16: (4.02, 0.950), 32: (5.94, 0.648), 64: (11.09, 0.611), 128: (22.36, 1.072),
-                     256: (50.61, 0.692), 511: (106.57, 1.157)}
+SEED_MS_PER_TOKEN = {
+    16: (4.02, 0.950),
+    32: (5.94, 0.648),
+    64: (11.09, 0.611),
+    128: (22.36, 1.072),
+    256: (50.61, 0.692),
+    511: (106.57, 1.157),
+}
 SEED_MAX_LOGIT_DIFF = 2.86e-6  # same 96 greedy tokens with and without the cache
 
 
@@ -54,13 +61,14 @@ def bytes_held_after(make_cache, config, lengths: list[int], chunk: int = 256, s
     rows per layer ([1, H_kv, chunk, D] float32, one random block reused: the values do not change
     the bytes), then the bytes behind the tensors it holds (`kv_size.tensor_bytes_held`, so a
     cache is measured whatever its layout)."""
-    block = torch.randn(1, config.num_key_value_heads, chunk, config.head_dim,
-                        generator=torch.Generator().manual_seed(seed))  # [1, H_kv, chunk, D]
+    block = torch.randn(
+        1, config.num_key_value_heads, chunk, config.head_dim, generator=torch.Generator().manual_seed(seed)
+    )  # [1, H_kv, chunk, D]
     held = []
     for length in lengths:
         cache = make_cache(length)
         for start in range(0, length, chunk):
-            rows = block[:, :, :min(chunk, length - start)]
+            rows = block[:, :, : min(chunk, length - start)]
             for layer in range(config.num_hidden_layers):
                 cache.append(layer, rows, rows)
         held.append(tensor_bytes_held(cache))
@@ -84,7 +92,7 @@ def per_token_ms(model, positions: list[int], cache_class, repeats: int = 3, see
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            model(ids[:, :t + 1], last_only=True)
+            model(ids[:, : t + 1], last_only=True)
             synchronize(device)
             times.append(time.perf_counter() - started)
         without[t] = 1000 * statistics.median(times)
@@ -92,7 +100,7 @@ def per_token_ms(model, positions: list[int], cache_class, repeats: int = 3, see
         for _ in range(repeats):
             cache.truncate(t)
             started = time.perf_counter()
-            model(ids[:, t:t + 1], kv_cache=cache, last_only=True)
+            model(ids[:, t : t + 1], kv_cache=cache, last_only=True)
             synchronize(device)
             times.append(time.perf_counter() - started)
         with_cache[t] = 1000 * statistics.median(times)
@@ -105,15 +113,33 @@ def speedup_figure(positions: list[int], times: dict[str, list[float]]) -> go.Fi
     seed_t = list(SEED_MS_PER_TOKEN)
     seed_ratio = [a / b for a, b in SEED_MS_PER_TOKEN.values()]
     fig = go.Figure()
-    fig.add_scatter(x=seed_t, y=seed_ratio, mode="lines+markers+text", name="seed (0.5M-parameter numpy model)",
-                    text=[f"{r:.1f}x" for r in seed_ratio], textposition="top left",
-                    marker=dict(color=SEED_COLOR, symbol="diamond", size=10), line=dict(color=SEED_COLOR, dash="dash"))
-    fig.add_scatter(x=positions, y=ratios, mode="lines+markers+text", name="measured here (SmolLM2-135M, your cache)",
-                    text=[f"{r:.1f}x" for r in ratios], textposition="bottom right",
-                    marker=dict(color=MEASURED_COLOR, size=10), line=dict(color=MEASURED_COLOR))
-    fig.update_layout(title=f"The cache's speed-up grows with the position: {ratios[0]:.1f}x at T={positions[0]} "
-                            f"to {ratios[-1]:.1f}x at T={positions[-1]} here<br>(seed: 4.2x at T=16 to 92x at T=511)",
-                      height=430, margin=dict(l=10, r=10, t=80, b=40), legend=dict(orientation="h", y=-0.25))
+    fig.add_scatter(
+        x=seed_t,
+        y=seed_ratio,
+        mode="lines+markers+text",
+        name="seed (0.5M-parameter numpy model)",
+        text=[f"{r:.1f}x" for r in seed_ratio],
+        textposition="top left",
+        marker=dict(color=SEED_COLOR, symbol="diamond", size=10),
+        line=dict(color=SEED_COLOR, dash="dash"),
+    )
+    fig.add_scatter(
+        x=positions,
+        y=ratios,
+        mode="lines+markers+text",
+        name="measured here (SmolLM2-135M, your cache)",
+        text=[f"{r:.1f}x" for r in ratios],
+        textposition="bottom right",
+        marker=dict(color=MEASURED_COLOR, size=10),
+        line=dict(color=MEASURED_COLOR),
+    )
+    fig.update_layout(
+        title=f"The cache's speed-up grows with the position: {ratios[0]:.1f}x at T={positions[0]} "
+        f"to {ratios[-1]:.1f}x at T={positions[-1]} here<br>(seed: 4.2x at T=16 to 92x at T=511)",
+        height=430,
+        margin=dict(l=10, r=10, t=80, b=40),
+        legend=dict(orientation="h", y=-0.25),
+    )
     fig.update_xaxes(type="log", title="position T of the token being generated")
     fig.update_yaxes(type="log", title="time without cache / time with cache")
     return fig
@@ -123,7 +149,11 @@ def _variants(fields: dict) -> dict[str, dict]:
     """The config as it is, with every layer full attention, and with one KV head per query head."""
     full = {k: v for k, v in fields.items() if k not in ("layer_types", "sliding_window")}
     mha = {**full, "num_key_value_heads": fields["num_attention_heads"]}
-    return {"this config": fields, "every layer full attention": full, "no GQA either (one KV head per query head)": mha}
+    return {
+        "this config": fields,
+        "every layer full attention": full,
+        "no GQA either (one KV head per query head)": mha,
+    }
 
 
 def kv_size_calculator(kv_bytes_fn, presets: dict[str, dict] | None = None):
@@ -137,21 +167,38 @@ def kv_size_calculator(kv_bytes_fn, presets: dict[str, dict] | None = None):
     """
     presets = dict(PRESETS if presets is None else presets)
     style = dict(style={"description_width": "150px"}, layout=widgets.Layout(width="460px"))
-    lengths = [2 ** i for i in range(7, 18)]  # 128 .. 131,072
-    seq_len = widgets.SelectionSlider(options=[(f"{n:,}", n) for n in lengths], value=4096,
-                                      description="sequence length", **style)
-    batch = widgets.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128], value=1, description="batch (users)", **style)
-    preset = widgets.Dropdown(options=list(presets), value="Llama-3.1-8B" if "Llama-3.1-8B" in presets else list(presets)[0],
-                              description="model (config.json)", **style)
-    dtype = widgets.Dropdown(options=["fp32", "bf16", "fp16", "fp8", "int4"], value="bf16", description="K/V dtype", **style)
+    lengths = [2**i for i in range(7, 18)]  # 128 .. 131,072
+    seq_len = widgets.SelectionSlider(
+        options=[(f"{n:,}", n) for n in lengths], value=4096, description="sequence length", **style
+    )
+    batch = widgets.SelectionSlider(
+        options=[1, 2, 4, 8, 16, 32, 64, 128], value=1, description="batch (users)", **style
+    )
+    preset = widgets.Dropdown(
+        options=list(presets),
+        value="Llama-3.1-8B" if "Llama-3.1-8B" in presets else list(presets)[0],
+        description="model (config.json)",
+        **style,
+    )
+    dtype = widgets.Dropdown(
+        options=["fp32", "bf16", "fp16", "fp8", "int4"], value="bf16", description="K/V dtype", **style
+    )
     curve_x = log_range(128, 131072, 41)
     curve_x = sorted({int(round(x)) for x in curve_x})
     fig = go.FigureWidget()
-    for name, dash, color in (("this config", "solid", MEASURED_COLOR), ("every layer full attention", "dash", OTHER_COLOR),
-                              ("no GQA either (one KV head per query head)", "dot", OTHER_COLOR)):
+    for name, dash, color in (
+        ("this config", "solid", MEASURED_COLOR),
+        ("every layer full attention", "dash", OTHER_COLOR),
+        ("no GQA either (one KV head per query head)", "dot", OTHER_COLOR),
+    ):
         fig.add_scatter(x=curve_x, y=[1] * len(curve_x), mode="lines", name=name, line=dict(dash=dash, color=color))
-    fig.add_scatter(x=[curve_x[0], curve_x[-1]], y=[1, 1], mode="lines", name="the model's weights (bf16)",
-                    line=dict(color="#2ca02c", width=1))
+    fig.add_scatter(
+        x=[curve_x[0], curve_x[-1]],
+        y=[1, 1],
+        mode="lines",
+        name="the model's weights (bf16)",
+        line=dict(color="#2ca02c", width=1),
+    )
     fig.add_scatter(x=[4096], y=[1], mode="markers", marker=dict(size=13, color=SEED_COLOR), name="your choice")
     fig.update_layout(height=500, margin=dict(l=10, r=10, t=90, b=40), legend=dict(orientation="h", y=-0.22))
     fig.update_xaxes(type="log", title="sequence length (tokens per sequence)")
@@ -160,7 +207,7 @@ def kv_size_calculator(kv_bytes_fn, presets: dict[str, dict] | None = None):
     def redraw(*_):
         fields = config_fields(preset.value)
         variants = _variants(fields)
-        gib = 2.0 ** 30
+        gib = 2.0**30
         with fig.batch_update():
             for trace, config in zip(fig.data[:3], variants.values()):
                 trace.y = [kv_bytes_fn(config, n, batch.value, dtype.value) / gib for n in curve_x]
@@ -177,12 +224,20 @@ def kv_size_calculator(kv_bytes_fn, presets: dict[str, dict] | None = None):
                 f"{preset.value}, {seq_len.value:,} tokens x {batch.value} sequence{'s' if batch.value > 1 else ''} "
                 f"in {dtype.value}: <b>{format_bytes(total)}</b> of K and V<br>"
                 f"({format_bytes(per_token)} per token at the start; {fields['num_key_value_heads']} KV heads for "
-                f"{fields['num_attention_heads']} query heads, {fields['num_hidden_layers']} layers)")
+                f"{fields['num_attention_heads']} query heads, {fields['num_hidden_layers']} layers)"
+            )
 
     controls = widgets.HBox([widgets.VBox([seq_len, batch]), widgets.VBox([preset, dtype])])
-    return finish_explorer(fig, {"seq_len": seq_len, "batch": batch, "preset": preset, "dtype": dtype}, redraw,
-                           children=[controls, fig])
+    return finish_explorer(
+        fig, {"seq_len": seq_len, "batch": batch, "preset": preset, "dtype": dtype}, redraw, children=[controls, fig]
+    )
 
 
-__all__ = ["SEED_MS_PER_TOKEN", "SEED_MAX_LOGIT_DIFF", "cache_class_or_reference", "per_token_ms",
-           "speedup_figure", "kv_size_calculator"]
+__all__ = [
+    "SEED_MS_PER_TOKEN",
+    "SEED_MAX_LOGIT_DIFF",
+    "cache_class_or_reference",
+    "per_token_ms",
+    "speedup_figure",
+    "kv_size_calculator",
+]

@@ -1,4 +1,5 @@
 """Notebook 00's explorer: model size, bytes per parameter and bandwidth -> the decode bound."""
+
 from __future__ import annotations
 
 import ipywidgets as widgets
@@ -19,11 +20,20 @@ def decode_bound_explorer(bound_fn, references: dict[str, float] | None = None):
     vertical line per reference bandwidth (name -> bytes/s).
     """
     references = dict(SEED_BANDWIDTHS if references is None else references)
-    size = widgets.FloatLogSlider(value=70, base=10, min=-1, max=3, step=0.001, description="parameters (billions)",
-                                  readout_format=".3g", **SLIDER)
+    size = widgets.FloatLogSlider(
+        value=70,
+        base=10,
+        min=-1,
+        max=3,
+        step=0.001,
+        description="parameters (billions)",
+        readout_format=".3g",
+        **SLIDER,
+    )
     precision = widgets.SelectionSlider(options=PRECISIONS, value=2.0, description="bytes per parameter", **SLIDER)
-    bandwidth = widgets.FloatLogSlider(value=3350, base=10, min=1, max=4, step=0.001, description="bandwidth (GB/s)",
-                                       readout_format=".4g", **SLIDER)
+    bandwidth = widgets.FloatLogSlider(
+        value=3350, base=10, min=1, max=4, step=0.001, description="bandwidth (GB/s)", readout_format=".4g", **SLIDER
+    )
     gbps = log_range(10, 10_000, 41)
     fig = go.FigureWidget()
     for name, _ in PRECISIONS:
@@ -32,8 +42,15 @@ def decode_bound_explorer(bound_fn, references: dict[str, float] | None = None):
     choice = fig.data[-1]
     by_bandwidth = sorted(references.items(), key=lambda item: item[1])
     for i, (name, bytes_per_s) in enumerate(by_bandwidth):  # vertical reference lines, as traces (log axes)
-        fig.add_scatter(x=[bytes_per_s / 1e9] * 3, y=[1e-3, 1e5 / 10 ** i, 3e5], mode="lines+text", text=["", name, ""],
-                        textposition="middle left", line=dict(dash="dot", color=OTHER_COLOR), showlegend=False)
+        fig.add_scatter(
+            x=[bytes_per_s / 1e9] * 3,
+            y=[1e-3, 1e5 / 10**i, 3e5],
+            mode="lines+text",
+            text=["", name, ""],
+            textposition="middle left",
+            line=dict(dash="dot", color=OTHER_COLOR),
+            showlegend=False,
+        )
     fig.update_layout(height=480, margin=dict(l=10, r=10, t=90, b=40), legend=dict(orientation="h", y=-0.2))
     fig.update_xaxes(type="log", title="memory bandwidth (GB/s)")
     fig.update_yaxes(type="log", title="decode bound (tokens per second, batch 1)", range=[-3, 5.5])
@@ -51,6 +68,7 @@ def decode_bound_explorer(bound_fn, references: dict[str, float] | None = None):
             fig.layout.title.text = (
                 f"{size.value:.3g}B parameters x {precision.value:g} bytes = {si(num_params * precision.value, 'B')} "
                 f"read per token<br>at {si(bandwidth.value * 1e9, 'B/s')}: {1000 / tokens_per_s:.3g} ms per token, "
-                f"at most {tokens_per_s:.3g} tokens/s")
+                f"at most {tokens_per_s:.3g} tokens/s"
+            )
 
     return finish_explorer(fig, {"size": size, "precision": precision, "bandwidth": bandwidth}, redraw)

@@ -8,6 +8,7 @@ while an exercise is unfinished); `using` puts them inside `decodelab.model.quan
 the learner's code. A quantized layer is anything with `dequantized_weight()` and `nbytes`
 (`QuantizedLinear`, `Int8Linear`, `Int4Linear`, the learner's own `Int8Linear` and `Int4Linear`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,16 +20,21 @@ import plotly.graph_objects as go
 import torch
 from torch import nn
 
-from decodelab.model import quantization as quant
-from decodelab.decoding.generate import stream_token_ids
-from decodelab.model.kv_cache import KVCache
-from decodelab.params import SamplingParams
-from decodelab.lessons.perplexity import perplexity
 from decodelab.course.plots import MEASURED_COLOR, OTHER_COLOR, SEED_COLOR
 from decodelab.course.widgets.controls import SLIDER, finish_explorer
+from decodelab.decoding.generate import stream_token_ids
+from decodelab.lessons.perplexity import perplexity
+from decodelab.model import quantization as quant
+from decodelab.model.kv_cache import KVCache
+from decodelab.params import SamplingParams
 
-QUANT_FUNCTIONS = ("quantize_int8_per_channel", "quantize_int4_groupwise", "pack_int4", "unpack_int4",
-                   "replace_linears")
+QUANT_FUNCTIONS = (
+    "quantize_int8_per_channel",
+    "quantize_int4_groupwise",
+    "pack_int4",
+    "unpack_int4",
+    "replace_linears",
+)
 
 
 @contextlib.contextmanager
@@ -75,8 +81,13 @@ def quantized(model, bits: int | None, group_size: int = 64, fns: dict | None = 
     linear_class = (fns or {}).get({8: "Int8Linear", 4: "Int4Linear"}.get(bits, ""))
     make = None
     if linear_class is not None:
-        make = linear_class.from_linear if bits == 8 else lambda linear: linear_class.from_linear(
-            linear, quant.fallback_group_size(linear.in_features, group_size))
+        make = (
+            linear_class.from_linear
+            if bits == 8
+            else lambda linear: linear_class.from_linear(
+                linear, quant.fallback_group_size(linear.in_features, group_size)
+            )
+        )
     with restoring(model):
         if bits is not None:
             with using(fns):
@@ -114,20 +125,26 @@ def _layer_or_reference(learner_class, reference, build, bound, bits: int):
 def int8_linear_or_reference(learner_class):
     """The learner's Int8Linear class if it keeps nn.Linear(64, 8)'s output within the int8 bound
     (half a step of each row's scale times |x|), else `quant.Int8Linear`."""
-    return _layer_or_reference(learner_class, quant.Int8Linear, lambda cls, linear: cls.from_linear(linear),
-                               lambda linear, x: x.abs().sum(-1, keepdim=True) * (linear.weight.abs().amax(dim=1) / 127 / 2),
-                               bits=8)
+    return _layer_or_reference(
+        learner_class,
+        quant.Int8Linear,
+        lambda cls, linear: cls.from_linear(linear),
+        lambda linear, x: x.abs().sum(-1, keepdim=True) * (linear.weight.abs().amax(dim=1) / 127 / 2),
+        bits=8,
+    )
 
 
 def int4_linear_or_reference(learner_class):
     """The learner's Int4Linear class if, with groups of 32, it keeps nn.Linear(64, 8)'s output within
     the int4 bound (half a step of each group's scale times that group's |x|), else `quant.Int4Linear`."""
+
     def bound(linear, x):
         scale = linear.weight.abs().reshape(8, 2, 32).amax(dim=-1) / 7  # [8, 2]
         return x.abs().reshape(3, 2, 32).sum(-1) @ (scale / 2).T  # [3, 8]
 
-    return _layer_or_reference(learner_class, quant.Int4Linear, lambda cls, linear: cls.from_linear(linear, 32),
-                               bound, bits=4)
+    return _layer_or_reference(
+        learner_class, quant.Int4Linear, lambda cls, linear: cls.from_linear(linear, 32), bound, bits=4
+    )
 
 
 def int8_kv_cache_or_reference(learner_class):
@@ -140,14 +157,18 @@ def int8_kv_cache_or_reference(learner_class):
         config = toy_config()
         with torch.random.fork_rng(devices=[]):  # the notebook's random state stays as it was
             torch.manual_seed(0)
-            rows = [torch.randn(1, config.num_key_value_heads, t, config.head_dim) * torch.logspace(-2, 1, t)[:, None]
-                    for t in (3, 2)]  # [1, H_kv, t, D], rows of different magnitude
+            rows = [
+                torch.randn(1, config.num_key_value_heads, t, config.head_dim) * torch.logspace(-2, 1, t)[:, None]
+                for t in (3, 2)
+            ]  # [1, H_kv, t, D], rows of different magnitude
         cache = learner_class(config, 1, 8)
         for x in rows:
             keys, values = cache.append(0, x, -x)
         held = torch.cat(rows, 2)
         bound = held.abs().amax(-1, keepdim=True) / 127 / 2 + 1e-6
-        if keys.shape != held.shape or not bool(((keys - held).abs() <= bound).all() & ((values + held).abs() <= bound).all()):
+        if keys.shape != held.shape or not bool(
+            ((keys - held).abs() <= bound).all() & ((values + held).abs() <= bound).all()
+        ):
             raise AssertionError("what it hands back is not within half a step of the rows appended")
 
     chosen = course.use_or_reference(probe, quant.Int8KVCache, name=getattr(learner_class, "__name__", "Int8KVCache"))
@@ -191,16 +212,31 @@ def greedy_tokens(model, prompts: list[list[int]], num_tokens: int) -> tuple[lis
     return outputs, statistics.median(gaps) if gaps else float("nan")
 
 
-def measure_variant(model, text_ids: list[int], prompts: list[list[int]], bits: int | None, group_size: int = 64,
-                    fns: dict | None = None, num_tokens: int = 16, window: int = 128, reference: dict | None = None):
+def measure_variant(
+    model,
+    text_ids: list[int],
+    prompts: list[list[int]],
+    bits: int | None,
+    group_size: int = 64,
+    fns: dict | None = None,
+    num_tokens: int = 16,
+    window: int = 128,
+    reference: dict | None = None,
+):
     """One row of the sweep. reference: the fp32 row (its greedy tokens and bytes) to compare with."""
-    float_weights = {name: m.weight.detach() for name, m in _linears(model).items()  # kept: quantized() restores them
-                     if isinstance(m, nn.Linear)}
+    float_weights = {
+        name: m.weight.detach()
+        for name, m in _linears(model).items()  # kept: quantized() restores them
+        if isinstance(m, nn.Linear)
+    }
     with quantized(model, bits, group_size, fns):
-        row = {"bits": bits or 32, "group_size": group_size if bits == 4 else None,
-               "linear_bytes": linear_bytes(model),
-               "weight_error": relative_weight_error(model, float_weights) if bits is not None else 0.0,
-               "perplexity": perplexity(model, text_ids, window=window, stride=window // 2)}
+        row = {
+            "bits": bits or 32,
+            "group_size": group_size if bits == 4 else None,
+            "linear_bytes": linear_bytes(model),
+            "weight_error": relative_weight_error(model, float_weights) if bits is not None else 0.0,
+            "perplexity": perplexity(model, text_ids, window=window, stride=window // 2),
+        }
         row["greedy"], row["seconds_per_token"] = greedy_tokens(model, prompts, num_tokens)
     reference = reference or row
     row["bytes_vs_fp32"] = row["linear_bytes"] / reference["linear_bytes"]
@@ -215,6 +251,7 @@ def variant_name(bits: int, group_size: int | None) -> str:
 
 # --------------------------------------------------------------------------- the explorer
 
+
 def quantization_explorer(measure, fp32_row: dict, cache: dict | None = None):
     """Sliders for bits (8, 4) and group size -> bytes, weight error, perplexity, greedy agreement
     and decode time of the whole model, as a point on bytes-vs-perplexity beside fp32.
@@ -223,17 +260,35 @@ def quantization_explorer(measure, fp32_row: dict, cache: dict | None = None):
     (keyed by variant name), so every setting is measured once.
     """
     cache = {} if cache is None else cache
-    bits = widgets.SelectionSlider(options=[("int8", 8), ("int4", 4)], value=8, description="bits per weight",
-                                   **SLIDER)
+    bits = widgets.SelectionSlider(options=[("int8", 8), ("int4", 4)], value=8, description="bits per weight", **SLIDER)
     group = widgets.SelectionSlider(options=[32, 64, 128], value=64, description="int4 group size", **SLIDER)
     fig = go.FigureWidget()
     mb = fp32_row["linear_bytes"] / 1e6
-    fig.add_scatter(x=[mb], y=[fp32_row["perplexity"]], mode="markers+text", text=["fp32"], textposition="top center",
-                    marker=dict(size=12, color=OTHER_COLOR), name="fp32")
-    fig.add_scatter(x=[mb], y=[fp32_row["perplexity"]], text=["fp32"], mode="markers+text", textposition="top center",
-                    marker=dict(size=10, color=MEASURED_COLOR), name="measured so far")
-    fig.add_scatter(x=[mb], y=[fp32_row["perplexity"]], mode="markers",
-                    marker=dict(size=18, color=SEED_COLOR, symbol="diamond"), name="current setting")
+    fig.add_scatter(
+        x=[mb],
+        y=[fp32_row["perplexity"]],
+        mode="markers+text",
+        text=["fp32"],
+        textposition="top center",
+        marker=dict(size=12, color=OTHER_COLOR),
+        name="fp32",
+    )
+    fig.add_scatter(
+        x=[mb],
+        y=[fp32_row["perplexity"]],
+        text=["fp32"],
+        mode="markers+text",
+        textposition="top center",
+        marker=dict(size=10, color=MEASURED_COLOR),
+        name="measured so far",
+    )
+    fig.add_scatter(
+        x=[mb],
+        y=[fp32_row["perplexity"]],
+        mode="markers",
+        marker=dict(size=18, color=SEED_COLOR, symbol="diamond"),
+        name="current setting",
+    )
     fig.update_layout(height=460, margin=dict(l=10, r=10, t=100, b=40), legend=dict(orientation="h", y=-0.2))
     fig.update_xaxes(title="bytes of the decoder-layer weights (MB)", rangemode="tozero")
     fig.update_yaxes(title="perplexity on held-out text (lower is better)")
@@ -248,15 +303,19 @@ def quantization_explorer(measure, fp32_row: dict, cache: dict | None = None):
         # One batch per trace (as in widgets.py): plotly merges a batch into one restyle, and a trace
         # that does not set a property another one sets (here text) would lose it.
         with fig.batch_update():
-            fig.data[1].update(x=[r["linear_bytes"] / 1e6 for _, r in rows], y=[r["perplexity"] for _, r in rows],
-                               text=[n for n, _ in rows])
+            fig.data[1].update(
+                x=[r["linear_bytes"] / 1e6 for _, r in rows],
+                y=[r["perplexity"] for _, r in rows],
+                text=[n for n, _ in rows],
+            )
         with fig.batch_update():
             fig.data[2].update(x=[row["linear_bytes"] / 1e6], y=[row["perplexity"]])
             fig.layout.title.text = (
                 f"int{bits.value} weights, {how}: {row['bytes_vs_fp32']:.3f} of the fp32 bytes, weight error "
                 f"{row['weight_error']:.2%}<br>perplexity {row['perplexity']:.2f} (fp32 {fp32_row['perplexity']:.2f}), "
                 f"greedy tokens as fp32: {row['greedy_same']}/{row['greedy_total']}, "
-                f"{1e3 * row['seconds_per_token']:.0f} ms/token (fp32 {1e3 * fp32_row['seconds_per_token']:.0f})")
+                f"{1e3 * row['seconds_per_token']:.0f} ms/token (fp32 {1e3 * fp32_row['seconds_per_token']:.0f})"
+            )
 
     def redraw(*_):
         draw(fig)
@@ -288,6 +347,7 @@ def kv_cache_comparison(model, prompt_ids: list[int], caches: dict, num_tokens: 
     also the length of the identical free-running prefix. `argmax` is the token the cache's logits
     pick at each step. The fp32 run is made once for all the caches.
     """
+
     def run(cache, teacher=None):
         x, tokens, logits = torch.tensor([prompt_ids], device=model.device), [], []
         for i in range(num_tokens):
@@ -301,12 +361,20 @@ def kv_cache_comparison(model, prompt_ids: list[int], caches: dict, num_tokens: 
     ref_tokens, ref_logits, ref_bytes = run(KVCache(model.config, 1, length, device=model.device))
     figures = {}
     for label, kind in caches.items():
-        cache = (quant.QuantizedKVCache(model.config, 1, length, device=model.device, kv_dtype=kind)
-                 if isinstance(kind, str) else kind(model.config, 1, length, device=model.device))
+        cache = (
+            quant.QuantizedKVCache(model.config, 1, length, device=model.device, kv_dtype=kind)
+            if isinstance(kind, str)
+            else kind(model.config, 1, length, device=model.device)
+        )
         tokens, logits, per_token = run(cache, teacher=ref_tokens)
-        figures[label] = {"bytes_per_token": per_token, "fp32_bytes_per_token": ref_bytes, "argmax": tokens,
-                          "max_logit_diff": max(float((a - b).abs().max()) for a, b in zip(ref_logits, logits)),
-                          "same_prefix": same_prefix(tokens, ref_tokens), "tokens": num_tokens}
+        figures[label] = {
+            "bytes_per_token": per_token,
+            "fp32_bytes_per_token": ref_bytes,
+            "argmax": tokens,
+            "max_logit_diff": max(float((a - b).abs().max()) for a, b in zip(ref_logits, logits)),
+            "same_prefix": same_prefix(tokens, ref_tokens),
+            "tokens": num_tokens,
+        }
     return figures
 
 
@@ -339,6 +407,23 @@ def int8_matmul(x: torch.Tensor, w: torch.Tensor, quantize_rows, keep_columns=()
     return (product + x[:, keep].double() @ w[:, keep].double().T).float()
 
 
-__all__ = ["using", "restoring", "quantized", "probe_model", "int8_linear_or_reference", "int4_linear_or_reference", "linear_bytes", "relative_weight_error", "same_prefix", "greedy_tokens",
-           "measure_variant", "variant_name", "asymmetric_int4_error", "quantization_explorer",
-           "kv_cache_comparison", "int8_kv_cache_or_reference", "linear_input", "int8_matmul"]
+__all__ = [
+    "using",
+    "restoring",
+    "quantized",
+    "probe_model",
+    "int8_linear_or_reference",
+    "int4_linear_or_reference",
+    "linear_bytes",
+    "relative_weight_error",
+    "same_prefix",
+    "greedy_tokens",
+    "measure_variant",
+    "variant_name",
+    "asymmetric_int4_error",
+    "quantization_explorer",
+    "kv_cache_comparison",
+    "int8_kv_cache_or_reference",
+    "linear_input",
+    "int8_matmul",
+]

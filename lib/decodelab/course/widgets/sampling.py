@@ -1,4 +1,5 @@
 """Notebook 02's explorer: sliders T / k / p / penalty redraw the next-token distribution."""
+
 from __future__ import annotations
 
 import html
@@ -24,8 +25,16 @@ def exact_distribution(logits: torch.Tensor, temperature: float, top_k: int, top
     return filtered.double().softmax(dim=-1)
 
 
-def sampling_explorer(logits: torch.Tensor, history: torch.Tensor, tokenizer, fns: dict, num_draws: int = 256,
-                      shown: int = 20, generate_text=None, seed: int = 0):
+def sampling_explorer(
+    logits: torch.Tensor,
+    history: torch.Tensor,
+    tokenizer,
+    fns: dict,
+    num_draws: int = 256,
+    shown: int = 20,
+    generate_text=None,
+    seed: int = 0,
+):
     """Sliders T / k / p / penalty redraw the next-token distribution after a real prompt.
 
     logits [V]: the model's next-token logits; history [n]: the ids the repetition penalty
@@ -36,13 +45,22 @@ def sampling_explorer(logits: torch.Tensor, history: torch.Tensor, tokenizer, fn
     """
     logits = logits.detach().float().cpu()
     history = history.detach().long().cpu()
-    temperature = widgets.FloatSlider(value=1.0, min=0.0, max=2.0, step=0.05, description="temperature (0 = greedy)",
-                                      continuous_update=False, **SLIDER)
+    temperature = widgets.FloatSlider(
+        value=1.0,
+        min=0.0,
+        max=2.0,
+        step=0.05,
+        description="temperature (0 = greedy)",
+        continuous_update=False,
+        **SLIDER,
+    )
     top_k = widgets.IntSlider(value=0, min=0, max=100, description="top-k (0 = off)", continuous_update=False, **SLIDER)
-    top_p = widgets.FloatSlider(value=1.0, min=0.05, max=1.0, step=0.05, description="top-p (1 = off)",
-                                continuous_update=False, **SLIDER)
-    penalty = widgets.FloatSlider(value=1.0, min=1.0, max=3.0, step=0.1, description="repetition penalty",
-                                  continuous_update=False, **SLIDER)
+    top_p = widgets.FloatSlider(
+        value=1.0, min=0.05, max=1.0, step=0.05, description="top-p (1 = off)", continuous_update=False, **SLIDER
+    )
+    penalty = widgets.FloatSlider(
+        value=1.0, min=1.0, max=3.0, step=0.1, description="repetition penalty", continuous_update=False, **SLIDER
+    )
     summary = widgets.HTML()
     fig = distribution_figure(widget=True)
     generator = torch.Generator().manual_seed(seed)
@@ -59,25 +77,40 @@ def sampling_explorer(logits: torch.Tensor, history: torch.Tensor, tokenizer, fn
         tokens = tokenizer.token_strings(order.tolist())
         kept = int((exact > 0).sum())
         outside = 1 - float(drawn[order].sum())
-        distribution_bars(fig, tokens, exact[order].tolist(), drawn[order].tolist(),
-                          f"T={temperature.value:g}, top-k={top_k.value or 'off'}, top-p={top_p.value:g}, "
-                          f"penalty={penalty.value:g}: {kept:,} tokens can be drawn")
+        distribution_bars(
+            fig,
+            tokens,
+            exact[order].tolist(),
+            drawn[order].tolist(),
+            f"T={temperature.value:g}, top-k={top_k.value or 'off'}, top-p={top_p.value:g}, "
+            f"penalty={penalty.value:g}: {kept:,} tokens can be drawn",
+        )
         fig.layout.yaxis.range = [0, min(1.0, 1.15 * max(float(exact[order].max()), float(drawn[order].max())))]
-        summary.value = (f"most likely: <b>{html.escape(repr(tokens[0]))}</b> with p = {float(exact[order[0]]):.3f}; "
-                         f"{num_draws} draws with <code>{getattr(fns['sample'], '__name__', 'sample')}</code>, "
-                         f"{outside:.1%} of them outside the {shown} tokens shown")
+        summary.value = (
+            f"most likely: <b>{html.escape(repr(tokens[0]))}</b> with p = {float(exact[order[0]]):.3f}; "
+            f"{num_draws} draws with <code>{getattr(fns['sample'], '__name__', 'sample')}</code>, "
+            f"{outside:.1%} of them outside the {shown} tokens shown"
+        )
 
     controls = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "penalty": penalty}
     rows = [widgets.HBox([widgets.VBox([temperature, top_k]), widgets.VBox([top_p, penalty])]), summary, fig]
     if generate_text is not None:
         button = widgets.Button(description="sample a reply", button_style="primary")
-        reply = widgets.HTML("<i>a reply sampled with the settings above appears here</i>",
-                             layout=widgets.Layout(border=f"1px solid {MEASURED_COLOR}", padding="4px 8px"))
+        reply = widgets.HTML(
+            "<i>a reply sampled with the settings above appears here</i>",
+            layout=widgets.Layout(border=f"1px solid {MEASURED_COLOR}", padding="4px 8px"),
+        )
         draws = iter(range(1, 10**9))
 
         def on_click(_):
-            params = SamplingParams(temperature=temperature.value, top_k=top_k.value, top_p=top_p.value,
-                                    repetition_penalty=penalty.value, max_tokens=40, seed=seed + next(draws))
+            params = SamplingParams(
+                temperature=temperature.value,
+                top_k=top_k.value,
+                top_p=top_p.value,
+                repetition_penalty=penalty.value,
+                max_tokens=40,
+                seed=seed + next(draws),
+            )
             reply.value = html.escape(generate_text(params)).replace("\n", "<br>")
 
         button.on_click(on_click)

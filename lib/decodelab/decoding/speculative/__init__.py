@@ -16,16 +16,45 @@ The loop runs the steps it is given, `steps=SpeculativeSteps(...)`, the library'
 notebook 09 passes the learner's `speculative_step` and `accept_draft_tokens` there, as the
 engine takes an `EngineHooks`. Every public name is importable from here.
 """
+
 from decodelab.decoding.speculative.loop import make_proposer, speculative_generate, stream_speculative
 from decodelab.decoding.speculative.proposers import Draft, DraftProposer, SpeculativeStats, truncated_draft
-from decodelab.decoding.speculative.steps import (Drafter, SpeculativeSteps, accept_draft_tokens,
-                                                  accept_draft_tokens_batched, greedy_accept, prefill, propose,
-                                                  rollback, speculative_step, verify, verify_with_features)
-from decodelab.decoding.speculative.theory import (acceptance_rate, expected_speedup, expected_tokens_per_call,
-                                                   tvd)
+from decodelab.decoding.speculative.steps import (
+    Drafter,
+    SpeculativeSteps,
+    accept_draft_tokens,
+    accept_draft_tokens_batched,
+    greedy_accept,
+    prefill,
+    propose,
+    rollback,
+    speculative_step,
+    verify,
+    verify_with_features,
+)
+from decodelab.decoding.speculative.theory import acceptance_rate, expected_speedup, expected_tokens_per_call, tvd
 
-__all__ = ["Draft", "DraftProposer", "Drafter", "SpeculativeStats", "SpeculativeSteps",
-           "accept_draft_tokens", "accept_draft_tokens_batched", "acceptance_rate", "expected_speedup",
-           "expected_tokens_per_call", "greedy_accept", "make_proposer", "prefill", "propose", "rollback",
-           "speculative_generate", "speculative_step", "stream_speculative", "truncated_draft", "tvd", "verify",
-           "verify_with_features"]
+__all__ = [
+    "Draft",
+    "DraftProposer",
+    "Drafter",
+    "SpeculativeStats",
+    "SpeculativeSteps",
+    "accept_draft_tokens",
+    "accept_draft_tokens_batched",
+    "acceptance_rate",
+    "expected_speedup",
+    "expected_tokens_per_call",
+    "greedy_accept",
+    "make_proposer",
+    "prefill",
+    "propose",
+    "rollback",
+    "speculative_generate",
+    "speculative_step",
+    "stream_speculative",
+    "truncated_draft",
+    "tvd",
+    "verify",
+    "verify_with_features",
+]

@@ -13,6 +13,7 @@ module: "decodelab.decoding.speculative.feature_proposers.keep_row").
 
 Shapes: k' proposed tokens, w candidates, V vocab_size, E hidden_size.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,14 @@ class FeatureProposer(ChainProposer):
     the target's passes return its features too: the prompt's at `start`, and the verify pass's,
     of which `observe` hands the accepted ones to the session."""
 
-    def __init__(self, target, drafter: FeatureDrafter, params: SamplingParams, generator,
-                 steps: SpeculativeSteps = LIBRARY_STEPS):
+    def __init__(
+        self,
+        target,
+        drafter: FeatureDrafter,
+        params: SamplingParams,
+        generator,
+        steps: SpeculativeSteps = LIBRARY_STEPS,
+    ):
         super().__init__(target, params, generator, steps)
         if drafter.target is not target:
             raise ValueError("this FeatureDrafter is attached to another model: drafter.attach(target) first")
@@ -54,15 +61,22 @@ class FeatureProposer(ChainProposer):
         return target_logits  # [k'+1, V]
 
     def observe(self, emitted: torch.Tensor) -> None:
-        self.session.add_features(self.features[:len(emitted)])  # pending's and the accepted drafts'
+        self.session.add_features(self.features[: len(emitted)])  # pending's and the accepted drafts'
 
 
 class TreeProposer(FeatureProposer):
     """A feature drafter's top-`width` candidates for the next token, judged in one tree-masked
     pass (greedy, k = 1). Only the accepted candidate's cache row and features are kept."""
 
-    def __init__(self, target, drafter: FeatureDrafter, params: SamplingParams, generator, width: int,
-                 steps: SpeculativeSteps = LIBRARY_STEPS):
+    def __init__(
+        self,
+        target,
+        drafter: FeatureDrafter,
+        params: SamplingParams,
+        generator,
+        width: int,
+        steps: SpeculativeSteps = LIBRARY_STEPS,
+    ):
         super().__init__(target, drafter, params, generator, steps)
         self.width, self.max_len = width, 0
         self.row = 0  # the accepted candidate's row in the last verify pass (0: none was)

@@ -13,6 +13,7 @@ candidates for the next token to the target in one pass (`tree_width=w`,
 Each step emits 1 .. k+1 tokens for one target forward. The steps it runs are those of its
 `steps=SpeculativeSteps(...)` (`steps`), the library's unless the caller names its own.
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -22,16 +23,26 @@ import torch
 from decodelab.decoding.eagle import FeatureDrafter
 from decodelab.decoding.generate import check_prompt, make_generator, stop_token_set
 from decodelab.decoding.speculative.feature_proposers import FeatureProposer, TreeProposer
-from decodelab.decoding.speculative.proposers import (DraftModelProposer, DraftProposer, FunctionProposer,
-                                                       SpeculativeStats)
+from decodelab.decoding.speculative.proposers import (
+    DraftModelProposer,
+    DraftProposer,
+    FunctionProposer,
+    SpeculativeStats,
+)
 from decodelab.decoding.speculative.steps import LIBRARY_STEPS, Drafter, SpeculativeSteps
 from decodelab.model.kv_cache import KVCache
 from decodelab.params import SamplingParams
 from decodelab.validation import check_int
 
 
-def make_proposer(target, drafter: Drafter, params: SamplingParams, generator: torch.Generator | None,
-                  tree_width: int = 1, steps: SpeculativeSteps = LIBRARY_STEPS) -> DraftProposer:
+def make_proposer(
+    target,
+    drafter: Drafter,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    tree_width: int = 1,
+    steps: SpeculativeSteps = LIBRARY_STEPS,
+) -> DraftProposer:
     """The adapter for this kind of drafter, checked against the target and running `steps`: a
     feature drafter (a `TreeProposer` when tree_width > 1), a draft model, or a function.
     tree_width > 1 is only for a feature drafter (`stream_speculative` checks it)."""
@@ -47,10 +58,18 @@ def make_proposer(target, drafter: Drafter, params: SamplingParams, generator: t
 
 
 @torch.inference_mode()
-def stream_speculative(target, drafter: Drafter, prompt_ids: list[int], params: SamplingParams,
-                       num_speculative_tokens: int = 4, stop_token_ids=(),
-                       stats: SpeculativeStats | None = None, tree_width: int = 1, *,
-                       steps: SpeculativeSteps | None = None) -> Iterator[int]:
+def stream_speculative(
+    target,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    num_speculative_tokens: int = 4,
+    stop_token_ids=(),
+    stats: SpeculativeStats | None = None,
+    tree_width: int = 1,
+    *,
+    steps: SpeculativeSteps | None = None,
+) -> Iterator[int]:
     """Yield generated ids one by one, as `decodelab.decoding.generate.stream_token_ids` does, and count
     into `stats` (pass a `SpeculativeStats` to read them). Greedy output equals the target's own.
 
@@ -93,11 +112,22 @@ def stream_speculative(target, drafter: Drafter, prompt_ids: list[int], params: 
                 return
 
 
-def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], params: SamplingParams,
-                         num_speculative_tokens: int = 4, stop_token_ids=(), tree_width: int = 1, *,
-                         steps: SpeculativeSteps | None = None) -> tuple[list[int], SpeculativeStats]:
+def speculative_generate(
+    target,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    num_speculative_tokens: int = 4,
+    stop_token_ids=(),
+    tree_width: int = 1,
+    *,
+    steps: SpeculativeSteps | None = None,
+) -> tuple[list[int], SpeculativeStats]:
     """The whole output of `stream_speculative` -> (output_ids, stats)."""
     stats = SpeculativeStats()
-    output = list(stream_speculative(target, drafter, prompt_ids, params, num_speculative_tokens,
-                                     stop_token_ids, stats, tree_width, steps=steps))
+    output = list(
+        stream_speculative(
+            target, drafter, prompt_ids, params, num_speculative_tokens, stop_token_ids, stats, tree_width, steps=steps
+        )
+    )
     return output, stats

@@ -16,6 +16,7 @@ shares the target's weights).
 
 Shapes: k' proposed tokens, V vocab_size.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -140,8 +141,9 @@ class ChainProposer:
     target's cache. Subclasses give `propose` and add their own state. Every step is the one
     `steps` holds (the library's by default)."""
 
-    def __init__(self, target, params: SamplingParams, generator: torch.Generator | None,
-                 steps: SpeculativeSteps = LIBRARY_STEPS):
+    def __init__(
+        self, target, params: SamplingParams, generator: torch.Generator | None, steps: SpeculativeSteps = LIBRARY_STEPS
+    ):
         self.target, self.params, self.generator, self.steps = target, params, generator, steps
         self.context = target.config.max_position_embeddings
         self.target_cache: KVCache | None = None  # set by `start`
@@ -153,8 +155,9 @@ class ChainProposer:
     def _propose(self, drafter, state, ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`steps.propose` (tokens [k'], probs [k', V] or None) for this drafter and state."""
         config = self.target.config
-        return self.steps.propose(drafter, state, ids, k, self.params, self.generator, config.vocab_size,
-                                  self.target.device)
+        return self.steps.propose(
+            drafter, state, ids, k, self.params, self.generator, config.vocab_size, self.target.device
+        )
 
     def verify(self, pending: torch.Tensor, draft: Draft) -> torch.Tensor:
         return self.steps.verify(self.target, self.target_cache, pending, draft.tokens)
@@ -188,13 +191,13 @@ class DraftModelProposer(ChainProposer):
     `step` is a whole `speculative_step` (`SpeculativeSteps.draft_model_step`: notebook 09 passes
     the learner's)."""
 
-    def __init__(self, target, draft_model: nn.Module, params: SamplingParams, generator,
-                 steps: SpeculativeSteps = LIBRARY_STEPS):
+    def __init__(
+        self, target, draft_model: nn.Module, params: SamplingParams, generator, steps: SpeculativeSteps = LIBRARY_STEPS
+    ):
         super().__init__(target, params, generator, steps)
         vocab = target.config.vocab_size
         if draft_model.config.vocab_size != vocab:
-            raise ValueError(f"draft vocabulary ({draft_model.config.vocab_size}) differs from the "
-                             f"target's ({vocab})")
+            raise ValueError(f"draft vocabulary ({draft_model.config.vocab_size}) differs from the target's ({vocab})")
         self.draft_model = draft_model
         self.context = min(self.context, draft_model.config.max_position_embeddings)
         self.draft_cache: KVCache | None = None
@@ -213,8 +216,9 @@ class DraftModelProposer(ChainProposer):
 
     def step(self, ids: list[int], k: int, stats: SpeculativeStats) -> torch.Tensor:
         """A whole `speculative_step`: the same stages as `ChainProposer.step`, as one function."""
-        emitted = self.steps.draft_model_step(self.target, self.draft_model, self.target_cache, self.draft_cache,
-                                              ids, k, self.params, self.generator)
+        emitted = self.steps.draft_model_step(
+            self.target, self.draft_model, self.target_cache, self.draft_cache, ids, k, self.params, self.generator
+        )
         stats.record(k, k, k, len(emitted))  # k guesses for k positions, one draft forward each
         return emitted
 
@@ -223,8 +227,14 @@ class FunctionProposer(ChainProposer):
     """A function (token_ids, k) -> up to k guesses, such as prompt lookup: one call per
     proposal, deterministic guesses, so q is one-hot."""
 
-    def __init__(self, target, function: Callable[[list, int], list], params: SamplingParams, generator,
-                 steps: SpeculativeSteps = LIBRARY_STEPS):
+    def __init__(
+        self,
+        target,
+        function: Callable[[list, int], list],
+        params: SamplingParams,
+        generator,
+        steps: SpeculativeSteps = LIBRARY_STEPS,
+    ):
         super().__init__(target, params, generator, steps)
         self.function = function
 

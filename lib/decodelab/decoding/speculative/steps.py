@@ -20,6 +20,7 @@ an `EngineHooks`; nothing is patched.
 
 Shapes: k drafted tokens, V vocab_size, B independent steps (the batched acceptance rule).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -42,9 +43,12 @@ Drafter = Union[nn.Module, "FeatureDrafter", Callable[[list, int], list]]
 
 
 # ----------------------------------------------------------------------- the acceptance rule
-def accept_draft_tokens_batched(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
-                                target_probs: torch.Tensor, generator: torch.Generator | None = None
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_draft_tokens_batched(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The acceptance rule for B independent steps at once.
 
     draft_tokens [B, k] int64, draft_probs [B, k, V], target_probs [B, k+1, V] ->
@@ -52,14 +56,18 @@ def accept_draft_tokens_batched(draft_tokens: torch.Tensor, draft_probs: torch.T
     then next_token[b].
     """
     if draft_tokens.dim() != 2 or draft_probs.dim() != 3 or target_probs.dim() != 3:
-        raise ValueError(f"expected draft_tokens [B, k], draft_probs [B, k, V], target_probs [B, k+1, V]; got "
-                         f"{tuple(draft_tokens.shape)}, {tuple(draft_probs.shape)}, {tuple(target_probs.shape)}")
+        raise ValueError(
+            f"expected draft_tokens [B, k], draft_probs [B, k, V], target_probs [B, k+1, V]; got "
+            f"{tuple(draft_tokens.shape)}, {tuple(draft_probs.shape)}, {tuple(target_probs.shape)}"
+        )
     b, k = draft_tokens.shape
     vocab = target_probs.shape[-1]
     if draft_probs.shape != (b, k, vocab) or target_probs.shape != (b, k + 1, vocab):
-        raise ValueError(f"for draft_tokens {tuple(draft_tokens.shape)} expected draft_probs {(b, k, vocab)} and "
-                         f"target_probs {(b, k + 1, vocab)}, got {tuple(draft_probs.shape)} and "
-                         f"{tuple(target_probs.shape)}")
+        raise ValueError(
+            f"for draft_tokens {tuple(draft_tokens.shape)} expected draft_probs {(b, k, vocab)} and "
+            f"target_probs {(b, k + 1, vocab)}, got {tuple(draft_probs.shape)} and "
+            f"{tuple(target_probs.shape)}"
+        )
     p_of_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]  # [B, k]
     q_of_draft = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]  # [B, k]
     u = torch.rand(b, k, generator=generator, device=target_probs.device)  # [B, k], uniform in [0, 1)
@@ -78,21 +86,28 @@ def accept_draft_tokens_batched(draft_tokens: torch.Tensor, draft_probs: torch.T
     return num_accepted, next_token
 
 
-def accept_draft_tokens(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                        generator: torch.Generator | None = None) -> torch.Tensor:
+def accept_draft_tokens(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """draft_tokens [k] int64, draft_probs [k, V], target_probs [k+1, V] (from
     `decodelab.decoding.sampling.probs`) -> the tokens this step emits, 1-D int64 of length 1 .. k+1:
     the accepted prefix of draft_tokens, then one token drawn from the residual at the first
     rejection, or from target_probs[k] (the bonus token) when all k were accepted.
     """
     if draft_tokens.dim() != 1 or draft_probs.dim() != 2 or target_probs.dim() != 2:
-        raise ValueError(f"expected draft_tokens [k], draft_probs [k, V], target_probs [k+1, V]; got "
-                         f"{tuple(draft_tokens.shape)}, {tuple(draft_probs.shape)}, {tuple(target_probs.shape)}")
+        raise ValueError(
+            f"expected draft_tokens [k], draft_probs [k, V], target_probs [k+1, V]; got "
+            f"{tuple(draft_tokens.shape)}, {tuple(draft_probs.shape)}, {tuple(target_probs.shape)}"
+        )
     if draft_tokens.dtype != torch.int64:
         raise ValueError(f"draft_tokens must be int64 token ids, got {draft_tokens.dtype}")
-    num_accepted, next_token = accept_draft_tokens_batched(draft_tokens[None], draft_probs[None],
-                                                           target_probs[None], generator)
-    return torch.cat([draft_tokens[:int(num_accepted)], next_token])
+    num_accepted, next_token = accept_draft_tokens_batched(
+        draft_tokens[None], draft_probs[None], target_probs[None], generator
+    )
+    return torch.cat([draft_tokens[: int(num_accepted)], next_token])
 
 
 def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -101,7 +116,7 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> to
     [k+1, V] -> tokens [n+1] (they are the target's choices, so no gather is needed)."""
     choice = greedy(target_logits)  # [k+1]
     num_accepted = int((choice[:-1] == draft_tokens).cumprod(dim=0).sum())
-    return choice[:num_accepted + 1]
+    return choice[: num_accepted + 1]
 
 
 # ------------------------------------------------------------------------- the loop's steps
@@ -111,9 +126,16 @@ def prefill(model, cache: KVCache, token_ids: list[int]) -> None:
         model(torch.tensor([token_ids], device=model.device), kv_cache=cache, last_only=True)
 
 
-def propose(drafter: Drafter, cache: KVCache | FeatureDraftSession | None, ids: list[int], k: int,
-            params: SamplingParams, generator: torch.Generator | None, vocab_size: int, device
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def propose(
+    drafter: Drafter,
+    cache: KVCache | FeatureDraftSession | None,
+    ids: list[int],
+    k: int,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    vocab_size: int,
+    device,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Up to k guesses after ids -> (draft_tokens [k'], draft_probs [k', V], or None when greedy).
     `cache` is the draft model's KVCache, a feature drafter's session, or None for a function.
 
@@ -128,7 +150,7 @@ def propose(drafter: Drafter, cache: KVCache | FeatureDraftSession | None, ids: 
     if cache is None:  # a function: deterministic guesses, one-hot q
         tokens = torch.tensor(list(drafter(ids, k))[:k], dtype=torch.long, device=device)
         return tokens, None if params.greedy else F.one_hot(tokens, vocab_size).float()
-    x = torch.tensor([ids[cache.seq_len:]], device=device)  # [1, 1 or 2]
+    x = torch.tensor([ids[cache.seq_len :]], device=device)  # [1, 1 or 2]
     tokens, dists = [], []
     for _ in range(k):
         logits = drafter(x, kv_cache=cache, last_only=True)[0, -1]  # [V]
@@ -147,8 +169,9 @@ def verify(target, cache: KVCache, pending: torch.Tensor, draft_tokens: torch.Te
     return target(tokens, kv_cache=cache)[0]
 
 
-def verify_with_features(target, cache: KVCache, pending: torch.Tensor, draft_tokens: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_with_features(
+    target, cache: KVCache, pending: torch.Tensor, draft_tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`verify` that also returns the target's features there: (logits [k+1, V], features [k+1, E])."""
     tokens = torch.cat([pending, draft_tokens])[None]  # [1, k+1]
     features = target.features(tokens, kv_cache=cache)[0]  # [k+1, E]
@@ -163,9 +186,18 @@ def rollback(target_cache: KVCache, draft_cache: KVCache | None, length: int) ->
         draft_cache.truncate(min(draft_cache.seq_len, length))
 
 
-def speculative_step(target, draft, target_cache: KVCache, draft_cache: KVCache, ids: list[int], k: int,
-                     params: SamplingParams, generator: torch.Generator | None = None, *,
-                     steps: SpeculativeSteps | None = None) -> torch.Tensor:
+def speculative_step(
+    target,
+    draft,
+    target_cache: KVCache,
+    draft_cache: KVCache,
+    ids: list[int],
+    k: int,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    *,
+    steps: SpeculativeSteps | None = None,
+) -> torch.Tensor:
     """One step of speculative decoding with a draft model -> the emitted tokens, LongTensor [n+1].
 
     ids: the tokens so far; the last one (the pending token) is in neither cache: target_cache
@@ -185,10 +217,10 @@ def speculative_step(target, draft, target_cache: KVCache, draft_cache: KVCache,
     """
     steps = steps if steps is not None else LIBRARY_STEPS
     device = target.device
-    draft_tokens, draft_probs = steps.propose(draft, draft_cache, ids, k, params, generator,
-                                              target.config.vocab_size, device)  # [k], [k, V] or None (greedy)
-    target_logits = steps.verify(target, target_cache, torch.tensor(ids[-1:], device=device),
-                                 draft_tokens)  # [k+1, V]
+    draft_tokens, draft_probs = steps.propose(
+        draft, draft_cache, ids, k, params, generator, target.config.vocab_size, device
+    )  # [k], [k, V] or None (greedy)
+    target_logits = steps.verify(target, target_cache, torch.tensor(ids[-1:], device=device), draft_tokens)  # [k+1, V]
     if params.greedy:
         emitted = steps.greedy_accept(draft_tokens, target_logits)
     else:
@@ -229,8 +261,17 @@ class SpeculativeSteps:
             if not callable(getattr(self, field.name)):
                 raise TypeError(f"SpeculativeSteps.{field.name} must be a function, got {getattr(self, field.name)!r}")
 
-    def draft_model_step(self, target, draft, target_cache: KVCache, draft_cache: KVCache, ids: list[int], k: int,
-                         params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    def draft_model_step(
+        self,
+        target,
+        draft,
+        target_cache: KVCache,
+        draft_cache: KVCache,
+        ids: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """The step a draft model runs, `self.speculative_step` (the library's with these steps as
         its parts) -> the emitted tokens, LongTensor [n+1]."""
         if self.speculative_step is speculative_step:

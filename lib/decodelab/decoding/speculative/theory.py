@@ -4,6 +4,7 @@ a step yields when each draft is accepted independently: tokens per target call 
 
 Shapes: V vocab_size; p and q may carry any leading dimensions.
 """
+
 from __future__ import annotations
 
 import torch
