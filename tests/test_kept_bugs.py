@@ -26,6 +26,9 @@ MESSAGES: dict[str, tuple[str, ...]] = {
     "reused_block_keeps_its_name": ("name",),
     "chunked_feeds_cached_tokens": ("cached",),
     "step_draft_fed_pending_only": ("forward pass of the draft", "lacks"),
+    "attention_kv_heads_not_repeated": ("KV heads must be repeated to the query heads",),
+    "step_draft_truncated_to_length": ("draft cache must be rolled back to min(",),
+    "launcher_group_not_padded": ("group must be padded to a power of two",),
 }
 
 
