@@ -15,9 +15,20 @@ from decodelab.engine.llm import LLM
 from decodelab.model.packed_linear import PackedLinear, can_prepack, prepack_linear_layers, prepacked_copy
 from decodelab.params import SamplingParams
 
-pytestmark = pytest.mark.skipif(
-    not can_prepack("cpu", torch.bfloat16), reason="this torch build has no oneDNN bfloat16 packing on CPU"
+needs_packing = pytest.mark.skipif(
+    not can_prepack("cpu", torch.bfloat16),
+    reason="no oneDNN bfloat16 packing on this CPU and torch (AVX-512 BW/VL/DQ or AVX-NE-CONVERT needed)",
 )
+
+
+class Tokens:
+    """What the engine asks of a tokenizer when the prompts are token ids."""
+
+    def stop_token_ids(self):
+        return []
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
 
 
 def bf16_linear(in_features: int, out_features: int, bias: bool, seed: int) -> nn.Linear:
@@ -25,6 +36,7 @@ def bf16_linear(in_features: int, out_features: int, bias: bool, seed: int) -> n
     return nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16).eval().requires_grad_(False)
 
 
+@needs_packing
 @pytest.mark.parametrize("shape", [(1, 576), (2, 576), (3, 7, 576), (32, 576), (1, 1, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_linear(shape, bias):
@@ -43,6 +55,7 @@ def test_packed_linear_equals_linear(shape, bias):
     assert (ours.double() - exact).abs().max() <= 1.01 * (plain.double() - exact).abs().max() + 1e-6
 
 
+@needs_packing
 def test_prepack_keeps_the_models_logits_and_refuses_float32():
     model = random_model(seed=5, vocab_size=300)
     ids = random_ids(12, 300, seed=2)
@@ -60,6 +73,7 @@ def test_prepack_keeps_the_models_logits_and_refuses_float32():
     torch.testing.assert_close(after, before, rtol=0, atol=0.05 * before.abs().max().item())
 
 
+@needs_packing
 def test_prepacked_copy_leaves_the_original_and_shares_the_rest():
     model = random_model(seed=6, vocab_size=300).to(torch.bfloat16)
     packed = prepacked_copy(model)
@@ -68,6 +82,7 @@ def test_prepacked_copy_leaves_the_original_and_shares_the_rest():
     assert packed.model.norm.weight.data_ptr() == model.model.norm.weight.data_ptr()
 
 
+@needs_packing
 def test_engine_with_packed_weights_keeps_greedy_output_smollm2(smollm2):
     """SmolLM2 in bfloat16: the packed engine (the default on a CPU) gives the plain engine's
     greedy tokens (a swap allowed only at a near-tie of the plain model's logits)."""
@@ -96,3 +111,23 @@ def test_prepack_true_where_it_cannot_pack_is_a_clear_error(smollm2):
     model, tokenizer = smollm2  # float32
     with pytest.raises(ValueError, match="bfloat16"):
         LLM((model, tokenizer), prepack_weights=True)
+
+
+def test_a_bfloat16_engine_runs_on_every_cpu():
+    """The engine packs a bfloat16 model only where this CPU's oneDNN can (an AVX2-only CPU
+    cannot: the reorder raises there), and gives the plain engine's greedy tokens either way."""
+    model = random_model(seed=7, vocab_size=300).to(torch.bfloat16)
+    prompts = [random_ids(n, 300, seed=n)[0].tolist() for n in (5, 11)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    default_llm = LLM((model, Tokens()))
+    assert isinstance(default_llm.model.lm_head, PackedLinear) == can_prepack("cpu", torch.bfloat16)
+    ours = default_llm.generate(prompts, params, use_tqdm=False)
+    plain = LLM((model, Tokens()), prepack_weights=False).generate(prompts, params, use_tqdm=False)
+
+    def next_logits(ids):
+        with torch.inference_mode():
+            return model(torch.tensor([ids]), last_only=True)[0, -1]
+
+    for prompt, a, b in zip(prompts, ours, plain):
+        assert len(a.outputs[0].token_ids) == 12
+        check_greedy_agreement(prompt, a.outputs[0].token_ids, b.outputs[0].token_ids, [next_logits])

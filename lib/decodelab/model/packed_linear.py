@@ -22,6 +22,7 @@ Shapes: x [..., in_features] -> [..., out_features].
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
@@ -30,15 +31,31 @@ PACKING_BATCH_HINT = 32  # rows the packed layout is tuned for (any row count wo
 
 
 def can_prepack(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """True where packing helps and works: a CPU with oneDNN, bfloat16 weights. (In float32
-    this CPU's default path is already faster at one row than a packed weight.)"""
-    return (
-        torch.device(device).type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
+    """True where packing helps and works: a CPU with oneDNN whose bfloat16 kernels run here,
+    bfloat16 weights. (In float32 this CPU's default path is already faster at one row than a
+    packed weight.)"""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and _cpu_packs_bfloat16()
+
+
+@functools.cache
+def _cpu_packs_bfloat16() -> bool:
+    """Whether this CPU and torch build pack and multiply a bfloat16 weight with oneDNN.
+
+    oneDNN's bfloat16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on an AVX2-only CPU
+    the reorder raises, so a tiny weight is packed and used once, and the answer is kept."""
+    if not (
+        torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    ):
+        return False
+    try:
+        weight = torch.ones(16, 16, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=torch.bfloat16), packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return bool(torch.all(out == 16))
 
 
 def check_packable(weight: torch.Tensor) -> None:
