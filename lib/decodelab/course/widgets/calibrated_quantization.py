@@ -164,7 +164,7 @@ def sweep_explorer(measure_setting, reference: dict, cache: dict):
     fig.update_xaxes(title="bytes of the decoder-layer weights (MB)", type="log")
     fig.update_yaxes(title="held-out perplexity (lower is better)")
 
-    def redraw(change=None):
+    def redraw(*_):
         key = (method.value, bits.value, group.value)
         if key not in cache:
             cache[key] = measure_setting(*key)
