@@ -137,13 +137,13 @@ def outlier_figure(stats: dict, threshold: float) -> go.Figure:
 
 
 def sweep_explorer(measure_setting, reference: dict, cache: dict):
-    """Dropdowns for bits, group size and method -> bytes and perplexity of the whole model, every setting
+    """Sliders for bits, group size and method -> bytes and perplexity of the whole model, every setting
     measured so far on one bytes-vs-perplexity plot. measure_setting(method, bits, group_size) -> a row;
     rows are kept in `cache` by (method, bits, group_size), so each is measured once (those the table
     measured are there already)."""
-    bits = widgets.Dropdown(options=[3, 4, 8], value=3, description="bits", **SLIDER)
-    group = widgets.Dropdown(options=[32, 64, 128], value=128, description="group size", **SLIDER)
-    method = widgets.Dropdown(options=["rtn", "awq", "gptq"], value="gptq", description="method", **SLIDER)
+    bits = widgets.SelectionSlider(options=[3, 4, 8], value=3, description="bits per weight", **SLIDER)
+    group = widgets.SelectionSlider(options=[32, 64, 128], value=128, description="group size", **SLIDER)
+    method = widgets.SelectionSlider(options=["rtn", "awq", "gptq"], value="gptq", description="method", **SLIDER)
     fig = go.FigureWidget()
     mb = reference["linear_bytes"] / 1e6
     fig.add_scatter(
