@@ -201,6 +201,8 @@ def test_registry_loads_tiny_mamba():
     model, tokenizer = load("tiny-mamba", device="cpu")
     assert isinstance(model, MambaForCausalLM) and tokenizer.vocab_size == model.config.vocab_size == 1024
     assert 0.8 < model.num_parameters() / 3_475_712 < 1.2  # about tiny's size
+    prompt = tokenizer.encode("def fibonacci(n):")
+    assert generate_with_cache(model, prompt, 10) == generate_without_cache(model, prompt, 10)
 
 
 def test_a_kv_cache_is_refused_in_one_line():
