@@ -164,6 +164,12 @@ QUESTIONS: dict[str, Question] = {
         "12_gpu_kernel", "programs", "the launcher's grid, read off a batch of 32", rel_tol=0.0, abs_tol=0.5
     ),
     "q_min_read_mib": _q("12_gpu_kernel", "MiB", "kv_bytes_read for 32 x 2,048 tokens"),
+    "q_refused_of_10": _q(
+        "14_serving", "requests", "the library's stream, max_waiting 4, ten clients", rel_tol=0.0, abs_tol=0.5
+    ),
+    "q_blocks_freed": _q(
+        "14_serving", "blocks", "the engine's free blocks before and after the abort", rel_tol=0.0, abs_tol=0.5
+    ),
 }
 
 
