@@ -241,7 +241,8 @@ async def run_clients(loop_fn, stream_fn, llm, prompts, max_tokens, delays, abor
     """Run loop_fn on a fresh server and one client per prompt, greedy: client i starts after
     delays[i] seconds and reads its stream_fn(server, prompts[i], ...) of max_tokens[i] tokens; with
     abort_after=(i, k), client i's task is cancelled (it disconnects) once it has k tokens.
-    -> (each client's token ids, or the exception that ended it; the order in which clients finished
+    A client whose stream raises re-raises here (the disconnected client's CancelledError does not).
+    -> (each client's token ids, or the CancelledError that ended it; the order in which clients finished
     (indices); the engine's Request of each prompt, in the order the loop added them)."""
     server = StreamingServer(llm, max_waiting=64)
     added = []
@@ -285,6 +286,9 @@ async def run_clients(loop_fn, stream_fn, llm, prompts, max_tokens, delays, abor
                 raise failure
             raise RuntimeError("engine_loop returned before server.stop() was called, with clients still waiting")
         results = clients.result()
+        failures = [r for r in results if isinstance(r, Exception)]
+        if failures:  # a client's stream raised (not the disconnected one's cancellation): say so as it is
+            raise failures[0]
         for _ in range(50):  # let the loop take the abort and finish its turn
             await asyncio.sleep(0.01)
             if not server.inbox and not server.live and not llm.scheduler.has_unfinished():
