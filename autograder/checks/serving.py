@@ -23,7 +23,7 @@ import functools
 import random
 
 from autograder.checks.answers import expect_answer
-from autograder.checks.calling import call
+from autograder.checks.calling import call, failure
 from decodelab.course.exercises import references
 from decodelab.lessons import serving
 from decodelab.params import SamplingParams
@@ -87,7 +87,14 @@ def _blocks_all_back(desc: str, llm) -> None:
 
 
 def _run(desc: str, make):
-    return serving.run_checked(make, desc, TIMEOUT)
+    """run_checked(make): a hang is the AssertionError that names its usual causes; whatever the
+    learner's loop or stream raises is reported as `call` reports it (an unfinished stub by name)."""
+    try:
+        return serving.run_sync(make, timeout=TIMEOUT)
+    except TimeoutError:
+        raise AssertionError(serving.hang_message(desc, TIMEOUT)) from None
+    except Exception as exc:  # noqa: BLE001 - any exception of the code under test fails the check
+        raise failure(desc, exc) from None
 
 
 def _pair_behaves(what: str, loop_fn, stream_fn) -> None:

@@ -329,10 +329,15 @@ def run_checked(make_coroutine, what: str, timeout: float = 20.0):
     try:
         return run_sync(make_coroutine, timeout=timeout)
     except TimeoutError:
-        raise AssertionError(
-            f"{what}: did not finish within {timeout:.0f} s: a stream that never ends (END must follow a "
-            "finished request's last token), or a loop that never wakes for a new request"
-        ) from None
+        raise AssertionError(hang_message(what, timeout)) from None
+
+
+def hang_message(what: str, timeout: float) -> str:
+    """What a run that outlasted `timeout` seconds is told, with what usually causes it."""
+    return (
+        f"{what}: did not finish within {timeout:.0f} s: a stream that never ends (END must follow a "
+        "finished request's last token), or a loop that never wakes for a new request"
+    )
 
 
 @dataclass
