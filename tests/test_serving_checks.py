@@ -82,3 +82,20 @@ def test_the_workload_is_seeded_and_long_tailed():
     assert 0.15 < sum(gaps) / len(gaps) < 0.25  # mean gap 1 / rate
     outputs = sorted(r.max_tokens for r in a)
     assert outputs[len(outputs) // 2] < sum(outputs) / len(outputs)  # median below mean: a long tail
+
+
+def test_the_load_explorer_moves_between_runs_and_the_timeline_draws_each_request():
+    from decodelab.course.widgets import serving as widgets_serving
+
+    runs = {"one slot": [(0.0, [0.5, 0.6, 0.7]), (0.1, [0.9])], "four slots": [(0.0, [0.2, 0.3]), (0.1, [])]}
+    durations = {"one slot": 1.0, "four slots": 1.0}
+    box = widgets_serving.load_explorer(runs, durations, ttft_slo=0.4, tpot_slo=0.2)
+    assert box.figure.layout.title.text.startswith("one slot: p99 TTFT")
+    box.controls["run"].value = "four slots"
+    assert box.figure.layout.title.text.startswith("four slots: p99 TTFT")
+    fig = widgets_serving.timeline_figure(runs["one slot"], "one slot")
+    waits, streams = fig.data
+    assert list(waits.x) == pytest.approx([0.5, 0.8]) and list(waits.base) == pytest.approx([0.0, 0.1])
+    assert list(streams.y) == [0] and list(streams.x) == pytest.approx([0.2])  # one token: no stream bar
+    with pytest.raises(ValueError, match="at least one run"):
+        widgets_serving.load_explorer({}, {}, 1.0, 1.0)

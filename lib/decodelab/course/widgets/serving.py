@@ -62,6 +62,13 @@ def draw_timeline(fig, records, title: str) -> None:
         )
 
 
+def timeline_figure(records, title: str) -> go.Figure:
+    """A static figure of one load run's requests (records as `serving_metrics` takes them)."""
+    fig = go.Figure()
+    draw_timeline(fig, records, title)
+    return fig
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -72,12 +79,12 @@ class _nothing:
 
 def load_explorer(runs: dict, duration_of: dict, ttft_slo: float, tpot_slo: float):
     """runs: a label ("max_num_seqs 8, chunked prefill") -> that run's records; duration_of: label ->
-    its duration in seconds. A dropdown picks the run; the title gives its p99 TTFT, p99 TPOT and
+    its duration in seconds. A slider picks the run; the title gives its p99 TTFT, p99 TPOT and
     goodput under the SLO (computed by the library's `serving_metrics`)."""
     if not runs:
         raise ValueError("load_explorer needs at least one run")
     fig = go.FigureWidget()
-    controls = {"run": widgets.Dropdown(options=list(runs), description="engine setting", **SLIDER)}
+    controls = {"run": widgets.SelectionSlider(options=list(runs), description="engine setting", **SLIDER)}
 
     def redraw(*_):
         label = controls["run"].value
