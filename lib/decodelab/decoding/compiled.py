@@ -23,7 +23,6 @@ model again even when inductor's on-disk cache holds the code): it pays only for
 from __future__ import annotations
 
 import torch
-from torch._dynamo.utils import counters
 
 from decodelab.model.attention import masked_attention
 from decodelab.model.kv_cache import KVCache
@@ -110,6 +109,8 @@ class CompiledDecoder:
         if kv_cache is None or positions is not None or input_ids.shape != (1, 1):
             return self.model(input_ids, positions=positions, kv_cache=kv_cache, last_only=last_only)
         position = next_position(kv_cache, self.config)
+        from torch._dynamo.utils import counters  # here: importing Dynamo costs ~1.3 s, which the package avoids
+
         torch._dynamo.mark_dynamic(kv_cache.keys, 3)  # any max_seq_len: one graph for all
         torch._dynamo.mark_dynamic(kv_cache.values, 3)
         before = counters["stats"]["unique_graphs"]
