@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from decodelab.cli import main
 from decodelab.decoding.compiled import CompiledDecoder
 from decodelab.decoding.generate import stream_token_ids
 from decodelab.decoding.packaged import (
@@ -22,7 +23,7 @@ from decodelab.decoding.packaged import (
     package_key,
     package_path,
 )
-from decodelab.model.fused_int8 import quantize_for_decode
+from decodelab.model.fused_int8 import COMPILE_ENV, quantize_for_decode
 from decodelab.model.registry import load
 from decodelab.model.toy import random_llama
 from decodelab.params import SamplingParams
@@ -108,12 +109,15 @@ def run_fresh(name, path, prompt, n):
     return json.loads(done.stdout)
 
 
-def test_tiny_package_gives_the_eager_tokens_in_a_fresh_process(tiny, tmp_path):
+def test_tiny_package_gives_the_eager_tokens_in_a_fresh_process(tiny, tmp_path, monkeypatch, capsys):
     """Built here (about 40 s on 2 cores), loaded in a new Python: the greedy ids of 48 tokens equal
     the eager int8 model's, the load takes well under a second and imports no torch._inductor.
-    A package built for the int8 model is refused by the float one (another key)."""
+    A package built for the int8 model is refused by the float one (another key). The CLI's
+    `generate --int8` takes it from the cache, silently, and prints --no-compile's tokens."""
+    monkeypatch.setenv("DECODELAB_CACHE", str(tmp_path))
     model = quantize_for_decode(copy.deepcopy(tiny[0]))
-    path = build_package(model, tmp_path / "tiny.pt2")
+    path = build_package(model)
+    assert path == package_path(model) and not list(path.parent.glob("*.partial*"))
     assert path.stat().st_size < 10 << 20  # the code only: the weights stay with the model
     found = run_fresh("tiny", path, "def fibonacci(n):", 48)
     assert found["packaged"] == found["eager"] and len(found["eager"]) == 48
@@ -123,6 +127,17 @@ def test_tiny_package_gives_the_eager_tokens_in_a_fresh_process(tiny, tmp_path):
     # Its cache grows past the example's 64 slots, and a longer cache reuses the same code.
     prompt_ids = tiny[1].encode("import os\n" * 12)
     assert greedy_ids(PackagedDecoder(model, path), prompt_ids, 40) == greedy_ids(model, prompt_ids, 40)
+
+    def cli(*flags):
+        argv = ["generate", "def add(a, b):", "--model", "tiny", "--device", "cpu", "--no-chat", "--json", "--int8"]
+        assert main([*argv, "--max-new-tokens", "24", *flags]) == 0
+        out = capsys.readouterr()
+        return json.loads(out.out)["output_ids"], out.err
+
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    packaged, told = cli()
+    assert "decodelab:" not in told  # no fallback line: the package was used
+    assert packaged == cli("--no-compile")[0]
 
 
 def test_smollm2_int8_package_gives_the_eager_tokens(smollm2):
