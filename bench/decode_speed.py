@@ -28,9 +28,15 @@ wall time of one whole call (prefill, sampling, stop checks, detokenizing, the c
 the CLI a fresh process each, so loading cancels out), beside the median gap between token arrivals
 of the same path's streaming form (`stream_text` for `generate`, `LLM.stream` for `LLM.generate`,
 stdout chunks for the CLI). Contenders: `generate` float32 and over
-`CompiledDecoder(quantize_for_decode(model))`; `LLM.generate` float32, int8 eager and int8 with
-`compile_decode=True`; `python -m decodelab generate` and `... --int8`; llama.cpp when llama-cpp-python
-is installed. Writes bench/results/decode_speed_<model>_<device>_end_to_end.json.
+`CompiledDecoder(quantize_for_decode(model))` (torch.compile) and `PackagedDecoder` over the same
+(the AOT-compiled step `python -m decodelab prepare` builds, when built); `LLM.generate` float32, int8
+eager and int8 with `compile_decode=True`; `python -m decodelab generate`, `... --int8 --no-compile`
+(eager), `... --int8` with no prepared package (torch.compile in every process: a cache folder without
+one) and `... --int8` with it; llama.cpp when llama-cpp-python is installed. Besides the best of the
+rounds, the JSON holds each round's tokens/s (median, min-max) and the wall time of a whole short call
+(8 new tokens; for the CLI a whole fresh process: import, load, quantize, compile or package load).
+`--only packaged,int8` keeps the contenders whose names hold one of the words (and `generate`, the
+reference). Writes bench/results/decode_speed_<model>_<device>_end_to_end.json.
 """
 
 from __future__ import annotations
@@ -171,6 +177,12 @@ def main():
         help="time whole calls of the public API (t(72) - t(8)) / 64, every contender",
     )
     parser.add_argument("--no-cli", action="store_true", help="with --end-to-end: leave out the CLI's processes")
+    parser.add_argument(
+        "--only",
+        default=None,
+        metavar="WORDS",
+        help="with --end-to-end: only the contenders whose name holds one of these comma-separated words",
+    )
     args = parser.parse_args()
     if args.end_to_end:
         return end_to_end(args)
@@ -402,6 +414,30 @@ def e2e_llama_cpp(llm, prompt_ids):
     return whole, stream
 
 
+def packaged_or_none(model):
+    """`PackagedDecoder(model)` when `python -m decodelab prepare` built its package, else None."""
+    from decodelab.decoding.packaged import PackagedDecoder
+
+    try:
+        return PackagedDecoder(model)
+    except FileNotFoundError:
+        return None
+
+
+def unpackaged_cache() -> dict[str, str]:
+    """Environment for a CLI whose cache holds the converted models but no prepared decode package
+    (links to the real cache's model folders in a temporary folder), so `--int8` compiles."""
+    import tempfile
+
+    from decodelab.paths import cache_dir
+
+    folder = Path(tempfile.mkdtemp(prefix="decodelab-unpackaged-"))
+    for entry in cache_dir().iterdir():
+        if entry.name != "aoti":
+            (folder / entry.name).symlink_to(entry)
+    return {"DECODELAB_CACHE": str(folder)}
+
+
 def end_to_end(args):
     from decodelab.decoding.generate import encode_prompt
     from decodelab.engine.llm import LLM
@@ -410,7 +446,8 @@ def end_to_end(args):
     load_average_before = os.getloadavg()
     model, tokenizer = load(args.model, device=device, dtype="float32")
     prompt_ids = encode_prompt(tokenizer, E2E_PROMPT, chat=True)
-    int8_decoder = CompiledDecoder(quantize_for_decode(copy.deepcopy(model)))
+    int8_model = quantize_for_decode(copy.deepcopy(model))
+    int8_decoder = CompiledDecoder(int8_model)
     contenders = {
         "generate": e2e_generate(model, tokenizer, prompt_ids),
         "generate int8 compiled": e2e_generate(int8_decoder, tokenizer, prompt_ids),
@@ -431,7 +468,10 @@ def end_to_end(args):
         )
         env.pop("DECODELAB_COMPILE", None)
         contenders["CLI generate"] = e2e_cli(args.model, [], env)
-        contenders["CLI generate --int8"] = e2e_cli(args.model, ["--int8"], env)
+        contenders["CLI generate --int8 --no-compile"] = e2e_cli(args.model, ["--int8", "--no-compile"], env)
+        # torch.compile in every process: a cache with the converted model but no prepared package
+        contenders["CLI generate --int8 compiled"] = e2e_cli(args.model, ["--int8"], dict(env, **unpackaged_cache()))
+        contenders["CLI generate --int8 packaged"] = e2e_cli(args.model, ["--int8"], env)
     llama = (
         None
         if args.no_llama_cpp or args.model != "smollm2" or device.type != "cpu"
@@ -439,6 +479,12 @@ def end_to_end(args):
     )
     if llama is not None:
         contenders["llama.cpp"] = e2e_llama_cpp(llama, prompt_ids)
+    packaged = packaged_or_none(int8_model)  # None until `python -m decodelab prepare` built it
+    if packaged is not None:
+        contenders["generate int8 packaged"] = e2e_generate(packaged, tokenizer, prompt_ids)
+    if args.only:
+        words = args.only.split(",")
+        contenders = {name: c for name, c in contenders.items() if name == "generate" or any(w in name for w in words)}
     skipped = {} if llama is not None or args.no_llama_cpp else {"llama.cpp": "llama-cpp-python is not installed"}
 
     warm_up = {}
@@ -447,12 +493,14 @@ def end_to_end(args):
         whole(SHORT)
         warm_up[name] = time.perf_counter() - start
     best = {name: {SHORT: float("inf"), LONG: float("inf")} for name in contenders}
+    calls = {name: {SHORT: [], LONG: []} for name in contenders}  # every round's seconds
     gaps, tokens = {name: [] for name in contenders}, {}
     for _ in range(args.rounds):
         for name, (whole, stream) in contenders.items():  # interleaved: the same noise for all
             for n in (SHORT, LONG):
                 seconds, ids = whole(n)
                 best[name][n] = min(best[name][n], seconds)
+                calls[name][n].append(seconds)
                 if n == LONG:
                     tokens[name] = ids
             times = stream(LONG)
@@ -461,6 +509,10 @@ def end_to_end(args):
     tokens_per_s = {name: 1 / s for name, s in per_token.items()}
     gap_tokens_per_s = {name: 1 / statistics.median(g) for name, g in gaps.items() if g}
     reference = tokens["generate"]
+    # per round: 1 / ((t(LONG) - t(SHORT)) / 64); its median and spread over the rounds
+    round_tps = {
+        name: sorted((LONG - SHORT) / (b - a) for a, b in zip(t[SHORT], t[LONG]) if b > a) for name, t in calls.items()
+    }
     result = {
         "command": "python bench/decode_speed.py " + " ".join(sys.argv[1:]),
         "what": "end to end through the public API: tokens/s = (LONG - SHORT) / (t(LONG new) - t(SHORT new)), "
@@ -481,6 +533,11 @@ def end_to_end(args):
         "median_gap_tokens_per_s": gap_tokens_per_s,
         "best_call_seconds": {name: {str(n): s for n, s in t.items()} for name, t in best.items()},
         "first_call_seconds (compile or cache read included)": warm_up,
+        "median_round_tokens_per_s": {name: statistics.median(v) for name, v in round_tps.items() if v},
+        "round_tokens_per_s_min_max": {name: [v[0], v[-1]] for name, v in round_tps.items() if v},
+        "short_call_seconds_median_min_max (whole call of 8 new tokens; a fresh process for the CLI)": {
+            name: [statistics.median(t[SHORT]), min(t[SHORT]), max(t[SHORT])] for name, t in calls.items()
+        },
         "end_to_end_vs_generate": {name: tps / tokens_per_s["generate"] for name, tps in tokens_per_s.items()},
         "new_tokens_returned": {name: len(ids) for name, ids in tokens.items()},
         "greedy_tokens_same_as_generate_float32": {name: agreement(ids, reference) for name, ids in tokens.items()},
@@ -493,10 +550,15 @@ def end_to_end(args):
     out = Path(__file__).parent / "results" / f"decode_speed_{args.model}_{device.type}_end_to_end.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"load average {result['load_average_1_5_15_min']}; {args.rounds} rounds, best of each")
-    print(f"{'contender':>28}  end-to-end tok/s  median-gap tok/s  x generate  same greedy tokens")
+    print(
+        f"{'contender':>36}  end-to-end tok/s  median (min-max) of rounds  median-gap tok/s  "
+        f"short call s (median)  x generate  same greedy tokens"
+    )
     for name, tps in tokens_per_s.items():
+        spread = round_tps[name]
         print(
-            f"{name:>28}  {tps:16.1f}  {gap_tokens_per_s.get(name, float('nan')):16.1f}  "
+            f"{name:>36}  {tps:16.1f}  {statistics.median(spread):8.1f} ({spread[0]:.1f}-{spread[-1]:.1f})  "
+            f"{gap_tokens_per_s.get(name, float('nan')):16.1f}  {statistics.median(calls[name][SHORT]):21.2f}  "
             f"{result['end_to_end_vs_generate'][name]:10.2f}  "
             f"{result['greedy_tokens_same_as_generate_float32'][name]}/{len(tokens[name])}"
         )

@@ -164,6 +164,10 @@ NODE_TIERS: dict[str, tuple[str, str]] = {
         "slow",
         "torch.compile",
     ),
+    "tests/test_packaged_decode.py::test_tiny_package_gives_the_eager_tokens_in_a_fresh_process": (
+        "slow",
+        "AOTInductor compiles tiny's decode step (~40 s), then a fresh Python loads it",
+    ),
     "tests/test_engine_feature_drafter.py::test_greedy_tokens_are_the_targets_whatever_the_drafter_guesses[200-3]": (
         "slow",
         "200 tokens of tree speculation",

@@ -3,8 +3,9 @@
     python -m decodelab generate "What is gravity?" [--model smollm2|tiny|tiny-draft|DIR]
         [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
         [--repetition-penalty R] [--device D] [--dtype fp32|bf16|fp16] [--no-chat] [--json]
-        [--int8 [--no-compile]]     # int8 weights, decoded by a compiled step (about 1.8x float32 on a CPU)
-    python -m decodelab prepare        # convert SmolLM2 into the cache once
+        [--int8 [--no-compile]]     # int8 weights, decoded by a compiled step (CPU-dependent: see --help)
+    python -m decodelab prepare [--no-compile]   # convert SmolLM2 into the cache once, and build its
+        # int8 decode step ahead of time (a few minutes; `generate --int8` then starts it in ~10 ms)
     python -m decodelab progress --course DIR [--notebooks 02_sampling,03] [--timeout S] [--json]
         # your notebooks' exercises: passing, failing (and why), not started, hints used
     python -m decodelab progress --course DIR --serve "PROMPT" [--quantization int8] [--json]
@@ -179,16 +180,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--int8",
         action="store_true",
-        help="int8 weights (every linear, lm_head too), decoded by a compiled step: about 1.8x the "
-        "tokens/s of float32 on a CPU; the first run compiles (tens of seconds, then cached)",
+        help="int8 weights (every linear, lm_head too), decoded by a compiled step: a quarter of "
+        "float32's bytes; its speed depends on the CPU (1.8x float32's tokens/s measured on an AVX-512 "
+        "CPU, half of it on an AVX2-only one); the step `prepare` built ahead of time loads at once, "
+        "else the first run compiles (tens of seconds)",
     )
     gen.add_argument(
         "--no-compile",
         action="store_true",
-        help="with --int8: run the int8 model eagerly (no compile wait, slower tokens; "
-        "DECODELAB_COMPILE=0 does the same)",
+        help="with --int8: run the int8 model eagerly, even where `prepare` built its compiled step "
+        "(slower tokens; DECODELAB_COMPILE=0 does the same)",
     )
-    commands.add_parser("prepare", help="convert the default model (SmolLM2) into the cache")
+    prep = commands.add_parser(
+        "prepare",
+        help="convert the default model (SmolLM2) into the cache and build its int8 decode step",
+    )
+    prep.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="only convert the model: no ahead-of-time compiled decode step (which takes minutes)",
+    )
     prog = commands.add_parser(
         "progress",
         help="run the visible tests of your notebooks' exercises and list what passes",
@@ -373,8 +384,10 @@ def run_generate(args) -> int:
         model = quantize_for_decode(model)
         if not args.no_compile and compile_by_default():
             from decodelab.decoding.compiled import CompiledDecoder
+            from decodelab.decoding.packaged import decoder_for
 
-            model = CompiledDecoder(model)
+            # on a CPU the step `prepare` built (no wait), else torch.compile, saying so on stderr
+            model = decoder_for(model) if torch_device(model).type == "cpu" else CompiledDecoder(model)
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat)
     completion = Completion(prompt_ids)
     for piece in stream_text(model, tokenizer, prompt_ids, params, completion):
@@ -394,6 +407,37 @@ def run_generate(args) -> int:
         )
     else:
         sys.stdout.write("\n")
+    return 0
+
+
+def torch_device(model):
+    import torch
+
+    return torch.device(model.device)
+
+
+def run_prepare(args) -> int:
+    """Convert SmolLM2 into the cache, then build the AOT-compiled int8 decode step that
+    `generate --int8` loads (decodelab.decoding.packaged; minutes, once) unless --no-compile."""
+    import time
+
+    from decodelab.model.registry import load, prepare_smollm2
+
+    print(prepare_smollm2(), file=sys.stderr)
+    if args.no_compile:
+        return 0
+    from decodelab.decoding.packaged import build_package, package_path
+    from decodelab.model.fused_int8 import quantize_for_decode
+
+    model = quantize_for_decode(load("smollm2", device="cpu", dtype="float32")[0])
+    path = package_path(model)
+    if path.is_file():
+        print(f"{path} (the int8 decode step, already built)", file=sys.stderr)
+        return 0
+    print("building the int8 decode step ahead of time (a few minutes, once) ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    build_package(model, path)
+    print(f"{path} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     return 0
 
 
@@ -454,10 +498,7 @@ def run_serve(args) -> int:
 
 def run(args) -> int:
     if args.command == "prepare":
-        from decodelab.model.registry import prepare_smollm2
-
-        print(prepare_smollm2(), file=sys.stderr)
-        return 0
+        return run_prepare(args)
     if args.command == "progress":
         return run_progress(args)
     if args.command == "hints":

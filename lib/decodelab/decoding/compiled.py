@@ -14,14 +14,15 @@ tokens at once, once per request) stays eager.
     decoder = CompiledDecoder(model)
     ids = list(stream_token_ids(decoder, prompt_ids, params))  # same ids as with `model`
 
-The first step compiles (tens of seconds on a small CPU): it pays only for long or many runs.
+The first step compiles (tens of seconds on a small CPU, in every new process: Dynamo traces the
+model again even when inductor's on-disk cache holds the code): it pays only for long or many runs.
+`decodelab.decoding.packaged` compiles the same step ahead of time into a file instead.
 `decoder.compiles` counts the graphs compiled, to show that a growing context compiles nothing.
 """
 
 from __future__ import annotations
 
 import torch
-from torch._dynamo.utils import counters
 
 from decodelab.model.attention import masked_attention
 from decodelab.model.kv_cache import KVCache
@@ -45,6 +46,32 @@ class SlotAttention:
         self.keys[layer].index_copy_(2, self.position, k)
         self.values[layer].index_copy_(2, self.position, v)
         return masked_attention(q, self.keys[layer], self.values[layer], self.mask)
+
+
+def decode_step(model, input_ids, position, keys, values) -> torch.Tensor:
+    """One token through `model` over the slot cache, the step that is compiled (here) or exported
+    (`decodelab.decoding.packaged`): input_ids [1, 1], position [1] int64, keys and values
+    [L, 1, H_kv, S_max, D] (the token's K and V are written into slot `position`) -> logits [1, 1, V]."""
+    slots = SlotAttention(keys, values, position, model.config.sliding_window)
+    return model(input_ids, positions=position, kv_cache=slots, last_only=True)
+
+
+def next_position(kv_cache, config) -> int:
+    """The slot the next token goes to in `kv_cache` (a `KVCache` whose layers all hold the same
+    count); TypeError for another cache, ValueError when the cache or the model's context is full."""
+    if type(kv_cache) is not KVCache:
+        raise TypeError(f"the compiled step writes into decodelab's KVCache, got a {type(kv_cache).__name__}")
+    position = kv_cache.seq_len
+    if min(kv_cache.lengths) != position or position >= kv_cache.max_seq_len:
+        raise ValueError(
+            f"the cache cannot take a token at position {position} "
+            f"(layers hold {sorted(set(kv_cache.lengths))}, max_seq_len={kv_cache.max_seq_len})"
+        )
+    if position >= config.max_position_embeddings:
+        raise ValueError(
+            f"position {position} is beyond the model's context of {config.max_position_embeddings} tokens"
+        )
+    return position
 
 
 class CompiledDecoder:
@@ -72,8 +99,7 @@ class CompiledDecoder:
         return self.model.dtype
 
     def _decode_step(self, input_ids, position, keys, values):
-        slots = SlotAttention(keys, values, position, self.config.sliding_window)
-        return self.model(input_ids, positions=position, kv_cache=slots, last_only=True)
+        return decode_step(self.model, input_ids, position, keys, values)
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, kv_cache=None, last_only: bool = False
@@ -82,18 +108,9 @@ class CompiledDecoder:
         model's own forward (same arguments, same result)."""
         if kv_cache is None or positions is not None or input_ids.shape != (1, 1):
             return self.model(input_ids, positions=positions, kv_cache=kv_cache, last_only=last_only)
-        if type(kv_cache) is not KVCache:
-            raise TypeError(f"the compiled step writes into decodelab's KVCache, got a {type(kv_cache).__name__}")
-        position = kv_cache.seq_len
-        if min(kv_cache.lengths) != position or position >= kv_cache.max_seq_len:
-            raise ValueError(
-                f"the cache cannot take a token at position {position} "
-                f"(layers hold {sorted(set(kv_cache.lengths))}, max_seq_len={kv_cache.max_seq_len})"
-            )
-        if position >= self.config.max_position_embeddings:
-            raise ValueError(
-                f"position {position} is beyond the model's context of {self.config.max_position_embeddings} tokens"
-            )
+        position = next_position(kv_cache, self.config)
+        from torch._dynamo.utils import counters  # here: importing Dynamo costs ~1.3 s, which the package avoids
+
         torch._dynamo.mark_dynamic(kv_cache.keys, 3)  # any max_seq_len: one graph for all
         torch._dynamo.mark_dynamic(kv_cache.values, 3)
         before = counters["stats"]["unique_graphs"]
