@@ -1,6 +1,7 @@
 """Memory per student kernel: the peak RSS of a kernel running each solution notebook top to bottom.
 
     .venv/bin/python bench/kernel_memory.py [--mode fast|full] [NN_topic ...]
+    .venv/bin/python bench/kernel_memory.py --table     # the README's table, from the results
 
 Each notebook runs in a fresh `python3` kernel (nbclient, in a copy of its folder, as the notebook
 tests run it), then one appended cell reads the kernel's own peak resident set (VmHWM in
@@ -91,12 +92,39 @@ def measure(name: str, mode: str, timeout: int) -> dict:
     }
 
 
+TABLE_HEAD = (
+    "| notebook | peak RSS, fast mode (MiB) | peak RSS, full mode (MiB) | full run (s) |\n|---|---:|---:|---:|\n"
+)
+
+
+def table(results: dict) -> str:
+    """The README's table (README, "A hosted class"): one row per notebook, "not measured" where a
+    mode has no result."""
+
+    def cell(row: dict | None, key: str) -> str:
+        return "not measured" if row is None else f"{row[key]:.0f}"
+
+    rows = []
+    for name, modes in sorted(results["notebooks"].items()):
+        fast, full = modes.get("fast"), modes.get("full")
+        rows.append(
+            f"| {name} | {cell(fast, 'peak_rss_mib')} | {cell(full, 'peak_rss_mib')} | {cell(full, 'seconds')} |"
+        )
+    return TABLE_HEAD + "\n".join(rows) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="notebooks (default: every solution notebook)")
     parser.add_argument("--mode", choices=("fast", "full"), default="fast")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per cell")
+    parser.add_argument("--table", action="store_true", help="print the README's table from the results; run nothing")
     args = parser.parse_args(argv)
+    if args.table:
+        if not RESULTS.exists():
+            parser.error(f"no results yet: {RESULTS} (run this script without --table first)")
+        print(table(json.loads(RESULTS.read_text())), end="")
+        return 0
     known = notebooks()
     unknown = [n for n in args.names if n not in known]
     if unknown:
