@@ -14,7 +14,8 @@ with `nbgrader release_assignment`; then, in headless Chromium (Debian's, throug
 1. the student logs in at /hub/login, lands in their own JupyterLab, opens nbgrader's assignment
    list, clicks Fetch, then Submit; the submission must land in the exchange's inbound folder,
    owned by the student's uid and named by their user name;
-2. the student has no formgrader (404), the instructor (group `instructors`) has it (200).
+2. the student has no formgrader (its URL is a 404, its lab has no formgrader command), the
+   instructor (group `instructors`) has both.
 
 The users are removed afterwards (userdel --remove), on failure too. Needs root and `useradd`:
 skipped where those are missing, except in CI, where it fails.
@@ -310,4 +311,7 @@ def test_formgrader_is_the_instructors_only(hub_class, browser):
         page = _log_in(browser, hub, user)
         response = page.request.get(f"{hub.base}/user/{user}/formgrader")
         assert response.status == expected, (user, response.status)
+        # the lab side too: hub/student/labconfig/page_config.json disables the formgrader plugin
+        in_lab = page.evaluate("() => window.jupyterapp.commands.hasCommand('nbgrader:open-formgrader')")
+        assert in_lab == (expected == 200), (user, in_lab)
         page.context.close()
