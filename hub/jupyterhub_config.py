@@ -2,7 +2,7 @@
 
     sudo .venv/bin/jupyterhub -f hub/jupyterhub_config.py      # from the repository root, as root
 
-Every user is a local account (PAM logs them in); each gets a JupyterLab server of their own,
+Every user is a local account in the Unix group `decodelab` (PAM logs them in); each gets a JupyterLab server of their own,
 started by the hub as that user from this repository's .venv (LocalProcessSpawner), in their home
 folder. Students see nbgrader's assignment list (fetch, validate, submit); members of the group
 `instructors` also get formgrader and the create-assignment toolbar. The exchange and the course
@@ -25,9 +25,11 @@ c = get_config()  # noqa: F821 - JupyterHub's config loader defines it
 HERE = Path(__file__).resolve().parent
 CACHE = os.environ.get("DECODELAB_CACHE", "/srv/decodelab/cache")
 
-# ---- who logs in: local accounts through PAM; add instructors' names to the group below.
+# ---- who logs in: the local accounts in the Unix group `decodelab`, through PAM (never root);
+# add instructors' names to the hub's group `instructors` below.
 c.JupyterHub.authenticator_class = "pam"
-c.Authenticator.allow_all = True  # every local account on this machine is in the class
+c.PAMAuthenticator.allowed_groups = {"decodelab"}
+c.Authenticator.blocked_users = {"root"}
 c.JupyterHub.load_groups = {"instructors": {"users": []}}
 
 # ---- where: behind a TLS-terminating reverse proxy in a real class; the hub's own proxy is
@@ -47,9 +49,10 @@ c.Spawner.environment = {
     "OMP_NUM_THREADS": "2",  # torch's threads per kernel; the machine's cores are shared by the class
     "JUPYTER_CONFIG_PATH": "",  # the role's folder is put first by pre_spawn_hook
 }
-# What a kernel needs at its peak (bench/results/kernel_memory.json, README table), with room for
-# the server itself. LocalProcessSpawner does not enforce it; systemdspawner or a container does.
-c.Spawner.mem_limit = "3G"
+# What a kernel needs at its peak (bench/results/kernel_memory.json, README table: 10_capstone_engine,
+# about 4,070 MiB in full mode), with room for the JupyterLab server beside it. LocalProcessSpawner
+# only passes it on (MEM_LIMIT); systemdspawner or a container spawner enforces it.
+c.Spawner.mem_limit = "4608M"
 
 
 def pre_spawn_hook(spawner):

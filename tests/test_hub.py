@@ -136,6 +136,7 @@ class Hub:
         self.folder = course.top / "hub"
         self.folder.mkdir(mode=0o700)
         self.password = secrets.token_hex(12)
+        self.token = secrets.token_hex(16)  # a service's, allowed to start servers (the instructor's, early)
         port, hub_port, api_port = _free_ports(3)
         self.base = f"http://127.0.0.1:{port}"
         config = self.folder / "jupyterhub_config.py"
@@ -158,6 +159,8 @@ class Hub:
             # the class's exchange and course id (a real class: /etc/jupyter/nbgrader_config.py)
             f"c.Spawner.environment['JUPYTER_CONFIG_PATH'] = {str(course.site)!r}\n"
             "c.Spawner.args = ['--LabApp.expose_app_in_browser=True']\n"
+            f"c.JupyterHub.services = [{{'name': 'test', 'api_token': {self.token!r}}}]\n"
+            "c.JupyterHub.load_roles = [{'name': 'test-starts-servers', 'scopes': ['servers'], 'services': ['test']}]\n"
             + SPAWN_AS_USER.format(as_user=str(ROOT / "tests" / "as_user.py"))
         )
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -186,6 +189,14 @@ class Hub:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"JupyterHub did not start; its log:\n{self.log_path.read_text()[-5000:]}")
             time.sleep(0.3)
+
+    def start_server(self, user: str) -> None:
+        """Ask the hub to start user's server now (it answers at once and starts it meanwhile)."""
+        request = urllib.request.Request(
+            f"{self.base}/hub/api/users/{user}/server", method="POST", headers={"Authorization": f"token {self.token}"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status in (201, 202), response.status
 
     def stop(self) -> None:
         """SIGTERM: the hub stops the users' servers and its proxy, then exits."""
@@ -231,6 +242,7 @@ def hub_class():
         course.instructor("release_assignment", NAME)
         hub = Hub(course, student, instructor)
         hub.wait_up()
+        hub.start_server(instructor)  # while the student works: the formgrader test logs in to it
         yield course, hub, student, instructor
     finally:
         if hub is not None:
