@@ -490,6 +490,22 @@ CLAIMS: dict[str, list[Claim]] = {
             SAME,
         ),
     ],
+    "13_calibrated_quantization": [
+        Claim(
+            "On its own calibration inputs GPTQ's layer error is below round-to-nearest's",
+            "calib-27",
+            r"calibration inputs: layer error of AWQ [\d.]+, of GPTQ ([\d.]+) \(round-to-nearest = 1\)",
+            lambda v: len(v) == 2 and all(x < 1 for x in v),
+            "GPTQ's calibration-input layer error below RTN's (= 1) at int4 and at int3",
+        ),
+        Claim(
+            "The engine's greedy tokens equal those of the calibrated model run on its own",
+            "calib-39",
+            r"engine tokens equal to the calibrated model's own on (\d+) of (\d+) prompts",
+            lambda v: v[0] == v[1] > 0,
+            "every prompt's engine tokens equal the calibrated model's own",
+        ),
+    ],
     "12_gpu_kernel": [
         Claim(
             "a hundred times slower or more than the PyTorch code",

@@ -131,7 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", help=", ".join(COMMANDS))
     gen = commands.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt", type=utf8_text)
-    gen.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, tiny-draft, or a model folder")
+    gen.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2 (default), tiny, tiny-draft, or a model folder (Llama-family or Mamba)",
+    )
     gen.add_argument(
         "--max-new-tokens",
         type=sampling_value("max_tokens", int, "an integer >= 1"),
@@ -358,6 +362,12 @@ def run_generate(args) -> int:
         raise CommandLineError("--no-compile goes with --int8 (the float model runs eagerly anyway)")
     model, tokenizer = load_model(args.model, args.device, args.dtype)
     if args.int8:
+        from decodelab.model.mamba import refuse_state_space
+
+        try:
+            refuse_state_space(model, "--int8 (the int8 decode step)")
+        except ValueError as exc:
+            raise CommandLineError(str(exc)) from None
         from decodelab.model.fused_int8 import compile_by_default, quantize_for_decode
 
         model = quantize_for_decode(model)

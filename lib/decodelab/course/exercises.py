@@ -338,6 +338,25 @@ EXERCISES: tuple[Exercise, ...] = (
         "GPU kernel: launching paged attention",
         "decodelab.lessons.gpu_kernel:paged_attention",
     ),
+    # 13_calibrated_quantization (a bonus, taken right after 06_quantization)
+    Exercise(
+        "13_calibrated_quantization",
+        "decompose",
+        "calibrated quantization: LLM.int8() outlier decomposition",
+        "decodelab.model.outliers:decompose",
+    ),
+    Exercise(
+        "13_calibrated_quantization",
+        "search_scales",
+        "calibrated quantization: AWQ scale search",
+        "decodelab.model.awq:search_scales",
+    ),
+    Exercise(
+        "13_calibrated_quantization",
+        "gptq_quantize_layer",
+        "calibrated quantization: GPTQ, one linear",
+        "decodelab.model.gptq:gptq_quantize_layer",
+    ),
 )
 
 # (notebook, exercise) -> the part of the engine that exercise builds.

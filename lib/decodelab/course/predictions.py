@@ -164,6 +164,18 @@ QUESTIONS: dict[str, Question] = {
         "12_gpu_kernel", "programs", "the launcher's grid, read off a batch of 32", rel_tol=0.0, abs_tol=0.5
     ),
     "q_min_read_mib": _q("12_gpu_kernel", "MiB", "kv_bytes_read for 32 x 2,048 tokens"),
+    "q_outlier_extra_bytes": _q(
+        "13_calibrated_quantization",
+        "bytes",
+        "the extra_bytes of the library's Decomposition with 3 float columns of a 576 x 576 weight",
+        rel_tol=0.0,
+        abs_tol=0.5,
+    ),
+    "q_int3_bits_per_weight": _q(
+        "13_calibrated_quantization",
+        "bits",
+        "8 x (packed int3 levels + float32 scale and uint8 zero per group) / 1,536 weights, groupwise.packed_bytes",
+    ),
 }
 
 

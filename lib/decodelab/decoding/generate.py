@@ -54,6 +54,13 @@ def _check_greedy_request(model, prompt_ids: list[int], max_new_tokens: int) -> 
         )
 
 
+def decode_state_class(model, cache_class=None):
+    """What the decode loop carries: cache_class if given, else the model's own `state_class`
+    (a state-space model's fixed-size state), else `KVCache`. Built as
+    `cls(config, 1, max_seq_len, device=..., dtype=...)` and passed as `model(..., kv_cache=)`."""
+    return cache_class or getattr(model, "state_class", KVCache)
+
+
 @torch.inference_mode()
 def generate_without_cache(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy generation that recomputes the whole sequence at every step (no KV cache).
@@ -71,7 +78,7 @@ def generate_without_cache(model, prompt_ids: list[int], max_new_tokens: int) ->
 
 
 @torch.inference_mode()
-def generate_with_cache(model, prompt_ids: list[int], max_new_tokens: int, cache_class=KVCache) -> list[int]:
+def generate_with_cache(model, prompt_ids: list[int], max_new_tokens: int, cache_class=None) -> list[int]:
     """Greedy generation with a KV cache: the same ids as `generate_without_cache`.
 
     Prefill feeds the whole prompt once, [1, P], into `cache_class(model.config, 1,
@@ -79,7 +86,9 @@ def generate_with_cache(model, prompt_ids: list[int], max_new_tokens: int, cache
     the newest token, [1, 1], whose K/V the cache appends. K/V work: n rows in all.
     """
     _check_greedy_request(model, prompt_ids, max_new_tokens)
-    cache = cache_class(model.config, 1, len(prompt_ids) + max_new_tokens, device=model.device, dtype=model.dtype)
+    cache = decode_state_class(model, cache_class)(
+        model.config, 1, len(prompt_ids) + max_new_tokens, device=model.device, dtype=model.dtype
+    )
     inputs, new_ids = torch.tensor([prompt_ids], device=model.device), []
     for _ in range(max_new_tokens):
         logits = model(inputs, kv_cache=cache, last_only=True)  # [1, 1, V]
@@ -90,20 +99,22 @@ def generate_with_cache(model, prompt_ids: list[int], max_new_tokens: int, cache
 
 @torch.inference_mode()
 def stream_token_ids(
-    model, prompt_ids: list[int], params: SamplingParams, stop_token_ids: list[int] = (), cache_class=KVCache
+    model, prompt_ids: list[int], params: SamplingParams, stop_token_ids: list[int] = (), cache_class=None
 ) -> Iterator[int]:
     """Yield generated ids one by one (a stop token is yielded, then generation ends).
 
     Ends early at the context's end. Prefill runs the whole prompt in one forward pass;
     each later step feeds only the newest token, its K/V appended to the cache (a
-    `cache_class(config, 1, max_seq_len, device=..., dtype=...)`, `KVCache` by default).
+    `cache_class(config, 1, max_seq_len, device=..., dtype=...)`, by default the model's `decode_state_class`).
     """
     config = model.config
     check_prompt(prompt_ids, config.max_position_embeddings, config.vocab_size)
     budget = min(params.max_tokens, config.max_position_embeddings - len(prompt_ids))
     stops = stop_token_set(params, stop_token_ids)
     device = model.device
-    cache = cache_class(config, 1, len(prompt_ids) + budget, device=device, dtype=model.dtype)
+    cache = decode_state_class(model, cache_class)(
+        config, 1, len(prompt_ids) + budget, device=device, dtype=model.dtype
+    )
     generator = make_generator(params.seed, device)
     history = torch.tensor([prompt_ids], device=device)  # [1, n] for the repetition penalty
     inputs = history
@@ -147,7 +158,7 @@ def stream_text(
     prompt_ids: list[int],
     params: SamplingParams,
     completion: Completion | None = None,
-    cache_class=KVCache,
+    cache_class=None,
 ) -> Iterator[str]:
     """Yield text pieces as tokens arrive; fills `completion` (ids, text, finish_reason).
 
@@ -200,7 +211,7 @@ def generate(
     prompt: str | list[dict],
     params: SamplingParams | None = None,
     chat: bool = True,
-    cache_class=KVCache,
+    cache_class=None,
 ) -> Completion:
     """Generate a whole completion for one prompt (see `stream_text` for the streaming form).
 

@@ -46,6 +46,7 @@ from decodelab.engine.inputs import as_prompt_list, checked_prompt, params_per_p
 from decodelab.engine.model_runner import ModelRunner
 from decodelab.engine.paged_attention import PagedKVStore
 from decodelab.engine.sequence import Request, Sequence, Status
+from decodelab.model.mamba import refuse_state_space
 from decodelab.model.packed_linear import can_prepack, prepack_linear_layers, prepacked_copy
 from decodelab.model.registry import load
 from decodelab.model.tokenizer import StreamDecoder
@@ -225,6 +226,7 @@ class LLM:
         """-> (model, tokenizer): loaded when args.model names one, else the caller's pair; then
         quantized and prepacked as args ask."""
         model, tokenizer = load(args.model, device=args.device, dtype=args.dtype) if args.loads_model else args.model
+        refuse_state_space(model, "the paged engine LLM")
         self.compiles_decode = args.compiles_decode(model)
         if args.quantization is not None:
             from decodelab.model.quantization import quantize_model

@@ -133,11 +133,15 @@ def quantize_linear(
     awq_rows: int | None = None,
     damp: float = DAMP,
     block_size: int = BLOCK_SIZE,
+    awq_search=search_scales,
+    gptq_layer=None,
 ) -> CalibratedLinear:
     """One linear and its calibration inputs x [N, in] -> its CalibratedLinear by `method`:
     "rtn" (x unused), "awq" (scales searched, then RTN), "gptq", "awq+gptq" (AWQ's scales, then GPTQ on
     W * s with inputs x / s). group_size falls back (`fallback_group_size`) where it does not divide in.
-    awq_rows: search AWQ's alpha on at most this many rows of x, evenly spaced (None: all)."""
+    awq_rows: search AWQ's alpha on at most this many rows of x, evenly spaced (None: all).
+    awq_search, gptq_layer: the implementations used (`awq.search_scales`'s signature, and
+    `gptq.gptq_quantize_layer`'s; None: the library's), so that a notebook can calibrate with its own."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     w = linear.weight.detach().float()
@@ -149,10 +153,14 @@ def quantize_linear(
         rows = (
             x if awq_rows is None or x.shape[0] <= awq_rows else x[torch.linspace(0, x.shape[0] - 1, awq_rows).long()]
         )
-        scales = search_scales(w, rows, bits, size).scales
+        scales = awq_search(w, rows, bits, size).scales
         w, x = w * scales, x / scales
     if method in ("gptq", "awq+gptq"):
-        grid = gptq_quantize(w, hessian(x), bits, size, block_size=min(block_size, size), damp=damp)
+        block = min(block_size, size)
+        if gptq_layer is None:
+            grid = gptq_quantize(w, hessian(x), bits, size, block_size=block, damp=damp)
+        else:
+            grid = gptq_layer(w, x, bits, size, block, damp)
     else:
         grid = quantize_groupwise(w, bits, size)
     return CalibratedLinear(grid, bias, scales, method)
@@ -203,7 +211,7 @@ def calibrate_model(
     """Quantize every decoder linear of `model` by `method`, layer by layer (module docstring), from
     calibration ids [B, T]. The model stays float (apply the result with `apply_layers`).
     on_layer(index, {name in layer: inputs [N, in]}): called with each layer's recorded inputs.
-    options: damp, block_size for GPTQ."""
+    options: damp, block_size for GPTQ; awq_search, gptq_layer: the implementations (`quantize_linear`)."""
     start = time.perf_counter()
     ids = torch.as_tensor(ids, dtype=torch.long, device=model.device)
     if ids.dim() != 2:
@@ -237,7 +245,13 @@ def calibrate_model(
     return Calibrated(
         layers,
         time.perf_counter() - start,
-        {"method": method, "bits": bits, "group_size": group_size, "tokens": list(ids.shape), **options},
+        {
+            "method": method,
+            "bits": bits,
+            "group_size": group_size,
+            "tokens": list(ids.shape),
+            **{k: v for k, v in options.items() if not callable(v)},
+        },
     )
 
 

