@@ -8,6 +8,10 @@ CONSTRAINTS ?= constraints.txt
 # JupyterHub's proxy, from npm (`make setup`)
 CHP ?= configurable-http-proxy@5.3.0
 PYTEST_ARGS ?=
+# Two pytest-xdist workers, each taking whole test files, the costliest first (tests/tiers.py): one
+# process leaves a core idle while it waits on kernels, browsers and servers. PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadfile)
 # The venv's tools first on PATH: nbgrader runs `alembic` (its gradebook migrations) as a command.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 # Spinning OpenMP threads slow decode 5-10x on a busy machine (see lib/decodelab/__init__.py).
@@ -53,12 +57,12 @@ lint: setup
 	$(BIN)/vulture
 
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # The fast tier (tests/tiers.py): every test that loads no SmolLM2, runs no grader, notebook or
 # browser and does no other slow work; a few minutes' feedback while you work. `make test` runs all.
 test-fast: lint
-	$(BIN)/python -m pytest -m fast $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m fast $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # On a CUDA machine (with its own torch): the tests marked `cuda` and three short benchmarks
 # (the tiny model; random weights of SmolLM2's shape against `transformers` on the same weights;

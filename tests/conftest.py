@@ -40,8 +40,10 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: the tiers are what `-m fast` selects on
 def pytest_collection_modifyitems(config, items):
     table = tiers.assign(items)
+    tiers.heaviest_files_first(items, table)
     config.stash[TIER_TABLE] = table
-    _TIERS.update(table)
+    for item in items:  # travels with each report, to pytest-xdist's controller too
+        item.user_properties.append(("tiers", "+".join(table[item.nodeid]["tiers"])))
     if os.environ.get("DECODELAB_TIERS_OUT"):  # tests/test_tiers.py, on a collection of its own
         import json
 
@@ -147,16 +149,15 @@ def tiny_pair():
 # --------------------------------------------------------------------------- time per test file
 _SECONDS_PER_FILE: dict[str, float] = {}
 _SECONDS_PER_TIER: dict[str, tuple[float, set]] = {}
-_TIERS: dict[str, dict] = {}  # nodeid -> tests/tiers.py's row for it
 
 
 def pytest_runtest_logreport(report):
     """Sum setup + call + teardown seconds per test file (the issues give CI budgets per part)."""
     path = report.nodeid.split("::", 1)[0]
     _SECONDS_PER_FILE[path] = _SECONDS_PER_FILE.get(path, 0.0) + report.duration
-    row = _TIERS.get(report.nodeid)
-    if row is not None:
-        tier = "+".join(row["tiers"])
+    # Under pytest-xdist this runs in the controller, which collected nothing: the tiers come with the report.
+    tier = dict(report.user_properties).get("tiers")
+    if tier is not None:
         seconds, nodes = _SECONDS_PER_TIER.get(tier, (0.0, set()))
         _SECONDS_PER_TIER[tier] = (seconds + report.duration, nodes | {report.nodeid})
 
