@@ -17,7 +17,10 @@ with `nbgrader release_assignment`; then, in headless Chromium (Debian's, throug
 2. the student has no formgrader (its URL is a 404, its lab has no formgrader command), the
    instructor (group `instructors`) has both.
 
-The users are removed afterwards (userdel --remove), on failure too. Needs root, `useradd` and
+The users are removed afterwards (userdel --remove), on failure too. Under `make test`'s xdist
+workers another test file runs beside this one: the ports are free ones (tried again if taken
+meanwhile), the names, uids and folders are this run's own, only this run's processes are ended,
+and every wait is sized for a loaded machine. Needs root, `useradd` and
 Chromium: skipped where one is missing, except in CI (CI or DECODELAB_CI set), where it fails.
 JupyterHub and configurable-http-proxy come with `make setup`: without them it fails.
 """
@@ -53,14 +56,21 @@ CHROMIUM_ARGS = [
     "--no-first-run",
     "--disable-quic",
 ]
-START_TIMEOUT = 60  # the hub and its proxy
-SPAWN_TIMEOUT_MS = 90_000  # a user's JupyterLab, started by the hub
+# Generous: under `pytest -n 2` another test file (a notebook, the grader) runs beside this one on
+# the same cores, and the machine may be shared besides.
+START_TIMEOUT = 180  # the hub and its proxy
+START_TRIES = 3  # a free port found here may be taken by a neighbour before the hub binds it
+SPAWN_TIMEOUT_S = 300  # a user's JupyterLab, started by the hub (the test's Spawner.start_timeout)
+SPAWN_TIMEOUT_MS = (SPAWN_TIMEOUT_S + 30) * 1000  # the browser waits out the hub's own timeout
+STEP_TIMEOUT_MS = 120_000  # one click's work in the lab (nbgrader's fetch or submit), a page load
 
 
 # This Python may live where the class's users cannot reach it (a pyenv under /root, mode 0700):
 # LocalProcessSpawner's own setuid then cannot exec it. As the exchange test does for its students,
 # tests/as_user.py binds this Python's folders back read-only in a mount namespace, then drops to
-# the user; the spawner is LocalProcessSpawner with that drop instead of its own.
+# the user; the spawner is LocalProcessSpawner with that drop instead of its own. The repository's
+# hub/ (each role's server and lab settings) is bound back too: a CI clone under /root is closed to
+# the users, and a student's server that cannot read hub/student/ would have formgrader.
 SPAWN_AS_USER = """
 import pwd
 import sys
@@ -77,7 +87,7 @@ readme_hook = c.Spawner.pre_spawn_hook
 
 def pre_spawn_hook(spawner):
     readme_hook(spawner)
-    spawner.cmd = [sys.executable, {as_user!r}, spawner.user.name, "--", *spawner.cmd]
+    spawner.cmd = [sys.executable, {as_user!r}, spawner.user.name, "--reach", {hub!r}, "--", *spawner.cmd]
     spawner.popen_kwargs = dict(cwd=pwd.getpwnam(spawner.user.name).pw_dir)  # the spawner's own chdir
 
 
@@ -132,13 +142,13 @@ def _processes_of(uid: int) -> list[int]:
 class Hub:
     """The running hub: its base URL, the password, the log."""
 
-    def __init__(self, course: Course, student: str, instructor: str):
+    def __init__(self, course: Course, student: str, instructor: str, attempt: int):
         self.course = course
-        self.folder = course.top / "hub"
+        self.folder = course.top / f"hub-{attempt}"
         self.folder.mkdir(mode=0o700)
         self.password = secrets.token_hex(12)
         self.token = secrets.token_hex(16)  # a service's, allowed to start servers (the instructor's, early)
-        port, hub_port, api_port = _free_ports(3)
+        port, hub_port, self.api_port = _free_ports(3)
         self.base = f"http://127.0.0.1:{port}"
         config = self.folder / "jupyterhub_config.py"
         config.write_text(
@@ -152,7 +162,7 @@ class Hub:
             f"c.JupyterHub.bind_url = {self.base!r}\n"
             "c.JupyterHub.hub_ip = '127.0.0.1'\n"
             f"c.JupyterHub.hub_port = {hub_port}\n"
-            f"c.ConfigurableHTTPProxy.api_url = 'http://127.0.0.1:{api_port}'\n"
+            f"c.ConfigurableHTTPProxy.api_url = 'http://127.0.0.1:{self.api_port}'\n"
             f"c.ConfigurableHTTPProxy.command = [{_proxy()!r}]\n"
             f"c.ConfigurableHTTPProxy.pid_file = {str(self.folder / 'proxy.pid')!r}\n"
             f"c.JupyterHub.db_url = 'sqlite:///{self.folder / 'jupyterhub.sqlite'}'\n"
@@ -160,12 +170,14 @@ class Hub:
             # the class's exchange and course id (a real class: /etc/jupyter/nbgrader_config.py)
             f"c.Spawner.environment['JUPYTER_CONFIG_PATH'] = {str(course.site)!r}\n"
             "c.Spawner.args = ['--LabApp.expose_app_in_browser=True']\n"
+            f"c.Spawner.start_timeout = c.Spawner.http_timeout = {SPAWN_TIMEOUT_S}\n"
             f"c.JupyterHub.services = [{{'name': 'test', 'api_token': {self.token!r}}}]\n"
             "c.JupyterHub.load_roles = [{'name': 'test-starts-servers', 'scopes': ['servers'], 'services': ['test']}]\n"
-            + SPAWN_AS_USER.format(as_user=str(ROOT / "tests" / "as_user.py"))
+            # the role folders are the repository's, which the users may not reach (a clone under /root)
+            + SPAWN_AS_USER.format(as_user=str(ROOT / "tests" / "as_user.py"), hub=str(HUB_CONFIG.parent))
         )
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        self.log_path = ARTIFACTS / "jupyterhub.log"
+        self.log_path = ARTIFACTS / f"jupyterhub-{attempt}.log"
         self.log = open(self.log_path, "w")
         env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
         env.pop("PYTHONPATH", None)
@@ -178,17 +190,22 @@ class Hub:
             start_new_session=True,
         )
 
-    def wait_up(self) -> None:
+    def wait_up(self) -> bool:
+        """True once the hub answers; False if it exited because a port was taken meanwhile."""
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             try:
                 with urllib.request.urlopen(f"{self.base}/hub/api", timeout=5) as response:
                     if response.status == 200:
-                        return
+                        return True
             except OSError:
                 pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"JupyterHub did not start; its log:\n{self.log_path.read_text()[-5000:]}")
+            exited = self.process.poll() is not None
+            if exited or time.monotonic() > deadline:
+                log = self.log_path.read_text()
+                if exited and "Address already in use" in log:
+                    return False
+                raise AssertionError(f"JupyterHub did not start in {START_TIMEOUT} s; its log:\n{log[-5000:]}")
             time.sleep(0.3)
 
     def start_server(self, user: str) -> None:
@@ -196,7 +213,7 @@ class Hub:
         request = urllib.request.Request(
             f"{self.base}/hub/api/users/{user}/server", method="POST", headers={"Authorization": f"token {self.token}"}
         )
-        with urllib.request.urlopen(request, timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=STEP_TIMEOUT_MS / 1000) as response:
             assert response.status in (201, 202), response.status
 
     def stop(self) -> None:
@@ -204,16 +221,19 @@ class Hub:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=30)
+                self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
-        proxy_pid = self.folder / "proxy.pid"
-        if proxy_pid.exists():
-            try:
-                os.kill(int(proxy_pid.read_text().strip()), signal.SIGTERM)
-            except (ValueError, ProcessLookupError):
-                pass
+        proxy_pid = self.folder / "proxy.pid"  # the hub stops its proxy; a hub killed leaves it running
+        try:
+            pid = int(proxy_pid.read_text().strip())
+            # only if that pid is still this hub's proxy, never a neighbour's process that reused it
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if args[args.index(b"--api-port") + 1] == str(self.api_port).encode():
+                os.kill(pid, signal.SIGTERM)
+        except (OSError, ValueError, IndexError):
+            pass
         self.log.close()
 
 
@@ -244,8 +264,13 @@ def hub_class():
         student, instructor = course.add_student("student"), course.add_student("instructor")
         generate([NAME], out=course.course / "course")  # what `make release` writes
         course.instructor("release_assignment", NAME)
-        hub = Hub(course, student, instructor)
-        hub.wait_up()
+        for attempt in range(1, START_TRIES + 1):
+            hub = Hub(course, student, instructor, attempt)
+            if hub.wait_up():
+                break
+            hub.stop()
+        else:
+            pytest.fail(f"JupyterHub found its ports taken {START_TRIES} times; last log: {hub.log_path}")
         hub.start_server(instructor)  # while the student works: the formgrader test logs in to it
         yield course, hub, student, instructor
     finally:
@@ -268,7 +293,7 @@ def browser(hub_class):
 
     with sync_playwright() as playwright:
         instance = playwright.chromium.launch(
-            executable_path=shutil.which("chromium"), args=CHROMIUM_ARGS, headless=True
+            executable_path=shutil.which("chromium"), args=CHROMIUM_ARGS, headless=True, timeout=STEP_TIMEOUT_MS
         )
         yield instance
         instance.close()
@@ -277,6 +302,7 @@ def browser(hub_class):
 def _log_in(browser, hub: Hub, user: str):
     """A fresh browser context logged in as user, on their JupyterLab -> the page."""
     context = browser.new_context()
+    context.set_default_timeout(STEP_TIMEOUT_MS)  # every page load, click and wait below unless told
     page = context.new_page()
     page.goto(f"{hub.base}/hub/login")
     page.fill("#username_input", user)
@@ -297,12 +323,12 @@ def test_student_fetches_and_submits_from_the_assignment_list(hub_class, browser
     try:
         page.evaluate("() => window.jupyterapp.commands.execute('nbgrader:open-assignment-list')")
         fetch = page.locator("#released_assignments_list .list_item", has_text=NAME).locator("button", has_text="Fetch")
-        fetch.click(timeout=30_000)
+        fetch.click()
         submit = page.locator("#fetched_assignments_list .list_item", has_text=NAME).locator(
             "button", has_text="Submit"
         )
-        submit.click(timeout=30_000)
-        page.locator("#submitted_assignments_list .list_item", has_text=NAME).first.wait_for(timeout=30_000)
+        submit.click()
+        page.locator("#submitted_assignments_list .list_item", has_text=NAME).first.wait_for()
         page.screenshot(path=str(ARTIFACTS / "assignment_list.png"))
     except Exception:
         page.screenshot(path=str(ARTIFACTS / "assignment_list_failed.png"))
@@ -325,7 +351,7 @@ def test_formgrader_is_the_instructors_only(hub_class, browser):
     _, hub, student, instructor = hub_class
     for user, expected in ((student, 404), (instructor, 200)):
         page = _log_in(browser, hub, user)
-        response = page.request.get(f"{hub.base}/user/{user}/formgrader")
+        response = page.request.get(f"{hub.base}/user/{user}/formgrader", timeout=STEP_TIMEOUT_MS)
         assert response.status == expected, (user, response.status)
         # the lab side too: hub/student/labconfig/page_config.json disables the formgrader plugin
         in_lab = page.evaluate("() => window.jupyterapp.commands.hasCommand('nbgrader:open-formgrader')")
