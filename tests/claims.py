@@ -529,4 +529,34 @@ CLAIMS: dict[str, list[Claim]] = {
             "context lengths 21, 9 and 30",
         ),
     ],
+    "14_serving": [
+        Claim(
+            "Four wait and six are refused",
+            "serving-17",
+            r"q_refused_of_10: the answer is (\d+) requests",
+            lambda v: v == [6],
+            "six of ten refused",
+        ),
+        Claim(
+            "the abort gives back the blocks of 24 tokens",
+            "serving-17",
+            r"q_blocks_freed: the answer is (\d+) blocks",
+            lambda v: v == [3],
+            "3 blocks of 8 tokens freed",
+        ),
+        Claim(
+            "every stream equals the engine's own tokens",
+            "serving-24",
+            r"(\d+) of (\d+) streams equal the engine's own tokens",
+            lambda v: len(v) == 8 and all(a == b for a, b in zip(v[::2], v[1::2])),
+            "all streams equal in each of the four runs",
+        ),
+        Claim(
+            "Here the p99 TTFT with one slot is several times that with 16.",
+            "serving-24",
+            r"p99 TTFT with 1 slot / with 16 slots: ([\d.,]+) times",
+            lambda v: v[0] >= 2,
+            "one slot's p99 TTFT at least twice sixteen slots'",
+        ),
+    ],
 }

@@ -55,6 +55,7 @@ READY = [
     "11_tiled_attention",
     "12_gpu_kernel",
     "13_calibrated_quantization",  # a bonus, placed right after 06_quantization
+    "14_serving",
 ]
 # A notebook whose cell displays into an ipywidgets.Output can stall nbclient for the whole cell
 # timeout (11's tile explorer did, 300 s): see tests/test_course_helpers.py

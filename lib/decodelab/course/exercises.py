@@ -357,6 +357,25 @@ EXERCISES: tuple[Exercise, ...] = (
         "calibrated quantization: GPTQ, one linear",
         "decodelab.model.gptq:gptq_quantize_layer",
     ),
+    # 14_serving
+    Exercise(
+        "14_serving",
+        "engine_loop",
+        "serving: the engine loop, requests joining between steps",
+        "decodelab.lessons.serving:engine_loop",
+    ),
+    Exercise(
+        "14_serving",
+        "stream",
+        "serving: a client's stream, backpressure and abort on disconnect",
+        "decodelab.lessons.serving:stream",
+    ),
+    Exercise(
+        "14_serving",
+        "serving_metrics",
+        "serving: TTFT, TPOT and goodput",
+        "decodelab.lessons.serving:serving_metrics",
+    ),
 )
 
 # (notebook, exercise) -> the part of the engine that exercise builds.

@@ -93,7 +93,8 @@ STAGES = (
 )
 # Words of a PARTS entry -> its stage, tried in this order (the first match wins): the
 # measurements first ("KV cache size" is a measurement, not the cache), "tiled attention"
-# before "loop" (its tiled loop is attention's), "decoder layer" before "loop", "detokeniz" before "tokenizer".
+# before "loop" (its tiled loop is attention's), "decoder layer" before "loop", "detokeniz" before
+# "tokenizer"; serving's TTFT/TPOT/goodput is a measurement, a client's stream the stream stage.
 PLACES = (
     ("size", "measure"),
     ("speed", "measure"),
@@ -101,6 +102,7 @@ PLACES = (
     ("roofline", "measure"),
     ("waste", "measure"),
     ("memory", "measure"),
+    ("ttft", "measure"),
     ("decoder layer", "forward"),
     ("tiled attention", "attention"),
     ("loop", "loop"),
@@ -121,6 +123,7 @@ PLACES = (
     ("gqa", "attention"),
     ("kv cache", "attention"),
     ("detokeniz", "stream"),
+    ("client's stream", "stream"),
     ("tokenizer", "tokenizer"),
 )
 OTHER = Stage("other", "also built in the course")

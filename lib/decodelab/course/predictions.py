@@ -176,6 +176,12 @@ QUESTIONS: dict[str, Question] = {
         "bits",
         "8 x (packed int3 levels + float32 scale and uint8 zero per group) / 1,536 weights, groupwise.packed_bytes",
     ),
+    "q_refused_of_10": _q(
+        "14_serving", "requests", "the library's stream, max_waiting 4, ten clients", rel_tol=0.0, abs_tol=0.5
+    ),
+    "q_blocks_freed": _q(
+        "14_serving", "blocks", "the engine's free blocks before and after the abort", rel_tol=0.0, abs_tol=0.5
+    ),
 }
 
 
