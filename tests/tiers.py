@@ -62,6 +62,7 @@ FIXTURE_TIERS: dict[str, tuple[str, str]] = {
 FILE_TIERS: dict[str, tuple[str, str]] = {
     "tests/test_grading.py": ("grader", "runs python -m autograder grade (its refusals too: a subprocess each)"),
     "tests/test_grading_dask.py": ("grader", "Dask clusters, and the grader's refusals (a subprocess each)"),
+    "tests/test_hub.py": ("grader browser", "a JupyterHub, nbgrader's release, a student in Chromium"),
 }
 
 # A test -> its tiers: its node id without parameters (all of them), or with; `*` matches any
