@@ -191,8 +191,10 @@ def selective_scan(
         decay = torch.exp(dt[..., None] * A)  # [b, T, E, N]
         inputs = dt[..., None] * B[:, :, None, :] * x[..., None]  # [b, T, E, N]
         states = []
-        for t in range(T):
-            state = decay[:, t] * state + inputs[:, t]
+        # unbind, not decay[:, t]: the backward of T slices would write T zero tensors of [b, T, E, N]
+        # (quadratic in T: 45x slower backward at T = 256); unbind's backward stacks once
+        for decay_t, input_t in zip(decay.unbind(1), inputs.unbind(1)):
+            state = decay_t * state + input_t
             states.append(state)
         return (torch.stack(states, 1) * C[:, :, None, :]).sum(-1), state
     outputs = []
