@@ -234,7 +234,10 @@ def copy_recall(model, filler: list[int], gap: int, segment: int = 12, trials: i
     for control in (False, True):
         ids, start = copy_task(filler, model.config.vocab_size, gap, segment, trials, seed, control)
         ids = ids.to(model.device)
-        logits = _forward(model, ids)[:, start : start + segment - 1].float()  # [trials, segment-1, V]
+        # a few rows per pass: a Mamba scan's token-by-token tensors are [rows, L, E, N]
+        logits = torch.cat(
+            [_forward(model, rows)[:, start : start + segment - 1].float() for rows in ids.split(4)]
+        )  # [trials, segment-1, V]
         targets = ids[:, start + 1 : start + segment]  # [trials, segment-1]
         losses[control] = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").double()
         if not control:
