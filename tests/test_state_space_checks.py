@@ -120,3 +120,18 @@ def test_copy_recall_scores_a_model_that_copies_perfectly_and_one_that_never_doe
     assert state_space.copy_recall(Zero(50), filler, gap=30, segment=5, trials=2) == state_space.CopyScore(
         0.0, 0.0, 0.0
     )
+
+
+def test_the_memory_explorer_draws_both_models_and_follows_its_sliders():
+    from decodelab.config import ModelConfig
+    from decodelab.course.widgets import state_space as widgets_state_space
+    from decodelab.lessons.kv_size import kv_bytes
+
+    transformer, ssm = ModelConfig.from_file(checks.TRANSFORMER_FOLDER / "config.json"), random_mamba().config
+    box = widgets_state_space.memory_explorer(transformer, ssm)
+    kv, state = box.figure.data
+    assert list(kv.x) == [16, 32, 64, 128, 256, 512, 1024]
+    assert kv.y[-1] == kv_bytes(transformer, 1024, 1, 4) and set(state.y) == {mamba.state_bytes(ssm)}
+    box.controls["batch"].value = 8
+    assert box.figure.layout.title.text.startswith("context 1,024, batch 8:")
+    assert box.figure.data[1].y[0] == mamba.state_bytes(ssm, 8)
