@@ -279,7 +279,7 @@ BAD_GENERATE = [  # (flags after `generate PROMPT --model tiny --device cpu --js
         ["--device", "tpu"],
         r"argument --device: device 'tpu' is not a torch device name: use 'cpu', 'cuda', 'cuda:N' or 'mps'",
     ),
-    (["--model", "nope"], r"unknown model 'nope': use one of smollm2, tiny, tiny-draft, or a folder"),
+    (["--model", "nope"], r"unknown model 'nope': use one of smollm2, tiny, tiny-draft, tiny-mamba, or a folder"),
     (["--model", "/no/such/folder"], r"unknown model '/no/such/folder'"),
     (
         ["--model", "{corrupt_weights}"],

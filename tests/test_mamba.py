@@ -6,7 +6,11 @@
 - decoding that carries the state gives the ids of decoding that re-runs the whole prefix;
 - the state's bytes do not grow with the context while a transformer's KV bytes do;
 - `python -m decodelab generate --model <a Mamba folder>` runs as a user runs it; a KV-cache engine
-  refuses the model in one line.
+  refuses the model in one line;
+- the shipped `tiny-mamba` (data/tiny-mamba, TRAINING.md): transformers reads it and gives our logits,
+  it is about `tiny`'s size, it has learned context (its held-out loss beats the training text's
+  unigram frequencies, the best a model blind to context can do), and `python -m decodelab generate
+  --model tiny-mamba` runs.
 The kept bugs in fixtures/library/buggy_mamba.py each make one of these oracles fail.
 """
 
@@ -39,6 +43,7 @@ from decodelab.params import SamplingParams
 from decodelab.paths import PACKAGE_DATA
 
 buggy = load_fixture("library/buggy_mamba")
+SHIPPED = PACKAGE_DATA / "tiny-mamba"
 HF_TOL = 1e-4  # float32, |logits| ~ 1..10: the two sum in different orders
 STEP_TOL = 1e-5
 
@@ -215,6 +220,37 @@ def test_registry_loads_a_mamba_folder(mamba_folder):
     assert generate_with_cache(model, prompt, 10) == generate_without_cache(model, prompt, 10)
 
 
+def test_logits_equal_transformers_shipped():
+    from transformers import MambaForCausalLM as HFMamba
+
+    model, tokenizer = load("tiny-mamba", device="cpu")
+    twin = HFMamba.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")])
+    with torch.no_grad():
+        assert max_diff(model(ids), twin(ids).logits) < HF_TOL
+
+
+def unigram_nats(train: list[int], heldout: list[int], vocab_size: int) -> float:
+    """Mean -log p(token) on `heldout` under the training text's add-one token frequencies."""
+    counts = torch.bincount(torch.tensor(train), minlength=vocab_size).double() + 1
+    return -(counts / counts.sum()).log()[torch.tensor(heldout)].mean().item()
+
+
+def test_shipped_tiny_mamba_is_tinys_size_and_has_learned_context():
+    model, tokenizer = load("tiny-mamba", device="cpu")
+    tiny, _ = load("tiny", device="cpu")
+    assert 0.8 < model.num_parameters() / tiny.num_parameters() < 1.2
+    corpus = PACKAGE_DATA / "corpus"
+    train = tokenizer.encode((corpus / "train.txt").read_text(encoding="utf-8")[:400_000])
+    heldout = tokenizer.encode((corpus / "heldout.txt").read_text(encoding="utf-8"))[:1025]
+    ids = torch.tensor([heldout])
+    with torch.no_grad():
+        logits = model(ids[:, :-1])
+    nats = torch.nn.functional.cross_entropy(logits[0], ids[0, 1:]).item()
+    # 1,024 tokens (about 0.1 nats of standard error, their losses being correlated): the margin is ten times that
+    assert nats < unigram_nats(train, heldout[1:], tokenizer.vocab_size) - 1.0, nats
+
+
 def test_a_kv_cache_is_refused_in_one_line():
     model = random_mamba()
     with pytest.raises(TypeError, match="fixed-size MambaState, not a KVCache"):
@@ -247,6 +283,15 @@ def test_cli_generates_with_a_mamba_folder(mamba_folder):
     assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr
     refused = run_cli("x", "--model", folder, "--int8")
     assert refused.returncode != 0 and "fixed-size state" in refused.stderr
+
+
+def test_cli_generates_with_tiny_mamba():
+    """The issue's recipe as a user types it."""
+    result = run_cli("def add(a, b):", "--model", "tiny-mamba", "--max-new-tokens", "12", "--json", "--no-chat")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    model, _ = load("tiny-mamba", device="cpu")
+    assert out["output_ids"] == generate_with_cache(model, out["prompt_ids"], len(out["output_ids"]))
 
 
 # ------------------------------------------------------------------ kept bugs

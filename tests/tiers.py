@@ -132,6 +132,7 @@ NODE_TIERS: dict[str, tuple[str, str]] = {
     "tests/test_mamba.py::test_kept_bug_is_caught[delta_not_selective]": ("slow", "transformers' Mamba as the oracle"),
     "tests/test_mamba.py::test_kept_bug_is_caught[a_not_negative_exp]": ("slow", "transformers' Mamba as the oracle"),
     "tests/test_mamba.py::test_kept_bug_is_caught[conv_not_causal]": ("slow", "transformers' Mamba as the oracle"),
+    "tests/test_mamba.py::test_cli_generates_with_tiny_mamba": ("slow", "python -m decodelab generate"),
     "tests/test_mamba.py::test_cli_generates_with_a_mamba_folder": (
         "slow",
         "python -m decodelab generate, three times",

