@@ -559,4 +559,48 @@ CLAIMS: dict[str, list[Claim]] = {
             "one slot's p99 TTFT at least twice sixteen slots'",
         ),
     ],
+    "15_state_space": [
+        Claim(
+            "On tiny-mamba's real inputs the two forms agree within 1e-5",
+            "ssm-12",
+            r"\(within 1e-5: (True|False)\)",
+            all_true,
+            SAME,
+        ),
+        Claim(
+            "The state's bytes are the same at every context length",
+            "ssm-27",
+            r"tiny-mamba's state at every context: .* \(constant: (True|False)\)",
+            all_true,
+            SAME,
+        ),
+        Claim(
+            "tiny's K and V grow by the same bytes with every token",
+            "ssm-27",
+            r"tiny's K/V bytes per token at every context: .* \(linear growth: (True|False)\)",
+            all_true,
+            SAME,
+        ),
+        Claim(
+            "past a few dozen tokens the fixed state is the smaller of the two",
+            "ssm-27",
+            r"q_crossover_tokens: the answer is (\d+) tokens",
+            lambda v: 0 < v[0] <= 48,
+            "tiny's K/V larger than the state from 48 tokens or fewer on",
+        ),
+        Claim(
+            "token by token (`chunk_size=1`), the fastest form on a CPU",
+            "ssm-29",
+            r"prefill, tiny-mamba, (?:scan token by token|chunked scan \(16\)): .*?([\d,]+) ms for 128 tokens",
+            lambda v: len(v) == 2 and v[0] < v[1],
+            "the token-by-token prefill of 128 tokens faster than the chunked one",
+        ),
+        Claim(
+            "equal to the library's decode loop",
+            "ssm-38",
+            r"equal to the library's decode loop: (True|False)",
+            all_true,
+            SAME,
+        ),
+    ],
 }

@@ -56,6 +56,7 @@ READY = [
     "12_gpu_kernel",
     "13_calibrated_quantization",  # a bonus, placed right after 06_quantization
     "14_serving",
+    "15_state_space",  # a bonus after the capstone and 14: a selective state-space model beside the transformer
 ]
 # A notebook whose cell displays into an ipywidgets.Output can stall nbclient for the whole cell
 # timeout (11's tile explorer did, 300 s): see tests/test_course_helpers.py

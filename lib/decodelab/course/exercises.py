@@ -376,6 +376,31 @@ EXERCISES: tuple[Exercise, ...] = (
         "serving: TTFT, TPOT and goodput",
         "decodelab.lessons.serving:serving_metrics",
     ),
+    # 15_state_space
+    Exercise(
+        "15_state_space",
+        "selective_step",
+        "state-space model: one token of the selective scan",
+        "decodelab.model.mamba:selective_step",
+    ),
+    Exercise(
+        "15_state_space",
+        "selective_scan",
+        "state-space model: the chunked scan over a prompt",
+        "decodelab.model.mamba:selective_scan",
+    ),
+    Exercise(
+        "15_state_space",
+        "mixer_forward",
+        "state-space model: the selective mixer (input-dependent Δ, B, C; A = -exp(A_log); causal conv)",
+        "decodelab.lessons.state_space:mixer_forward",
+    ),
+    Exercise(
+        "15_state_space",
+        "generate_with_state",
+        "state-space model: decoding that carries a fixed state instead of a cache",
+        "decodelab.lessons.state_space:generate_with_state",
+    ),
 )
 
 # (notebook, exercise) -> the part of the engine that exercise builds.

@@ -90,12 +90,20 @@ STAGES = (
     ),
     Stage("loop", "the loop: a step per token", ("decodelab.engine.llm:engine_step",), "step"),
     Stage("measure", "measurements: what it costs", ("decodelab.lessons.measure:CountingModel",)),
+    # Not in LLM's path (it refuses a model without a KV cache): the decoder's alternative, decoded alone.
+    Stage(
+        "state_space",
+        "beside the decoder: a state-space model, a fixed state for the KV cache",
+        ("decodelab.model.mamba:MambaForCausalLM", "decodelab.model.mamba:MambaState"),
+    ),
 )
 # Words of a PARTS entry -> its stage, tried in this order (the first match wins): the
-# measurements first ("KV cache size" is a measurement, not the cache), "tiled attention"
+# state-space model's parts first (their words would match the decoder's), then the
+# measurements ("KV cache size" is a measurement, not the cache), "tiled attention"
 # before "loop" (its tiled loop is attention's), "decoder layer" before "loop", "detokeniz" before
 # "tokenizer"; serving's TTFT/TPOT/goodput is a measurement, a client's stream the stream stage.
 PLACES = (
+    ("state-space", "state_space"),
     ("size", "measure"),
     ("speed", "measure"),
     ("latency", "measure"),

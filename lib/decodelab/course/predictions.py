@@ -182,6 +182,13 @@ QUESTIONS: dict[str, Question] = {
     "q_blocks_freed": _q(
         "14_serving", "blocks", "the engine's free blocks before and after the abort", rel_tol=0.0, abs_tol=0.5
     ),
+    "q_state_kib": _q("15_state_space", "KiB", "tiny-mamba's MambaState after a prefill, its nbytes() / 1024"),
+    "q_crossover_tokens": _q(
+        "15_state_space",
+        "tokens",
+        "the shortest prefill after which tiny's KVCache.nbytes() exceeds tiny-mamba's MambaState.nbytes()",
+        rel_tol=0.1,
+    ),
 }
 
 

@@ -5,7 +5,8 @@ PyTorch's default init (std 0.02) gives logits of ~1e-2: a 1e-4 tolerance would 
 nothing, and greedy output would hang on near-ties. `randomize_` redraws every parameter at
 unit scale instead; `random_llama` builds a model of any shape and randomizes it.
 `scramble_rope_` makes a model's positions matter on their own, not only as distances, so
-that a check sees a position off by the same amount for every token.
+that a check sees a position off by the same amount for every token. `random_mamba` is the same
+for the state-space model (`model.mamba`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from decodelab.config import ModelConfig
 from decodelab.model.llama import LlamaForCausalLM
+from decodelab.model.mamba import MambaConfig, MambaForCausalLM
 
 # Two layers, 4 query heads over 2 KV heads: every code path of the real model, in microseconds.
 TOY_CONFIG = dict(
@@ -81,6 +83,19 @@ def random_llama(
     torch.manual_seed(seed)  # the module constructors draw too; keep them repeatable
     model = LlamaForCausalLM(toy_config(**config_overrides))
     randomize_(model, seed, weight_scale=weight_scale, norm_jitter=norm_jitter, embedding_std=embedding_std)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def random_mamba(seed: int = 0, dtype: torch.dtype = torch.float32, **config_fields) -> MambaForCausalLM:
+    """A small Mamba (vocabulary 61, hidden 32, 2 layers, state 8 unless overridden) with every weight
+    moved by noise of std 0.2 from its init, A_log and D included, so no piece sits at its initial value;
+    eval mode, gradients off, on the CPU in dtype."""
+    fields = {"vocab_size": 61, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 8, **config_fields}
+    torch.manual_seed(seed)
+    model = MambaForCausalLM(MambaConfig(**fields))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
     return model.to(dtype).eval().requires_grad_(False)
 
 
