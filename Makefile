@@ -89,6 +89,8 @@ LLAMA_SERVER := $(LLAMA_CPP_DIR)/build/bin/llama-server
 bench-deps: setup $(LLAMA_SERVER)
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=1 nice -n 19 \
 		$(BIN)/python -m pip install -q --no-binary llama-cpp-python 'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
+	# matplotlib: bench/serving_load.py's plot of ours against llama.cpp's server
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) matplotlib
 
 # llama-server alone (gitignored under bench/.llama-cpp/; static, so it runs from anywhere).
 $(LLAMA_SERVER): | setup
