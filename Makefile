@@ -92,7 +92,8 @@ bench-deps: setup $(LLAMA_SERVER)
 	# matplotlib: bench/serving_load.py's plot of ours against llama.cpp's server
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) matplotlib
 
-# llama-server alone (gitignored under bench/.llama-cpp/; static, so it runs from anywhere).
+# llama-server alone (gitignored under bench/.llama-cpp/; static, so it runs from anywhere): 12 CPU-minutes,
+# 62 minutes of wall time niced on the shared 2-core machine.
 $(LLAMA_SERVER): | setup
 	mkdir -p $(LLAMA_CPP_DIR)
 	$(BIN)/python -m pip download -q --no-deps --no-binary :all: -d $(LLAMA_CPP_DIR) 'llama-cpp-python==$(LLAMA_CPP_VERSION)'
