@@ -291,12 +291,7 @@ def test_random_workloads_chunked_match_whole_prompt(
     whole = LLM((model, tokenizer), num_kv_blocks=256, kv_block_size=block_size).generate(
         prompts, params, use_tqdm=False
     )
-    # The pool holds the largest request alone, each of its n samples in blocks of its own (a preempted
-    # sample is recomputed without sharing its prompt): a pool below that can livelock the engine (two
-    # samples of one request preempting each other, found by this test at 40 blocks of 2 for n = 2 and
-    # 71 + 5 tokens; not yet refused by the engine, see the issue note).
-    need = max(n * -(-(12 + length + max_tokens) // block_size) for length, max_tokens, n in lengths)
-    num_blocks = max(num_blocks, need)
+    num_blocks = max(num_blocks, -(-80 // block_size))  # the longest request (72 + 8 tokens) fits alone
     llm = LLM(
         (model, tokenizer),
         num_kv_blocks=num_blocks,
@@ -316,6 +311,99 @@ def test_random_workloads_chunked_match_whole_prompt(
     )
     assert llm.allocator.num_free == llm.allocator.num_blocks, "blocks leaked"
     llm.allocator.check_invariants([])
+
+
+def _stall_workload(tokenizer):
+    """The draw that once deadlocked the engine: two n = 2 requests of 67 and 59 prompt tokens on 40
+    blocks of 2, 2 sequence slots, a budget of 22 tokens. Both long prompts got slices, the pool ran
+    dry with each part-way through its prefill, and neither could take a step (no decode to preempt)."""
+    rng = random.Random(640)  # as the random-workload test drew it
+    lengths = [(55, 7, 2), (59, 5, 2), (22, 7, 1), (27, 5, 1)]
+    shared = [rng.randrange(tokenizer.vocab_size) for _ in range(12)]
+    prompts = []
+    for length, _, _ in lengths:
+        tail = [rng.randrange(tokenizer.vocab_size) for _ in range(length)]
+        prompts.append(shared + tail if rng.random() < 0.5 else tail)
+    params = [
+        SamplingParams(temperature=0.0 if n == 1 else 1.0, n=n, seed=i, max_tokens=max_tokens, ignore_eos=True)
+        for i, (_, max_tokens, n) in enumerate(lengths)
+    ]
+    return prompts, params
+
+
+def test_prompts_stalled_mid_prefill_on_a_full_pool_are_preempted_not_deadlocked(tiny):
+    """When every running sequence is a prompt part-way through its prefill and the pool is full,
+    nothing can be scheduled: the engine preempts the newest (`drop_unschedulable`), the older ones
+    go on, and every request gets the tokens a roomy engine gives, with nothing leaked."""
+    model, tokenizer = tiny
+    prompts, params = _stall_workload(tokenizer)
+    llm = LLM(
+        (model, tokenizer),
+        num_kv_blocks=40,
+        kv_block_size=2,
+        max_num_seqs=2,
+        max_num_batched_tokens=22,
+        chunked_prefill=True,
+        hooks=EngineHooks(scheduler=StepLog),
+    )
+    requests = [llm.add_request(prompt, sp, index=i) for i, (prompt, sp) in enumerate(zip(prompts, params))]
+    stalled_steps = 0
+    for _ in range(2_000):  # a bound, so a regression fails here instead of hanging
+        if not llm.scheduler.has_unfinished():
+            break
+        preempted = llm.scheduler.num_preemptions
+        llm.step()
+        stalled_steps += not llm.scheduler.steps[-1][0] and llm.scheduler.num_preemptions > preempted
+    assert not llm.scheduler.has_unfinished(), "the engine did not finish the stalled workload in 2,000 steps"
+    assert stalled_steps >= 1, "the workload no longer stalls: it does not test the stall any more"
+    roomy = LLM((model, tokenizer), num_kv_blocks=256, kv_block_size=2).generate(prompts, params, use_tqdm=False)
+    for i, (request, expected) in enumerate(zip(requests, roomy)):
+        assert [seq.output_token_ids for seq in request.seqs] == [c.token_ids for c in expected.outputs], i
+        assert all(seq.finish_reason == "length" for seq in request.seqs)
+    assert llm.allocator.num_free == llm.allocator.num_blocks, "blocks leaked"
+
+
+def test_a_request_the_pool_can_never_hold_ends_with_an_error(tiny):
+    """An allocator that can never give a prompt its blocks: the request ends with finish_reason
+    "error" and a message naming the blocks, instead of the engine spinning; the next call works."""
+    from decodelab.engine.block_allocator import BlockAllocator
+
+    class NeverRoom(BlockAllocator):
+        def can_allocate(self, token_ids) -> bool:
+            return len(token_ids) < 10
+
+    model, tokenizer = tiny
+    llm = LLM((model, tokenizer), num_kv_blocks=32, kv_block_size=4, hooks=EngineHooks(allocator=NeverRoom))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    refused, fine = llm.generate([list(range(1, 21)), [1, 2, 3]], params, use_tqdm=False)
+    assert refused.outputs[0].finish_reason == "error" and refused.outputs[0].token_ids == []
+    assert "its 20 tokens need 5 KV blocks of 4 tokens" in refused.outputs[0].error
+    assert fine.outputs[0].finish_reason == "length" and len(fine.outputs[0].token_ids) == 3
+    assert llm.allocator.num_free == llm.allocator.num_blocks
+
+
+def test_a_step_that_makes_no_progress_raises_and_frees_the_engine(tiny):
+    """A step hook that never schedules anything: `generate` raises RuntimeError at once instead of
+    spinning, its requests are aborted, and the engine serves the next call."""
+    model, tokenizer = tiny
+    stuck = {"on": True, "calls": 0}
+
+    def step(engine):
+        if not stuck["on"]:
+            return engine_step(engine)
+        stuck["calls"] += 1
+        assert stuck["calls"] < 50, "generate called a step that does nothing 50 times: it spins"
+        return []
+
+    from decodelab.engine.llm import engine_step
+
+    llm = LLM((model, tokenizer), num_kv_blocks=32, hooks=EngineHooks(step=step))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="made no progress"):
+        llm.generate(["x = 1"], params, use_tqdm=False)
+    assert not llm.scheduler.has_unfinished() and llm.allocator.num_free == llm.allocator.num_blocks
+    stuck["on"] = False
+    assert len(llm.generate(["x = 1"], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
 
 
 def test_kept_engine_bugs_change_the_tokens(tiny):

@@ -45,6 +45,7 @@ from decodelab.engine.hooks import EngineHooks, sample_one
 from decodelab.engine.inputs import as_prompt_list, checked_prompt, params_per_prompt
 from decodelab.engine.model_runner import ModelRunner
 from decodelab.engine.paged_attention import PagedKVStore
+from decodelab.engine.scheduler import scheduler_state
 from decodelab.engine.sequence import Request, Sequence, Status
 from decodelab.model.mamba import refuse_state_space
 from decodelab.model.packed_linear import can_prepack, prepack_linear_layers, prepacked_copy
@@ -90,8 +91,9 @@ def engine_step(engine: "LLM") -> list[StreamEvent]:
     1. Ask the scheduler which sequences run: new requests to prefill, or every running
        sequence for one decode step (the engine's scheduler mixes both: the running sequences
        decode in the steps that prefill, and is_prefill says the step prefills something). If
-       nothing can run, let the engine drop a request that can never fit
-       (`engine.drop_unschedulable()`) and return [].
+       nothing can run, let the engine clear the way (`engine.drop_unschedulable()`: it preempts
+       the newest of prompts stalled mid-prefill on a full pool, or ends a request that can never
+       fit) and return [].
     2. Decode steps with a draft model go to `engine.speculator.step(seqs)` (draft, verify,
        accept), which returns the events itself.
     3. Otherwise run one packed forward pass, `engine.forward(seqs)` -> logits [len(seqs), V].
@@ -431,7 +433,7 @@ class LLM:
     # ------------------------------------------------------------------ the loop
     def _run_until_done(self) -> Iterator[list[StreamEvent]]:
         while self.scheduler.has_unfinished():
-            yield self.step()
+            yield self.checked_step()
 
     def _run_with_progress(self, requests: list[Request], use_tqdm: bool) -> None:
         """Step until nothing is unfinished, a progress bar counting `requests` as they finish."""
@@ -453,12 +455,44 @@ class LLM:
         with self._lock:
             return (self.hooks.step or engine_step)(self)
 
+    def checked_step(self) -> list[StreamEvent]:
+        """`step()`, raising RuntimeError when the step made no progress (no token, and every waiting
+        or running sequence as it was: a scheduler or step hook that schedules nothing), instead of
+        letting a loop over steps spin forever. `generate`, `stream` and the server step this way."""
+        with self._lock:
+            before = scheduler_state(self.scheduler)
+            events = self.step()
+            if not events and self.scheduler.has_unfinished() and scheduler_state(self.scheduler) == before:
+                raise RuntimeError(
+                    "the engine step made no progress: no token, and every waiting or running sequence as it was"
+                )
+            return events
+
     def drop_unschedulable(self) -> None:
-        """Nothing could be scheduled: if nothing runs either, the first waiting request cannot
-        fit even alone (e.g. a custom allocator with too few blocks); finish it so the loop ends."""
-        if not self.scheduler.running and self.scheduler.waiting:
-            seq = self.scheduler.waiting.popleft()
-            seq.status, seq.finish_reason = Status.FINISHED, "length"
+        """Nothing could be scheduled: free the pool for whatever can go on, so the loop cannot spin.
+
+        * Sequences run, but none could take a step: every one is a prompt stalled part-way through
+          its chunked prefill on a full pool (each holds blocks the others need; a decoding sequence
+          would have preempted). Preempt the newest, so the older ones go on; it is recomputed later.
+          A lone stalled sequence can never fit: it ends with finish_reason "error".
+        * Nothing runs and the first waiting request cannot fit even alone (a custom allocator with
+          too few blocks): it ends with finish_reason "error", saying so.
+        """
+        scheduler = self.scheduler
+        if len(scheduler.running) > 1:
+            scheduler.preempt(scheduler.running[-1])
+            return
+        stuck = scheduler.running[0] if scheduler.running else scheduler.waiting[0] if scheduler.waiting else None
+        if stuck is None:
+            return
+        if stuck in scheduler.waiting:
+            scheduler.waiting.remove(stuck)
+        block_size = self.args.kv_block_size
+        self.fail_sequence(
+            stuck,
+            f"its {len(stuck)} tokens need {blocks_needed(len(stuck), block_size)} KV blocks of {block_size} "
+            f"tokens and the pool cannot give them ({self.allocator.num_blocks} blocks in all)",
+        )
 
     def fork_siblings(self, seq: Sequence) -> list[Sequence]:
         """After `seq`'s prefill: its n > 1 siblings share the prompt's blocks (copy-on-write) and

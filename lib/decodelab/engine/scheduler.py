@@ -174,6 +174,12 @@ def schedule_chunked(scheduler: Scheduler) -> list[Sequence]:
     return batch
 
 
+def scheduler_state(scheduler: Scheduler) -> tuple:
+    """What a step that makes progress must change: each waiting or running sequence's id, status
+    and number of tokens in the KV cache."""
+    return tuple((seq.seq_id, seq.status, seq.num_computed_tokens) for seq in (*scheduler.waiting, *scheduler.running))
+
+
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096):
         self.allocator = allocator

@@ -23,15 +23,10 @@ from __future__ import annotations
 from typing import Callable
 
 from decodelab.engine.llm import CompletionOutput, RequestOutput, StreamEvent
+from decodelab.engine.scheduler import scheduler_state
 from decodelab.params import SamplingParams
 
 DEFAULT_MAX_STEPS = 100_000
-
-
-def scheduler_state(scheduler) -> tuple:
-    """What a step that makes progress must change: each waiting or running sequence's id, status
-    and number of tokens in the KV cache."""
-    return tuple((seq.seq_id, seq.status, seq.num_computed_tokens) for seq in (*scheduler.waiting, *scheduler.running))
 
 
 def generate_all(

@@ -220,7 +220,7 @@ class EngineLoop:
         """One engine step. If it raises (a bug, memory), every request in flight ends with the error
         and the loop goes on for the next ones."""
         try:
-            self.llm.step()
+            self.llm.checked_step()
         except Exception as exc:  # noqa: BLE001 - reported to each client in flight
             for submission in list(self._live):
                 self._fail(submission, f"the engine failed: {type(exc).__name__}: {exc}")
