@@ -166,7 +166,8 @@ async def stream(server: StreamingServer, prompt: list[int], params: SamplingPar
             server.send("abort", client)
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile_or_none(values: list[float], q: float) -> float | None:
+    """numpy's q-th percentile of values (linear between closest ranks), None for no values."""
     return float(np.percentile(values, q)) if values else None
 
 
@@ -195,10 +196,10 @@ def serving_metrics(records, duration: float, ttft_slo: float, tpot_slo: float) 
         if ttft <= ttft_slo and (tpot is None or tpot <= tpot_slo):
             good += 1
     return {
-        "ttft_p50": _percentile(ttfts, 50),
-        "ttft_p99": _percentile(ttfts, 99),
-        "tpot_p50": _percentile(tpots, 50),
-        "tpot_p99": _percentile(tpots, 99),
+        "ttft_p50": percentile_or_none(ttfts, 50),
+        "ttft_p99": percentile_or_none(ttfts, 99),
+        "tpot_p50": percentile_or_none(tpots, 50),
+        "tpot_p99": percentile_or_none(tpots, 99),
         "throughput": tokens / duration,
         "goodput": good / duration,
         "completed": len(ttfts),
