@@ -34,7 +34,7 @@ from decodelab.model.q4_kernel import kernel, q4_1_matmul
 
 BLOCK = 32  # weights per Q4_1 block
 BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
-KERNEL_MAX_ROWS = 16  # more rows: dequantize + F.linear is faster (bench/decode_speed.py --q4-rows)
+KERNEL_MAX_ROWS = 256  # more rows: dequantize + F.linear's GEMM wins (measured: bench/q4_products.py)
 
 
 def q4_1_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
