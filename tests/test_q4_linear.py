@@ -157,3 +157,28 @@ def test_greedy_tokens_equal_float32(q4_smollm2, smollm2, prompt):
     q4, float_model = q4_smollm2
     ids = encode_prompt(smollm2[1], [{"role": "user", "content": prompt}], chat=True)
     assert generate_with_cache(q4, ids, 24) == generate_with_cache(float_model, ids, 24)
+
+
+def test_engine_q4_gives_float32s_greedy_tokens(smollm2_folder):
+    from decodelab import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16)
+    messages = [[{"role": "user", "content": prompt}] for prompt in CHAT_PROMPTS[:2]]
+    q4, float32 = LLM("smollm2", device="cpu", quantization="q4"), LLM("smollm2", device="cpu")
+    assert sum(isinstance(module, Q4Linear) for module in q4.model.modules()) == 7 * q4.config.num_hidden_layers
+    got = [out.outputs[0].token_ids for out in q4.chat(messages, params, use_tqdm=False)]
+    assert got == [out.outputs[0].token_ids for out in float32.chat(messages, params, use_tqdm=False)]
+
+
+def test_engine_refuses_q4_without_a_q4_1_gguf():
+    from decodelab.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match="only model='smollm2' comes from one; got model 'tiny'"):
+        EngineArgs(model="tiny", quantization="q4")
+
+
+def test_cli_refuses_q4_for_tiny(capsys):
+    from decodelab.cli import main
+
+    assert main(["generate", "hi", "--model", "tiny", "--q4"]) == 2
+    assert "--q4 reads the Q4_1 blocks" in capsys.readouterr().err
