@@ -34,7 +34,7 @@ from decodelab.model.q4_kernel import kernel, q4_1_matmul
 
 BLOCK = 32  # weights per Q4_1 block
 BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
-KERNEL_MAX_ROWS = 256  # more rows: dequantize + F.linear's GEMM wins (measured: bench/q4_products.py)
+KERNEL_MAX_ROWS = 64  # more rows: dequantize + F.linear (one GEMM) wins; measured by bench/q4_products.py
 
 
 def q4_1_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

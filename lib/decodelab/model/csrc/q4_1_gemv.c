@@ -20,10 +20,15 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Rows [0, R) of x (R <= 4, a constant after inlining) against W's row n: R dot products. */
+/* Rows [0, R) of x (R <= 4, a constant after inlining) against W's row n: R dot products.
+ * Each row sums into `chains` independent accumulators (4 for R <= 2, else 2): one chain would
+ * wait an FMA's latency (4 cycles) per 8 weights. */
 static inline void row_dots(const uint8_t *qs, const float *d, const float *m, const float *x,
                             int64_t K, int R, float *out) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const int chains = R <= 2 ? 4 : 2;
+    __m256 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
     const __m128i low_mask = _mm_set1_epi8(0x0F);
     const int64_t blocks = K / 32;
     for (int64_t b = 0; b < blocks; b++) {
@@ -39,10 +44,15 @@ static inline void row_dots(const uint8_t *qs, const float *d, const float *m, c
         for (int k = 0; k < 4; k++) w[k] = _mm256_add_ps(_mm256_mul_ps(w[k], scale), offset);
         for (int r = 0; r < R; r++) {
             const float *xb = x + r * K + 32 * b;
-            for (int k = 0; k < 4; k++) acc[r] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xb + 8 * k), acc[r]);
+            for (int k = 0; k < 4; k++)
+                acc[r][k % chains] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xb + 8 * k), acc[r][k % chains]);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
+    for (int r = 0; r < R; r++) {
+        __m256 sum = acc[r][0];
+        for (int c = 1; c < chains; c++) sum = _mm256_add_ps(sum, acc[r][c]);
+        out[r] = hsum(sum);
+    }
 }
 
 /* x [M, K], qs [N, K/2], d and m [N, K/32], y [M, N]; all contiguous. K a multiple of 32. */
