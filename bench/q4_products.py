@@ -5,10 +5,11 @@
 For each row count M (1: a batch-1 decode step; more: batched decode or a prefill chunk), the
 milliseconds of one pass over every linear of SmolLM2 on inputs x [M, K]:
 * `float32`: F.linear on the float32 weights the library loads (210 decoder linears + lm_head);
-* `q4 kernel`: `decodelab.model.q4_linear.Q4Linear`'s C kernel on the GGUF's own Q4_1 blocks for
-  the 210 decoder linears, the lm_head float32 as above (it is tied to the Q8_0 embedding);
+* `Q4Linear`: `decodelab.model.q4_linear.Q4Linear` on the GGUF's own Q4_1 blocks for the 210
+  decoder linears (its C kernel up to `KERNEL_MAX_ROWS` rows, dequantize + F.linear above), the
+  lm_head float32 as above (it is tied to the Q8_0 embedding);
 * `dequantize + F.linear`: Q4Linear's pure-torch path (the fallback, and its choice above
-  `KERNEL_MAX_ROWS` rows), the same 210 + lm_head.
+  `KERNEL_MAX_ROWS` rows, forced here at every M), the same 210 + lm_head.
 Interleaved, best of the rounds; the weight bytes each reads and the ratios are printed. Writes
 bench/results/q4_products_smollm2_cpu.json with the load average.
 """
@@ -76,7 +77,7 @@ def main() -> None:
                 F.linear(xs[name], m.dequantized_weight())
             F.linear(x_head, lm_head)
 
-        times = {"float32": [], "q4 kernel": [], "dequantize + F.linear": []}
+        times = {"float32": [], "Q4Linear": [], "dequantize + F.linear": []}
         with torch.inference_mode():
             for _ in range(args.rounds):  # interleaved: the same noise for all three
                 for name, fn in zip(times, (run_float, run_kernel, run_dequantize)):
@@ -84,9 +85,9 @@ def main() -> None:
         best = {name: min(t) for name, t in times.items()}
         results[rows] = best
         print(
-            f"M={rows:4d}: float32 {best['float32']:7.1f} ms  q4 kernel {best['q4 kernel']:7.1f} ms  "
+            f"M={rows:4d}: float32 {best['float32']:7.1f} ms  Q4Linear {best['Q4Linear']:7.1f} ms  "
             f"dequantize + F.linear {best['dequantize + F.linear']:7.1f} ms  "
-            f"float32 / q4 kernel = {best['float32'] / best['q4 kernel']:.2f}x"
+            f"float32 / Q4Linear = {best['float32'] / best['Q4Linear']:.2f}x"
         )
     print(f"weight bytes read per pass: float32 {float_bytes / 1e6:.0f} MB, q4 {q4_bytes / 1e6:.0f} MB")
     result = {
@@ -97,7 +98,7 @@ def main() -> None:
         "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
         "weight_bytes_per_pass": {"float32": float_bytes, "q4 (lm_head float32)": q4_bytes},
         "ms_per_pass_by_rows": results,
-        "float32_over_q4_kernel": {rows: r["float32"] / r["q4 kernel"] for rows, r in results.items()},
+        "float32_over_Q4Linear": {rows: r["float32"] / r["Q4Linear"] for rows, r in results.items()},
     }
     out = Path(__file__).parent / "results" / "q4_products_smollm2_cpu.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
