@@ -29,8 +29,10 @@ the CLI a fresh process each, so loading cancels out), beside the median gap bet
 of the same path's streaming form (`stream_text` for `generate`, `LLM.stream` for `LLM.generate`,
 stdout chunks for the CLI). Contenders: `generate` float32 and over
 `CompiledDecoder(quantize_for_decode(model))` (torch.compile) and `PackagedDecoder` over the same
-(the AOT-compiled step `python -m decodelab prepare` builds, when built); `LLM.generate` float32, int8
-eager and int8 with `compile_decode=True`; `python -m decodelab generate`, `... --int8 --no-compile`
+(the AOT-compiled step `python -m decodelab prepare` builds, when built), and (SmolLM2) `generate q4`
+over `use_gguf_q4_weights` (the GGUF's own Q4_1 blocks, a fused C kernel); `LLM.generate` float32,
+int8 eager, int8 with `compile_decode=True` and (SmolLM2) q4; `python -m decodelab generate`,
+`... --q4`, `... --int8 --no-compile`
 (eager), `... --int8` with no prepared package (torch.compile in every process: a cache folder without
 one) and `... --int8` with it; llama.cpp when llama-cpp-python is installed. Besides the best of the
 rounds, the JSON holds each round's tokens/s (median, min-max) and the wall time of a whole short call
@@ -60,6 +62,7 @@ from decodelab.decoding.compiled import CompiledDecoder  # noqa: E402
 from decodelab.decoding.generate import stream_token_ids  # noqa: E402
 from decodelab.lessons.measure import Roofline, matmul_flops, memory_bandwidth, parameter_bytes  # noqa: E402
 from decodelab.model.fused_int8 import quantize_for_decode  # noqa: E402
+from decodelab.model.q4_linear import use_gguf_q4_weights  # noqa: E402
 from decodelab.model.registry import load, resolve_model, smollm2_gguf_path  # noqa: E402
 from decodelab.params import SamplingParams  # noqa: E402
 
@@ -459,6 +462,10 @@ def end_to_end(args):
             LLM(args.model, device=device, quantization="int8", compile_decode=True), prompt_ids
         ),
     }
+    if args.model == "smollm2":  # the GGUF's own Q4_1 blocks, the fused C kernel (decodelab.model.q4_linear)
+        q4_model = use_gguf_q4_weights(copy.deepcopy(model), smollm2_gguf_path())
+        contenders["generate q4"] = e2e_generate(q4_model, tokenizer, prompt_ids)
+        contenders["LLM.generate q4"] = e2e_llm(LLM(args.model, device=device, quantization="q4"), prompt_ids)
     if not args.no_cli and device.type == "cpu":
         env = dict(
             os.environ,
@@ -472,6 +479,8 @@ def end_to_end(args):
         # torch.compile in every process: a cache with the converted model but no prepared package
         contenders["CLI generate --int8 compiled"] = e2e_cli(args.model, ["--int8"], dict(env, **unpackaged_cache()))
         contenders["CLI generate --int8 packaged"] = e2e_cli(args.model, ["--int8"], env)
+        if args.model == "smollm2":
+            contenders["CLI generate --q4"] = e2e_cli(args.model, ["--q4"], env)
     llama = (
         None
         if args.no_llama_cpp or args.model != "smollm2" or device.type != "cpu"

@@ -378,7 +378,7 @@ def test_engine_args_are_llms_keywords_and_build_the_same_engine(small_model):
     signature = inspect.signature(LLM.__init__).parameters
     keywords = {name: p.default for name, p in signature.items() if name != "self"}
     assert keywords == {f.name: f.default for f in dataclasses.fields(EngineArgs)}
-    with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'int4', got 'int3'"):
+    with pytest.raises(ValueError, match="quantization must be None, 'int8', 'int4' or 'q4', got 'int3'"):
         EngineArgs(quantization="int3")
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1, got 0"):
         EngineArgs(speculative_model="tiny-draft", num_speculative_tokens=0)

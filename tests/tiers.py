@@ -47,6 +47,7 @@ FIXTURE_TIERS: dict[str, tuple[str, str]] = {
     "smollm2": ("model", "loads SmolLM2 (fp32, CPU)"),
     "hf_gguf_model": ("model", "transformers reads SmolLM2's GGUF"),
     "hf_gguf_tokenizer": ("model", "transformers reads SmolLM2's GGUF tokenizer"),
+    "tests/test_q4_linear.py::q4_smollm2": ("model", "SmolLM2 with its Q4_1 linears from the GGUF's blocks"),
     "tests/test_browser.py::chromium": ("browser", "Chromium through Playwright"),
     "tests/test_notebooks.py::autograded_solution": ("notebook grader", "nbgrader autogrades every solution"),
     "tests/test_grading.py::graded": ("grader", "grades a class with python -m autograder grade"),

@@ -4,6 +4,7 @@
         [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
         [--repetition-penalty R] [--device D] [--dtype fp32|bf16|fp16] [--no-chat] [--json]
         [--int8 [--no-compile]]     # int8 weights, decoded by a compiled step (CPU-dependent: see --help)
+        [--q4]                      # SmolLM2's own Q4_1 blocks from its GGUF, a fused C kernel (x86-64 AVX2)
     python -m decodelab prepare [--no-compile]   # convert SmolLM2 into the cache once, and build its
         # int8 decode step ahead of time (a few minutes; `generate --int8` then starts it in ~10 ms)
     python -m decodelab progress --course DIR [--notebooks 02_sampling,03] [--timeout S] [--json]
@@ -184,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
         "float32's bytes; its speed depends on the CPU (1.8x float32's tokens/s measured on an AVX-512 "
         "CPU, half of it on an AVX2-only one); the step `prepare` built ahead of time loads at once, "
         "else the first run compiles (tens of seconds)",
+    )
+    gen.add_argument(
+        "--q4",
+        action="store_true",
+        help="SmolLM2 only: its linears multiply the GGUF's own Q4_1 blocks (4-bit) through a fused C "
+        "kernel, compiled once with the system C compiler (x86-64 with AVX2 and FMA; elsewhere a slower "
+        "pure-torch path, said on stderr); the same greedy tokens as float32 in our tests",
     )
     gen.add_argument(
         "--no-compile",
@@ -371,7 +379,19 @@ def run_generate(args) -> int:
 
     if args.no_compile and not args.int8:
         raise CommandLineError("--no-compile goes with --int8 (the float model runs eagerly anyway)")
+    if args.q4 and args.int8:
+        raise CommandLineError("--q4 and --int8 are two weight formats: choose one")
+    if args.q4 and args.model != "smollm2":
+        raise CommandLineError(
+            f"--q4 reads the Q4_1 blocks of the GGUF a model comes from, and only smollm2 comes from one "
+            f"(got --model {args.model}): use --int8"
+        )
     model, tokenizer = load_model(args.model, args.device, args.dtype)
+    if args.q4:
+        from decodelab.model.q4_linear import use_gguf_q4_weights
+        from decodelab.model.registry import smollm2_gguf_path
+
+        model = use_gguf_q4_weights(model, smollm2_gguf_path())
     if args.int8:
         from decodelab.model.mamba import refuse_state_space
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # name the hooks' type only: a dataclass field needs no impor
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 COMPILE_MIN_LAYER_BYTES = 64 << 20  # compile_decode=None: float bytes of the decoder layers from which it pays
-QUANTIZATIONS = (None, "int8", "int4")
+QUANTIZATIONS = (None, "int8", "int4", "q4")
 
 
 @dataclass(frozen=True, repr=False)
@@ -41,7 +41,9 @@ class EngineArgs:
         that the engine uses as given (quantization, if asked, changes that model in place).
     device, dtype: where and in what precision a named or folder model is loaded (device None:
         cuda if present, else mps or cpu); ignored for a (model, tokenizer) pair.
-    quantization: None, or "int8" / "int4" weight-only quantization of the linear layers.
+    quantization: None, or "int8" / "int4" weight-only quantization of the linear layers, or "q4":
+        the Q4_1 blocks of the GGUF the model comes from, multiplied by a fused CPU kernel
+        (`decodelab.model.q4_linear`; "smollm2" only, the one model that comes from a Q4_1 GGUF).
     kv_block_size: tokens per paged KV block.
     max_num_seqs, max_num_batched_tokens: the scheduler's limits per step (sequences running,
         tokens in one packed forward pass).
@@ -97,7 +99,9 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+            raise ValueError(f"quantization must be None, 'int8', 'int4' or 'q4', got {self.quantization!r}")
+        if self.quantization == "q4":
+            self._check_q4()
         if getattr(self.hooks, "linear", None) is not None and self.quantization is None:
             raise ValueError(
                 "EngineHooks(linear=...) builds the quantized linear layers, so it needs "
@@ -143,6 +147,17 @@ class EngineArgs:
         check_int("kv_cache_memory", self.kv_cache_memory, 1, allowed="a number of bytes >= 1 (an integer)")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 1, allowed="an integer >= 1, or None (the model's context)")
+
+    def _check_q4(self) -> None:
+        """quantization="q4" reads the Q4_1 blocks of the GGUF the model was converted from."""
+        if self.model != "smollm2":
+            shown = self.model if isinstance(self.model, (str, os.PathLike)) else type(self.model).__name__
+            raise ValueError(
+                f"quantization='q4' reads the Q4_1 blocks of the GGUF a model comes from, and only "
+                f"model='smollm2' comes from one; got model {shown!r} (use 'int8' or 'int4')"
+            )
+        if getattr(self.hooks, "linear", None) is not None:
+            raise ValueError("quantization='q4' takes its layers from the GGUF: it needs no EngineHooks(linear=...)")
 
     def _check_chunked_prefill(self) -> None:
         if self.speculative_model is not None:

@@ -230,7 +230,12 @@ class LLM:
         model, tokenizer = load(args.model, device=args.device, dtype=args.dtype) if args.loads_model else args.model
         refuse_state_space(model, "the paged engine LLM")
         self.compiles_decode = args.compiles_decode(model)
-        if args.quantization is not None:
+        if args.quantization == "q4":  # the GGUF's own Q4_1 blocks (args checked: model="smollm2")
+            from decodelab.model.q4_linear import use_gguf_q4_weights
+            from decodelab.model.registry import smollm2_gguf_path
+
+            use_gguf_q4_weights(model, smollm2_gguf_path())
+        elif args.quantization is not None:
             from decodelab.model.quantization import quantize_model
 
             linear = getattr(args.hooks, "linear", None)  # None: the library's QuantizedLinear

@@ -1,0 +1,109 @@
+"""SmolLM2's 211 matrix products per forward pass: float32 F.linear vs the Q4_1 kernel, side by side.
+
+    .venv/bin/python bench/q4_products.py [--rows 1,4,16,64,256] [--rounds 5]
+
+For each row count M (1: a batch-1 decode step; more: batched decode or a prefill chunk), the
+milliseconds of one pass over every linear of SmolLM2 on inputs x [M, K]:
+* `float32`: F.linear on the float32 weights the library loads (210 decoder linears + lm_head);
+* `Q4Linear`: `decodelab.model.q4_linear.Q4Linear` on the GGUF's own Q4_1 blocks for the 210
+  decoder linears (its C kernel up to `KERNEL_MAX_ROWS` rows, dequantize + F.linear above), the
+  lm_head float32 as above (it is tied to the Q8_0 embedding);
+* `dequantize + F.linear`: Q4Linear's pure-torch path (the fallback, and its choice above
+  `KERNEL_MAX_ROWS` rows, forced here at every M), the same 210 + lm_head.
+Interleaved, best of the rounds; the weight bytes each reads and the ratios are printed. Writes
+bench/results/q4_products_smollm2_cpu.json with the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import decodelab  # noqa: E402,F401  (first: sets OMP_WAIT_POLICY before torch starts its threads)
+from decodelab.model.q4_kernel import kernel  # noqa: E402
+from decodelab.model.q4_linear import Q4Linear, use_gguf_q4_weights  # noqa: E402
+from decodelab.model.registry import load, smollm2_gguf_path  # noqa: E402
+
+
+def best_ms(fn, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="1,4,16,64,256", help="comma-separated row counts M")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if kernel() is None:
+        sys.exit("the Q4_1 kernel cannot run here (see the line above): nothing to compare")
+    load_before = os.getloadavg()
+    model, _ = load("smollm2", device="cpu", dtype="float32")
+    weights = {name: m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    use_gguf_q4_weights(model, smollm2_gguf_path())
+    q4 = {name: m for name, m in model.named_modules() if isinstance(m, Q4Linear)}
+    lm_head = model.lm_head.weight  # [V, D] float32
+    float_bytes = sum(w.numel() * 4 for w in weights.values())
+    q4_bytes = sum(m.nibbles.numel() + m.d.numel() * 4 + m.m.numel() * 4 for m in q4.values()) + lm_head.numel() * 4
+    results = {}
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = {name: torch.randn(rows, w.shape[1]) for name, w in weights.items()}
+        x_head = xs["lm_head"]
+
+        def run_float():
+            for name, w in weights.items():
+                F.linear(xs[name], w)
+
+        def run_kernel():
+            for name, m in q4.items():
+                m(xs[name])
+            F.linear(x_head, lm_head)
+
+        def run_dequantize():
+            for name, m in q4.items():
+                F.linear(xs[name], m.dequantized_weight())
+            F.linear(x_head, lm_head)
+
+        times = {"float32": [], "Q4Linear": [], "dequantize + F.linear": []}
+        with torch.inference_mode():
+            for _ in range(args.rounds):  # interleaved: the same noise for all three
+                for name, fn in zip(times, (run_float, run_kernel, run_dequantize)):
+                    times[name].append(best_ms(fn, 1))
+        best = {name: min(t) for name, t in times.items()}
+        results[rows] = best
+        print(
+            f"M={rows:4d}: float32 {best['float32']:7.1f} ms  Q4Linear {best['Q4Linear']:7.1f} ms  "
+            f"dequantize + F.linear {best['dequantize + F.linear']:7.1f} ms  "
+            f"float32 / Q4Linear = {best['float32'] / best['Q4Linear']:.2f}x"
+        )
+    print(f"weight bytes read per pass: float32 {float_bytes / 1e6:.0f} MB, q4 {q4_bytes / 1e6:.0f} MB")
+    result = {
+        "command": "python bench/q4_products.py " + " ".join(sys.argv[1:]),
+        "what": "ms of one pass over SmolLM2's 211 linears on x [M, K], best of the rounds, interleaved",
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
+        "weight_bytes_per_pass": {"float32": float_bytes, "q4 (lm_head float32)": q4_bytes},
+        "ms_per_pass_by_rows": results,
+        "float32_over_Q4Linear": {rows: r["float32"] / r["Q4Linear"] for rows, r in results.items()},
+    }
+    out = Path(__file__).parent / "results" / "q4_products_smollm2_cpu.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The fused Q4_1 CPU kernel: `csrc/q4_1_gemv.c`, compiled once with the system C compiler.
+
+The C source is shipped with the package and compiled on first use into the user cache
+(`decodelab.paths.cache_dir() / "kernels"`), under a name keyed by the source's hash and the
+compiler command, then loaded with ctypes. It needs an x86-64 CPU with AVX2 and FMA, a C
+compiler (`$CC`, else `cc`) and OpenMP. Where any of these is missing, or
+``DECODELAB_Q4_KERNEL=0`` is set, `kernel()` returns None after one line on stderr (once per
+process) saying why, and `Q4Linear` takes its pure-torch path instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from decodelab.paths import cache_dir
+
+SOURCE = Path(__file__).parent / "csrc" / "q4_1_gemv.c"
+KERNEL_ENV = "DECODELAB_Q4_KERNEL"  # "0": always the pure-torch path
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+
+
+class KernelUnavailable(RuntimeError):
+    """Why the fused kernel cannot run here (one line)."""
+
+
+def _check_cpu() -> None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise KernelUnavailable(f"the CPU is {platform.machine()}, not x86-64")
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = set()
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+        missing = [flag for flag in ("avx2", "fma") if flag not in flags]
+        if missing:
+            raise KernelUnavailable(f"the CPU lacks {', '.join(missing)}")
+
+
+def _build() -> Path:
+    """The compiled library's path, compiling it if the cache lacks it."""
+    if os.environ.get(KERNEL_ENV, "1").strip() == "0":
+        raise KernelUnavailable(f"{KERNEL_ENV}=0 is set")
+    _check_cpu()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise KernelUnavailable("no C compiler found (set $CC, or install cc)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"q4_1_gemv-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        try:
+            result = subprocess.run(
+                [compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True, timeout=120
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise KernelUnavailable(f"compiling {SOURCE.name} failed: {exc}") from None
+        if result.returncode != 0:
+            first = (result.stderr.strip().splitlines() or ["no message"])[0]
+            raise KernelUnavailable(f"compiling {SOURCE.name} with {compiler} failed: {first}")
+        os.replace(partial, target)  # atomic: another process never loads a half-written file
+    return target
+
+
+@functools.cache
+def kernel():
+    """The loaded `q4_1_matmul` C function, or None (after one line on stderr saying why)."""
+    try:
+        library = ctypes.CDLL(str(_build()))
+    except (KernelUnavailable, OSError) as exc:
+        print(f"decodelab: Q4_1 weights use the pure-torch path (slower): {exc}", file=sys.stderr)
+        return None
+    function = library.q4_1_matmul
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    function.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
+    function.restype = None
+    return function
+
+
+def q4_1_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W.T, W the Q4_1 weight of nibbles `qs` uint8 [N, K/2] and per-block
+    scales `d`, offsets `m` float32 [N, K/32], through the C kernel (which must be loaded: `kernel()`).
+    x float32 on the CPU; every tensor is made contiguous here."""
+    function = kernel()
+    if function is None:
+        raise KernelUnavailable("the Q4_1 kernel is not loaded here")
+    x = x.contiguous()
+    rows, k = x.shape
+    n = qs.shape[0]
+    y = torch.empty(rows, n, dtype=torch.float32)
+    function(x.data_ptr(), qs.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(), rows, n, k, torch.get_num_threads())
+    return y

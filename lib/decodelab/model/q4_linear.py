@@ -1,0 +1,148 @@
+"""4-bit weights read straight from the GGUF's own Q4_1 blocks, multiplied by a fused CPU kernel.
+
+SmolLM2 ships as a Q4_1 GGUF, and the library's float32 model IS those blocks dequantized
+(`gguf_import`). A decode step reads every weight once per token, so it is bound by memory;
+multiplying the 4-bit blocks themselves reads ~5 bits a weight instead of 32.
+
+Q4_1 (llama.cpp): a row's weights in blocks of 32, each block 20 bytes: fp16 scale d, fp16
+offset m, then 16 bytes of nibbles, byte j's low nibble the block's weight j and its high
+nibble weight j + 16; weight = d * q + m (`gguf.quants.Q4_1.dequantize_blocks`).
+
+`Q4Linear` holds them as nibbles uint8 [N, K/2] (row n's block b at bytes 16b..16b+15) and d, m
+float32 [N, K/32]. Its `forward` runs the C kernel (`q4_kernel`) for float32 CPU inputs of up to
+`KERNEL_MAX_ROWS` rows, else (another device or dtype, no kernel, or many rows, where dequantize
++ F.linear's blocked GEMM wins) the reference: `dequantized_weight()` then F.linear. Both see the
+same float32 weights bit for bit; the kernel sums in another order.
+
+`use_gguf_q4_weights(model, gguf_path)` swaps every nn.Linear whose GGUF tensor is Q4_1 for a
+`Q4Linear` from that tensor's blocks. Other tensors (SmolLM2's Q8_0 token_embd, to which lm_head
+is tied; the F32 norms) stay as they are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decodelab.model.gguf_import import hf_tensor_name, unpermute_rows
+from decodelab.model.gguf_tensors import read_gguf_tensors
+from decodelab.model.q4_kernel import kernel, q4_1_matmul
+
+BLOCK = 32  # weights per Q4_1 block
+BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+KERNEL_MAX_ROWS = 64  # more rows: dequantize + F.linear (one GEMM) wins; measured by bench/q4_products.py
+
+
+def q4_1_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF tensor (`read_gguf_tensors` / `GGUFReader.tensors`) of type Q4_1, [N, K] in PyTorch's
+    order -> (nibbles uint8 [N, K/2], d float32 [N, K/32], m float32 [N, K/32]), in the file's row
+    order. ValueError for any other type."""
+    kind = tensor.tensor_type.name
+    if kind != "Q4_1":
+        raise ValueError(f"tensor {tensor.name!r} is {kind}, not Q4_1: only Q4_1 tensors become a Q4Linear")
+    n, k = (int(size) for size in reversed(tensor.shape))  # GGUF lists dims innermost first
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(n, k // BLOCK, BLOCK_BYTES)
+    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))  # [N, K/32]
+    m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))  # [N, K/32]
+    nibbles = torch.from_numpy(raw[..., 4:].reshape(n, k // 2).copy())  # [N, K/2]
+    return nibbles, d, m
+
+
+def dequantize_q4_1(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """nibbles uint8 [N, K/2], d and m float32 [N, K/32] -> weight float32 [N, K], d * q + m
+    rounded as gguf rounds it (a float32 multiply, then a float32 add)."""
+    n, blocks = d.shape
+    packed = nibbles.reshape(n, blocks, BLOCK // 2)  # [N, K/32, 16]
+    levels = torch.cat([packed & 0x0F, packed >> 4], dim=-1).to(torch.float32)  # [N, K/32, 32]
+    return (levels * d[..., None] + m[..., None]).reshape(n, blocks * BLOCK)
+
+
+class Q4Linear(nn.Module):
+    """y = x @ W.T (+ bias), W [N, K] held as Q4_1 blocks (see the module's docstring)."""
+
+    def __init__(self, nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        n, half = nibbles.shape
+        if nibbles.dtype != torch.uint8 or half * 2 % BLOCK or d.shape != (n, half * 2 // BLOCK) or m.shape != d.shape:
+            raise ValueError(
+                f"Q4Linear needs nibbles uint8 [N, K/2] with K a multiple of {BLOCK} and d, m [N, K/{BLOCK}]; "
+                f"got nibbles {nibbles.dtype} {tuple(nibbles.shape)}, d {tuple(d.shape)}, m {tuple(m.shape)}"
+            )
+        self.in_features, self.out_features = half * 2, n
+        self.register_buffer("nibbles", nibbles.contiguous())  # [N, K/2] uint8
+        self.register_buffer("d", d.to(torch.float32).contiguous())  # [N, K/32]
+        self.register_buffer("m", m.to(torch.float32).contiguous())  # [N, K/32]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight float32 [N, K], equal bit for bit to gguf's dequantization of the blocks."""
+        return dequantize_q4_1(self.nibbles, self.d, self.m)
+
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """Will `forward(x)` run the C kernel? Float32 CPU input of 1..KERNEL_MAX_ROWS rows, no autograd."""
+        rows = x.numel() // self.in_features if self.in_features else 0
+        plain = x.dtype == torch.float32 and x.device.type == "cpu" and self.nibbles.device.type == "cpu"
+        needs_grad = x.requires_grad and torch.is_grad_enabled()
+        return plain and not needs_grad and 0 < rows <= KERNEL_MAX_ROWS and kernel() is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N]."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"Q4Linear expects inputs [..., {self.in_features}], got {tuple(x.shape)}")
+        if not self.uses_kernel(x):
+            weight = self.dequantized_weight().to(x.dtype)
+            return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+        y = q4_1_matmul(x.reshape(-1, self.in_features), self.nibbles, self.d, self.m)  # [M, N]
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, Q4_1"
+
+
+def _hf_row_order(name: str, blocks: tuple, config) -> tuple:
+    """The blocks of q_proj and k_proj put back in HF's row order, as `load_gguf_state_dict` does."""
+    if config.model_type != "llama":  # llama.cpp permutes q/k only for its "llama" arch
+        return blocks
+    if name.endswith("q_proj.weight"):
+        return tuple(unpermute_rows(part, config.num_attention_heads).contiguous() for part in blocks)
+    if name.endswith("k_proj.weight"):
+        return tuple(unpermute_rows(part, config.num_key_value_heads).contiguous() for part in blocks)
+    return blocks
+
+
+def use_gguf_q4_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
+    """Replace, in place, every nn.Linear of `model` whose weight is a Q4_1 tensor in `gguf_path`
+    by a `Q4Linear` from that tensor's blocks; returns the model. The model must be the one the
+    GGUF converts to (`registry.load("smollm2")` for SmolLM2's file). ValueError when the file
+    holds no Q4_1 tensor, or one that matches no linear of the model."""
+    swapped = 0
+    for tensor in read_gguf_tensors(gguf_path):
+        if tensor.tensor_type.name != "Q4_1":
+            continue
+        name = hf_tensor_name(tensor.name)
+        parent_name, _, child_name = name.removesuffix(".weight").rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name)
+            linear = getattr(parent, child_name)
+        except AttributeError:
+            raise ValueError(f"{gguf_path}: Q4_1 tensor {tensor.name!r} matches no layer {name}") from None
+        blocks = _hf_row_order(name, q4_1_blocks(tensor), model.config)
+        shape = (blocks[0].shape[0], blocks[0].shape[1] * 2)  # [N, K]
+        if not isinstance(linear, nn.Linear) or tuple(linear.weight.shape) != shape:
+            raise ValueError(f"{gguf_path}: Q4_1 tensor {tensor.name!r} does not match the model's {name}")
+        device = linear.weight.device
+        q4 = Q4Linear(*(part.to(device) for part in blocks), bias=linear.bias)
+        setattr(parent, child_name, q4)
+        swapped += 1
+    if swapped == 0:
+        raise ValueError(f"{gguf_path} holds no Q4_1 tensor: Q4 weights need a Q4_1 GGUF")
+    return model
+
+
+__all__ = ["KERNEL_MAX_ROWS", "Q4Linear", "dequantize_q4_1", "q4_1_blocks", "use_gguf_q4_weights"]

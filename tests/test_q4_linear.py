@@ -1,0 +1,184 @@
+"""Q4_1 weights from the GGUF's own blocks (decodelab.model.q4_linear, issue 30).
+
+Oracles: gguf's own dequantization (`load_gguf_state_dict`, the float32 weights the library
+loads) for the blocks, bit for bit; F.linear on the dequantized weight for the kernel, within
+the worst-case float32 summation error of a length-K dot product (derived below); the float32
+model's greedy tokens for the Q4 model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decodelab.decoding.generate import encode_prompt, generate_with_cache
+from decodelab.model import q4_kernel
+from decodelab.model.gguf_tensors import read_gguf_tensors
+from decodelab.model.q4_linear import Q4Linear, dequantize_q4_1, q4_1_blocks, use_gguf_q4_weights
+
+UNIT_ROUNDOFF = 2.0**-24  # float32
+
+
+def summation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[M, N]: the most two float32 evaluations of x @ weight.T can differ by, summing in any order.
+    Each is within gamma_K * (|x| @ |W|.T) of the exact value, gamma_K = K u / (1 - K u) (Higham,
+    Accuracy and Stability, 3.1), so they are within twice that of each other."""
+    k = x.shape[-1]
+    gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
+    return 2 * gamma * (x.double().abs() @ weight.double().abs().T)
+
+
+def require_kernel() -> None:
+    if q4_kernel.kernel() is None:
+        pytest.skip("the Q4_1 kernel cannot run on this machine (its one line on stderr says why)")
+
+
+def random_q4(n: int, k: int, seed: int = 0) -> Q4Linear:
+    generator = torch.Generator().manual_seed(seed)
+    nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
+    d = torch.rand(n, k // 32, generator=generator) * 0.01
+    m = -8 * d * torch.rand(n, k // 32, generator=generator)
+    return Q4Linear(nibbles, d, m)
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors(smollm2_gguf):
+    return read_gguf_tensors(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def q4_smollm2(smollm2, smollm2_gguf):
+    """(SmolLM2 with its Q4_1 linears swapped for Q4Linear, the float32 model it came from)."""
+    model, _ = smollm2
+    return use_gguf_q4_weights(copy.deepcopy(model), smollm2_gguf), model
+
+
+def test_blocks_are_gguf_dequantization_bit_for_bit(q4_smollm2):
+    q4, float_model = q4_smollm2
+    weights = dict(float_model.named_parameters())
+    swapped = {name: module for name, module in q4.named_modules() if isinstance(module, Q4Linear)}
+    assert len(swapped) == 7 * q4.config.num_hidden_layers  # q, k, v, o, gate, up, down
+    for name, module in swapped.items():
+        assert torch.equal(module.dequantized_weight(), weights[name + ".weight"]), name
+    assert type(q4.lm_head) is torch.nn.Linear, "lm_head is tied to the Q8_0 token_embd: it stays float32"
+
+
+def test_nibble_order_low_then_high():
+    """Byte j holds weight j (low nibble) and weight j + 16 (high nibble) of its block."""
+    nibbles = torch.zeros(1, 16, dtype=torch.uint8)
+    nibbles[0, 3] = 0x52  # weight 3 = 2, weight 19 = 5
+    weight = dequantize_q4_1(nibbles, torch.ones(1, 1), torch.zeros(1, 1))
+    expected = torch.zeros(1, 32)
+    expected[0, 3], expected[0, 19] = 2, 5
+    assert torch.equal(weight, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+def test_kernel_matches_reference_within_summation_error(rows):
+    layer = random_q4(n=37, k=160, seed=rows)  # odd N, five blocks
+    x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(1))
+    require_kernel()
+    assert layer.uses_kernel(x)
+    weight = layer.dequantized_weight()
+    got, expected = layer(x), F.linear(x, weight)
+    assert got.shape == (rows, 37)
+    assert ((got.double() - expected.double()).abs() <= summation_bound(x, weight)).all()
+
+
+def test_kernel_on_a_smollm2_layer_and_any_leading_shape(gguf_tensors):
+    tensor = next(t for t in gguf_tensors if t.name == "blk.3.ffn_down.weight")  # K = 1536
+    layer = Q4Linear(*q4_1_blocks(tensor))
+    x = torch.randn(2, 5, layer.in_features, generator=torch.Generator().manual_seed(2))  # [B, T, K]
+    require_kernel()
+    assert layer.uses_kernel(x)
+    weight = layer.dequantized_weight()
+    got = layer(x)
+    assert got.shape == (2, 5, layer.out_features)
+    bound = summation_bound(x.reshape(-1, layer.in_features), weight).reshape(got.shape)
+    assert ((got.double() - F.linear(x, weight).double()).abs() <= bound).all()
+
+
+def test_bias_and_other_dtypes_take_the_reference_path():
+    layer = random_q4(n=9, k=64)
+    layer.bias = torch.nn.Parameter(torch.randn(9), requires_grad=False)
+    x = torch.randn(4, 64, dtype=torch.float64)
+    assert not layer.uses_kernel(x)
+    expected = F.linear(x, layer.dequantized_weight().double(), layer.bias.double())
+    assert torch.equal(layer(x), expected)
+
+
+def test_fallback_says_why_once_and_gives_the_reference(monkeypatch, capsys):
+    layer = random_q4(n=11, k=64)
+    x = torch.randn(3, 64)
+    monkeypatch.setenv(q4_kernel.KERNEL_ENV, "0")
+    q4_kernel.kernel.cache_clear()
+    try:
+        assert not layer.uses_kernel(x)
+        assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight()))
+        layer(x)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines == ["decodelab: Q4_1 weights use the pure-torch path (slower): DECODELAB_Q4_KERNEL=0 is set"]
+    finally:
+        q4_kernel.kernel.cache_clear()
+
+
+def test_a_compiler_that_fails_falls_back_with_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("DECODELAB_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # exits 1: the compile "fails"
+    q4_kernel.kernel.cache_clear()
+    try:
+        assert q4_kernel.kernel() is None
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "pure-torch path" in err, err
+        assert ("compiling q4_1_gemv.c with false failed" in err) or ("CPU" in err), err
+    finally:
+        q4_kernel.kernel.cache_clear()
+
+
+def test_a_tensor_that_is_not_q4_1_is_refused(gguf_tensors):
+    embedding = next(t for t in gguf_tensors if t.name == "token_embd.weight")
+    with pytest.raises(ValueError, match=r"'token_embd.weight' is Q8_0, not Q4_1"):
+        q4_1_blocks(embedding)
+
+
+def test_malformed_blocks_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q4Linear(torch.zeros(4, 10, dtype=torch.uint8), torch.zeros(4, 1), torch.zeros(4, 1))
+
+
+CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "How do I reverse a list in Python?"]
+
+
+@pytest.mark.parametrize("prompt", CHAT_PROMPTS)
+def test_greedy_tokens_equal_float32(q4_smollm2, smollm2, prompt):
+    q4, float_model = q4_smollm2
+    ids = encode_prompt(smollm2[1], [{"role": "user", "content": prompt}], chat=True)
+    assert generate_with_cache(q4, ids, 24) == generate_with_cache(float_model, ids, 24)
+
+
+def test_engine_q4_gives_float32s_greedy_tokens(smollm2_folder):
+    from decodelab import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16)
+    messages = [[{"role": "user", "content": prompt}] for prompt in CHAT_PROMPTS[:2]]
+    q4, float32 = LLM("smollm2", device="cpu", quantization="q4"), LLM("smollm2", device="cpu")
+    assert sum(isinstance(module, Q4Linear) for module in q4.model.modules()) == 7 * q4.config.num_hidden_layers
+    got = [out.outputs[0].token_ids for out in q4.chat(messages, params, use_tqdm=False)]
+    assert got == [out.outputs[0].token_ids for out in float32.chat(messages, params, use_tqdm=False)]
+
+
+def test_engine_refuses_q4_without_a_q4_1_gguf():
+    from decodelab.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match="only model='smollm2' comes from one; got model 'tiny'"):
+        EngineArgs(model="tiny", quantization="q4")
+
+
+def test_cli_refuses_q4_for_tiny(capsys):
+    from decodelab.cli import main
+
+    assert main(["generate", "hi", "--model", "tiny", "--q4"]) == 2
+    assert "--q4 reads the Q4_1 blocks" in capsys.readouterr().err
