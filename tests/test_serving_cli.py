@@ -125,8 +125,13 @@ def occupied_port():
             "--chat-template 'nonsense' is neither a file nor a Jinja template",
         ),
         (["--port", "{taken}"], "cannot listen on 127.0.0.1:{taken}: Address already in use"),
+        (["--quantization", "fp8"], "argument --quantization: invalid choice: 'fp8'"),
+        (
+            ["--model", "tiny", "--port", "0", "--quantization", "q4"],
+            "quantization='q4' reads the Q4_1 blocks of the GGUF a model comes from",
+        ),
     ],
-    ids=["port", "max_queue", "model", "chat_template", "port_taken"],
+    ids=["port", "max_queue", "model", "chat_template", "port_taken", "quantization", "q4_needs_the_gguf"],
 )
 def test_serve_errors_are_one_line(capsys, args, message):
     with occupied_port() as taken:
@@ -135,3 +140,22 @@ def test_serve_errors_are_one_line(capsys, args, message):
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("decodelab: error: ") and message.format(taken=port) in err
+
+
+def test_serve_quantization_names_every_engine_weight_format():
+    from decodelab.engine.args import QUANTIZATIONS
+
+    assert cli.SERVE_QUANTIZATIONS == tuple(name for name in QUANTIZATIONS if name is not None)
+
+
+def test_serve_quantization_reaches_the_engine(monkeypatch):
+    """--quantization int8 builds the served LLM with int8 linears (the settings go through load_engine)."""
+    from decodelab.model.quantization import QuantizedLinear
+    from decodelab.serving import server
+
+    engines = []
+    monkeypatch.setattr(server, "serve", lambda settings: engines.append(server.load_engine(settings)) or 0)
+    assert cli.main(["serve", "--model", "tiny", "--quantization", "int8", "--device", "cpu"]) == 0
+    (llm,) = engines
+    assert llm.args.quantization == "int8"
+    assert any(isinstance(module, QuantizedLinear) and module.bits == 8 for module in llm.model.modules())

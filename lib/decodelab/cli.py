@@ -15,7 +15,8 @@
         # ... and your engine's timed parts beside the library's: time ratios, roofline (course.speed_credit)
     python -m decodelab hints [--notebook 02_sampling] [--json]   # every exercise's hint ladder
     python -m decodelab serve [--model smollm2|tiny|DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-        [--max-queue N] [--max-num-seqs N] [--chat-template FILE] [--device D] [--dtype fp32|bf16|fp16]
+        [--max-queue N] [--max-num-seqs N] [--chat-template FILE] [--quantization int8|int4|q4]
+        [--device D] [--dtype fp32|bf16|fp16]
         # an OpenAI-compatible server on the engine (decodelab.serving): /v1/completions, /v1/chat/completions,
         # /v1/models, /health, /metrics; SIGTERM or Ctrl-C stops it
 
@@ -38,6 +39,8 @@ import sys
 from decodelab.params import MAX_SEED, SamplingParams
 
 COMMANDS = ("generate", "prepare", "progress", "hints", "serve")
+# engine.args.QUANTIZATIONS without None, named here so that --help does not import torch (a test keeps them equal)
+SERVE_QUANTIZATIONS = ("int8", "int4", "q4")
 DEVICES = "cpu, cuda, cuda:N or mps"
 
 
@@ -316,6 +319,13 @@ def add_serve_parser(commands) -> None:
         metavar="FILE",
         help="a Jinja chat template (a file, or the text) for a model without one, such as tiny",
     )
+    serve.add_argument(
+        "--quantization",
+        choices=SERVE_QUANTIZATIONS,
+        default=None,
+        help="the engine's weights: int8 (decoded by the compiled step where `prepare` built it), int4, "
+        "or q4 (SmolLM2 only: the GGUF's own Q4_1 blocks through a fused C kernel); default float",
+    )
     serve.add_argument("--device", default=None, help=f"{DEVICES} (default: best available)")
     serve.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
 
@@ -511,7 +521,12 @@ def run_serve(args) -> int:
             api_key=args.api_key,
             max_queue=args.max_queue,
             chat_template=args.chat_template,
-            engine=dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs),
+            engine=dict(
+                device=args.device,
+                dtype=args.dtype,
+                max_num_seqs=args.max_num_seqs,
+                quantization=args.quantization,
+            ),
         )
     )
 
