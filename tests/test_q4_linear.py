@@ -1,4 +1,5 @@
-"""Q4_1 weights from the GGUF's own blocks (decodelab.model.q4_linear, issue 30).
+"""Q4_1 weights and a Q8_0 lm_head from the GGUF's own blocks (decodelab.model.q4_linear and
+q8_linear, issue 30).
 
 Oracles: gguf's own dequantization (`load_gguf_state_dict`, the float32 weights the library
 loads) for the blocks, bit for bit; F.linear on the dequantized weight for the kernel, within
@@ -18,6 +19,7 @@ from decodelab.decoding.generate import encode_prompt, generate_with_cache
 from decodelab.model import q4_kernel
 from decodelab.model.gguf_tensors import read_gguf_tensors
 from decodelab.model.q4_linear import Q4Linear, dequantize_q4_1, q4_1_blocks, use_gguf_q4_weights
+from decodelab.model.q8_linear import Q8Linear, dequantize_q8_0, q8_0_blocks
 
 UNIT_ROUNDOFF = 2.0**-24  # float32
 
@@ -63,7 +65,45 @@ def test_blocks_are_gguf_dequantization_bit_for_bit(q4_smollm2):
     assert len(swapped) == 7 * q4.config.num_hidden_layers  # q, k, v, o, gate, up, down
     for name, module in swapped.items():
         assert torch.equal(module.dequantized_weight(), weights[name + ".weight"]), name
-    assert type(q4.lm_head) is torch.nn.Linear, "lm_head is tied to the Q8_0 token_embd: it stays float32"
+    assert isinstance(q4.lm_head, Q8Linear), "lm_head is tied to the Q8_0 token_embd: its blocks"
+    assert torch.equal(q4.lm_head.dequantized_weight(), float_model.lm_head.weight)
+    assert torch.equal(q4.model.embed_tokens.weight, weights["model.embed_tokens.weight"]), "lookups stay float32"
+
+
+def random_q8(n: int, k: int, seed: int = 0) -> Q8Linear:
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
+    return Q8Linear(q, torch.rand(n, k // 32, generator=generator) * 0.01)
+
+
+def test_q8_0_is_a_signed_byte_times_its_blocks_scale():
+    q = torch.zeros(1, 64, dtype=torch.int8)
+    q[0, 5], q[0, 40] = -128, 127
+    weight = dequantize_q8_0(q, torch.tensor([[0.5, 2.0]]))
+    expected = torch.zeros(1, 64)
+    expected[0, 5], expected[0, 40] = -64.0, 254.0
+    assert torch.equal(weight, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 64])
+def test_q8_kernel_matches_reference_within_summation_error(rows):
+    layer = random_q8(n=41, k=96, seed=rows)  # odd N, three blocks
+    x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(3))
+    require_kernel()
+    assert layer.uses_kernel(x)
+    weight = layer.dequantized_weight()
+    got = layer(x)
+    assert got.shape == (rows, 41)
+    assert ((got.double() - F.linear(x, weight).double()).abs() <= summation_bound(x, weight)).all()
+
+
+def test_q8_without_the_kernel_is_the_reference(monkeypatch):
+    layer = random_q8(n=7, k=32)
+    x = torch.randn(2, 32, dtype=torch.float64)
+    assert not layer.uses_kernel(x)
+    assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight().double()))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q8Linear(torch.zeros(2, 33, dtype=torch.int8), torch.zeros(2, 1))
 
 
 def test_nibble_order_low_then_high():
@@ -133,15 +173,18 @@ def test_a_compiler_that_fails_falls_back_with_one_line(monkeypatch, capsys, tmp
         assert q4_kernel.kernel() is None
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "pure-torch path" in err, err
-        assert ("compiling q4_1_gemv.c with false failed" in err) or ("CPU" in err), err
+        assert ("compiling gguf_gemv.c with false failed" in err) or ("CPU" in err), err
     finally:
         q4_kernel.kernel.cache_clear()
 
 
-def test_a_tensor_that_is_not_q4_1_is_refused(gguf_tensors):
+def test_a_tensor_of_another_type_is_refused(gguf_tensors):
     embedding = next(t for t in gguf_tensors if t.name == "token_embd.weight")
     with pytest.raises(ValueError, match=r"'token_embd.weight' is Q8_0, not Q4_1"):
         q4_1_blocks(embedding)
+    down = next(t for t in gguf_tensors if t.name == "blk.0.ffn_down.weight")
+    with pytest.raises(ValueError, match=r"'blk.0.ffn_down.weight' is Q4_1, not Q8_0"):
+        q8_0_blocks(down)
 
 
 def test_malformed_blocks_are_refused():

@@ -1,4 +1,6 @@
-"""The fused Q4_1 CPU kernel: `csrc/q4_1_gemv.c`, compiled once with the system C compiler.
+"""The fused CPU kernels of quantization="q4": `csrc/gguf_gemv.c`, compiled once with the system C
+compiler. `q4_1_matmul` multiplies by Q4_1 blocks (SmolLM2's linears), `q8_0_matmul` by Q8_0 blocks
+(its token_embd, the tied lm_head).
 
 The C source is shipped with the package and compiled on first use into the user cache
 (`decodelab.paths.cache_dir() / "kernels"`), under a name keyed by the source's hash and the
@@ -25,13 +27,14 @@ import torch
 
 from decodelab.paths import cache_dir
 
-SOURCE = Path(__file__).parent / "csrc" / "q4_1_gemv.c"
+SOURCE = Path(__file__).parent / "csrc" / "gguf_gemv.c"
 KERNEL_ENV = "DECODELAB_Q4_KERNEL"  # "0": always the pure-torch path
+KERNEL_MAX_ROWS = 64  # more rows: dequantize + F.linear (one GEMM) wins; measured by bench/q4_products.py
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
 class KernelUnavailable(RuntimeError):
-    """Why the fused kernel cannot run here (one line)."""
+    """Why the fused kernels cannot run here (one line)."""
 
 
 def _check_cpu() -> None:
@@ -59,7 +62,7 @@ def _build() -> Path:
         raise KernelUnavailable("no C compiler found (set $CC, or install cc)")
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"q4_1_gemv-{key}.so"
+    target = cache_dir() / "kernels" / f"gguf_gemv-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -80,29 +83,66 @@ def _build() -> Path:
 
 @functools.cache
 def kernel():
-    """The loaded `q4_1_matmul` C function, or None (after one line on stderr saying why)."""
+    """The loaded C library (`q4_1_matmul`, `q8_0_matmul`), or None (after one line on stderr saying why)."""
     try:
         library = ctypes.CDLL(str(_build()))
     except (KernelUnavailable, OSError) as exc:
         print(f"decodelab: Q4_1 weights use the pure-torch path (slower): {exc}", file=sys.stderr)
         return None
-    function = library.q4_1_matmul
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
-    function.restype = None
-    return function
+    library.q4_1_matmul.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
+    library.q8_0_matmul.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
+    library.q4_1_matmul.restype = library.q8_0_matmul.restype = None
+    return library
+
+
+def runs_on_kernel(x: torch.Tensor, weight_part: torch.Tensor, in_features: int) -> bool:
+    """Will a block layer (`weight_part`: one of its block tensors) multiply `x` [..., in_features]
+    with the C kernel? Float32 CPU input of 1..KERNEL_MAX_ROWS rows, no autograd, kernel loaded."""
+    rows = x.numel() // in_features if in_features else 0
+    plain = x.dtype == torch.float32 and x.device.type == "cpu" and weight_part.device.type == "cpu"
+    needs_grad = x.requires_grad and torch.is_grad_enabled()
+    return plain and not needs_grad and 0 < rows <= KERNEL_MAX_ROWS and kernel() is not None
+
+
+def _loaded():
+    library = kernel()
+    if library is None:
+        raise KernelUnavailable("the GGUF block kernels are not loaded here")
+    return library
 
 
 def q4_1_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T, W the Q4_1 weight of nibbles `qs` uint8 [N, K/2] and per-block
     scales `d`, offsets `m` float32 [N, K/32], through the C kernel (which must be loaded: `kernel()`).
-    x float32 on the CPU; every tensor is made contiguous here."""
-    function = kernel()
-    if function is None:
-        raise KernelUnavailable("the Q4_1 kernel is not loaded here")
+    x float32 on the CPU, made contiguous here; qs, d, m contiguous."""
+    library = _loaded()
     x = x.contiguous()
     rows, k = x.shape
-    n = qs.shape[0]
-    y = torch.empty(rows, n, dtype=torch.float32)
-    function(x.data_ptr(), qs.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(), rows, n, k, torch.get_num_threads())
+    y = torch.empty(rows, qs.shape[0], dtype=torch.float32)
+    library.q4_1_matmul(
+        x.data_ptr(),
+        qs.data_ptr(),
+        d.data_ptr(),
+        m.data_ptr(),
+        y.data_ptr(),
+        rows,
+        qs.shape[0],
+        k,
+        torch.get_num_threads(),
+    )
+    return y
+
+
+def q8_0_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W.T, W the Q8_0 weight of `qs` int8 [N, K] and per-block scales `d`
+    float32 [N, K/32], through the C kernel (which must be loaded: `kernel()`). x float32 on the
+    CPU, made contiguous here; qs, d contiguous."""
+    library = _loaded()
+    x = x.contiguous()
+    rows, k = x.shape
+    y = torch.empty(rows, qs.shape[0], dtype=torch.float32)
+    library.q8_0_matmul(
+        x.data_ptr(), qs.data_ptr(), d.data_ptr(), y.data_ptr(), rows, qs.shape[0], k, torch.get_num_threads()
+    )
     return y

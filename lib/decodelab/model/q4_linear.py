@@ -15,8 +15,8 @@ float32 [N, K/32]. Its `forward` runs the C kernel (`q4_kernel`) for float32 CPU
 same float32 weights bit for bit; the kernel sums in another order.
 
 `use_gguf_q4_weights(model, gguf_path)` swaps every nn.Linear whose GGUF tensor is Q4_1 for a
-`Q4Linear` from that tensor's blocks. Other tensors (SmolLM2's Q8_0 token_embd, to which lm_head
-is tied; the F32 norms) stay as they are.
+`Q4Linear` from that tensor's blocks, and a Q8_0 lm_head (SmolLM2's, tied to its Q8_0 token_embd)
+for a `Q8Linear` (`q8_linear`). The F32 norms and the embedding's lookup table stay as they are.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from torch import nn
 
 from decodelab.model.gguf_import import hf_tensor_name, unpermute_rows
 from decodelab.model.gguf_tensors import read_gguf_tensors
-from decodelab.model.q4_kernel import kernel, q4_1_matmul
+from decodelab.model.q4_kernel import KERNEL_MAX_ROWS, q4_1_matmul, runs_on_kernel
+from decodelab.model.q8_linear import use_gguf_q8_lm_head
 
 BLOCK = 32  # weights per Q4_1 block
 BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
-KERNEL_MAX_ROWS = 64  # more rows: dequantize + F.linear (one GEMM) wins; measured by bench/q4_products.py
 
 
 def q4_1_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,10 +84,7 @@ class Q4Linear(nn.Module):
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         """Will `forward(x)` run the C kernel? Float32 CPU input of 1..KERNEL_MAX_ROWS rows, no autograd."""
-        rows = x.numel() // self.in_features if self.in_features else 0
-        plain = x.dtype == torch.float32 and x.device.type == "cpu" and self.nibbles.device.type == "cpu"
-        needs_grad = x.requires_grad and torch.is_grad_enabled()
-        return plain and not needs_grad and 0 < rows <= KERNEL_MAX_ROWS and kernel() is not None
+        return runs_on_kernel(x, self.nibbles, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
@@ -118,11 +115,13 @@ def _hf_row_order(name: str, blocks: tuple, config) -> tuple:
 
 def use_gguf_q4_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
     """Replace, in place, every nn.Linear of `model` whose weight is a Q4_1 tensor in `gguf_path`
-    by a `Q4Linear` from that tensor's blocks; returns the model. The model must be the one the
-    GGUF converts to (`registry.load("smollm2")` for SmolLM2's file). ValueError when the file
-    holds no Q4_1 tensor, or one that matches no linear of the model."""
+    by a `Q4Linear` from that tensor's blocks, and a Q8_0 lm_head by a `Q8Linear`
+    (`use_gguf_q8_lm_head`); returns the model. The model must be the one the GGUF converts to
+    (`registry.load("smollm2")` for SmolLM2's file). ValueError when the file holds no Q4_1
+    tensor, or one that matches no linear of the model."""
+    tensors = read_gguf_tensors(gguf_path)
     swapped = 0
-    for tensor in read_gguf_tensors(gguf_path):
+    for tensor in tensors:
         if tensor.tensor_type.name != "Q4_1":
             continue
         name = hf_tensor_name(tensor.name)
@@ -142,6 +141,7 @@ def use_gguf_q4_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
         swapped += 1
     if swapped == 0:
         raise ValueError(f"{gguf_path} holds no Q4_1 tensor: Q4 weights need a Q4_1 GGUF")
+    use_gguf_q8_lm_head(model, tensors)
     return model
 
 

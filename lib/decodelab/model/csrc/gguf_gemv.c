@@ -1,0 +1,121 @@
+/* y[M, N] = x[M, K] @ W^T for W stored as llama.cpp's blocks of 32 weights, float32 activations:
+ * `q4_1_matmul` for Q4_1 blocks, `q8_0_matmul` for Q8_0 blocks.
+ *
+ * Q4_1: W's row n, block b is d[n, b], m[n, b] (float32) and 16 bytes qs[n, 16*b ..]: byte j's
+ * low nibble is weight j of the block, its high nibble weight j + 16 (gguf's order);
+ * weight = d * q + m.
+ * Q8_0: W's row n, block b is d[n, b] (float32) and 32 signed bytes qs[n, 32*b ..];
+ * weight = d * q.
+ *
+ * Each block is dequantized in registers with the same float32 operations as
+ * gguf.quants.dequantize (-ffp-contract=off keeps a multiply and an add two roundings), so the
+ * weights are bit for bit the float32 weights, and the result differs from F.linear only in the
+ * order of the sums. The threads split the output rows N; each weight block is dequantized once
+ * for up to 4 rows of x, which share it.
+ *
+ * Plain C with AVX2/FMA intrinsics and OpenMP; no torch headers (called through ctypes).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+enum format { Q4_1, Q8_0 };
+
+/* Q4_1 block b: 16 bytes of nibbles -> 32 weights d * q + m, as 4 vectors of 8. */
+static inline void dequantize_q4_1(const uint8_t *qs, const float *d, const float *m, int64_t b, __m256 w[4]) {
+    const __m128i low_mask = _mm_set1_epi8(0x0F);
+    __m128i bytes = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
+    __m128i lo = _mm_and_si128(bytes, low_mask);                     /* weights 0..15 */
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);  /* weights 16..31 */
+    __m256 scale = _mm256_set1_ps(d[b]), offset = _mm256_set1_ps(m[b]);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    for (int k = 0; k < 4; k++) w[k] = _mm256_add_ps(_mm256_mul_ps(w[k], scale), offset);
+}
+
+/* Q8_0 block b: 32 signed bytes -> 32 weights d * q, as 4 vectors of 8. */
+static inline void dequantize_q8_0(const uint8_t *qs, const float *d, int64_t b, __m256 w[4]) {
+    const int8_t *q = (const int8_t *)qs + 32 * b;
+    __m256 scale = _mm256_set1_ps(d[b]);
+    for (int k = 0; k < 4; k++) {
+        __m128i eight = _mm_loadl_epi64((const __m128i *)(q + 8 * k));
+        w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), scale);
+    }
+}
+
+/* Rows [0, R) of x (R <= 4) against one weight row of format `f`: R dot products. `f` and `R`
+ * are constants after inlining, so each (format, R) gets its own unrolled loop. Each row sums
+ * into `chains` independent accumulators (4 for R <= 2, else 2): one chain would wait an FMA's
+ * latency (4 cycles) per 8 weights. */
+static inline __attribute__((always_inline)) void row_dots(enum format f, const uint8_t *qs, const float *d,
+                                                           const float *m, const float *x, int64_t K, int R,
+                                                           float *out) {
+    const int chains = R <= 2 ? 4 : 2;
+    __m256 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+    const int64_t blocks = K / 32;
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256 w[4];
+        if (f == Q4_1)
+            dequantize_q4_1(qs, d, m, b, w);
+        else
+            dequantize_q8_0(qs, d, b, w);
+        for (int r = 0; r < R; r++) {
+            const float *xb = x + r * K + 32 * b;
+            for (int k = 0; k < 4; k++)
+                acc[r][k % chains] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xb + 8 * k), acc[r][k % chains]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 sum = acc[r][0];
+        for (int c = 1; c < chains; c++) sum = _mm256_add_ps(sum, acc[r][c]);
+        out[r] = hsum(sum);
+    }
+}
+
+/* y [M, N] = x [M, K] @ W^T, W's rows in format `f`, 4 rows of x at a time; the threads split
+ * W's rows. A row of W is K/2 bytes of qs for Q4_1, K for Q8_0; m is read for Q4_1 only. */
+static inline __attribute__((always_inline)) void matmul(enum format f, const float *x, const uint8_t *qs,
+                                                         const float *d, const float *m, float *y, int64_t M,
+                                                         int64_t N, int64_t K, int threads) {
+    const int64_t blocks = K / 32, row_bytes = f == Q4_1 ? K / 2 : K;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *qn = qs + n * row_bytes;
+        const float *dn = d + n * blocks, *mn = f == Q4_1 ? m + n * blocks : 0;
+        float out[4];
+        for (int64_t i = 0; i < M; i += 4) {
+            const int64_t left = M - i;
+            const float *xi = x + i * K;
+            int R = left >= 4 ? 4 : (int)left;
+            switch (R) {  /* constant R, so the compiler unrolls each case */
+                case 4: row_dots(f, qn, dn, mn, xi, K, 4, out); break;
+                case 3: row_dots(f, qn, dn, mn, xi, K, 3, out); break;
+                case 2: row_dots(f, qn, dn, mn, xi, K, 2, out); break;
+                default: row_dots(f, qn, dn, mn, xi, K, 1, out); break;
+            }
+            for (int r = 0; r < R; r++) y[(i + r) * N + n] = out[r];
+        }
+    }
+}
+
+/* x [M, K], qs uint8 [N, K/2], d and m [N, K/32], y [M, N]; all contiguous. K a multiple of 32. */
+void q4_1_matmul(const float *x, const uint8_t *qs, const float *d, const float *m, float *y,
+                 int64_t M, int64_t N, int64_t K, int threads) {
+    matmul(Q4_1, x, qs, d, m, y, M, N, K, threads);
+}
+
+/* x [M, K], qs int8 [N, K], d [N, K/32], y [M, N]; all contiguous. K a multiple of 32. */
+void q8_0_matmul(const float *x, const int8_t *qs, const float *d, float *y,
+                 int64_t M, int64_t N, int64_t K, int threads) {
+    matmul(Q8_0, x, (const uint8_t *)qs, d, 0, y, M, N, K, threads);
+}
