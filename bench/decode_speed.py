@@ -55,9 +55,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
+# What `import decodelab` sets, here before torch starts its OpenMP threads (the imports below
+# are sorted: torch comes first), so the figures are those a user of the library gets.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch  # noqa: E402
 
-import decodelab  # noqa: E402,F401  (first: sets OMP_WAIT_POLICY before torch starts its threads)
 from decodelab.decoding.compiled import CompiledDecoder  # noqa: E402
 from decodelab.decoding.generate import stream_token_ids  # noqa: E402
 from decodelab.lessons.measure import Roofline, matmul_flops, memory_bandwidth, parameter_bytes  # noqa: E402

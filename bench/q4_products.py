@@ -1,14 +1,15 @@
-"""SmolLM2's 211 matrix products per forward pass: float32 F.linear vs the Q4_1 kernel, side by side.
+"""SmolLM2's 211 matrix products per forward pass: float32 F.linear vs the GGUF block kernels, side by side.
 
     .venv/bin/python bench/q4_products.py [--rows 1,4,16,64,256] [--rounds 5]
 
 For each row count M (1: a batch-1 decode step; more: batched decode or a prefill chunk), the
 milliseconds of one pass over every linear of SmolLM2 on inputs x [M, K]:
 * `float32`: F.linear on the float32 weights the library loads (210 decoder linears + lm_head);
-* `Q4Linear`: `decodelab.model.q4_linear.Q4Linear` on the GGUF's own Q4_1 blocks for the 210
-  decoder linears (its C kernel up to `KERNEL_MAX_ROWS` rows, dequantize + F.linear above), the
-  lm_head float32 as above (it is tied to the Q8_0 embedding);
-* `dequantize + F.linear`: Q4Linear's pure-torch path (the fallback, and its choice above
+* `Q4Linear`: what `quantization="q4"` runs: `decodelab.model.q4_linear.Q4Linear` on the GGUF's
+  own Q4_1 blocks for the 210 decoder linears and `q8_linear.Q8Linear` on its Q8_0 blocks for the
+  lm_head (tied to the Q8_0 embedding); C kernels up to `KERNEL_MAX_ROWS` rows, dequantize +
+  F.linear above;
+* `dequantize + F.linear`: their pure-torch path (the fallback, and their choice above
   `KERNEL_MAX_ROWS` rows, forced here at every M), the same 210 + lm_head.
 Interleaved, best of the rounds; the weight bytes each reads and the ratios are printed. Writes
 bench/results/q4_products_smollm2_cpu.json with the load average.
@@ -25,12 +26,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
+# What `import decodelab` sets, here before torch starts its OpenMP threads (the imports below
+# are sorted: torch comes first), so the figures are those a user of the library gets.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import decodelab  # noqa: E402,F401  (first: sets OMP_WAIT_POLICY before torch starts its threads)
 from decodelab.model.q4_kernel import kernel  # noqa: E402
 from decodelab.model.q4_linear import Q4Linear, use_gguf_q4_weights  # noqa: E402
+from decodelab.model.q8_linear import Q8Linear  # noqa: E402
 from decodelab.model.registry import load, smollm2_gguf_path  # noqa: E402
 
 
@@ -54,14 +59,13 @@ def main() -> None:
     model, _ = load("smollm2", device="cpu", dtype="float32")
     weights = {name: m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     use_gguf_q4_weights(model, smollm2_gguf_path())
-    q4 = {name: m for name, m in model.named_modules() if isinstance(m, Q4Linear)}
-    lm_head = model.lm_head.weight  # [V, D] float32
+    q4 = {name: m for name, m in model.named_modules() if isinstance(m, (Q4Linear, Q8Linear))}
+    assert len(q4) == len(weights), "every linear, lm_head included, holds GGUF blocks"
     float_bytes = sum(w.numel() * 4 for w in weights.values())
-    q4_bytes = sum(m.nibbles.numel() + m.d.numel() * 4 + m.m.numel() * 4 for m in q4.values()) + lm_head.numel() * 4
+    q4_bytes = sum(buffer.numel() * buffer.element_size() for m in q4.values() for buffer in m.buffers())
     results = {}
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {name: torch.randn(rows, w.shape[1]) for name, w in weights.items()}
-        x_head = xs["lm_head"]
 
         def run_float():
             for name, w in weights.items():
@@ -70,12 +74,10 @@ def main() -> None:
         def run_kernel():
             for name, m in q4.items():
                 m(xs[name])
-            F.linear(x_head, lm_head)
 
         def run_dequantize():
             for name, m in q4.items():
                 F.linear(xs[name], m.dequantized_weight())
-            F.linear(x_head, lm_head)
 
         times = {"float32": [], "Q4Linear": [], "dequantize + F.linear": []}
         with torch.inference_mode():
@@ -96,7 +98,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
-        "weight_bytes_per_pass": {"float32": float_bytes, "q4 (lm_head float32)": q4_bytes},
+        "weight_bytes_per_pass": {"float32": float_bytes, "q4 (Q4_1 linears, Q8_0 lm_head)": q4_bytes},
         "ms_per_pass_by_rows": results,
         "float32_over_Q4Linear": {rows: r["float32"] / r["Q4Linear"] for rows, r in results.items()},
     }

@@ -225,3 +225,19 @@ def test_cli_refuses_q4_for_tiny(capsys):
 
     assert main(["generate", "hi", "--model", "tiny", "--q4"]) == 2
     assert "--q4 reads the Q4_1 blocks" in capsys.readouterr().err
+
+
+def test_small_products_run_on_one_thread_while_the_openmp_team_sleeps(monkeypatch):
+    """Waking a passive OpenMP team costs more than a small product saves (bench/q4_products.py)."""
+    big, small = q4_kernel.ONE_THREAD_BELOW, q4_kernel.ONE_THREAD_BELOW - 1
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    for policy, spincount, small_threads in [("PASSIVE", None, 1), ("passive", "5000", None), ("ACTIVE", None, None)]:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+        if spincount is not None:
+            monkeypatch.setenv("GOMP_SPINCOUNT", spincount)
+        q4_kernel._team_sleeps.cache_clear()
+        try:
+            assert q4_kernel.threads_for(small) == (small_threads or torch.get_num_threads()), policy
+            assert q4_kernel.threads_for(big) == torch.get_num_threads(), policy
+        finally:
+            q4_kernel._team_sleeps.cache_clear()

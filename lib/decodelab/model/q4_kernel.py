@@ -29,6 +29,10 @@ from decodelab.paths import cache_dir
 
 SOURCE = Path(__file__).parent / "csrc" / "gguf_gemv.c"
 KERNEL_ENV = "DECODELAB_Q4_KERNEL"  # "0": always the pure-torch path
+# Multiply-adds below which one thread beats two whose OpenMP team sleeps between products
+# (OMP_WAIT_POLICY=PASSIVE, which `import decodelab` sets): waking it costs more than it saves.
+# Measured by bench/q4_products.py (a SmolLM2 layer's products at 1 and 4 rows run faster alone).
+ONE_THREAD_BELOW = 1 << 22
 KERNEL_MAX_ROWS = 64  # more rows: dequantize + F.linear (one GEMM) wins; measured by bench/q4_products.py
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
@@ -105,6 +109,22 @@ def runs_on_kernel(x: torch.Tensor, weight_part: torch.Tensor, in_features: int)
     return plain and not needs_grad and 0 < rows <= KERNEL_MAX_ROWS and kernel() is not None
 
 
+@functools.cache
+def _team_sleeps() -> bool:
+    """Does OpenMP put its idle threads to sleep at once? OMP_WAIT_POLICY=PASSIVE without a
+    GOMP_SPINCOUNT (which keeps them spinning a while), as the environment says."""
+    passive = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+    return passive and "GOMP_SPINCOUNT" not in os.environ
+
+
+def threads_for(multiply_adds: int) -> int:
+    """The threads a product of `multiply_adds` (M * N * K) gets: one for a small product while
+    the OpenMP team sleeps between calls, else torch's intra-op thread count."""
+    if multiply_adds < ONE_THREAD_BELOW and _team_sleeps():
+        return 1
+    return torch.get_num_threads()
+
+
 def _loaded():
     library = kernel()
     if library is None:
@@ -129,7 +149,7 @@ def q4_1_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Ten
         rows,
         qs.shape[0],
         k,
-        torch.get_num_threads(),
+        threads_for(rows * qs.shape[0] * k),
     )
     return y
 
@@ -143,6 +163,13 @@ def q8_0_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Ten
     rows, k = x.shape
     y = torch.empty(rows, qs.shape[0], dtype=torch.float32)
     library.q8_0_matmul(
-        x.data_ptr(), qs.data_ptr(), d.data_ptr(), y.data_ptr(), rows, qs.shape[0], k, torch.get_num_threads()
+        x.data_ptr(),
+        qs.data_ptr(),
+        d.data_ptr(),
+        y.data_ptr(),
+        rows,
+        qs.shape[0],
+        k,
+        threads_for(rows * qs.shape[0] * k),
     )
     return y
