@@ -106,6 +106,21 @@ def test_q8_without_the_kernel_is_the_reference(monkeypatch):
         Q8Linear(torch.zeros(2, 33, dtype=torch.int8), torch.zeros(2, 1))
 
 
+def test_c_dequantization_is_the_torch_reference_bit_for_bit():
+    """`dequantized_weight()` runs C where the kernels load; it must be `dequantize_q4_1` / `_q8_0`."""
+    require_kernel()
+    q4, q8 = random_q4(n=23, k=96, seed=5), random_q8(n=19, k=64, seed=6)
+    assert torch.equal(q4.dequantized_weight(), dequantize_q4_1(q4.nibbles, q4.d, q4.m))
+    assert torch.equal(q8.dequantized_weight(), dequantize_q8_0(q8.q, q8.d))
+
+
+def test_many_rows_take_the_float_gemm_on_the_same_weights():
+    layer = random_q4(n=13, k=64, seed=7)
+    x = torch.randn(q4_kernel.KERNEL_MAX_ROWS + 1, 64)
+    assert not layer.uses_kernel(x)
+    assert torch.equal(layer(x), F.linear(x, dequantize_q4_1(layer.nibbles, layer.d, layer.m)))
+
+
 def test_nibble_order_low_then_high():
     """Byte j holds weight j (low nibble) and weight j + 16 (high nibble) of its block."""
     nibbles = torch.zeros(1, 16, dtype=torch.uint8)

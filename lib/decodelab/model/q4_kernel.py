@@ -1,6 +1,7 @@
 """The fused CPU kernels of quantization="q4": `csrc/gguf_gemv.c`, compiled once with the system C
 compiler. `q4_1_matmul` multiplies by Q4_1 blocks (SmolLM2's linears), `q8_0_matmul` by Q8_0 blocks
-(its token_embd, the tied lm_head).
+(its token_embd, the tied lm_head); `q4_1_dequantize` and `q8_0_dequantize` write the float32
+weights for the products of many rows, which a float GEMM does faster.
 
 The C source is shipped with the package and compiled on first use into the user cache
 (`decodelab.paths.cache_dir() / "kernels"`), under a name keyed by the source's hash and the
@@ -96,7 +97,10 @@ def kernel():
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.q4_1_matmul.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
     library.q8_0_matmul.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
-    library.q4_1_matmul.restype = library.q8_0_matmul.restype = None
+    library.q4_1_dequantize.argtypes = [pointer, pointer, pointer, pointer, size, size, ctypes.c_int]
+    library.q8_0_dequantize.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_int]
+    for function in ("q4_1_matmul", "q8_0_matmul", "q4_1_dequantize", "q8_0_dequantize"):
+        getattr(library, function).restype = None
     return library
 
 
@@ -173,3 +177,28 @@ def q8_0_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Ten
         threads_for(rows * qs.shape[0] * k),
     )
     return y
+
+
+def dequantizes_here(blocks: torch.Tensor) -> bool:
+    """Can the C kernels dequantize `blocks` (a layer's block tensor)? On the CPU, with the kernels loaded."""
+    return blocks.device.type == "cpu" and kernel() is not None
+
+
+def q4_1_dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """qs uint8 [N, K/2], d and m float32 [N, K/32] (contiguous, CPU) -> W float32 [N, K], bit for
+    bit `q4_linear.dequantize_q4_1`'s, in C."""
+    library = _loaded()
+    n, k = qs.shape[0], qs.shape[1] * 2
+    w = torch.empty(n, k, dtype=torch.float32)
+    library.q4_1_dequantize(qs.data_ptr(), d.data_ptr(), m.data_ptr(), w.data_ptr(), n, k, torch.get_num_threads())
+    return w
+
+
+def q8_0_dequantize(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """qs int8 [N, K], d float32 [N, K/32] (contiguous, CPU) -> W float32 [N, K], bit for bit
+    `q8_linear.dequantize_q8_0`'s, in C."""
+    library = _loaded()
+    n, k = qs.shape
+    w = torch.empty(n, k, dtype=torch.float32)
+    library.q8_0_dequantize(qs.data_ptr(), d.data_ptr(), w.data_ptr(), n, k, torch.get_num_threads())
+    return w

@@ -30,7 +30,7 @@ from torch import nn
 
 from decodelab.model.gguf_import import hf_tensor_name, unpermute_rows
 from decodelab.model.gguf_tensors import read_gguf_tensors
-from decodelab.model.q4_kernel import KERNEL_MAX_ROWS, q4_1_matmul, runs_on_kernel
+from decodelab.model.q4_kernel import KERNEL_MAX_ROWS, dequantizes_here, q4_1_dequantize, q4_1_matmul, runs_on_kernel
 from decodelab.model.q8_linear import use_gguf_q8_lm_head
 
 BLOCK = 32  # weights per Q4_1 block
@@ -79,7 +79,10 @@ class Q4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The weight float32 [N, K], equal bit for bit to gguf's dequantization of the blocks."""
+        """The weight float32 [N, K], equal bit for bit to gguf's dequantization of the blocks (in C
+        where the kernels run, else `dequantize_q4_1`)."""
+        if dequantizes_here(self.nibbles):
+            return q4_1_dequantize(self.nibbles, self.d, self.m)
         return dequantize_q4_1(self.nibbles, self.d, self.m)
 
     def uses_kernel(self, x: torch.Tensor) -> bool:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodelab.model.q4_kernel import q8_0_matmul, runs_on_kernel
+from decodelab.model.q4_kernel import dequantizes_here, q8_0_dequantize, q8_0_matmul, runs_on_kernel
 
 BLOCK = 32  # weights per Q8_0 block
 BLOCK_BYTES = 34  # fp16 d, 32 int8
@@ -62,7 +62,10 @@ class Q8Linear(nn.Module):
         self.register_buffer("d", d.to(torch.float32).contiguous())  # [N, K/32]
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The weight float32 [N, K], equal bit for bit to gguf's dequantization of the blocks."""
+        """The weight float32 [N, K], equal bit for bit to gguf's dequantization of the blocks (in C
+        where the kernels run, else `dequantize_q8_0`)."""
+        if dequantizes_here(self.q):
+            return q8_0_dequantize(self.q, self.d)
         return dequantize_q8_0(self.q, self.d)
 
     def uses_kernel(self, x: torch.Tensor) -> bool:

@@ -119,3 +119,28 @@ void q8_0_matmul(const float *x, const int8_t *qs, const float *d, float *y,
                  int64_t M, int64_t N, int64_t K, int threads) {
     matmul(Q8_0, x, (const uint8_t *)qs, d, 0, y, M, N, K, threads);
 }
+
+/* The float32 weights themselves, w [N, K], for products of many rows (a prefill), which a
+ * float GEMM does faster than the row kernel: the same operations as above, so bit for bit
+ * gguf's dequantization. qs uint8 [N, K/2], d and m [N, K/32]. */
+void q4_1_dequantize(const uint8_t *qs, const float *d, const float *m, float *w, int64_t N, int64_t K,
+                     int threads) {
+    const int64_t blocks = N * (K / 32);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256 v[4];
+        dequantize_q4_1(qs, d, m, b, v);  /* block b of the whole matrix: rows are whole blocks */
+        for (int k = 0; k < 4; k++) _mm256_storeu_ps(w + 32 * b + 8 * k, v[k]);
+    }
+}
+
+/* w [N, K] from Q8_0 blocks: qs int8 [N, K], d [N, K/32]. */
+void q8_0_dequantize(const int8_t *qs, const float *d, float *w, int64_t N, int64_t K, int threads) {
+    const int64_t blocks = N * (K / 32);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256 v[4];
+        dequantize_q8_0((const uint8_t *)qs, d, b, v);
+        for (int k = 0; k < 4; k++) _mm256_storeu_ps(w + 32 * b + 8 * k, v[k]);
+    }
+}
