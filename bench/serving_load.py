@@ -43,6 +43,7 @@ import json
 import math
 import os
 import random
+import shlex
 import sys
 import time
 from contextlib import contextmanager
@@ -175,7 +176,7 @@ def compare(args, rates: list[float]) -> dict:
             "decodelab": {
                 "command": commands["decodelab"],
                 "slots": args.slots,
-                "weights": "the GGUF's Q4_1 dequantized to float32 (`decodelab prepare`), torch's CPU threads",
+                "weights": our_weights(args.serve_args),
                 "eos": "ignore_eos",
             },
             "llama.cpp": {
@@ -195,6 +196,17 @@ def compare(args, rates: list[float]) -> dict:
             for name in servers
         },
     }
+
+
+def our_weights(serve_args: str) -> str:
+    """What our server's weights are, from its flags (`serve --quantization`)."""
+    flags = shlex.split(serve_args)
+    quantization = flags[flags.index("--quantization") + 1] if "--quantization" in flags[:-1] else None
+    if quantization == "q4":
+        return "the GGUF's own Q4_1 blocks (linears) and Q8_0 blocks (lm_head), through decodelab's C kernels"
+    if quantization is not None:
+        return f"the GGUF's Q4_1 dequantized to float32, then quantized to the library's {quantization}"
+    return "the GGUF's Q4_1 dequantized to float32 (`decodelab prepare`), torch's CPU threads"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -252,7 +264,7 @@ def main() -> None:
             print(f"wrote {plotted}")
         return
     rates = [float(r) for r in args.rates.split(",")]
-    command = "python bench/serving_load.py " + " ".join(sys.argv[1:])
+    command = "python bench/serving_load.py " + shlex.join(sys.argv[1:])
     print(command, flush=True)
     load_before = _load_average()
     result = {
