@@ -136,47 +136,29 @@ def _loaded():
     return library
 
 
+def _product(function: str, x: torch.Tensor, blocks: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """y [M, N] from the C product `function`(x, *blocks, y, M, N, K, threads); N is blocks[0]'s rows."""
+    x = x.contiguous()
+    rows, k = x.shape
+    n = blocks[0].shape[0]
+    y = torch.empty(rows, n, dtype=torch.float32)
+    pointers = [tensor.data_ptr() for tensor in (x, *blocks, y)]
+    getattr(_loaded(), function)(*pointers, rows, n, k, threads_for(rows * n * k))
+    return y
+
+
 def q4_1_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T, W the Q4_1 weight of nibbles `qs` uint8 [N, K/2] and per-block
     scales `d`, offsets `m` float32 [N, K/32], through the C kernel (which must be loaded: `kernel()`).
     x float32 on the CPU, made contiguous here; qs, d, m contiguous."""
-    library = _loaded()
-    x = x.contiguous()
-    rows, k = x.shape
-    y = torch.empty(rows, qs.shape[0], dtype=torch.float32)
-    library.q4_1_matmul(
-        x.data_ptr(),
-        qs.data_ptr(),
-        d.data_ptr(),
-        m.data_ptr(),
-        y.data_ptr(),
-        rows,
-        qs.shape[0],
-        k,
-        threads_for(rows * qs.shape[0] * k),
-    )
-    return y
+    return _product("q4_1_matmul", x, (qs, d, m))
 
 
 def q8_0_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T, W the Q8_0 weight of `qs` int8 [N, K] and per-block scales `d`
     float32 [N, K/32], through the C kernel (which must be loaded: `kernel()`). x float32 on the
     CPU, made contiguous here; qs, d contiguous."""
-    library = _loaded()
-    x = x.contiguous()
-    rows, k = x.shape
-    y = torch.empty(rows, qs.shape[0], dtype=torch.float32)
-    library.q8_0_matmul(
-        x.data_ptr(),
-        qs.data_ptr(),
-        d.data_ptr(),
-        y.data_ptr(),
-        rows,
-        qs.shape[0],
-        k,
-        threads_for(rows * qs.shape[0] * k),
-    )
-    return y
+    return _product("q8_0_matmul", x, (qs, d))
 
 
 def dequantizes_here(blocks: torch.Tensor) -> bool:
@@ -184,21 +166,21 @@ def dequantizes_here(blocks: torch.Tensor) -> bool:
     return blocks.device.type == "cpu" and kernel() is not None
 
 
+def _dequantized(function: str, n: int, k: int, blocks: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """W float32 [N, K] from the C dequantizer `function`(*blocks, W, N, K, threads)."""
+    w = torch.empty(n, k, dtype=torch.float32)
+    pointers = [tensor.data_ptr() for tensor in (*blocks, w)]
+    getattr(_loaded(), function)(*pointers, n, k, torch.get_num_threads())
+    return w
+
+
 def q4_1_dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """qs uint8 [N, K/2], d and m float32 [N, K/32] (contiguous, CPU) -> W float32 [N, K], bit for
     bit `q4_linear.dequantize_q4_1`'s, in C."""
-    library = _loaded()
-    n, k = qs.shape[0], qs.shape[1] * 2
-    w = torch.empty(n, k, dtype=torch.float32)
-    library.q4_1_dequantize(qs.data_ptr(), d.data_ptr(), m.data_ptr(), w.data_ptr(), n, k, torch.get_num_threads())
-    return w
+    return _dequantized("q4_1_dequantize", qs.shape[0], qs.shape[1] * 2, (qs, d, m))
 
 
 def q8_0_dequantize(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """qs int8 [N, K], d float32 [N, K/32] (contiguous, CPU) -> W float32 [N, K], bit for bit
     `q8_linear.dequantize_q8_0`'s, in C."""
-    library = _loaded()
-    n, k = qs.shape
-    w = torch.empty(n, k, dtype=torch.float32)
-    library.q8_0_dequantize(qs.data_ptr(), d.data_ptr(), w.data_ptr(), n, k, torch.get_num_threads())
-    return w
+    return _dequantized("q8_0_dequantize", qs.shape[0], qs.shape[1], (qs, d))
