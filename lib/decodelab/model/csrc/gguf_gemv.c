@@ -25,7 +25,7 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-enum format { Q4_1, Q8_0 };
+enum format { Q4_1, Q8_0, F32 };  /* F32: a weight row already dequantized (below) */
 
 /* Q4_1 block b: 16 bytes of nibbles -> 32 weights d * q + m, as 4 vectors of 8. */
 static inline void dequantize_q4_1(const uint8_t *qs, const float *d, const float *m, int64_t b, __m256 w[4]) {
@@ -67,8 +67,10 @@ static inline __attribute__((always_inline)) void row_dots(enum format f, const 
         __m256 w[4];
         if (f == Q4_1)
             dequantize_q4_1(qs, d, m, b, w);
-        else
+        else if (f == Q8_0)
             dequantize_q8_0(qs, d, b, w);
+        else
+            for (int k = 0; k < 4; k++) w[k] = _mm256_loadu_ps((const float *)qs + 32 * b + 8 * k);
         for (int r = 0; r < R; r++) {
             const float *xb = x + r * K + 32 * b;
             for (int k = 0; k < 4; k++)
@@ -82,29 +84,56 @@ static inline __attribute__((always_inline)) void row_dots(enum format f, const 
     }
 }
 
-/* y [M, N] = x [M, K] @ W^T, W's rows in format `f`, 4 rows of x at a time; the threads split
- * W's rows. A row of W is K/2 bytes of qs for Q4_1, K for Q8_0; m is read for Q4_1 only. */
+/* Rows [0, M) of x against one weight row, 4 rows of x at a time: y[i, n] for every i (y's row
+ * stride N). The weight row is in format `f` (F32: floats). */
+static inline __attribute__((always_inline)) void column(enum format f, const uint8_t *qn, const float *dn,
+                                                         const float *mn, const float *x, float *y, int64_t M,
+                                                         int64_t N, int64_t K) {
+    float out[4];
+    for (int64_t i = 0; i < M; i += 4) {
+        const int64_t left = M - i;
+        const float *xi = x + i * K;
+        int R = left >= 4 ? 4 : (int)left;
+        switch (R) {  /* constant R, so the compiler unrolls each case */
+            case 4: row_dots(f, qn, dn, mn, xi, K, 4, out); break;
+            case 3: row_dots(f, qn, dn, mn, xi, K, 3, out); break;
+            case 2: row_dots(f, qn, dn, mn, xi, K, 2, out); break;
+            default: row_dots(f, qn, dn, mn, xi, K, 1, out); break;
+        }
+        for (int r = 0; r < R; r++) y[(i + r) * N] = out[r];
+    }
+}
+
+/* Rows of x beyond which a weight row is dequantized once into a float buffer (on the stack, in L1)
+ * and every 4 rows of x read it there, instead of dequantizing it again for each 4 rows. */
+#define ROWS_FOR_A_BUFFER 4
+#define BUFFER_MAX_K 8192
+
+/* y [M, N] = x [M, K] @ W^T, W's rows in format `f`; the threads split W's rows. A row of W is
+ * K/2 bytes of qs for Q4_1, K for Q8_0; m is read for Q4_1 only. */
 static inline __attribute__((always_inline)) void matmul(enum format f, const float *x, const uint8_t *qs,
                                                          const float *d, const float *m, float *y, int64_t M,
                                                          int64_t N, int64_t K, int threads) {
     const int64_t blocks = K / 32, row_bytes = f == Q4_1 ? K / 2 : K;
+    const int buffered = M > ROWS_FOR_A_BUFFER && K <= BUFFER_MAX_K;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *qn = qs + n * row_bytes;
         const float *dn = d + n * blocks, *mn = f == Q4_1 ? m + n * blocks : 0;
-        float out[4];
-        for (int64_t i = 0; i < M; i += 4) {
-            const int64_t left = M - i;
-            const float *xi = x + i * K;
-            int R = left >= 4 ? 4 : (int)left;
-            switch (R) {  /* constant R, so the compiler unrolls each case */
-                case 4: row_dots(f, qn, dn, mn, xi, K, 4, out); break;
-                case 3: row_dots(f, qn, dn, mn, xi, K, 3, out); break;
-                case 2: row_dots(f, qn, dn, mn, xi, K, 2, out); break;
-                default: row_dots(f, qn, dn, mn, xi, K, 1, out); break;
-            }
-            for (int r = 0; r < R; r++) y[(i + r) * N + n] = out[r];
+        if (!buffered) {
+            column(f, qn, dn, mn, x, y + n, M, N, K);
+            continue;
         }
+        float row[BUFFER_MAX_K] __attribute__((aligned(32)));
+        for (int64_t b = 0; b < blocks; b++) {
+            __m256 w[4];
+            if (f == Q4_1)
+                dequantize_q4_1(qn, dn, mn, b, w);
+            else
+                dequantize_q8_0(qn, dn, b, w);
+            for (int k = 0; k < 4; k++) _mm256_store_ps(row + 32 * b + 8 * k, w[k]);
+        }
+        column(F32, (const uint8_t *)row, 0, 0, x, y + n, M, N, K);
     }
 }
 
