@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from decodelab.model.block_linear import BlockLinear
 from decodelab.model.gguf_import import hf_tensor_name, unpermute_rows
 from decodelab.model.gguf_tensors import read_gguf_tensors
-from decodelab.model.q4_kernel import KERNEL_MAX_ROWS, dequantizes_here, q4_1_dequantize, q4_1_matmul, runs_on_kernel
+from decodelab.model.q4_kernel import KERNEL_MAX_ROWS, q4_1_dequantize, q4_1_matmul
 from decodelab.model.q8_linear import use_gguf_q8_lm_head
 
 BLOCK = 32  # weights per Q4_1 block
@@ -61,8 +61,14 @@ def dequantize_q4_1(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> 
     return (levels * d[..., None] + m[..., None]).reshape(n, blocks * BLOCK)
 
 
-class Q4Linear(nn.Module):
-    """y = x @ W.T (+ bias), W [N, K] held as Q4_1 blocks (see the module's docstring)."""
+class Q4Linear(BlockLinear):
+    """y = x @ W.T (+ bias), W [N, K] held as Q4_1 blocks (see the module's docstring); `forward`,
+    `uses_kernel` and `dequantized_weight` from `BlockLinear`."""
+
+    FORMAT = "Q4_1"
+    reference_dequantize = staticmethod(dequantize_q4_1)
+    c_dequantize = staticmethod(q4_1_dequantize)
+    c_product = staticmethod(q4_1_matmul)
 
     def __init__(self, nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -78,31 +84,8 @@ class Q4Linear(nn.Module):
         self.register_buffer("m", m.to(torch.float32).contiguous())  # [N, K/32]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """The weight float32 [N, K], equal bit for bit to gguf's dequantization of the blocks (in C
-        where the kernels run, else `dequantize_q4_1`)."""
-        if dequantizes_here(self.nibbles):
-            return q4_1_dequantize(self.nibbles, self.d, self.m)
-        return dequantize_q4_1(self.nibbles, self.d, self.m)
-
-    def uses_kernel(self, x: torch.Tensor) -> bool:
-        """Will `forward(x)` run the C kernel? Float32 CPU input of 1..KERNEL_MAX_ROWS rows, no autograd."""
-        return runs_on_kernel(x, self.nibbles, self.in_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N]."""
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"Q4Linear expects inputs [..., {self.in_features}], got {tuple(x.shape)}")
-        if not self.uses_kernel(x):
-            weight = self.dequantized_weight().to(x.dtype)
-            return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
-        y = q4_1_matmul(x.reshape(-1, self.in_features), self.nibbles, self.d, self.m)  # [M, N]
-        if self.bias is not None:
-            y += self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, Q4_1"
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.nibbles, self.d, self.m
 
 
 def _hf_row_order(name: str, blocks: tuple, config) -> tuple:

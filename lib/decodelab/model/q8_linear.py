@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from decodelab.model.q4_kernel import dequantizes_here, q8_0_dequantize, q8_0_matmul, runs_on_kernel
+from decodelab.model.block_linear import BlockLinear
+from decodelab.model.q4_kernel import q8_0_dequantize, q8_0_matmul
 
 BLOCK = 32  # weights per Q8_0 block
 BLOCK_BYTES = 34  # fp16 d, 32 int8
@@ -46,8 +46,14 @@ def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return (q.reshape(n, blocks, BLOCK).to(torch.float32) * d[..., None]).reshape(n, blocks * BLOCK)
 
 
-class Q8Linear(nn.Module):
-    """y = x @ W.T, W [N, K] held as Q8_0 blocks: q int8 [N, K], d float32 [N, K/32]. No bias."""
+class Q8Linear(BlockLinear):
+    """y = x @ W.T, W [N, K] held as Q8_0 blocks: q int8 [N, K], d float32 [N, K/32]. No bias.
+    `forward`, `uses_kernel` and `dequantized_weight` from `BlockLinear`."""
+
+    FORMAT = "Q8_0"
+    reference_dequantize = staticmethod(dequantize_q8_0)
+    c_dequantize = staticmethod(q8_0_dequantize)
+    c_product = staticmethod(q8_0_matmul)
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor):
         super().__init__()
@@ -60,29 +66,10 @@ class Q8Linear(nn.Module):
         self.in_features, self.out_features = k, n
         self.register_buffer("q", q.contiguous())  # [N, K] int8
         self.register_buffer("d", d.to(torch.float32).contiguous())  # [N, K/32]
+        self.bias = None
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """The weight float32 [N, K], equal bit for bit to gguf's dequantization of the blocks (in C
-        where the kernels run, else `dequantize_q8_0`)."""
-        if dequantizes_here(self.q):
-            return q8_0_dequantize(self.q, self.d)
-        return dequantize_q8_0(self.q, self.d)
-
-    def uses_kernel(self, x: torch.Tensor) -> bool:
-        """Will `forward(x)` run the C kernel? Float32 CPU input of 1..KERNEL_MAX_ROWS rows, no autograd."""
-        return runs_on_kernel(x, self.q, self.in_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N]."""
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"Q8Linear expects inputs [..., {self.in_features}], got {tuple(x.shape)}")
-        if not self.uses_kernel(x):
-            return F.linear(x, self.dequantized_weight().to(x.dtype))
-        y = q8_0_matmul(x.reshape(-1, self.in_features), self.q, self.d)  # [M, N]
-        return y.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False, Q8_0"
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q, self.d
 
 
 def use_gguf_q8_lm_head(model: nn.Module, tensors) -> bool:

@@ -1,0 +1,64 @@
+"""The layer shape that `Q4Linear` and `Q8Linear` share: a linear layer whose weight stays in a
+GGUF file's own blocks (`q4_linear`, `q8_linear`), multiplied by the C kernels (`q4_kernel`).
+
+`forward(x [..., K])` runs the format's C product for float32 CPU inputs of up to
+`KERNEL_MAX_ROWS` rows, else (another device or dtype, no kernel, many rows) F.linear on
+`dequantized_weight()`, the float32 weight [N, K] bit for bit as gguf dequantizes it (in C where
+the kernels load, else the format's torch reference). A subclass gives its block tensors
+(`blocks()`, the first one [N, ...]) and its format's three functions.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decodelab.model.q4_kernel import dequantizes_here, runs_on_kernel
+
+
+class BlockLinear(nn.Module):
+    """y = x @ W.T (+ bias), W [N, K] held as GGUF blocks; `in_features`, `out_features` and `bias`
+    (None or [N]) set by the subclass."""
+
+    FORMAT: str  # the GGUF type name, "Q4_1" or "Q8_0"
+    reference_dequantize: Callable[..., torch.Tensor]  # torch: blocks -> W float32 [N, K]
+    c_dequantize: Callable[..., torch.Tensor]  # the C kernels' version, bit for bit the same
+    c_product: Callable[..., torch.Tensor]  # x [M, K], blocks -> y [M, N]
+
+    def blocks(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight float32 [N, K], equal bit for bit to gguf's dequantization of the blocks."""
+        blocks = self.blocks()
+        if dequantizes_here(blocks[0]):
+            return self.c_dequantize(*blocks)
+        return self.reference_dequantize(*blocks)
+
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """Will `forward(x)` run the C kernel? Float32 CPU input of 1..KERNEL_MAX_ROWS rows, no autograd."""
+        return runs_on_kernel(x, self.blocks()[0], self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N]."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__} expects inputs [..., {self.in_features}], got {tuple(x.shape)}")
+        if not self.uses_kernel(x):
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
+        y = self.c_product(x.reshape(-1, self.in_features), *self.blocks())  # [M, N]
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"{self.FORMAT}"
+        )
+
+
+__all__ = ["BlockLinear"]
