@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from decodelab.decoding.generate import encode_prompt, generate_with_cache
-from decodelab.model import q4_kernel
+from decodelab.model import q4_kernel, thread_team
 from decodelab.model.gguf_tensors import read_gguf_tensors
 from decodelab.model.q4_linear import Q4Linear, dequantize_q4_1, q4_1_blocks, use_gguf_q4_weights
 from decodelab.model.q8_linear import Q8Linear, dequantize_q8_0, q8_0_blocks
@@ -239,9 +239,9 @@ def test_small_products_run_on_one_thread_while_the_openmp_team_sleeps(monkeypat
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
         if spincount is not None:
             monkeypatch.setenv("GOMP_SPINCOUNT", spincount)
-        q4_kernel._team_sleeps.cache_clear()
+        thread_team.team_sleeps.cache_clear()
         try:
             assert q4_kernel.threads_for(small) == (small_threads or torch.get_num_threads()), policy
             assert q4_kernel.threads_for(big) == torch.get_num_threads(), policy
         finally:
-            q4_kernel._team_sleeps.cache_clear()
+            thread_team.team_sleeps.cache_clear()

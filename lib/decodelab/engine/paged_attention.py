@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from decodelab.config import ModelConfig
 from decodelab.engine.block_allocator import blocks_needed, slot_of
-from decodelab.model.attention import causal_attention
+from decodelab.model.attention import ATTENTION_ONE_THREAD_BELOW, causal_attention
+from decodelab.model.thread_team import one_thread_if_small
 
 
 class PagedKVStore:
@@ -227,7 +228,8 @@ class PagedBatch:
         k_ctx = k_ctx.view(batch, context, num_kv_heads, head_dim).transpose(1, 2)  # [b, H_kv, S, D]
         v_ctx = v_ctx.view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
         q_b = q[0].transpose(0, 1).reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(q_b, k_ctx, v_ctx, attn_mask=group.mask)
+        with one_thread_if_small(batch * num_heads * context * head_dim, ATTENTION_ONE_THREAD_BELOW, q.device):
+            out = F.scaled_dot_product_attention(q_b, k_ctx, v_ctx, attn_mask=group.mask)
         return out.reshape(batch, num_heads, head_dim).transpose(0, 1)[None]  # [1, H, b, D]
 
     def _attend_through_hook(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

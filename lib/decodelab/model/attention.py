@@ -11,9 +11,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from decodelab.model.thread_team import one_thread_if_small
+
 # Since torch 2.5 SDPA reads grouped K/V heads itself (enable_gqa); expanding them with
 # repeat_kv first would copy the whole cache to H heads at every decode step.
 SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
+# Multiply-adds of q·k (B * H * T * S * D) below which SDPA runs on one thread while OpenMP's team
+# sleeps (`thread_team`): one decode token's attention over a short context takes less alone
+# than waking the team costs. Measured by bench/attention_threads.py.
+ATTENTION_ONE_THREAD_BELOW = 1 << 19
 
 
 def repeat_kv(x: torch.Tensor, num_queries_per_kv: int) -> torch.Tensor:
@@ -68,7 +75,9 @@ def masked_attention(
         grouped = {"enable_gqa": True}
     elif group > 1:
         k, v = repeat_kv(k, group), repeat_kv(v, group)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **grouped)
+    work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+    with one_thread_if_small(work, ATTENTION_ONE_THREAD_BELOW, q.device):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **grouped)
 
 
 class MaskedPass:

@@ -44,15 +44,16 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
+        blocks = self.blocks()  # once: each buffer read through nn.Module costs ~0.6 us, 211 layers a token
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__} expects inputs [..., {self.in_features}], got {tuple(x.shape)}")
-        if not self.uses_kernel(x):
+        if not runs_on_kernel(x, blocks[0], self.in_features):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
-        y = self.c_product(x.reshape(-1, self.in_features), *self.blocks())  # [M, N]
+        y = self.c_product(x.reshape(-1, self.in_features), *blocks)  # [M, N]
         if self.bias is not None:
             y += self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (

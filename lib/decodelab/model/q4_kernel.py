@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from decodelab.model import thread_team
 from decodelab.paths import cache_dir
 
 SOURCE = Path(__file__).parent / "csrc" / "gguf_gemv.c"
@@ -107,26 +108,17 @@ def kernel():
 def runs_on_kernel(x: torch.Tensor, weight_part: torch.Tensor, in_features: int) -> bool:
     """Will a block layer (`weight_part`: one of its block tensors) multiply `x` [..., in_features]
     with the C kernel? Float32 CPU input of 1..KERNEL_MAX_ROWS rows, no autograd, kernel loaded."""
-    rows = x.numel() // in_features if in_features else 0
-    plain = x.dtype == torch.float32 and x.device.type == "cpu" and weight_part.device.type == "cpu"
-    needs_grad = x.requires_grad and torch.is_grad_enabled()
-    return plain and not needs_grad and 0 < rows <= KERNEL_MAX_ROWS and kernel() is not None
-
-
-@functools.cache
-def _team_sleeps() -> bool:
-    """Does OpenMP put its idle threads to sleep at once? OMP_WAIT_POLICY=PASSIVE without a
-    GOMP_SPINCOUNT (which keeps them spinning a while), as the environment says."""
-    passive = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
-    return passive and "GOMP_SPINCOUNT" not in os.environ
+    if x.dtype != torch.float32 or not x.is_cpu or not weight_part.is_cpu or in_features <= 0:
+        return False
+    if x.requires_grad and torch.is_grad_enabled():
+        return False
+    return 0 < x.numel() // in_features <= KERNEL_MAX_ROWS and kernel() is not None
 
 
 def threads_for(multiply_adds: int) -> int:
     """The threads a product of `multiply_adds` (M * N * K) gets: one for a small product while
-    the OpenMP team sleeps between calls, else torch's intra-op thread count."""
-    if multiply_adds < ONE_THREAD_BELOW and _team_sleeps():
-        return 1
-    return torch.get_num_threads()
+    the OpenMP team sleeps between calls (`thread_team`), else torch's intra-op thread count."""
+    return thread_team.threads_for(multiply_adds, ONE_THREAD_BELOW)
 
 
 def _loaded():
