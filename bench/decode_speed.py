@@ -31,8 +31,9 @@ stdout chunks for the CLI). Contenders: `generate` float32 and over
 `CompiledDecoder(quantize_for_decode(model))` (torch.compile) and `PackagedDecoder` over the same
 (the AOT-compiled step `python -m decodelab prepare` builds, when built), and (SmolLM2) `generate q4`
 over `use_gguf_q4_weights` (the GGUF's own Q4_1 blocks, a fused C kernel); `LLM.generate` float32,
-int8 eager, int8 with `compile_decode=True` and (SmolLM2) q4; `python -m decodelab generate`,
-`... --q4`, `... --int8 --no-compile`
+int8 eager, int8 with `compile_decode=True` and (SmolLM2) q4; `python -m decodelab generate --float`,
+`... generate` with its default weights (q4 for SmolLM2 on a CPU where the kernel loads: `q4_pays`;
+`... --q4` besides where q4 is not the default), `... --int8 --no-compile`
 (eager), `... --int8` with no prepared package (torch.compile in every process: a cache folder without
 one) and `... --int8` with it; llama.cpp when llama-cpp-python is installed. Besides the best of the
 rounds, the JSON holds each round's tokens/s (median, min-max) and the wall time of a whole short call
@@ -477,12 +478,16 @@ def end_to_end(args):
             ),
         )
         env.pop("DECODELAB_COMPILE", None)
-        contenders["CLI generate"] = e2e_cli(args.model, [], env)
+        from decodelab.model.q4_linear import q4_pays
+
+        default_weights = "q4" if q4_pays(args.model, device) else "float"
+        contenders["CLI generate --float"] = e2e_cli(args.model, ["--float"], env)
+        contenders[f"CLI generate (default: {default_weights})"] = e2e_cli(args.model, [], env)
         contenders["CLI generate --int8 --no-compile"] = e2e_cli(args.model, ["--int8", "--no-compile"], env)
         # torch.compile in every process: a cache with the converted model but no prepared package
         contenders["CLI generate --int8 compiled"] = e2e_cli(args.model, ["--int8"], dict(env, **unpackaged_cache()))
         contenders["CLI generate --int8 packaged"] = e2e_cli(args.model, ["--int8"], env)
-        if args.model == "smollm2":
+        if args.model == "smollm2" and default_weights != "q4":
             contenders["CLI generate --q4"] = e2e_cli(args.model, ["--q4"], env)
     llama = (
         None

@@ -10,6 +10,7 @@ model's greedy tokens for the Q4 model.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -31,6 +32,12 @@ def summation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     k = x.shape[-1]
     gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
     return 2 * gamma * (x.double().abs() @ weight.double().abs().T)
+
+
+def forget_kernel() -> None:
+    """The next kernel() builds and loads the library again, under the environment then."""
+    q4_kernel.kernel.cache_clear()
+    q4_kernel._loaded_or_why.cache_clear()
 
 
 def require_kernel() -> None:
@@ -158,7 +165,7 @@ def test_fallback_says_why_once_and_gives_the_reference(monkeypatch, capsys):
     layer = random_q4(n=11, k=64)
     x = torch.randn(3, 64)
     monkeypatch.setenv(q4_kernel.KERNEL_ENV, "0")
-    q4_kernel.kernel.cache_clear()
+    forget_kernel()
     try:
         assert not layer.uses_kernel(x)
         assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight()))
@@ -166,20 +173,20 @@ def test_fallback_says_why_once_and_gives_the_reference(monkeypatch, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert lines == ["decodelab: Q4_1 weights use the pure-torch path (slower): DECODELAB_Q4_KERNEL=0 is set"]
     finally:
-        q4_kernel.kernel.cache_clear()
+        forget_kernel()
 
 
 def test_a_compiler_that_fails_falls_back_with_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("DECODELAB_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # exits 1: the compile "fails"
-    q4_kernel.kernel.cache_clear()
+    forget_kernel()
     try:
         assert q4_kernel.kernel() is None
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "pure-torch path" in err, err
         assert ("compiling gguf_gemv.c with false failed" in err) or ("CPU" in err), err
     finally:
-        q4_kernel.kernel.cache_clear()
+        forget_kernel()
 
 
 def test_a_tensor_of_another_type_is_refused(gguf_tensors):
@@ -229,6 +236,47 @@ def test_cli_refuses_q4_for_tiny(capsys):
 
     assert main(["generate", "hi", "--model", "tiny", "--q4"]) == 2
     assert "--q4 reads the Q4_1 blocks" in capsys.readouterr().err
+
+
+def test_q4_pays_for_smollm2_on_a_cpu_in_float32_where_the_kernel_loads(monkeypatch, capsys):
+    from decodelab.model.q4_linear import q4_pays
+
+    require_kernel()
+    assert q4_pays("smollm2", "cpu", "float32") and q4_pays("smollm2", "cpu", None)
+    assert not q4_pays("tiny", "cpu", "float32")  # no GGUF behind it
+    assert not q4_pays("smollm2", "cpu", "bfloat16")  # the kernel multiplies float32 activations
+    assert not q4_pays("smollm2", "meta", "float32")  # not the CPU
+    monkeypatch.setenv(q4_kernel.KERNEL_ENV, "0")
+    forget_kernel()
+    try:
+        assert not q4_pays("smollm2", "cpu", "float32")  # the pure-torch Q4 path is slower than float32
+        assert capsys.readouterr().err == ""  # asking says nothing; only a Q4 layer without its kernel does
+    finally:
+        forget_kernel()
+
+
+@pytest.mark.parametrize(
+    "flags, swapped", [([], True), (["--float"], False), (["--q4"], True), (["--dtype", "bfloat16"], False)]
+)
+def test_cli_generate_runs_smollm2_on_its_q4_blocks_by_default(smollm2, monkeypatch, capsys, flags, swapped):
+    """`generate` on a CPU: SmolLM2's own Q4_1 blocks unless --float (or half precision) says otherwise."""
+    from decodelab import cli
+    from decodelab.model import q4_linear
+
+    require_kernel()
+    calls = []
+    swap = q4_linear.use_gguf_q4_weights
+    monkeypatch.setattr(q4_linear, "use_gguf_q4_weights", lambda *a: calls.append(a) or swap(*a))
+    assert cli.main(["generate", "hi", "--max-new-tokens", "2", "--device", "cpu", "--json", *flags]) == 0
+    assert json.loads(capsys.readouterr().out)["output_ids"]
+    assert bool(calls) is swapped
+
+
+def test_cli_weight_flags_are_one_choice(capsys):
+    from decodelab.cli import main
+
+    assert main(["generate", "hi", "--float", "--q4"]) == 2
+    assert "--q4 and --float are different weight formats: choose one" in capsys.readouterr().err
 
 
 def test_small_products_run_on_one_thread_while_the_openmp_team_sleeps(monkeypatch):

@@ -159,3 +159,25 @@ def test_serve_quantization_reaches_the_engine(monkeypatch):
     (llm,) = engines
     assert llm.args.quantization == "int8"
     assert any(isinstance(module, QuantizedLinear) and module.bits == 8 for module in llm.model.modules())
+
+
+@pytest.mark.parametrize(
+    "args, quantization",
+    [
+        ([], "q4"),  # SmolLM2 on a CPU in float32: its GGUF's own blocks, the same weights (q4_linear.q4_pays)
+        (["--quantization", "none"], None),
+        (["--quantization", "int8"], "int8"),
+        (["--model", "tiny"], None),
+        (["--dtype", "bfloat16"], None),
+    ],
+)
+def test_serve_weights_by_default(monkeypatch, args, quantization):
+    from decodelab.model.q4_kernel import kernel_loads
+    from decodelab.serving import server
+
+    if quantization == "q4" and not kernel_loads():
+        pytest.skip("the Q4_1 kernels do not load here: SmolLM2 is served on its float weights")
+    settings = []
+    monkeypatch.setattr(server, "serve", lambda given: settings.append(given) or 0)
+    assert cli.main(["serve", *args, "--device", "cpu"]) == 0
+    assert settings[0].engine["quantization"] == quantization

@@ -3,8 +3,10 @@
     python -m decodelab generate "What is gravity?" [--model smollm2|tiny|tiny-draft|tiny-mamba|DIR]
         [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
         [--repetition-penalty R] [--device D] [--dtype fp32|bf16|fp16] [--no-chat] [--json]
+        [--q4]                      # SmolLM2's own Q4_1 blocks from its GGUF, a fused C kernel (x86-64 AVX2):
+                                    # the default for SmolLM2 on a CPU in float32 where the kernel loads
+        [--float]                   # the float weights even there
         [--int8 [--no-compile]]     # int8 weights, decoded by a compiled step (CPU-dependent: see --help)
-        [--q4]                      # SmolLM2's own Q4_1 blocks from its GGUF, a fused C kernel (x86-64 AVX2)
     python -m decodelab prepare [--no-compile]   # convert SmolLM2 into the cache once, and build its
         # int8 decode step ahead of time (a few minutes; `generate --int8` then starts it in ~10 ms)
     python -m decodelab progress --course DIR [--notebooks 02_sampling,03] [--timeout S] [--json]
@@ -15,7 +17,7 @@
         # ... and your engine's timed parts beside the library's: time ratios, roofline (course.speed_credit)
     python -m decodelab hints [--notebook 02_sampling] [--json]   # every exercise's hint ladder
     python -m decodelab serve [--model smollm2|tiny|DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-        [--max-queue N] [--max-num-seqs N] [--chat-template FILE] [--quantization int8|int4|q4]
+        [--max-queue N] [--max-num-seqs N] [--chat-template FILE] [--quantization int8|int4|q4|none]
         [--device D] [--dtype fp32|bf16|fp16]
         # an OpenAI-compatible server on the engine (decodelab.serving): /v1/completions, /v1/chat/completions,
         # /v1/models, /health, /metrics; SIGTERM or Ctrl-C stops it
@@ -194,8 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="SmolLM2 only: its linears multiply the GGUF's own Q4_1 blocks (4-bit), its lm_head the Q8_0 "
         "ones, through fused C kernels compiled once with the system C compiler (x86-64 with AVX2 and "
-        "FMA; elsewhere a slower pure-torch path, said on stderr): ~2.5x float32's tokens/s, the same "
-        "greedy tokens in our tests",
+        "FMA; elsewhere a slower pure-torch path, said on stderr): ~2.5x float32's tokens/s. The float32 "
+        "SmolLM2 is that GGUF dequantized, so these are the same weights; only the order of the sums "
+        "differs. The default for SmolLM2 on a CPU in float32 wherever the kernels load",
+    )
+    gen.add_argument(
+        "--float",
+        action="store_true",
+        help="the float weights (the dtype's), even for SmolLM2 on a CPU, where --q4 is the default",
     )
     gen.add_argument(
         "--no-compile",
@@ -322,10 +330,12 @@ def add_serve_parser(commands) -> None:
     )
     serve.add_argument(
         "--quantization",
-        choices=SERVE_QUANTIZATIONS,
+        choices=(*SERVE_QUANTIZATIONS, "none"),
         default=None,
         help="the engine's weights: int8 (decoded by the compiled step where `prepare` built it), int4, "
-        "or q4 (SmolLM2 only: the GGUF's own Q4_1 blocks through a fused C kernel); default float",
+        "q4 (SmolLM2 only: the GGUF's own Q4_1 blocks through a fused C kernel, the same weights as its "
+        "float32 ones), or none (the float weights). Default: q4 for SmolLM2 on a CPU in float32 where "
+        "the kernel loads, else none",
     )
     serve.add_argument("--device", default=None, help=f"{DEVICES} (default: best available)")
     serve.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
@@ -390,15 +400,19 @@ def run_generate(args) -> int:
 
     if args.no_compile and not args.int8:
         raise CommandLineError("--no-compile goes with --int8 (the float model runs eagerly anyway)")
-    if args.q4 and args.int8:
-        raise CommandLineError("--q4 and --int8 are two weight formats: choose one")
+    chosen = [flag for flag, given in (("--q4", args.q4), ("--int8", args.int8), ("--float", args.float)) if given]
+    if len(chosen) > 1:
+        raise CommandLineError(f"{' and '.join(chosen)} are different weight formats: choose one")
     if args.q4 and args.model != "smollm2":
         raise CommandLineError(
             f"--q4 reads the Q4_1 blocks of the GGUF a model comes from, and only smollm2 comes from one "
             f"(got --model {args.model}): use --int8"
         )
+    from decodelab.model.q4_linear import q4_pays
+
+    q4 = args.q4 or (not chosen and q4_pays(args.model, args.device, args.dtype))
     model, tokenizer = load_model(args.model, args.device, args.dtype)
-    if args.q4:
+    if q4:
         from decodelab.model.q4_linear import use_gguf_q4_weights
         from decodelab.model.registry import smollm2_gguf_path
 
@@ -510,6 +524,11 @@ def run_progress(args) -> int:
 
 def run_serve(args) -> int:
     check_device(args.device)
+    quantization = None if args.quantization == "none" else args.quantization
+    if args.quantization is None:
+        from decodelab.model.q4_linear import q4_pays
+
+        quantization = "q4" if q4_pays(args.model, args.device, args.dtype) else None
     try:
         from decodelab.serving.server import ServeSettings, serve
     except ImportError as exc:
@@ -526,7 +545,7 @@ def run_serve(args) -> int:
                 device=args.device,
                 dtype=args.dtype,
                 max_num_seqs=args.max_num_seqs,
-                quantization=args.quantization,
+                quantization=quantization,
             ),
         )
     )

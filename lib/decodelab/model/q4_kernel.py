@@ -88,13 +88,12 @@ def _build() -> Path:
 
 
 @functools.cache
-def kernel():
-    """The loaded C library (`q4_1_matmul`, `q8_0_matmul`), or None (after one line on stderr saying why)."""
+def _loaded_or_why() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded C library, "") or (None, why it cannot load), built and loaded once."""
     try:
         library = ctypes.CDLL(str(_build()))
     except (KernelUnavailable, OSError) as exc:
-        print(f"decodelab: Q4_1 weights use the pure-torch path (slower): {exc}", file=sys.stderr)
-        return None
+        return None, str(exc)
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.q4_1_matmul.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
     library.q8_0_matmul.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
@@ -102,7 +101,21 @@ def kernel():
     library.q8_0_dequantize.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_int]
     for function in ("q4_1_matmul", "q8_0_matmul", "q4_1_dequantize", "q8_0_dequantize"):
         getattr(library, function).restype = None
+    return library, ""
+
+
+@functools.cache
+def kernel():
+    """The loaded C library (`q4_1_matmul`, `q8_0_matmul`), or None (after one line on stderr saying why)."""
+    library, why = _loaded_or_why()
+    if library is None:
+        print(f"decodelab: Q4_1 weights use the pure-torch path (slower): {why}", file=sys.stderr)
     return library
+
+
+def kernel_loads() -> bool:
+    """Do the C kernels load here? Asked before choosing Q4 weights, so it says nothing on stderr."""
+    return _loaded_or_why()[0] is not None
 
 
 def runs_on_kernel(x: torch.Tensor, weight_part: torch.Tensor, in_features: int) -> bool:

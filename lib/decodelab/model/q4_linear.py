@@ -30,8 +30,10 @@ from torch import nn
 from decodelab.model.block_linear import BlockLinear
 from decodelab.model.gguf_import import hf_tensor_name, unpermute_rows
 from decodelab.model.gguf_tensors import read_gguf_tensors
-from decodelab.model.q4_kernel import KERNEL_MAX_ROWS, q4_1_dequantize, q4_1_matmul
+from decodelab.model.q4_kernel import KERNEL_MAX_ROWS, kernel_loads, q4_1_dequantize, q4_1_matmul
 from decodelab.model.q8_linear import use_gguf_q8_lm_head
+from decodelab.model.registry import check_device, default_device
+from decodelab.model.weights import resolve_dtype
 
 BLOCK = 32  # weights per Q4_1 block
 BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
@@ -131,4 +133,17 @@ def use_gguf_q4_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
     return model
 
 
-__all__ = ["KERNEL_MAX_ROWS", "Q4Linear", "dequantize_q4_1", "q4_1_blocks", "use_gguf_q4_weights"]
+def q4_pays(model, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> bool:
+    """Should `model` run on its GGUF's Q4_1 blocks by default (the command line's `generate` and
+    `serve` ask)? Yes for "smollm2" on the CPU in float32 where the C kernels load: the float32
+    SmolLM2 is that GGUF dequantized, so Q4 weights are the same numbers bit for bit, read as 111 MB
+    a token instead of 538 (~2.5x the tokens/s: bench/decode_speed.py --end-to-end); only the order
+    of the sums changes. No elsewhere: another model has no such GGUF, a GPU or half precision
+    takes the float path, and without the kernels the Q4 path is slower than float32."""
+    if not isinstance(model, str) or model != "smollm2":
+        return False
+    device = check_device(device) if device is not None else default_device()
+    return device.type == "cpu" and resolve_dtype(dtype) == torch.float32 and kernel_loads()
+
+
+__all__ = ["KERNEL_MAX_ROWS", "Q4Linear", "dequantize_q4_1", "q4_1_blocks", "q4_pays", "use_gguf_q4_weights"]

@@ -93,7 +93,8 @@ def serve(settings: ServeSettings) -> int:
     app = build_app(llm, settings.model, api_key=settings.api_key, max_queue=settings.max_queue)
     server = make_server(app)
     print(
-        f"decodelab: serving {settings.model} at {bound_address(sock)}/v1 (SIGTERM or Ctrl-C stops it)",
+        f"decodelab: serving {settings.model} at {bound_address(sock)}/v1 ({llm.args.quantization or 'float'} "
+        f"weights; SIGTERM or Ctrl-C stops it)",
         file=sys.stderr,
         flush=True,
     )
