@@ -176,7 +176,7 @@ def compare(args, rates: list[float]) -> dict:
             "decodelab": {
                 "command": commands["decodelab"],
                 "slots": args.slots,
-                "weights": our_weights(args.serve_args),
+                "weights": our_weights(args.serve, args.serve_args),
                 "eos": "ignore_eos",
             },
             "llama.cpp": {
@@ -198,10 +198,20 @@ def compare(args, rates: list[float]) -> dict:
     }
 
 
-def our_weights(serve_args: str) -> str:
-    """What our server's weights are, from its flags (`serve --quantization`)."""
+def our_weights(model: str, serve_args: str) -> str:
+    """What our server's weights are, from its flags (`serve --quantization`, else serve's default)."""
+    from decodelab.model.q4_linear import q4_pays
+
     flags = shlex.split(serve_args)
-    quantization = flags[flags.index("--quantization") + 1] if "--quantization" in flags[:-1] else None
+
+    def flag(name: str) -> str | None:
+        return flags[flags.index(name) + 1] if name in flags[:-1] else None
+
+    quantization = flag("--quantization")
+    if quantization is None:  # serve's default: q4 where it pays
+        quantization = "q4" if q4_pays(model, flag("--device") or "cpu", flag("--dtype")) else None
+    if quantization == "none":
+        quantization = None
     if quantization == "q4":
         return "the GGUF's own Q4_1 blocks (linears) and Q8_0 blocks (lm_head), through decodelab's C kernels"
     if quantization is not None:
