@@ -73,6 +73,12 @@ from decodelab.params import SamplingParams  # noqa: E402
 BASE_TOKENS = 16  # the warm-up run's length
 
 
+def spin_prefix() -> str:
+    """`GOMP_SPINCOUNT=N ` when the run let OpenMP's threads spin, for the recorded command."""
+    spincount = os.environ.get("GOMP_SPINCOUNT")
+    return f"GOMP_SPINCOUNT={spincount} " if spincount is not None else ""
+
+
 def bytes_read_per_token(model) -> int:
     """`parameter_bytes`, less an embedding table that no matmul reads (a lookup reads one row):
     the case once the lm_head is quantized and no longer shares it."""
@@ -250,13 +256,14 @@ def main():
     roof = Roofline(bandwidth, matmul_flops(device))
     roofline = {name: roof.decode_tokens_per_second(weight_bytes[name]) for name in engines}
     result = {
-        "command": "python bench/decode_speed.py " + " ".join(sys.argv[1:]),
+        "command": spin_prefix() + "python bench/decode_speed.py " + " ".join(sys.argv[1:]),
         "model": args.model,
         "device": str(device),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
         "load_average_1_5_15_min": {"before": load_average_before, "after": os.getloadavg()},
         "cpu_count": os.cpu_count(),
         "bandwidth_GBps": bandwidth / 1e9,
@@ -531,7 +538,7 @@ def end_to_end(args):
         name: sorted((LONG - SHORT) / (b - a) for a, b in zip(t[SHORT], t[LONG]) if b > a) for name, t in calls.items()
     }
     result = {
-        "command": "python bench/decode_speed.py " + " ".join(sys.argv[1:]),
+        "command": spin_prefix() + "python bench/decode_speed.py " + " ".join(sys.argv[1:]),
         "what": "end to end through the public API: tokens/s = (LONG - SHORT) / (t(LONG new) - t(SHORT new)), "
         "each t the best over the rounds of one whole call; beside it 1 / the median gap between token "
         "arrivals of the same path's streaming form",
@@ -541,6 +548,7 @@ def end_to_end(args):
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
         "load_average_1_5_15_min": {"before": load_average_before, "after": os.getloadavg()},
         "prompt": E2E_PROMPT,
         "prompt_tokens": len(prompt_ids),
