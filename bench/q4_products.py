@@ -33,10 +33,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from decodelab.model import q4_kernel  # noqa: E402
 from decodelab.model.q4_kernel import kernel  # noqa: E402
 from decodelab.model.q4_linear import Q4Linear, use_gguf_q4_weights  # noqa: E402
+from decodelab.model.q4_swiglu import Q4SwiGLU  # noqa: E402
 from decodelab.model.q8_linear import Q8Linear  # noqa: E402
 from decodelab.model.registry import load, smollm2_gguf_path  # noqa: E402
+from decodelab.model.thread_team import team_sleeps  # noqa: E402
 
 
 def best_ms(fn, rounds: int) -> float:
@@ -46,6 +49,48 @@ def best_ms(fn, rounds: int) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best * 1e3
+
+
+def swiglu_times(model, rounds: int) -> dict:
+    """ms of one pass over the model's 30 MLPs at 1, 2 and 4 rows: the three Q4Linear and silu * up
+    (unfused), against `Q4SwiGLU`'s one C call on one thread and on the team (while it sleeps, the
+    threshold `q4_kernel.SWIGLU_ONE_THREAD_BELOW` chooses between the two)."""
+    mlps = [m for m in model.modules() if isinstance(m, Q4SwiGLU)]
+    hidden = mlps[0].gate_proj.in_features
+    found = {}
+    for rows in (1, 2, 4):
+        x = torch.randn(rows, hidden)
+
+        def unfused():
+            for m in mlps:
+                m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+
+        def fused(below: int):
+            q4_kernel.SWIGLU_ONE_THREAD_BELOW = below
+            for m in mlps:
+                m(x)
+
+        contenders = {
+            "three Q4Linear + silu * up": unfused,
+            "Q4SwiGLU, one thread": lambda: fused(1 << 62),
+            "Q4SwiGLU, the team": lambda: fused(0),
+        }
+        times = {name: [] for name in contenders}
+        threshold = q4_kernel.SWIGLU_ONE_THREAD_BELOW
+        with torch.inference_mode():
+            for _ in range(rounds * 4):
+                for name, fn in contenders.items():
+                    times[name].append(best_ms(fn, 1))
+        q4_kernel.SWIGLU_ONE_THREAD_BELOW = threshold
+        found[rows] = {name: min(t) for name, t in times.items()}
+        work = 3 * rows * hidden * mlps[0].gate_proj.out_features
+        print(
+            f"MLPs M={rows}: "
+            + "  ".join(f"{name} {ms:6.2f} ms" for name, ms in found[rows].items())
+            + f"  (one MLP {work:,} multiply-adds; the library: "
+            + ("one thread)" if team_sleeps() and work < threshold else "the team)")
+        )
+    return found
 
 
 def main() -> None:
@@ -92,6 +137,7 @@ def main() -> None:
             f"float32 / Q4Linear = {best['float32'] / best['Q4Linear']:.2f}x"
         )
     print(f"weight bytes read per pass: float32 {float_bytes / 1e6:.0f} MB, q4 {q4_bytes / 1e6:.0f} MB")
+    swiglu = swiglu_times(model, args.rounds)
     result = {
         "command": "python bench/q4_products.py " + " ".join(sys.argv[1:]),
         "what": "ms of one pass over SmolLM2's 211 linears on x [M, K], best of the rounds, interleaved",
@@ -101,6 +147,9 @@ def main() -> None:
         "weight_bytes_per_pass": {"float32": float_bytes, "q4 (Q4_1 linears, Q8_0 lm_head)": q4_bytes},
         "ms_per_pass_by_rows": results,
         "float32_over_Q4Linear": {rows: r["float32"] / r["Q4Linear"] for rows, r in results.items()},
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
+        "swiglu_ms_per_pass_by_rows (the 30 MLPs)": swiglu,
     }
     out = Path(__file__).parent / "results" / "q4_products_smollm2_cpu.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -19,8 +19,11 @@ import torch.nn.functional as F
 from decodelab.decoding.generate import encode_prompt, generate_with_cache
 from decodelab.model import q4_kernel, thread_team
 from decodelab.model.gguf_tensors import read_gguf_tensors
+from decodelab.model.llama import MLP
 from decodelab.model.q4_linear import Q4Linear, dequantize_q4_1, q4_1_blocks, use_gguf_q4_weights
+from decodelab.model.q4_swiglu import Q4SwiGLU, use_q4_swiglu
 from decodelab.model.q8_linear import Q8Linear, dequantize_q8_0, q8_0_blocks
+from decodelab.model.toy import random_llama, toy_config
 
 UNIT_ROUNDOFF = 2.0**-24  # float32
 
@@ -293,3 +296,50 @@ def test_small_products_run_on_one_thread_while_the_openmp_team_sleeps(monkeypat
             assert q4_kernel.threads_for(big) == torch.get_num_threads(), policy
         finally:
             thread_team.team_sleeps.cache_clear()
+
+
+def random_q4_mlp(hidden: int = 64, inner: int = 96) -> MLP:
+    """A llama.MLP whose gate/up [inner, hidden] and down [hidden, inner] are random Q4Linears
+    (inner = 3 blocks: two threads split the hidden units unevenly)."""
+    mlp = MLP(toy_config(hidden_size=hidden, intermediate_size=inner))
+    mlp.gate_proj, mlp.up_proj, mlp.down_proj = (
+        random_q4(inner, hidden, 1),
+        random_q4(inner, hidden, 2),
+        random_q4(hidden, inner, 3),
+    )
+    return mlp
+
+
+@pytest.mark.parametrize("one_thread", [True, False], ids=["one_thread", "team"])
+def test_the_fused_swiglu_is_the_three_q4_layers(monkeypatch, one_thread):
+    """Q4SwiGLU's one C call equals down(silu(gate(x)) * up(x)) through the three Q4Linears up to float32
+    rounding, on one thread and split between the team's; beyond 4 rows it is those three layers."""
+    require_kernel()
+    mlp = random_q4_mlp()
+    fused = Q4SwiGLU(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    monkeypatch.setattr(q4_kernel, "SWIGLU_ONE_THREAD_BELOW", 1 << 62 if one_thread else 0)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    thread_team.team_sleeps.cache_clear()
+    try:
+        for rows in (1, 2, 3, 4):
+            x = torch.randn(1, rows, 64)
+            assert fused.fused(x)
+            expected = mlp(x)
+            torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        x = torch.randn(5, 64)
+        assert not fused.fused(x) and torch.equal(fused(x), mlp(x))
+    finally:
+        thread_team.team_sleeps.cache_clear()
+
+
+def test_use_q4_swiglu_swaps_only_mlps_of_three_q4_layers():
+    model = random_llama(seed=0)
+    assert use_q4_swiglu(model) == 0  # float linears: nothing to fuse
+    mlp = random_q4_mlp()
+    model.model.layers[0].mlp = mlp
+    assert use_q4_swiglu(model) == 1
+    swapped = model.model.layers[0].mlp
+    assert isinstance(swapped, Q4SwiGLU) and swapped.down_proj is mlp.down_proj
+    with pytest.raises(TypeError, match="three Q4Linear layers"):
+        Q4SwiGLU(mlp.gate_proj, torch.nn.Linear(64, 96, bias=False), mlp.down_proj)

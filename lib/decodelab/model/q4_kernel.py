@@ -35,8 +35,13 @@ KERNEL_ENV = "DECODELAB_Q4_KERNEL"  # "0": always the pure-torch path
 # (OMP_WAIT_POLICY=PASSIVE, which `import decodelab` sets): waking it costs more than it saves.
 # Measured by bench/q4_products.py (a SmolLM2 layer's products at 1 and 4 rows run faster alone).
 ONE_THREAD_BELOW = 1 << 22
+# The fused SwiGLU MLP (`q4_1_swiglu`): up to 4 rows of x, and its multiply-adds below which it runs on
+# one thread while the team sleeps (one wake for the whole MLP: measured by bench/q4_products.py).
+SWIGLU_MAX_ROWS = 4
+SWIGLU_ONE_THREAD_BELOW = 1 << 20
 KERNEL_MAX_ROWS = 64  # more rows: dequantize + F.linear (one GEMM) wins; measured by bench/q4_products.py
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+LIBRARIES = ["-lm"]  # after the source: expf
 
 
 class KernelUnavailable(RuntimeError):
@@ -67,7 +72,7 @@ def _build() -> Path:
     if compiler is None:
         raise KernelUnavailable("no C compiler found (set $CC, or install cc)")
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, *LIBRARIES]).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"gguf_gemv-{key}.so"
     if target.exists():
         return target
@@ -76,7 +81,10 @@ def _build() -> Path:
         partial = Path(tmp) / target.name
         try:
             result = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True, timeout=120
+                [compiler, *FLAGS, str(SOURCE), "-o", str(partial), *LIBRARIES],
+                capture_output=True,
+                text=True,
+                timeout=120,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise KernelUnavailable(f"compiling {SOURCE.name} failed: {exc}") from None
@@ -99,7 +107,8 @@ def _loaded_or_why() -> tuple[ctypes.CDLL | None, str]:
     library.q8_0_matmul.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
     library.q4_1_dequantize.argtypes = [pointer, pointer, pointer, pointer, size, size, ctypes.c_int]
     library.q8_0_dequantize.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_int]
-    for function in ("q4_1_matmul", "q8_0_matmul", "q4_1_dequantize", "q8_0_dequantize"):
+    library.q4_1_swiglu.argtypes = [pointer] * 13 + [size, size, size, ctypes.c_int]
+    for function in ("q4_1_matmul", "q8_0_matmul", "q4_1_dequantize", "q8_0_dequantize", "q4_1_swiglu"):
         getattr(library, function).restype = None
     return library, ""
 
@@ -164,6 +173,24 @@ def q8_0_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Ten
     float32 [N, K/32], through the C kernel (which must be loaded: `kernel()`). x float32 on the
     CPU, made contiguous here; qs, d contiguous."""
     return _product("q8_0_matmul", x, (qs, d))
+
+
+def q4_1_swiglu(
+    x: torch.Tensor, gate: tuple[torch.Tensor, ...], up: tuple[torch.Tensor, ...], down: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """y [M, E] = (silu(x @ G.T) * (x @ U.T)) @ D.T for x float32 [M, E] (M <= SWIGLU_MAX_ROWS, CPU),
+    G, U [F, E] and D [E, F] each Q4_1 blocks (nibbles, d, m), in one C call: one parallel region,
+    each thread a range of the F hidden units (`csrc/gguf_gemv.c`). The kernel must be loaded."""
+    x = x.contiguous()
+    rows, e = x.shape
+    f = gate[0].shape[0]
+    threads = thread_team.threads_for(3 * rows * e * f, SWIGLU_ONE_THREAD_BELOW)
+    h = torch.empty(rows, f, dtype=torch.float32)
+    partial = torch.empty(max(threads - 1, 1), rows, e, dtype=torch.float32)
+    y = torch.empty(rows, e, dtype=torch.float32)
+    pointers = [tensor.data_ptr() for tensor in (x, *gate, *up, *down, h, partial, y)]
+    _loaded().q4_1_swiglu(*pointers, rows, e, f, threads)
+    return y
 
 
 def dequantizes_here(blocks: torch.Tensor) -> bool:

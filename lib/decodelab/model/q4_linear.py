@@ -31,6 +31,7 @@ from decodelab.model.block_linear import BlockLinear
 from decodelab.model.gguf_import import hf_tensor_name, unpermute_rows
 from decodelab.model.gguf_tensors import read_gguf_tensors
 from decodelab.model.q4_kernel import KERNEL_MAX_ROWS, kernel_loads, q4_1_dequantize, q4_1_matmul
+from decodelab.model.q4_swiglu import use_q4_swiglu
 from decodelab.model.q8_linear import use_gguf_q8_lm_head
 from decodelab.model.registry import check_device, default_device
 from decodelab.model.weights import resolve_dtype
@@ -103,8 +104,9 @@ def _hf_row_order(name: str, blocks: tuple, config) -> tuple:
 
 def use_gguf_q4_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
     """Replace, in place, every nn.Linear of `model` whose weight is a Q4_1 tensor in `gguf_path`
-    by a `Q4Linear` from that tensor's blocks, and a Q8_0 lm_head by a `Q8Linear`
-    (`use_gguf_q8_lm_head`); returns the model. The model must be the one the GGUF converts to
+    by a `Q4Linear` from that tensor's blocks, a Q8_0 lm_head by a `Q8Linear`
+    (`use_gguf_q8_lm_head`), and each MLP of three Q4Linears by a `Q4SwiGLU` (`use_q4_swiglu`);
+    returns the model. The model must be the one the GGUF converts to
     (`registry.load("smollm2")` for SmolLM2's file). ValueError when the file holds no Q4_1
     tensor, or one that matches no linear of the model."""
     tensors = read_gguf_tensors(gguf_path)
@@ -130,6 +132,7 @@ def use_gguf_q4_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
     if swapped == 0:
         raise ValueError(f"{gguf_path} holds no Q4_1 tensor: Q4 weights need a Q4_1 GGUF")
     use_gguf_q8_lm_head(model, tensors)
+    use_q4_swiglu(model)  # each MLP's three Q4 products in one C call
     return model
 
 

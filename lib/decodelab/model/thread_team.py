@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import nullcontext
 
 import torch
 
@@ -36,24 +35,29 @@ def threads_for(work: int, one_thread_below: int) -> int:
     return torch.get_num_threads()
 
 
-@contextmanager
-def one_thread_if_small(work: int, one_thread_below: int, device: torch.device) -> Iterator[None]:
-    """Run the torch operations inside on one thread when `work < one_thread_below`, the team
-    sleeps and `device` is the CPU; otherwise (and while torch.compile traces) change nothing.
-    torch.set_num_threads sets the calling thread's OpenMP count: a thread already running torch
-    keeps its own (a thread whose first torch operation falls inside would start with one)."""
+class _OneThread:
+    """Torch on one thread (the calling thread's OpenMP count) until the block ends, then as before."""
+
+    def __init__(self, before: int):
+        self.before = before
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc_info) -> None:
+        torch.set_num_threads(self.before)
+
+
+def one_thread_if_small(work: int, one_thread_below: int, device: torch.device):
+    """A context in which torch's operations run on one thread when `work < one_thread_below`, the
+    team sleeps and `device` is the CPU; otherwise (and while torch.compile traces, which must not
+    see the thread count) one that changes nothing. torch.set_num_threads sets the calling thread's
+    OpenMP count: a thread already running torch keeps its own (a thread whose first torch
+    operation falls inside would start with one)."""
+    if torch.compiler.is_compiling() or device.type != "cpu" or threads_for(work, one_thread_below) != 1:
+        return nullcontext()
     before = torch.get_num_threads()
-    if device.type != "cpu" or before == 1 or torch.compiler.is_compiling():
-        yield
-        return
-    if threads_for(work, one_thread_below) != 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return nullcontext() if before == 1 else _OneThread(before)
 
 
 __all__ = ["one_thread_if_small", "team_sleeps", "threads_for"]

@@ -16,6 +16,8 @@
  * Plain C with AVX2/FMA intrinsics and OpenMP; no torch headers (called through ctypes).
  */
 #include <immintrin.h>
+#include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
 static inline float hsum(__m256 v) {
@@ -51,19 +53,19 @@ static inline void dequantize_q8_0(const uint8_t *qs, const float *d, int64_t b,
     }
 }
 
-/* Rows [0, R) of x (R <= 4) against one weight row of format `f`: R dot products. `f` and `R`
- * are constants after inlining, so each (format, R) gets its own unrolled loop. Each row sums
- * into `chains` independent accumulators (4 for R <= 2, else 2): one chain would wait an FMA's
- * latency (4 cycles) per 8 weights. */
-static inline __attribute__((always_inline)) void row_dots(enum format f, const uint8_t *qs, const float *d,
-                                                           const float *m, const float *x, int64_t K, int R,
-                                                           float *out) {
+/* Rows [0, R) of x (R <= 4, row r at x + r * stride) against blocks [first, end) of one weight row
+ * of format `f`: R dot products over those blocks' 32 * (end - first) columns. `f` and `R` are
+ * constants after inlining, so each (format, R) gets its own unrolled loop. Each row sums into
+ * `chains` independent accumulators (4 for R <= 2, else 2): one chain would wait an FMA's latency
+ * (4 cycles) per 8 weights. */
+static inline __attribute__((always_inline)) void block_dots(enum format f, const uint8_t *qs, const float *d,
+                                                             const float *m, const float *x, int64_t stride,
+                                                             int64_t first, int64_t end, int R, float *out) {
     const int chains = R <= 2 ? 4 : 2;
     __m256 acc[4][4];
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
-    const int64_t blocks = K / 32;
-    for (int64_t b = 0; b < blocks; b++) {
+    for (int64_t b = first; b < end; b++) {
         __m256 w[4];
         if (f == Q4_1)
             dequantize_q4_1(qs, d, m, b, w);
@@ -72,7 +74,7 @@ static inline __attribute__((always_inline)) void row_dots(enum format f, const 
         else
             for (int k = 0; k < 4; k++) w[k] = _mm256_loadu_ps((const float *)qs + 32 * b + 8 * k);
         for (int r = 0; r < R; r++) {
-            const float *xb = x + r * K + 32 * b;
+            const float *xb = x + r * stride + 32 * b;
             for (int k = 0; k < 4; k++)
                 acc[r][k % chains] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xb + 8 * k), acc[r][k % chains]);
         }
@@ -82,6 +84,13 @@ static inline __attribute__((always_inline)) void row_dots(enum format f, const 
         for (int c = 1; c < chains; c++) sum = _mm256_add_ps(sum, acc[r][c]);
         out[r] = hsum(sum);
     }
+}
+
+/* The whole weight row: rows [0, R) of x [., K] against all K / 32 blocks. */
+static inline __attribute__((always_inline)) void row_dots(enum format f, const uint8_t *qs, const float *d,
+                                                           const float *m, const float *x, int64_t K, int R,
+                                                           float *out) {
+    block_dots(f, qs, d, m, x, K, 0, K / 32, R, out);
 }
 
 /* Rows [0, M) of x against one weight row, 4 rows of x at a time: y[i, n] for every i (y's row
@@ -172,4 +181,51 @@ void q8_0_dequantize(const int8_t *qs, const float *d, float *w, int64_t N, int6
         dequantize_q8_0((const uint8_t *)qs, d, b, v);
         for (int k = 0; k < 4; k++) _mm256_storeu_ps(w + 32 * b + 8 * k, v[k]);
     }
+}
+
+/* block_dots of Q4_1 with R = rows (1..4) made a constant, so each gets its unrolled loop. */
+static inline void q4_1_block_dots(const uint8_t *qs, const float *d, const float *m, const float *x,
+                                   int64_t stride, int64_t first, int64_t end, int rows, float *out) {
+    switch (rows) {
+        case 4: block_dots(Q4_1, qs, d, m, x, stride, first, end, 4, out); break;
+        case 3: block_dots(Q4_1, qs, d, m, x, stride, first, end, 3, out); break;
+        case 2: block_dots(Q4_1, qs, d, m, x, stride, first, end, 2, out); break;
+        default: block_dots(Q4_1, qs, d, m, x, stride, first, end, 1, out); break;
+    }
+}
+
+/* A SwiGLU MLP whose three weights are Q4_1 blocks, for M <= 4 rows of x:
+ *     y [M, E] = (silu(x @ G^T) * (x @ U^T)) @ D^T,   G, U [F, E], D [E, F],
+ * in one parallel region, so a sleeping OpenMP team wakes once instead of three times. Each thread
+ * takes a range of the F hidden units (whole blocks of 32): their gate and up sums, h = silu(g) * u
+ * there, then that range's share of every output, D[:, range] @ h[range]; thread 0 writes its share
+ * into y, thread t > 0 into partial[t - 1], and the shares are added after the region (so y's sums
+ * are in another order than three separate products'). h is scratch [M, F], partial [threads - 1, M, E].
+ * silu(g) = g / (1 + exp(-g)). */
+void q4_1_swiglu(const float *x, const uint8_t *gq, const float *gd, const float *gm, const uint8_t *uq,
+                 const float *ud, const float *um, const uint8_t *dq, const float *dd, const float *dm, float *h,
+                 float *partial, float *y, int64_t M, int64_t E, int64_t F, int threads) {
+    const int64_t in_blocks = E / 32, hidden_blocks = F / 32;
+    const int rows = (int)M;
+    int used = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
+        if (t == 0) used = team;
+        const int64_t first = hidden_blocks * t / team, end = hidden_blocks * (t + 1) / team;
+        for (int64_t n = 32 * first; n < 32 * end; n++) {
+            float g[4], u[4];
+            q4_1_block_dots(gq + n * (E / 2), gd + n * in_blocks, gm + n * in_blocks, x, E, 0, in_blocks, rows, g);
+            q4_1_block_dots(uq + n * (E / 2), ud + n * in_blocks, um + n * in_blocks, x, E, 0, in_blocks, rows, u);
+            for (int r = 0; r < rows; r++) h[r * F + n] = g[r] / (1.0f + expf(-g[r])) * u[r];
+        }
+        float *share = t == 0 ? y : partial + (int64_t)(t - 1) * M * E;
+        for (int64_t e = 0; e < E; e++) {
+            float s[4];
+            q4_1_block_dots(dq + e * (F / 2), dd + e * hidden_blocks, dm + e * hidden_blocks, h, F, first, end, rows, s);
+            for (int r = 0; r < rows; r++) share[r * E + e] = s[r];
+        }
+    }
+    for (int t = 1; t < used; t++)
+        for (int64_t j = 0; j < M * E; j++) y[j] += partial[(int64_t)(t - 1) * M * E + j];
 }
