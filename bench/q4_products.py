@@ -52,13 +52,13 @@ def best_ms(fn, rounds: int) -> float:
 
 
 def swiglu_times(model, rounds: int) -> dict:
-    """ms of one pass over the model's 30 MLPs at 1, 2 and 4 rows: the three Q4Linear and silu * up
+    """ms of one pass over the model's 30 MLPs at 1, 2, 4, 8 and 16 rows: the three Q4Linear and silu * up
     (unfused), against `Q4SwiGLU`'s one C call on one thread and on the team (while it sleeps, the
     threshold `q4_kernel.SWIGLU_ONE_THREAD_BELOW` chooses between the two)."""
     mlps = [m for m in model.modules() if isinstance(m, Q4SwiGLU)]
     hidden = mlps[0].gate_proj.in_features
     found = {}
-    for rows in (1, 2, 4):
+    for rows in (1, 2, 4, 8, 16):
         x = torch.randn(rows, hidden)
 
         def unfused():

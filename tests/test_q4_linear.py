@@ -313,7 +313,7 @@ def random_q4_mlp(hidden: int = 64, inner: int = 96) -> MLP:
 @pytest.mark.parametrize("one_thread", [True, False], ids=["one_thread", "team"])
 def test_the_fused_swiglu_is_the_three_q4_layers(monkeypatch, one_thread):
     """Q4SwiGLU's one C call equals down(silu(gate(x)) * up(x)) through the three Q4Linears up to float32
-    rounding, on one thread and split between the team's; beyond 4 rows it is those three layers."""
+    rounding, on one thread and split between the team's; beyond SWIGLU_MAX_ROWS it is those three layers."""
     require_kernel()
     mlp = random_q4_mlp()
     fused = Q4SwiGLU(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
@@ -322,12 +322,12 @@ def test_the_fused_swiglu_is_the_three_q4_layers(monkeypatch, one_thread):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     thread_team.team_sleeps.cache_clear()
     try:
-        for rows in (1, 2, 3, 4):
+        for rows in (1, 2, 3, 4, 5, 9, q4_kernel.SWIGLU_MAX_ROWS):  # 4 rows at a time, and what is left
             x = torch.randn(1, rows, 64)
             assert fused.fused(x)
             expected = mlp(x)
             torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-        x = torch.randn(5, 64)
+        x = torch.randn(q4_kernel.SWIGLU_MAX_ROWS + 1, 64)
         assert not fused.fused(x) and torch.equal(fused(x), mlp(x))
     finally:
         thread_team.team_sleeps.cache_clear()

@@ -140,7 +140,7 @@ def q4_pays(model, device: str | torch.device | None = None, dtype: str | torch.
     """Should `model` run on its GGUF's Q4_1 blocks by default (the command line's `generate` and
     `serve` ask)? Yes for "smollm2" on the CPU in float32 where the C kernels load: the float32
     SmolLM2 is that GGUF dequantized, so Q4 weights are the same numbers bit for bit, read as 111 MB
-    a token instead of 538 (~2.5x the tokens/s: bench/decode_speed.py --end-to-end); only the order
+    a token instead of 538 (~3x the tokens/s: bench/decode_speed.py --end-to-end); only the order
     of the sums changes. No elsewhere: another model has no such GGUF, a GPU or half precision
     takes the float path, and without the kernels the Q4 path is slower than float32."""
     if not isinstance(model, str) or model != "smollm2":

@@ -194,7 +194,7 @@ static inline void q4_1_block_dots(const uint8_t *qs, const float *d, const floa
     }
 }
 
-/* A SwiGLU MLP whose three weights are Q4_1 blocks, for M <= 4 rows of x:
+/* A SwiGLU MLP whose three weights are Q4_1 blocks, for M rows of x (4 at a time):
  *     y [M, E] = (silu(x @ G^T) * (x @ U^T)) @ D^T,   G, U [F, E], D [E, F],
  * in one parallel region, so a sleeping OpenMP team wakes once instead of three times. Each thread
  * takes a range of the F hidden units (whole blocks of 32): their gate and up sums, h = silu(g) * u
@@ -206,7 +206,6 @@ void q4_1_swiglu(const float *x, const uint8_t *gq, const float *gd, const float
                  const float *ud, const float *um, const uint8_t *dq, const float *dd, const float *dm, float *h,
                  float *partial, float *y, int64_t M, int64_t E, int64_t F, int threads) {
     const int64_t in_blocks = E / 32, hidden_blocks = F / 32;
-    const int rows = (int)M;
     int used = 1;
 #pragma omp parallel num_threads(threads)
     {
@@ -214,16 +213,24 @@ void q4_1_swiglu(const float *x, const uint8_t *gq, const float *gd, const float
         if (t == 0) used = team;
         const int64_t first = hidden_blocks * t / team, end = hidden_blocks * (t + 1) / team;
         for (int64_t n = 32 * first; n < 32 * end; n++) {
-            float g[4], u[4];
-            q4_1_block_dots(gq + n * (E / 2), gd + n * in_blocks, gm + n * in_blocks, x, E, 0, in_blocks, rows, g);
-            q4_1_block_dots(uq + n * (E / 2), ud + n * in_blocks, um + n * in_blocks, x, E, 0, in_blocks, rows, u);
-            for (int r = 0; r < rows; r++) h[r * F + n] = g[r] / (1.0f + expf(-g[r])) * u[r];
+            for (int64_t i = 0; i < M; i += 4) {
+                const int rows = M - i >= 4 ? 4 : (int)(M - i);
+                float g[4], u[4];
+                const float *xi = x + i * E;
+                q4_1_block_dots(gq + n * (E / 2), gd + n * in_blocks, gm + n * in_blocks, xi, E, 0, in_blocks, rows, g);
+                q4_1_block_dots(uq + n * (E / 2), ud + n * in_blocks, um + n * in_blocks, xi, E, 0, in_blocks, rows, u);
+                for (int r = 0; r < rows; r++) h[(i + r) * F + n] = g[r] / (1.0f + expf(-g[r])) * u[r];
+            }
         }
         float *share = t == 0 ? y : partial + (int64_t)(t - 1) * M * E;
         for (int64_t e = 0; e < E; e++) {
-            float s[4];
-            q4_1_block_dots(dq + e * (F / 2), dd + e * hidden_blocks, dm + e * hidden_blocks, h, F, first, end, rows, s);
-            for (int r = 0; r < rows; r++) share[r * E + e] = s[r];
+            for (int64_t i = 0; i < M; i += 4) {
+                const int rows = M - i >= 4 ? 4 : (int)(M - i);
+                float s[4];
+                q4_1_block_dots(dq + e * (F / 2), dd + e * hidden_blocks, dm + e * hidden_blocks, h + i * F, F, first,
+                                end, rows, s);
+                for (int r = 0; r < rows; r++) share[(i + r) * E + e] = s[r];
+            }
         }
     }
     for (int t = 1; t < used; t++)
