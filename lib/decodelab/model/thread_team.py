@@ -44,7 +44,7 @@ class _OneThread:
     def __enter__(self) -> None:
         torch.set_num_threads(1)
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *_exc_info) -> None:
         torch.set_num_threads(self.before)
 
 
