@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from decodelab.model import q4_kernel  # noqa: E402
+from decodelab.model.llama import MLP  # noqa: E402
 from decodelab.model.q4_kernel import kernel  # noqa: E402
 from decodelab.model.q4_linear import Q4Linear, use_gguf_q4_weights  # noqa: E402
 from decodelab.model.q4_swiglu import Q4SwiGLU  # noqa: E402
@@ -63,7 +64,7 @@ def swiglu_times(model, rounds: int) -> dict:
 
         def unfused():
             for m in mlps:
-                m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+                MLP.forward(m, x)  # llama.MLP's own forward over the three Q4Linear
 
         def fused(below: int):
             q4_kernel.SWIGLU_ONE_THREAD_BELOW = below

@@ -63,6 +63,8 @@ def test_the_thread_count_comes_back_when_the_work_raises(policy, two_threads):
 
 
 def _threads_seen_by_sdpa(monkeypatch) -> list[int]:
+    """The thread count at each later call of F.scaled_dot_product_attention (torch.nn.functional's,
+    which attention.py and paged_attention.py both call), appended to the list returned."""
     seen, sdpa = [], F.scaled_dot_product_attention
 
     def recording(*args, **kwargs):
@@ -95,8 +97,6 @@ def test_a_decode_tokens_attention_runs_alone_and_gives_the_same_numbers(policy,
 
 def test_the_paged_decode_attention_runs_alone_on_short_contexts(policy, two_threads, monkeypatch):
     """The engine's decode attention (PagedBatch, two sequences) likewise: alone, and the same numbers."""
-    import decodelab.engine.paged_attention as paged
-
     config = toy_config()
     h, h_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     store = PagedKVStore(config, num_blocks=8, block_size=4)
@@ -106,13 +106,7 @@ def test_the_paged_decode_attention_runs_alone_on_short_contexts(policy, two_thr
     slices = [SequenceSlice(0, 1, 7, [3, 5]), SequenceSlice(1, 1, 3, [1])]
     slot_mapping = torch.tensor([5 * 4 + 2, 1 * 4 + 2])  # each new token's slot: its position in its block
     q, k, v = torch.randn(1, h, 2, d), torch.randn(1, h_kv, 2, d), torch.randn(1, h_kv, 2, d)
-    seen, sdpa = [], F.scaled_dot_product_attention
-
-    def recording(*args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(paged.F, "scaled_dot_product_attention", recording)
+    seen = _threads_seen_by_sdpa(monkeypatch)
     policy("ACTIVE", None)
     team = PagedBatch(store, slices, slot_mapping).attend(0, q, k, v)
     policy("PASSIVE", None)

@@ -408,12 +408,11 @@ def run_generate(args) -> int:
             f"--q4 reads the Q4_1 blocks of the GGUF a model comes from, and only smollm2 comes from one "
             f"(got --model {args.model}): use --int8"
         )
-    from decodelab.model.q4_linear import q4_pays
+    from decodelab.model.q4_linear import q4_pays, use_gguf_q4_weights
 
     q4 = args.q4 or (not chosen and q4_pays(args.model, args.device, args.dtype))
     model, tokenizer = load_model(args.model, args.device, args.dtype)
     if q4:
-        from decodelab.model.q4_linear import use_gguf_q4_weights
         from decodelab.model.registry import smollm2_gguf_path
 
         model = use_gguf_q4_weights(model, smollm2_gguf_path())

@@ -35,9 +35,10 @@ KERNEL_ENV = "DECODELAB_Q4_KERNEL"  # "0": always the pure-torch path
 # (OMP_WAIT_POLICY=PASSIVE, which `import decodelab` sets): waking it costs more than it saves.
 # Measured by bench/q4_products.py (a SmolLM2 layer's products at 1 and 4 rows run faster alone).
 ONE_THREAD_BELOW = 1 << 22
-# The fused SwiGLU MLP (`q4_1_swiglu`): up to 16 rows of x (measured there; it dequantizes a weight
-# row again for every 4 rows, which the layer-by-layer products' row buffer avoids), and its multiply-adds below which it runs on one thread while the team sleeps (one
-# wake for the whole MLP pays already at one row of SmolLM2's: measured by bench/q4_products.py).
+# The fused SwiGLU MLP (`q4_1_swiglu`): up to 16 rows of x (measured there; it dequantizes a
+# weight row again for every 4 rows, which the layer-by-layer products' row buffer avoids), and the
+# multiply-adds below which it runs on one thread while the team sleeps (one wake for the whole MLP
+# pays already at one row of SmolLM2's: bench/q4_products.py).
 SWIGLU_MAX_ROWS = 16
 SWIGLU_ONE_THREAD_BELOW = 1 << 20
 KERNEL_MAX_ROWS = 64  # more rows: dequantize + F.linear (one GEMM) wins; measured by bench/q4_products.py

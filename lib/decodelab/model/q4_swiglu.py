@@ -12,7 +12,6 @@ product summed in per-thread ranges); more rows, another device or dtype take th
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from decodelab.model.block_linear import BlockLinear
@@ -42,7 +41,7 @@ class Q4SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., E] -> [..., E]."""
         if not self.fused(x):
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return MLP.forward(self, x)  # the three layers under llama.MLP's names, as llama.MLP runs them
         hidden = self.gate_proj.in_features
         blocks = (self.gate_proj.blocks(), self.up_proj.blocks(), self.down_proj.blocks())
         return q4_1_swiglu(x.reshape(-1, hidden), *blocks).view(x.shape)
