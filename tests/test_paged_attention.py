@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from decodelab.config import ModelConfig
+from decodelab.engine import paged_decode_kernel
 from decodelab.engine.block_allocator import blocks_needed
 from decodelab.engine.paged_attention import PagedBatch, PagedKVStore, SequenceSlice, group_by_length
+from decodelab.model import q4_kernel, thread_team
 from decodelab.model.attention import causal_attention
 
 H, H_KV, D, BLOCK = 6, 2, 8, 4
@@ -66,10 +68,21 @@ class OneGroupPerLength(PagedBatch):
     DECODE_GROUP_COST = 0
 
 
+def decode_path(monkeypatch, path: str) -> None:
+    """Make decode groups attend through `path`: "c" (engine.paged_decode_kernel; skipped where the C
+    kernels cannot load) or "torch" (gathered blocks and SDPA)."""
+    if path == "torch":
+        monkeypatch.setattr(paged_decode_kernel, "runs_here", lambda q, keys: False)
+    elif not q4_kernel.kernel_loads():
+        pytest.skip("the C kernels cannot load here")
+
+
 @pytest.mark.parametrize("new_lengths", ORDERS + [[1] * 9, [1, 1, 6, 1, 1, 1, 2, 1]])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("batch_class", [PagedBatch, OneGroupPerLength])
-def test_packed_attention_equals_per_sequence_attention(new_lengths, sliding_window, batch_class):
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_packed_attention_equals_per_sequence_attention(new_lengths, sliding_window, batch_class, path, monkeypatch):
+    decode_path(monkeypatch, path)
     batch, q, k, v, expected = make_case(
         new_lengths, seed=len(new_lengths), sliding_window=sliding_window, batch_class=batch_class
     )
@@ -78,6 +91,32 @@ def test_packed_attention_equals_per_sequence_attention(new_lengths, sliding_win
         assert len(batch.decode_groups) > 1  # the case this class exists for
     out = batch.attend(0, q, k, v)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [8, 12, 64])  # 12: a tail past the 8-float vectors
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_c_decode_attention_is_sdpa_over_the_gathered_blocks(head_dim, window, threads, monkeypatch):
+    """paged_decode_attention against its definition: SDPA of each sequence's one query over the keys it
+    gathers from its own (shuffled, padded) table, the last `window` of them with a window; GQA of 4
+    query heads per KV head; lengths from one key to a full table; on one thread and on two."""
+    if not q4_kernel.kernel_loads():
+        pytest.skip("the C kernels cannot load here")
+    monkeypatch.setattr(thread_team, "threads_for", lambda work, below: threads)
+    torch.manual_seed(head_dim)
+    heads, kv_heads, block, max_blocks = 8, 2, 4, 5
+    keys, values = torch.randn(2, 40, block, kv_heads, head_dim)  # [num_blocks, block_size, H_kv, D]
+    lengths = torch.tensor([1, 7, 20, 13])
+    tables = torch.stack([torch.randperm(40)[:max_blocks] for _ in lengths])  # unused entries: padding
+    q = torch.randn(len(lengths), heads, head_dim)
+    out = paged_decode_kernel.paged_decode_attention(q, keys, values, tables, lengths, window)
+    for b, length in enumerate(lengths.tolist()):
+        table = tables[b].tolist()
+        slots = torch.tensor([table[p // block] * block + p % block for p in range(length)][-(window or length) :])
+        k_seq = keys.view(-1, kv_heads, head_dim)[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        v_seq = values.view(-1, kv_heads, head_dim)[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        expected = torch.nn.functional.scaled_dot_product_attention(q[b][:, None], k_seq, v_seq)[:, 0]
+        torch.testing.assert_close(out[b], expected, rtol=1e-5, atol=1e-6)
 
 
 class DecodeRowsFirst(PagedBatch):

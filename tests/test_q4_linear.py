@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from decodelab.decoding.generate import encode_prompt, generate_with_cache
 from decodelab.model import q4_kernel, thread_team
 from decodelab.model.gguf_tensors import read_gguf_tensors
+from decodelab.model.kv_cache import KVCache
 from decodelab.model.llama import MLP
+from decodelab.model.q4_layer import Q4DecoderLayer, use_q4_layers
 from decodelab.model.q4_linear import Q4Linear, dequantize_q4_1, q4_1_blocks, use_gguf_q4_weights
 from decodelab.model.q4_swiglu import Q4SwiGLU, use_q4_swiglu
 from decodelab.model.q8_linear import Q8Linear, dequantize_q8_0, q8_0_blocks
@@ -187,7 +189,7 @@ def test_a_compiler_that_fails_falls_back_with_one_line(monkeypatch, capsys, tmp
         assert q4_kernel.kernel() is None
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "pure-torch path" in err, err
-        assert ("compiling gguf_gemv.c with false failed" in err) or ("CPU" in err), err
+        assert ("compiling the kernels with false failed" in err) or ("CPU" in err), err
     finally:
         forget_kernel()
 
@@ -343,3 +345,88 @@ def test_use_q4_swiglu_swaps_only_mlps_of_three_q4_layers():
     assert isinstance(swapped, Q4SwiGLU) and swapped.down_proj is mlp.down_proj
     with pytest.raises(TypeError, match="three Q4Linear layers"):
         Q4SwiGLU(mlp.gate_proj, torch.nn.Linear(64, 96, bias=False), mlp.down_proj)
+
+
+def random_q4_llama(seed: int = 0):
+    """The toy Llama with every decoder linear a random Q4Linear, its MLPs `Q4SwiGLU`s and its layers
+    `Q4DecoderLayer`s (the lm_head stays float)."""
+    model = random_llama(seed=seed)
+    for index, (name, linear) in enumerate(list(model.model.layers.named_modules())):
+        if isinstance(linear, torch.nn.Linear):
+            parent_name, _, child = name.rpartition(".")
+            q4 = random_q4(linear.out_features, linear.in_features, seed * 100 + index)
+            setattr(model.model.layers.get_submodule(parent_name), child, q4)
+    assert use_q4_swiglu(model) == use_q4_layers(model) == model.config.num_hidden_layers
+    return model
+
+
+def unfused(monkeypatch) -> None:
+    """Every Q4DecoderLayer runs DecoderLayer.forward (its modules one by one) from now on."""
+    monkeypatch.setattr(Q4DecoderLayer, "fused", lambda self, x, cos: False)
+
+
+@pytest.mark.parametrize("one_thread", [True, False], ids=["one_thread", "team"])
+def test_the_fused_layer_is_the_decoder_layers_modules(monkeypatch, one_thread):
+    """Q4DecoderLayer's two C calls give the model's logits that its modules give, up to float32
+    rounding: a 5-token prefill and two decode steps over a KVCache, a batch of 2 x 3 rows, and 16 rows
+    (the most it fuses); beyond that, and with a hook on a module, the modules run themselves."""
+    require_kernel()
+    monkeypatch.setattr(q4_kernel, "ONE_THREAD_BELOW", 1 << 62 if one_thread else 0)
+    monkeypatch.setattr(q4_kernel, "SWIGLU_ONE_THREAD_BELOW", 1 << 62 if one_thread else 0)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    thread_team.team_sleeps.cache_clear()
+    model = random_q4_llama(seed=1)
+    layer = model.model.layers[0]
+    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+
+    def logits_with_decode(ids_row):
+        cache = KVCache(model.config, max_seq_len=16)
+        outs = [model(ids_row[:, :5], kv_cache=cache)]
+        outs += [model(ids_row[:, t : t + 1], kv_cache=cache) for t in (5, 6)]
+        return torch.cat(outs, 1)
+
+    try:
+        with torch.inference_mode():
+            assert layer.fused(torch.zeros(1, 16, 64), model.rope_cos[:16])
+            assert not layer.fused(torch.zeros(1, 17, 64), model.rope_cos[:17])
+            fused = [logits_with_decode(ids[:1]), model(ids[:, :3]), model(ids[:1, :16]), model(ids[:1, :17])]
+            with monkeypatch.context() as patched:
+                unfused(patched)
+                expected = [logits_with_decode(ids[:1]), model(ids[:, :3]), model(ids[:1, :16]), model(ids[:1, :17])]
+        for got, want in zip(fused, expected):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        assert torch.equal(fused[3], expected[3])  # 17 rows: the modules themselves
+    finally:
+        thread_team.team_sleeps.cache_clear()
+
+
+def test_a_hook_on_a_module_of_the_fused_layer_is_honoured():
+    require_kernel()
+    model = random_q4_llama(seed=2)
+    layer = model.model.layers[1]
+    x, cos = torch.randn(1, 1, 64), model.rope_cos[:1]
+    seen = []
+    with torch.inference_mode():
+        assert layer.fused(x, cos)
+        handle = layer.self_attn.k_proj.register_forward_hook(lambda module, inputs, output: seen.append(output))
+        assert not layer.fused(x, cos)
+        model(torch.tensor([[3, 4]]))
+        handle.remove()
+        assert layer.fused(x, cos)
+    assert len(seen) == 1 and seen[0].shape == (1, 2, 32)
+
+
+def test_use_q4_layers_keeps_the_modules_and_their_names():
+    model = random_q4_llama(seed=3)
+    float_model = random_llama(seed=3)
+    assert all(isinstance(layer, Q4DecoderLayer) for layer in model.model.layers)
+    assert use_q4_layers(float_model) == 0  # float linears: nothing to fuse
+    names = {name.removesuffix(".weight") for name in float_model.state_dict()}
+    q4_names = {
+        name.rsplit(".", 1)[0] if name.rsplit(".", 1)[1] in ("nibbles", "d", "m") else name.removesuffix(".weight")
+        for name in model.state_dict()
+    }
+    assert q4_names == names
+    with pytest.raises(TypeError, match="Q4Linear q/k/v/o projections"):
+        Q4DecoderLayer.from_layer(float_model.model.layers[0])

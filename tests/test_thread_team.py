@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from decodelab.engine import paged_decode_kernel
 from decodelab.engine.paged_attention import PagedBatch, PagedKVStore, SequenceSlice
 from decodelab.model import attention, thread_team
 from decodelab.model.attention import ATTENTION_ONE_THREAD_BELOW, masked_attention
@@ -96,7 +97,9 @@ def test_a_decode_tokens_attention_runs_alone_and_gives_the_same_numbers(policy,
 
 
 def test_the_paged_decode_attention_runs_alone_on_short_contexts(policy, two_threads, monkeypatch):
-    """The engine's decode attention (PagedBatch, two sequences) likewise: alone, and the same numbers."""
+    """The engine's decode attention (PagedBatch, two sequences) on its torch path (where the C kernel of
+    engine.paged_decode_kernel does not run) likewise: alone, and the same numbers."""
+    monkeypatch.setattr(paged_decode_kernel, "runs_here", lambda q, keys: False)
     config = toy_config()
     h, h_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     store = PagedKVStore(config, num_blocks=8, block_size=4)

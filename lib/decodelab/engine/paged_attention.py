@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from decodelab.config import ModelConfig
+from decodelab.engine import paged_decode_kernel
 from decodelab.engine.block_allocator import blocks_needed, slot_of
 from decodelab.model.attention import ATTENTION_ONE_THREAD_BELOW, causal_attention
 from decodelab.model.thread_team import one_thread_if_small
@@ -92,11 +93,13 @@ class DecodeGroup:
     """Decode sequences that attend together, padded to the longest of them.
 
     rows [b]: their rows among the packed tokens; blocks [b, max_blocks]: block ids, padded
-    with block 0; mask [b, 1, 1, max_blocks * block_size]: 0 where a key position is attended
-    to, -inf elsewhere (SDPA is ~15% faster on CPU with an additive mask than a boolean one)."""
+    with block 0; lengths [b]: each one's context length (int64); mask [b, 1, 1, max_blocks *
+    block_size]: 0 where a key position is attended to, -inf elsewhere (SDPA is ~15% faster on CPU
+    with an additive mask than a boolean one; the C path reads lengths instead)."""
 
     rows: torch.Tensor
     blocks: torch.Tensor
+    lengths: torch.Tensor
     mask: torch.Tensor
 
 
@@ -186,6 +189,7 @@ class PagedBatch:
         return DecodeGroup(
             rows=torch.tensor([s.q_start for s in slices], device=device),
             blocks=tables.to(device),
+            lengths=lengths.to(device),
             mask=additive[:, None, None, :].to(device),
         )
 
@@ -215,16 +219,23 @@ class PagedBatch:
     def _attend_decode(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         """q [1, H, b, D]: the one new token of each sequence in `group` -> [1, H, b, D].
 
-        Whole blocks are gathered ([b * max_blocks, block_size, H_kv, D]: one index per block,
+        Float32 on a CPU whose C kernels load: one call of `paged_decode_kernel`, which reads the
+        keys and values through the block tables where they lie. Otherwise whole blocks are gathered ([b * max_blocks, block_size, H_kv, D]: one index per block,
         not per token, so the copy moves long contiguous rows). The query heads sharing a KV
         head are folded into the query-length axis, q [b, H_kv, group size, D], so each KV head
         is read once, not copied per query head (no repeat_kv), and the padding mask broadcasts."""
         batch, num_heads, head_dim = q.shape[2], q.shape[1], q.shape[3]
+        keys, values = self.store.keys[layer], self.store.values[layer]  # [num_blocks, block_size, H_kv, D]
+        if paged_decode_kernel.runs_here(q, keys):  # one C call, straight through the tables
+            out = paged_decode_kernel.paged_decode_attention(
+                q[0].transpose(0, 1), keys, values, group.blocks, group.lengths, self.sliding_window
+            )  # [b, H, D]
+            return out.transpose(0, 1)[None]  # [1, H, b, D]
         num_kv_heads = self.store.num_kv_heads
         context = group.blocks.shape[1] * self.store.block_size
         blocks = group.blocks.view(-1)  # index_select: ~2-3x faster than keys[table] on CPU
-        k_ctx = self.store.keys[layer].index_select(0, blocks)  # [b * max_blocks, block_size, H_kv, D]
-        v_ctx = self.store.values[layer].index_select(0, blocks)
+        k_ctx = keys.index_select(0, blocks)  # [b * max_blocks, block_size, H_kv, D]
+        v_ctx = values.index_select(0, blocks)
         k_ctx = k_ctx.view(batch, context, num_kv_heads, head_dim).transpose(1, 2)  # [b, H_kv, S, D]
         v_ctx = v_ctx.view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
         q_b = q[0].transpose(0, 1).reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)

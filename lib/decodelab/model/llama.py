@@ -53,11 +53,15 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is None:
-            out = causal_attention(q, k, v, 0, self.sliding_window)
-        else:
-            out = kv_cache.attend(self.layer_idx, q, k, v)  # [B, H, T, D]
+        out = self.attend(q, k, v, kv_cache)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        """q [B, H, T, D], k, v [B, H_kv, T, D] (RoPE applied) -> [B, H, T, D]: over `kv_cache`
+        (which stores k, v beside what it holds), or causal within this pass without one."""
+        if kv_cache is None:
+            return causal_attention(q, k, v, 0, self.sliding_window)
+        return kv_cache.attend(self.layer_idx, q, k, v)
 
 
 class MLP(nn.Module):

@@ -29,7 +29,9 @@ import torch
 from decodelab.model import thread_team
 from decodelab.paths import cache_dir
 
-SOURCE = Path(__file__).parent / "csrc" / "gguf_gemv.c"
+# The GGUF block products, and the paged decode attention the engine uses (`engine.paged_decode_kernel`):
+# one library.
+SOURCES = (Path(__file__).parent / "csrc" / "gguf_gemv.c", Path(__file__).parent / "csrc" / "paged_decode.c")
 KERNEL_ENV = "DECODELAB_Q4_KERNEL"  # "0": always the pure-torch path
 # Multiply-adds below which one thread beats two whose OpenMP team sleeps between products
 # (OMP_WAIT_POLICY=PASSIVE, which `import decodelab` sets): waking it costs more than it saves.
@@ -73,7 +75,7 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelUnavailable("no C compiler found (set $CC, or install cc)")
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS, *LIBRARIES]).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"gguf_gemv-{key}.so"
     if target.exists():
@@ -83,16 +85,16 @@ def _build() -> Path:
         partial = Path(tmp) / target.name
         try:
             result = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(partial), *LIBRARIES],
+                [compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial), *LIBRARIES],
                 capture_output=True,
                 text=True,
                 timeout=120,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise KernelUnavailable(f"compiling {SOURCE.name} failed: {exc}") from None
+            raise KernelUnavailable(f"compiling the kernels failed: {exc}") from None
         if result.returncode != 0:
             first = (result.stderr.strip().splitlines() or ["no message"])[0]
-            raise KernelUnavailable(f"compiling {SOURCE.name} with {compiler} failed: {first}")
+            raise KernelUnavailable(f"compiling the kernels with {compiler} failed: {first}")
         os.replace(partial, target)  # atomic: another process never loads a half-written file
     return target
 
@@ -110,7 +112,23 @@ def _loaded_or_why() -> tuple[ctypes.CDLL | None, str]:
     library.q4_1_dequantize.argtypes = [pointer, pointer, pointer, pointer, size, size, ctypes.c_int]
     library.q8_0_dequantize.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_int]
     library.q4_1_swiglu.argtypes = [pointer] * 13 + [size, size, size, ctypes.c_int]
-    for function in ("q4_1_matmul", "q8_0_matmul", "q4_1_dequantize", "q8_0_dequantize", "q4_1_swiglu"):
+    library.paged_decode_attention.argtypes = [pointer] * 6 + [size] * 7 + [ctypes.c_float, pointer, ctypes.c_int]
+    real, integer = ctypes.c_float, ctypes.c_int
+    library.q4_1_attention_inputs.argtypes = [pointer, pointer, real] + [pointer] * 15 + [size] * 6 + [integer]
+    library.q4_1_attention_output_and_mlp.argtypes = (
+        [pointer] * 6 + [real] + [pointer] * 15 + [size] * 4 + [integer, integer]
+    )
+    functions = (
+        "q4_1_matmul",
+        "q8_0_matmul",
+        "q4_1_dequantize",
+        "q8_0_dequantize",
+        "q4_1_swiglu",
+        "q4_1_attention_inputs",
+        "q4_1_attention_output_and_mlp",
+        "paged_decode_attention",
+    )
+    for function in functions:
         getattr(library, function).restype = None
     return library, ""
 
@@ -192,6 +210,71 @@ def q4_1_swiglu(
     y = torch.empty(rows, e, dtype=torch.float32)
     pointers = [tensor.data_ptr() for tensor in (x, *gate, *up, *down, h, partial, y)]
     _loaded().q4_1_swiglu(*pointers, rows, e, f, threads)
+    return y
+
+
+def q4_1_attention_inputs(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    projections: tuple[tuple[torch.Tensor, ...], ...],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer's half before its attention, in one C call: h = RMSNorm(x) (weight
+    `norm_weight` [E], `eps`), q, k, v = h @ W.T for the Q4_1 blocks of q_proj, k_proj and v_proj
+    (`projections`, each (nibbles, d, m) as `q4_1_matmul` takes them), and RoPE on q and k.
+    x float32 [M, E] (rows [B, T] flattened); cos, sin float32 [T, D], contiguous. Returns q [M, H*D],
+    k and v [M, H_kv*D]. The kernel must be loaded."""
+    x = x.contiguous()
+    rows, e = x.shape
+    t = cos.shape[0]
+    sizes = [blocks[0].shape[0] for blocks in projections]  # H*D, H_kv*D, H_kv*D
+    h = torch.empty(rows, e, dtype=torch.float32)
+    q, k, v = (torch.empty(rows, n, dtype=torch.float32) for n in sizes)
+    threads = threads_for(rows * sum(sizes) * e)
+    tensors = (*projections[0], *projections[1], *projections[2], cos, sin, h, q, k, v)
+    _loaded().q4_1_attention_inputs(
+        x.data_ptr(),
+        norm_weight.data_ptr(),
+        eps,
+        *[tensor.data_ptr() for tensor in tensors],
+        rows,
+        t,
+        e,
+        sizes[0] // head_dim,
+        sizes[1] // head_dim,
+        head_dim,
+        threads,
+    )
+    return q, k, v
+
+
+def q4_1_attention_output_and_mlp(
+    x: torch.Tensor,
+    attention: torch.Tensor,
+    o_proj: tuple[torch.Tensor, ...],
+    norm_weight: torch.Tensor,
+    eps: float,
+    mlp: tuple[tuple[torch.Tensor, ...], ...],
+) -> torch.Tensor:
+    """A decoder layer's half after its attention, in one C call: mid = x + attention @ O.T (o_proj's
+    Q4_1 blocks), then mid + MLP(RMSNorm(mid)), the MLP as `q4_1_swiglu` (gate, up, down blocks in
+    `mlp`). x float32 [M, E], attention float32 [M, A], M <= SWIGLU_MAX_ROWS. Returns [M, E]. The
+    kernel must be loaded."""
+    x, attention = x.contiguous(), attention.contiguous()
+    rows, e = x.shape
+    a = attention.shape[1]
+    f = mlp[0][0].shape[0]
+    o_threads = threads_for(rows * e * a)
+    mlp_threads = thread_team.threads_for(3 * rows * e * f, SWIGLU_ONE_THREAD_BELOW)
+    mid, normed, mlp_out, y = (torch.empty(rows, e, dtype=torch.float32) for _ in range(4))
+    h = torch.empty(rows, f, dtype=torch.float32)
+    partial = torch.empty(max(mlp_threads - 1, 1), rows, e, dtype=torch.float32)
+    first = [tensor.data_ptr() for tensor in (x, attention, *o_proj, norm_weight)]
+    rest = [tensor.data_ptr() for tensor in (*mlp[0], *mlp[1], *mlp[2], mid, normed, mlp_out, h, partial, y)]
+    _loaded().q4_1_attention_output_and_mlp(*first, eps, *rest, rows, a, e, f, o_threads, mlp_threads)
     return y
 
 

@@ -31,6 +31,7 @@ from decodelab.model.block_linear import BlockLinear
 from decodelab.model.gguf_import import hf_tensor_name, unpermute_rows
 from decodelab.model.gguf_tensors import read_gguf_tensors
 from decodelab.model.q4_kernel import KERNEL_MAX_ROWS, kernel_loads, q4_1_dequantize, q4_1_matmul
+from decodelab.model.q4_layer import use_q4_layers
 from decodelab.model.q4_swiglu import use_q4_swiglu
 from decodelab.model.q8_linear import use_gguf_q8_lm_head
 from decodelab.model.registry import check_device, default_device
@@ -105,8 +106,8 @@ def _hf_row_order(name: str, blocks: tuple, config) -> tuple:
 def use_gguf_q4_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
     """Replace, in place, every nn.Linear of `model` whose weight is a Q4_1 tensor in `gguf_path`
     by a `Q4Linear` from that tensor's blocks, a Q8_0 lm_head by a `Q8Linear`
-    (`use_gguf_q8_lm_head`), and each MLP of three Q4Linears by a `Q4SwiGLU` (`use_q4_swiglu`);
-    returns the model. The model must be the one the GGUF converts to
+    (`use_gguf_q8_lm_head`), each MLP of three Q4Linears by a `Q4SwiGLU` (`use_q4_swiglu`) and
+    then each layer whose linears are all Q4 by a `Q4DecoderLayer` (`use_q4_layers`); returns the model. The model must be the one the GGUF converts to
     (`registry.load("smollm2")` for SmolLM2's file). ValueError when the file holds no Q4_1
     tensor, or one that matches no linear of the model."""
     tensors = read_gguf_tensors(gguf_path)
@@ -133,6 +134,7 @@ def use_gguf_q4_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
         raise ValueError(f"{gguf_path} holds no Q4_1 tensor: Q4 weights need a Q4_1 GGUF")
     use_gguf_q8_lm_head(model, tensors)
     use_q4_swiglu(model)  # each MLP's three Q4 products in one C call
+    use_q4_layers(model)  # each layer's norms, products, RoPE and residuals in two C calls around its attention
     return model
 
 

@@ -19,7 +19,8 @@ from decodelab.model.llama import MLP
 from decodelab.model.q4_kernel import SWIGLU_MAX_ROWS, q4_1_swiglu
 
 
-def _is_q4(layer: nn.Module) -> bool:
+def is_q4(layer: nn.Module) -> bool:
+    """A Q4_1 block layer without bias (what the fused Q4 kernels take)."""
     return isinstance(layer, BlockLinear) and layer.FORMAT == "Q4_1" and layer.bias is None
 
 
@@ -29,7 +30,7 @@ class Q4SwiGLU(nn.Module):
 
     def __init__(self, gate_proj: BlockLinear, up_proj: BlockLinear, down_proj: BlockLinear):
         super().__init__()
-        if not all(_is_q4(layer) for layer in (gate_proj, up_proj, down_proj)):
+        if not all(is_q4(layer) for layer in (gate_proj, up_proj, down_proj)):
             raise TypeError("Q4SwiGLU takes three Q4Linear layers without bias")
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
@@ -54,7 +55,7 @@ def use_q4_swiglu(model: nn.Module) -> int:
         (name, module)
         for name, module in model.named_modules()
         if isinstance(module, MLP)
-        and all(_is_q4(layer) for layer in (module.gate_proj, module.up_proj, module.down_proj))
+        and all(is_q4(layer) for layer in (module.gate_proj, module.up_proj, module.down_proj))
     ]
     for name, module in swaps:
         parent_name, _, child_name = name.rpartition(".")

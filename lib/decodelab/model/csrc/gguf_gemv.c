@@ -236,3 +236,68 @@ void q4_1_swiglu(const float *x, const uint8_t *gq, const float *gd, const float
     for (int t = 1; t < used; t++)
         for (int64_t j = 0; j < M * E; j++) y[j] += partial[(int64_t)(t - 1) * M * E + j];
 }
+
+/* A decoder layer's two halves around its attention, for M rows of x whose weights are all Q4_1:
+ * the operations between one attention and the next run here in two calls instead of some forty
+ * torch operations. Each is written to give what the torch modules give (llama.py): RMSNorm as
+ * weight * (x * (1 / sqrt(mean(x^2) + eps))), RoPE as x * cos + rotate_half(x) * sin with the same
+ * float32 roundings (-ffp-contract=off), so only the order of the sums differs. */
+
+/* h [M, E] = RMSNorm(x [M, E]) with weight w [E]. */
+static void rms_norm_rows(const float *x, const float *w, float eps, float *h, int64_t M, int64_t E) {
+    for (int64_t i = 0; i < M; i++) {
+        const float *xi = x + i * E;
+        float squares = 0.0f;
+        for (int64_t e = 0; e < E; e++) squares += xi[e] * xi[e];
+        const float scale = 1.0f / sqrtf(squares / (float)E + eps);
+        for (int64_t e = 0; e < E; e++) h[i * E + e] = w[e] * (xi[e] * scale);
+    }
+}
+
+/* In place on x [M, heads * D]: each head of row i rotated by cos, sin [T, D] row i % T (rows are
+ * [B, T] flattened, every sequence at the same positions). rotate_half(v) = cat(-v[D/2:], v[:D/2]). */
+static void rope_rows(float *x, const float *cos, const float *sin, int64_t M, int64_t T, int64_t heads, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < M; i++) {
+        const float *c = cos + (i % T) * D, *s = sin + (i % T) * D;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + (i * heads + h) * D;
+            for (int64_t j = 0; j < half; j++) {
+                const float a = v[j], b = v[j + half];
+                v[j] = a * c[j] + (-b) * s[j];
+                v[j + half] = b * c[j + half] + a * s[j + half];
+            }
+        }
+    }
+}
+
+/* The half before the attention: h = RMSNorm(x) (scratch [M, E]), then q [M, H*D], k and v
+ * [M, H_kv*D] = h @ W^T of the Q4_1 blocks of q_proj, k_proj, v_proj, with RoPE applied to q and k. */
+void q4_1_attention_inputs(const float *x, const float *norm_weight, float eps, const uint8_t *qq, const float *qd,
+                           const float *qm, const uint8_t *kq, const float *kd, const float *km, const uint8_t *vq,
+                           const float *vd, const float *vm, const float *cos, const float *sin, float *h, float *q,
+                           float *k, float *v, int64_t M, int64_t T, int64_t E, int64_t H, int64_t H_kv, int64_t D,
+                           int threads) {
+    rms_norm_rows(x, norm_weight, eps, h, M, E);
+    matmul(Q4_1, h, qq, qd, qm, q, M, H * D, E, threads);
+    matmul(Q4_1, h, kq, kd, km, k, M, H_kv * D, E, threads);
+    matmul(Q4_1, h, vq, vd, vm, v, M, H_kv * D, E, threads);
+    rope_rows(q, cos, sin, M, T, H, D);
+    rope_rows(k, cos, sin, M, T, H_kv, D);
+}
+
+/* The half after it: mid = x + attention [M, A] @ O^T (o_proj's Q4_1 blocks, [E, A]), then
+ * y = mid + MLP(RMSNorm(mid)) through q4_1_swiglu (M <= its 16 rows). Scratch: mid, normed and
+ * mlp [M, E], and q4_1_swiglu's h [M, F] and partial [max(mlp_threads - 1, 1), M, E]. */
+void q4_1_attention_output_and_mlp(const float *x, const float *attention, const uint8_t *oq, const float *od,
+                                   const float *om, const float *norm_weight, float eps, const uint8_t *gq,
+                                   const float *gd, const float *gm, const uint8_t *uq, const float *ud,
+                                   const float *um, const uint8_t *dq, const float *dd, const float *dm, float *mid,
+                                   float *normed, float *mlp, float *h, float *partial, float *y, int64_t M,
+                                   int64_t A, int64_t E, int64_t F, int o_threads, int mlp_threads) {
+    matmul(Q4_1, attention, oq, od, om, mid, M, E, A, o_threads);
+    for (int64_t j = 0; j < M * E; j++) mid[j] = x[j] + mid[j];
+    rms_norm_rows(mid, norm_weight, eps, normed, M, E);
+    q4_1_swiglu(normed, gq, gd, gm, uq, ud, um, dq, dd, dm, h, partial, mlp, M, E, F, mlp_threads);
+    for (int64_t j = 0; j < M * E; j++) y[j] = mid[j] + mlp[j];
+}
