@@ -1,7 +1,10 @@
 """The fused CPU kernels of quantization="q4": `csrc/gguf_gemv.c`, compiled once with the system C
 compiler. `q4_1_matmul` multiplies by Q4_1 blocks (SmolLM2's linears), `q8_0_matmul` by Q8_0 blocks
 (its token_embd, the tied lm_head); `q4_1_dequantize` and `q8_0_dequantize` write the float32
-weights for the products of many rows, which a float GEMM does faster.
+weights for the products of many rows, which a float GEMM does faster. `q4_1_swiglu` is a whole MLP,
+`q4_1_attention_inputs` and `q4_1_attention_output_and_mlp` the two halves of a decoder layer around
+its attention (`q4_layer.Q4DecoderLayer`). The same library holds `csrc/paged_decode.c`, the engine's
+paged decode attention (`decodelab.engine.paged_decode_kernel`).
 
 The C source is shipped with the package and compiled on first use into the user cache
 (`decodelab.paths.cache_dir() / "kernels"`), under a name keyed by the source's hash and the
