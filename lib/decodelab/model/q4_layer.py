@@ -68,10 +68,11 @@ class Q4DecoderLayer(DecoderLayer):
         attention, mlp = self.self_attn, self.mlp
         heads, kv_heads, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
         rows = x.reshape(b * t, e)
+        norm = self.input_layernorm
         q, k, v = q4_kernel.q4_1_attention_inputs(
             rows,
-            self.input_layernorm.weight,
-            self.input_layernorm.eps,
+            norm.weight,
+            norm.eps,
             (attention.q_proj.blocks(), attention.k_proj.blocks(), attention.v_proj.blocks()),
             cos.contiguous(),
             sin.contiguous(),
@@ -83,12 +84,13 @@ class Q4DecoderLayer(DecoderLayer):
             v.view(b, t, kv_heads, d).transpose(1, 2),
             kv_cache,
         )
+        norm = self.post_attention_layernorm
         y = q4_kernel.q4_1_attention_output_and_mlp(
             rows,
             out.transpose(1, 2).reshape(b * t, heads * d),
             attention.o_proj.blocks(),
-            self.post_attention_layernorm.weight,
-            self.post_attention_layernorm.eps,
+            norm.weight,
+            norm.eps,
             (mlp.gate_proj.blocks(), mlp.up_proj.blocks(), mlp.down_proj.blocks()),
         )
         return y.view(b, t, e)

@@ -89,7 +89,8 @@ class Q4Linear(BlockLinear):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.nibbles, self.d, self.m
+        buffers = self._buffers  # read directly: nn.Module's attribute lookup costs ~0.5 us a buffer, per token
+        return buffers["nibbles"], buffers["d"], buffers["m"]
 
 
 def _hf_row_order(name: str, blocks: tuple, config) -> tuple:

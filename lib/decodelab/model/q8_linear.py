@@ -69,7 +69,8 @@ class Q8Linear(BlockLinear):
         self.bias = None
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q, self.d
+        buffers = self._buffers  # read directly, as Q4Linear.blocks does
+        return buffers["q"], buffers["d"]
 
 
 def use_gguf_q8_lm_head(model: nn.Module, tensors) -> bool:
