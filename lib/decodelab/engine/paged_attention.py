@@ -10,7 +10,8 @@ attention itself is the ordinary causal one. Decode sequences (one new token eac
 in groups of similar context length (`group_by_length`), each group as one batch padded to
 its longest member: in a long-tailed workload, one padded batch of 32 made the attention read
 about three times the keys that exist, and the grouping raised throughput by ~20%
-(`bench/serving.py`).
+(`bench/serving.py`). On a CPU in float32 a group attends in one C call instead
+(`paged_decode_kernel`), reading K/V through the tables where they lie: no gathered copy, no mask.
 
 An attention function written for a contiguous cache, ``attention(cache, layer_index, q, k, v)``
 that stores K/V with ``cache.append(layer_index, k, v)`` (notebook 01's, the engine's
@@ -220,8 +221,9 @@ class PagedBatch:
         """q [1, H, b, D]: the one new token of each sequence in `group` -> [1, H, b, D].
 
         Float32 on a CPU whose C kernels load: one call of `paged_decode_kernel`, which reads the
-        keys and values through the block tables where they lie. Otherwise whole blocks are gathered ([b * max_blocks, block_size, H_kv, D]: one index per block,
-        not per token, so the copy moves long contiguous rows). The query heads sharing a KV
+        keys and values through the block tables where they lie. Otherwise whole blocks are gathered
+        ([b * max_blocks, block_size, H_kv, D]: one index per block, not per token, so the copy moves
+        long contiguous rows). The query heads sharing a KV
         head are folded into the query-length axis, q [b, H_kv, group size, D], so each KV head
         is read once, not copied per query head (no repeat_kv), and the padding mask broadcasts."""
         batch, num_heads, head_dim = q.shape[2], q.shape[1], q.shape[3]
