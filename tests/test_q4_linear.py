@@ -430,3 +430,31 @@ def test_use_q4_layers_keeps_the_modules_and_their_names():
     assert q4_names == names
     with pytest.raises(TypeError, match="Q4Linear q/k/v/o projections"):
         Q4DecoderLayer.from_layer(float_model.model.layers[0])
+
+
+def test_prepared_builds_the_kernels_into_the_cache_or_says_why(monkeypatch, tmp_path):
+    """`prepare`'s line: the library built into an empty cache (named by its path), or, where the kernels
+    are turned off, why not and that torch runs instead."""
+    monkeypatch.setenv("DECODELAB_CACHE", str(tmp_path))
+    forget_kernel()
+    try:
+        line = q4_kernel.prepared()
+        if q4_kernel.kernel_loads():
+            built = list((tmp_path / "kernels").glob("gguf_gemv-*.so"))
+            assert len(built) == 1 and line.startswith(str(built[0])), line
+        monkeypatch.setenv("DECODELAB_Q4_KERNEL", "0")
+        forget_kernel()
+        assert q4_kernel.prepared() == (
+            "the C kernels cannot load here (DECODELAB_Q4_KERNEL=0 is set): q4 and the engine's decode attention run in torch"
+        )
+    finally:
+        forget_kernel()
+
+
+def test_prepare_builds_the_kernels(smollm2_folder, capsys):
+    """`python -m decodelab prepare --no-compile` names the C kernels' library after the model."""
+    from decodelab import cli
+
+    assert cli.main(["prepare", "--no-compile"]) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == q4_kernel.prepared(), lines

@@ -461,13 +461,16 @@ def torch_device(model):
 
 
 def run_prepare(args) -> int:
-    """Convert SmolLM2 into the cache, then build the AOT-compiled int8 decode step that
-    `generate --int8` loads (decodelab.decoding.packaged; minutes, once) unless --no-compile."""
+    """Convert SmolLM2 into the cache and build the C kernels there (`q4_kernel`, seconds), then the
+    AOT-compiled int8 decode step that `generate --int8` loads (decodelab.decoding.packaged; minutes,
+    once) unless --no-compile."""
     import time
 
+    from decodelab.model import q4_kernel
     from decodelab.model.registry import load, prepare_smollm2
 
     print(prepare_smollm2(), file=sys.stderr)
+    print(q4_kernel.prepared(), file=sys.stderr)  # compiled now, not on a first decode (nor in a grading kernel)
     if args.no_compile:
         return 0
     from decodelab.decoding.packaged import build_package, package_path

@@ -145,6 +145,15 @@ def kernel():
     return library
 
 
+def prepared() -> str:
+    """One line for `python -m decodelab prepare`, which builds the library ahead of time: where it
+    lies, or why the kernels cannot load here (then the pure-torch paths run)."""
+    library, why = _loaded_or_why()
+    if library is None:
+        return f"the C kernels cannot load here ({why}): q4 and the engine's decode attention run in torch"
+    return f"{_build()} (the C kernels: q4 products, fused layers, the engine's decode attention)"
+
+
 def kernel_loads() -> bool:
     """Do the C kernels load here? Asked before choosing Q4 weights, so it says nothing on stderr."""
     return _loaded_or_why()[0] is not None
