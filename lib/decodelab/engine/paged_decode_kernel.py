@@ -13,11 +13,7 @@ from __future__ import annotations
 import torch
 
 from decodelab.model import q4_kernel, thread_team
-
-# Multiply-adds (B * H * context * D) below which the C attention runs on one thread while OpenMP's
-# team sleeps (`thread_team`); SDPA's threshold (`model.attention.ATTENTION_ONE_THREAD_BELOW`) is
-# used for the same reason and measured by bench/attention_threads.py.
-from decodelab.model.attention import ATTENTION_ONE_THREAD_BELOW
+from decodelab.model.attention import ATTENTION_ONE_THREAD_BELOW  # SDPA's one-thread threshold, reused here
 
 
 def runs_here(q: torch.Tensor, keys: torch.Tensor) -> bool:
@@ -51,6 +47,7 @@ def paged_decode_attention(
     q = q.contiguous()
     tables, lengths = tables.contiguous(), lengths.contiguous()
     work = batch * num_heads * max_blocks * block_size * head_dim  # the padded context bounds the longest
+    # one thread below SDPA's threshold while OpenMP's team sleeps (bench/attention_threads.py measured it)
     threads = thread_team.threads_for(work, ATTENTION_ONE_THREAD_BELOW)
     out = torch.empty_like(q)
     scratch = torch.empty(threads, max_blocks * block_size, dtype=torch.float32)

@@ -108,8 +108,9 @@ def use_gguf_q4_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
     """Replace, in place, every nn.Linear of `model` whose weight is a Q4_1 tensor in `gguf_path`
     by a `Q4Linear` from that tensor's blocks, a Q8_0 lm_head by a `Q8Linear`
     (`use_gguf_q8_lm_head`), each MLP of three Q4Linears by a `Q4SwiGLU` (`use_q4_swiglu`) and
-    then each layer whose linears are all Q4 by a `Q4DecoderLayer` (`use_q4_layers`); returns the model. The model must be the one the GGUF converts to
-    (`registry.load("smollm2")` for SmolLM2's file). ValueError when the file holds no Q4_1
+    then each layer whose linears are all Q4 by a `Q4DecoderLayer` (`use_q4_layers`); returns the
+    model. The model must be the one the GGUF converts to (`registry.load("smollm2")` for SmolLM2's
+    file). ValueError when the file holds no Q4_1
     tensor, or one that matches no linear of the model."""
     tensors = read_gguf_tensors(gguf_path)
     swapped = 0
