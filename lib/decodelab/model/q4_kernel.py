@@ -110,16 +110,16 @@ def _loaded_or_why() -> tuple[ctypes.CDLL | None, str]:
     except (KernelUnavailable, OSError) as exc:
         return None, str(exc)
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    library.q4_1_matmul.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
+    library.q4_1_matmul.argtypes = [pointer] * 7 + [size, size, size, ctypes.c_int]
     library.q8_0_matmul.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
     library.q4_1_dequantize.argtypes = [pointer, pointer, pointer, pointer, size, size, ctypes.c_int]
     library.q8_0_dequantize.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_int]
-    library.q4_1_swiglu.argtypes = [pointer] * 13 + [size, size, size, ctypes.c_int]
+    library.q4_1_swiglu.argtypes = [pointer] * 15 + [size, size, size, ctypes.c_int]
     library.paged_decode_attention.argtypes = [pointer] * 6 + [size] * 7 + [ctypes.c_float, pointer, ctypes.c_int]
     real, integer = ctypes.c_float, ctypes.c_int
-    library.q4_1_attention_inputs.argtypes = [pointer, pointer, real] + [pointer] * 15 + [size] * 6 + [integer]
+    library.q4_1_attention_inputs.argtypes = [pointer, pointer, real] + [pointer] * 17 + [size] * 6 + [integer]
     library.q4_1_attention_output_and_mlp.argtypes = (
-        [pointer] * 6 + [real] + [pointer] * 15 + [size] * 4 + [integer, integer]
+        [pointer] * 6 + [real] + [pointer] * 17 + [size] * 4 + [integer, integer]
     )
     functions = (
         "q4_1_matmul",
@@ -182,29 +182,40 @@ def _loaded():
     return library
 
 
-def _product(function: str, x: torch.Tensor, blocks: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """y [M, N] from the C product `function`(x, *blocks, y, M, N, K, threads); N is blocks[0]'s rows."""
-    x = x.contiguous()
+def _product(function: str, x: torch.Tensor, blocks: tuple[torch.Tensor, ...], *scratch: torch.Tensor):
+    """y [M, N] from the C product `function`(x, *blocks, y, *scratch, M, N, K, threads); N is
+    blocks[0]'s rows."""
     rows, k = x.shape
     n = blocks[0].shape[0]
     y = torch.empty(rows, n, dtype=torch.float32)
-    pointers = [tensor.data_ptr() for tensor in (x, *blocks, y)]
+    pointers = [tensor.data_ptr() for tensor in (x, *blocks, y, *scratch)]
     getattr(_loaded(), function)(*pointers, rows, n, k, threads_for(rows * n * k))
     return y
 
 
+def int16_scratch(rows: int, *lengths: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scratch in which the C kernels hold `rows` rows of each of `lengths` as 16-bit integers
+    (the Q4_1 products' activations, `csrc/gguf_gemv.c`): int16 [rows * sum] values and float32
+    [2 * rows * sum / 32] block scales and sums."""
+    total = rows * sum(lengths)
+    return torch.empty(total, dtype=torch.int16), torch.empty(2 * total // 32, dtype=torch.float32)
+
+
 def q4_1_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W.T, W the Q4_1 weight of nibbles `qs` uint8 [N, K/2] and per-block
+    """y [M, N] ~ x [M, K] @ W.T, W the Q4_1 weight of nibbles `qs` uint8 [N, K/2] and per-block
     scales `d`, offsets `m` float32 [N, K/32], through the C kernel (which must be loaded: `kernel()`).
-    x float32 on the CPU, made contiguous here; qs, d, m contiguous."""
-    return _product("q4_1_matmul", x, (qs, d, m))
+    The kernel reads each block of 32 of x's values as 16-bit integers times a scale (`csrc/gguf_gemv.c`):
+    within sum |W| * max|x_block| / 65534 of the float product. x float32 on the CPU, made contiguous
+    here; qs, d, m contiguous."""
+    x = x.contiguous()
+    return _product("q4_1_matmul", x, (qs, d, m), *int16_scratch(*x.shape))
 
 
 def q8_0_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T, W the Q8_0 weight of `qs` int8 [N, K] and per-block scales `d`
     float32 [N, K/32], through the C kernel (which must be loaded: `kernel()`). x float32 on the
     CPU, made contiguous here; qs, d contiguous."""
-    return _product("q8_0_matmul", x, (qs, d))
+    return _product("q8_0_matmul", x.contiguous(), (qs, d))
 
 
 def q4_1_swiglu(
@@ -212,7 +223,8 @@ def q4_1_swiglu(
 ) -> torch.Tensor:
     """y [M, E] = (silu(x @ G.T) * (x @ U.T)) @ D.T for x float32 [M, E] (M <= SWIGLU_MAX_ROWS, CPU),
     G, U [F, E] and D [E, F] each Q4_1 blocks (nibbles, d, m), in one C call: one parallel region,
-    each thread a range of the F hidden units (`csrc/gguf_gemv.c`). The kernel must be loaded."""
+    each thread a range of the F hidden units (`csrc/gguf_gemv.c`; x and the hidden activations read
+    as 16-bit integers, as `q4_1_matmul` reads x). The kernel must be loaded."""
     x = x.contiguous()
     rows, e = x.shape
     f = gate[0].shape[0]
@@ -220,7 +232,8 @@ def q4_1_swiglu(
     h = torch.empty(rows, f, dtype=torch.float32)
     partial = torch.empty(max(threads - 1, 1), rows, e, dtype=torch.float32)
     y = torch.empty(rows, e, dtype=torch.float32)
-    pointers = [tensor.data_ptr() for tensor in (x, *gate, *up, *down, h, partial, y)]
+    scratch = int16_scratch(rows, e, f)  # held here until the call returns
+    pointers = [tensor.data_ptr() for tensor in (x, *gate, *up, *down, h, partial, *scratch, y)]
     _loaded().q4_1_swiglu(*pointers, rows, e, f, threads)
     return y
 
@@ -246,7 +259,7 @@ def q4_1_attention_inputs(
     h = torch.empty(rows, e, dtype=torch.float32)
     q, k, v = (torch.empty(rows, n, dtype=torch.float32) for n in sizes)
     threads = threads_for(rows * sum(sizes) * e)
-    tensors = (*projections[0], *projections[1], *projections[2], cos, sin, h, q, k, v)
+    tensors = (*projections[0], *projections[1], *projections[2], cos, sin, h, *int16_scratch(rows, e), q, k, v)
     _loaded().q4_1_attention_inputs(
         x.data_ptr(),
         norm_weight.data_ptr(),
@@ -285,7 +298,8 @@ def q4_1_attention_output_and_mlp(
     h = torch.empty(rows, f, dtype=torch.float32)
     partial = torch.empty(max(mlp_threads - 1, 1), rows, e, dtype=torch.float32)
     first = [tensor.data_ptr() for tensor in (x, attention, *o_proj, norm_weight)]
-    rest = [tensor.data_ptr() for tensor in (*mlp[0], *mlp[1], *mlp[2], mid, normed, mlp_out, h, partial, y)]
+    scratch = int16_scratch(rows, a, e, f)
+    rest = [tensor.data_ptr() for tensor in (*mlp[0], *mlp[1], *mlp[2], mid, normed, mlp_out, h, partial, *scratch, y)]
     _loaded().q4_1_attention_output_and_mlp(*first, eps, *rest, rows, a, e, f, o_threads, mlp_threads)
     return y
 
