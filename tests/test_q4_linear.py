@@ -367,10 +367,10 @@ def test_use_q4_swiglu_swaps_only_mlps_of_three_q4_layers():
         Q4SwiGLU(mlp.gate_proj, torch.nn.Linear(64, 96, bias=False), mlp.down_proj)
 
 
-def random_q4_llama(seed: int = 0):
-    """The toy Llama with every decoder linear a random Q4Linear, its MLPs `Q4SwiGLU`s and its layers
-    `Q4DecoderLayer`s (the lm_head stays float)."""
-    model = random_llama(seed=seed)
+def random_q4_llama(seed: int = 0, **config_overrides):
+    """The toy Llama (toy_config(**config_overrides)) with every decoder linear a random Q4Linear, its MLPs
+    `Q4SwiGLU`s and its layers `Q4DecoderLayer`s (the lm_head stays float)."""
+    model = random_llama(seed=seed, **config_overrides)
     for index, (name, linear) in enumerate(list(model.model.layers.named_modules())):
         if isinstance(linear, torch.nn.Linear):
             parent_name, _, child = name.rpartition(".")

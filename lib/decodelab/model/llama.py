@@ -100,6 +100,13 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        """x [B, T, E] through every decoder layer in turn -> [B, T, E]. (`q4_stack.Q4Backbone` runs a
+        decode step's layers in one C call instead.)"""
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_cache)
+        return x
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -169,9 +176,7 @@ class LlamaForCausalLM(nn.Module):
             )
         cos, sin = self.rope_at(positions)
         x = self.model.embed_tokens(input_ids)  # [B, T, E]
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, kv_cache)
-        return x
+        return self.model.run_layers(x, cos, sin, kv_cache)
 
     def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] or [B, T] -> (cos, sin) in the model's dtype, [T, D] or [B, 1, T, D]

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from decodelab.model import thread_team
+from decodelab.model.attention import ATTENTION_ONE_THREAD_BELOW
 from decodelab.paths import cache_dir
 
 # The GGUF block products, and the paged decode attention the engine uses (`engine.paged_decode_kernel`):
@@ -121,6 +122,14 @@ def _loaded_or_why() -> tuple[ctypes.CDLL | None, str]:
     library.q4_1_attention_output_and_mlp.argtypes = (
         [pointer] * 6 + [real] + [pointer] * 17 + [size] * 4 + [integer, integer]
     )
+    library.q4_1_decode_layers.argtypes = (
+        [pointer, pointer, size, real]
+        + [pointer] * 5
+        + [size, size, real]
+        + [pointer] * 15
+        + [size] * 6
+        + [integer] * 4
+    )
     functions = (
         "q4_1_matmul",
         "q8_0_matmul",
@@ -129,6 +138,7 @@ def _loaded_or_why() -> tuple[ctypes.CDLL | None, str]:
         "q4_1_swiglu",
         "q4_1_attention_inputs",
         "q4_1_attention_output_and_mlp",
+        "q4_1_decode_layers",
         "paged_decode_attention",
     )
     for function in functions:
@@ -191,6 +201,10 @@ def _product(function: str, x: torch.Tensor, blocks: tuple[torch.Tensor, ...], *
     pointers = [tensor.data_ptr() for tensor in (x, *blocks, y, *scratch)]
     getattr(_loaded(), function)(*pointers, rows, n, k, threads_for(rows * n * k))
     return y
+
+
+def _floats(*shape: int) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32)
 
 
 def int16_scratch(rows: int, *lengths: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,6 +316,71 @@ def q4_1_attention_output_and_mlp(
     rest = [tensor.data_ptr() for tensor in (*mlp[0], *mlp[1], *mlp[2], mid, normed, mlp_out, h, partial, *scratch, y)]
     _loaded().q4_1_attention_output_and_mlp(*first, eps, *rest, rows, a, e, f, o_threads, mlp_threads)
     return y
+
+
+def q4_1_decode_layers(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lengths: list[int],
+    window: int | None,
+    num_heads: int,
+    intermediate_size: int,
+) -> None:
+    """One decode step through every decoder layer in one C call (`csrc/gguf_gemv.c`,
+    `q4_1_decode_layers`): x float32 [B, E] (one new token per sequence, contiguous) goes through the
+    layers in place; each layer writes its k, v at position lengths[l] of keys, values
+    [L, B, H_kv, S_max, D] (a KVCache's, contiguous; the caller advances its lengths) and attends over
+    the lengths[l] + 1 positions held (the last `window` of them, None: all). weights int64 [L, 23]:
+    each layer's addresses in `Q4DecoderLayer.c_weights`' order. cos, sin float32 [1, D] (the position
+    every sequence is at). B <= SWIGLU_MAX_ROWS. The kernel must be loaded."""
+    rows, e = x.shape
+    layers, _, kv_heads, s_max, d = keys.shape
+    f, a = intermediate_size, num_heads * d
+    input_threads = threads_for(rows * (a + 2 * kv_heads * d) * e)
+    attention_threads = thread_team.threads_for(rows * a * (max(lengths) + 1), ATTENTION_ONE_THREAD_BELOW)
+    o_threads = threads_for(rows * e * a)
+    mlp_threads = thread_team.threads_for(3 * rows * e * f, SWIGLU_ONE_THREAD_BELOW)
+    held = torch.tensor(lengths, dtype=torch.int64)
+    scratch = (
+        _floats(rows, e),  # h: the normed input
+        *int16_scratch(rows, e),
+        _floats(rows, a),  # q
+        _floats(rows, kv_heads * d),  # k
+        _floats(rows, kv_heads * d),  # v
+        _floats(rows, a),  # the attention's output
+        _floats(attention_threads, s_max),  # scores
+        *(_floats(rows, e) for _ in range(3)),  # mid, normed, mlp
+        _floats(rows, f),  # the MLP's hidden units
+        _floats(max(mlp_threads - 1, 1), rows, e),  # partial
+        *int16_scratch(rows, a, e, f),
+    )
+    front = [tensor.data_ptr() for tensor in (cos, sin, keys, values, held)]
+    _loaded().q4_1_decode_layers(
+        x.data_ptr(),
+        weights.data_ptr(),
+        layers,
+        eps,
+        *front,
+        s_max,
+        window or 0,
+        d**-0.5,
+        *[tensor.data_ptr() for tensor in scratch],
+        rows,
+        e,
+        f,
+        num_heads,
+        kv_heads,
+        d,
+        input_threads,
+        attention_threads,
+        o_threads,
+        mlp_threads,
+    )
 
 
 def dequantizes_here(blocks: torch.Tensor) -> bool:

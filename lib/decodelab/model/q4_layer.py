@@ -54,6 +54,21 @@ class Q4DecoderLayer(DecoderLayer):
             return False
         return not self._hooked() and q4_kernel.kernel_loads()
 
+    def c_weights(self) -> tuple[torch.Tensor, ...]:
+        """The 23 tensors `q4_kernel.q4_1_decode_layers` reads for this layer, in its order:
+        input_layernorm's weight, q/k/v/o_proj's (nibbles, d, m), post_attention_layernorm's weight,
+        gate/up/down_proj's (nibbles, d, m). Read through the modules' own dicts (no `nn.Module`
+        attribute lookups: a decode step asks every layer, every token)."""
+        modules = self._modules
+        attention, mlp = modules["self_attn"]._modules, modules["mlp"]._modules
+        tensors = [modules["input_layernorm"]._parameters["weight"]]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            tensors += attention[name].blocks()
+        tensors.append(modules["post_attention_layernorm"]._parameters["weight"])
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            tensors += mlp[name].blocks()
+        return tuple(tensors)
+
     def _hooked(self) -> bool:
         """Does a forward hook (global, or on this layer or one of its modules) expect the modules to run?"""
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:

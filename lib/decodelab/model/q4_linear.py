@@ -32,6 +32,7 @@ from decodelab.model.gguf_import import hf_tensor_name, unpermute_rows
 from decodelab.model.gguf_tensors import read_gguf_tensors
 from decodelab.model.q4_kernel import KERNEL_MAX_ROWS, kernel_loads, q4_1_dequantize, q4_1_matmul
 from decodelab.model.q4_layer import use_q4_layers
+from decodelab.model.q4_stack import use_q4_backbone
 from decodelab.model.q4_swiglu import use_q4_swiglu
 from decodelab.model.q8_linear import use_gguf_q8_lm_head
 from decodelab.model.registry import check_device, default_device
@@ -137,6 +138,7 @@ def use_gguf_q4_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
     use_gguf_q8_lm_head(model, tensors)
     use_q4_swiglu(model)  # each MLP's three Q4 products in one C call
     use_q4_layers(model)  # each layer's norms, products, RoPE and residuals in two C calls around its attention
+    use_q4_backbone(model)  # a decode step over a KVCache: every layer, its cache write and attention, in one C call
     return model
 
 

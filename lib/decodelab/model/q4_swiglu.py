@@ -5,8 +5,9 @@ five calls from Python for every layer and token. When its three linears are `Q4
 (`use_gguf_q4_weights`), `Q4SwiGLU` does the same in one call of `q4_kernel.q4_1_swiglu` for up to
 `SWIGLU_MAX_ROWS` rows of x: one parallel region, each thread a range of the hidden units, so a
 sleeping OpenMP team (OMP_WAIT_POLICY=PASSIVE) wakes once for the MLP instead of once per product.
-The result equals the three `Q4Linear`s' up to float32 rounding (silu through C's expf, the down
-product summed in per-thread ranges); more rows, another device or dtype take those three layers.
+The result equals the three `Q4Linear`s' up to rounding (silu through C's expf, the down product
+summed in per-thread ranges, which can move a hidden value by one 16-bit step where down reads it);
+more rows, another device or dtype, or a forward hook on one of the three take those three layers.
 """
 
 from __future__ import annotations
@@ -35,9 +36,16 @@ class Q4SwiGLU(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
     def fused(self, x: torch.Tensor) -> bool:
-        """Will forward(x) run the one C call? Up to SWIGLU_MAX_ROWS rows the kernel takes."""
+        """Will forward(x) run the one C call? Up to SWIGLU_MAX_ROWS rows the kernel takes, and no
+        forward hook on the three layers (or a global one) that expects them to run."""
         rows = x.numel() // self.gate_proj.in_features
-        return rows <= SWIGLU_MAX_ROWS and self.gate_proj.uses_kernel(x)
+        return rows <= SWIGLU_MAX_ROWS and self.gate_proj.uses_kernel(x) and not self._hooked()
+
+    def _hooked(self) -> bool:
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return True
+        layers = (self.gate_proj, self.up_proj, self.down_proj)
+        return any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., E] -> [..., E]."""

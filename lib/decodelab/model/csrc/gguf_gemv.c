@@ -196,43 +196,58 @@ static void quantize_rows(const float *x, int64_t M, int64_t first, int64_t end,
     }
 }
 
-/* Q4_1 block b against rows row0 .. row0 + R of x: acc[r][c] += d * scale * (q . xq) (exact in int32),
- * offset[r][c] += m * sum. `c` picks one of two accumulator chains (constant after inlining). */
-static inline __attribute__((always_inline)) void q4_1_block(const uint8_t *qs, const float *d, const float *m,
-                                                             int16_rows x, int64_t row0, int64_t b, int R, int c,
-                                                             __m256 acc[4][2], float offset[4][2]) {
-    const int64_t blocks = x.K / 32;
-    const __m128i low_mask = _mm_set1_epi8(0x0F);
-    __m128i bytes = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
-    __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low_mask));                     /* weights 0..15 */
-    __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask));  /* weights 16..31 */
-    for (int r = 0; r < R; r++) {
-        const int64_t row = row0 + r;
-        const int16_t *xb = x.q + row * x.K + 32 * b;
-        __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb)),
-                                        _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 16))));
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(d[b] * x.scale[row * blocks + b]),
-                                    acc[r][c]);
-        offset[r][c] += m[b] * x.sum[row * blocks + b];
-    }
+/* The integer dot of Q4_1 block b's 32 nibbles with 32 int16 values xb: 8 int32 partial sums. The 16
+ * bytes widen to 16-bit lanes, each holding two nibbles: its low nibble is weight j (j < 16), its high
+ * nibble weight j + 16, so one mask and one shift give both halves. */
+static inline __attribute__((always_inline)) __m256i q4_1_int_dot(const uint8_t *qs, int64_t b, const int16_t *xb) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16 * b)));
+    const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), hi = _mm256_srli_epi16(bytes, 4);
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 16))));
+}
+
+/* The 8 int32 lanes of each of p[0..8) summed: lane k of the result is p[k]'s total. */
+static inline __attribute__((always_inline)) __m256i sum_lanes_of_8(const __m256i p[8]) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    /* a = [p0..p3 over lanes 0-3 | p0..p3 over lanes 4-7], b the same for p4..p7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
 /* Rows row0 .. row0 + R of x (R <= 4) against blocks [first, end) of one Q4_1 weight row: R dot
- * products into out, two blocks at a time so each row has two independent chains. */
+ * products into out. Eight blocks at a time: their integer dots summed into one vector (lane k: block
+ * b + k), then acc += dots * (d * scale) + m * sum, 8 blocks per multiply-add; the last < 8 blocks one by one. */
 static inline __attribute__((always_inline)) void q4_1_dots(const uint8_t *qs, const float *d, const float *m,
                                                             int16_rows x, int64_t row0, int64_t first, int64_t end,
                                                             int R, float *out) {
-    __m256 acc[4][2];
-    float offset[4][2];
-    for (int r = 0; r < 4; r++)
-        for (int c = 0; c < 2; c++) acc[r][c] = _mm256_setzero_ps(), offset[r][c] = 0.0f;
+    const int64_t blocks = x.K / 32;
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
     int64_t b = first;
-    for (; b + 1 < end; b += 2) {
-        q4_1_block(qs, d, m, x, row0, b, R, 0, acc, offset);
-        q4_1_block(qs, d, m, x, row0, b + 1, R, 1, acc, offset);
+    for (; b + 8 <= end; b += 8) {
+        const __m256 dn = _mm256_loadu_ps(d + b), mn = _mm256_loadu_ps(m + b);
+        for (int r = 0; r < R; r++) {
+            const int64_t row = row0 + r;
+            const int16_t *xr = x.q + row * x.K;
+            __m256i p[8];
+            for (int k = 0; k < 8; k++) p[k] = q4_1_int_dot(qs, b + k, xr + 32 * (b + k));
+            const __m256 scale = _mm256_mul_ps(dn, _mm256_loadu_ps(x.scale + row * blocks + b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes_of_8(p)), scale, acc[r]);
+            acc[r] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(x.sum + row * blocks + b), acc[r]);
+        }
     }
-    if (b < end) q4_1_block(qs, d, m, x, row0, b, R, 0, acc, offset);
-    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + (offset[r][0] + offset[r][1]);
+    for (int r = 0; r < R; r++) {
+        const int64_t row = row0 + r;
+        float total = hsum(acc[r]);
+        for (int64_t t = b; t < end; t++) {
+            const __m256i p = q4_1_int_dot(qs, t, x.q + row * x.K + 32 * t);
+            const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+            const __m128i pair = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
+            const int32_t dot = _mm_cvtsi128_si32(_mm_add_epi32(pair, _mm_shuffle_epi32(pair, 0xB1)));
+            total += (float)dot * (d[t] * x.scale[row * blocks + t]) + m[t] * x.sum[row * blocks + t];
+        }
+        out[r] = total;
+    }
 }
 
 /* q4_1_dots with R = rows (1..4) made a constant, so each gets its unrolled loop. */
@@ -425,4 +440,46 @@ void q4_1_attention_output_and_mlp(const float *x, const float *attention, const
     quantize_rows(normed, M, 0, E / 32, nq);
     swiglu(nq, gq, gd, gm, uq, ud, um, dq, dd, dm, h, hq, partial, mlp, M, F, mlp_threads);
     for (int64_t j = 0; j < M * E; j++) y[j] = mid[j] + mlp[j];
+}
+
+/* paged_decode.c: one new query per sequence over one layer of a contiguous cache. */
+void cached_decode_attention(const float *q, const float *keys, const float *values, float *out, int64_t B,
+                             int64_t H, int64_t H_kv, int64_t D, int64_t S_max, int64_t length, int64_t window,
+                             float scale, float *scratch, int threads);
+
+/* A decode step through all L decoder layers in one call: x [B, E] (one new token per sequence, every
+ * sequence at the same position: cos, sin [1, D]) goes through each layer in turn, in place:
+ *     q, k, v = q4_1_attention_inputs(x);  k, v written at position lengths[l] of the cache;
+ *     attention of q over the lengths[l] + 1 positions held (the last `window` of them, 0: all);
+ *     x = q4_1_attention_output_and_mlp(x, attention).
+ * Each layer's 23 pointers are a row of weights [L, 23] (int64 addresses, `Q4DecoderLayer.c_weights`'
+ * order): input_layernorm's weight; q_proj, k_proj, v_proj, o_proj as (nibbles, d, m);
+ * post_attention_layernorm's weight; gate_proj, up_proj, down_proj as (nibbles, d, m). keys, values
+ * [L, B, H_kv, S_max, D] (a KVCache's); the caller advances its lengths after. Scratch as the two
+ * halves and cached_decode_attention take it: h, hq, hf; q, k, v; attention [B, H*D]; scores
+ * [attention_threads, S_max]; mid, normed, mlp, hidden, partial, mq, mf. */
+void q4_1_decode_layers(float *x, const int64_t *weights, int64_t L, float eps, const float *cos, const float *sin,
+                        float *keys, float *values, const int64_t *lengths, int64_t S_max, int64_t window, float scale,
+                        float *h, int16_t *hq, float *hf, float *q, float *k, float *v, float *attention, float *scores,
+                        float *mid, float *normed, float *mlp, float *hidden, float *partial, int16_t *mq, float *mf,
+                        int64_t B, int64_t E, int64_t F, int64_t H, int64_t H_kv, int64_t D, int input_threads,
+                        int attention_threads, int o_threads, int mlp_threads) {
+    const int64_t layer_size = B * H_kv * S_max * D;
+    for (int64_t l = 0; l < L; l++) {
+        const void *const *w = (const void *const *)(weights + 23 * l);
+        q4_1_attention_inputs(x, w[0], eps, w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], cos, sin, h, hq, hf,
+                              q, k, v, B, 1, E, H, H_kv, D, input_threads);
+        float *layer_keys = keys + l * layer_size, *layer_values = values + l * layer_size;
+        const int64_t held = lengths[l];
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t g = 0; g < H_kv; g++) {
+                const int64_t at = ((b * H_kv + g) * S_max + held) * D, from = (b * H_kv + g) * D;
+                for (int64_t i = 0; i < D; i++) layer_keys[at + i] = k[from + i], layer_values[at + i] = v[from + i];
+            }
+        cached_decode_attention(q, layer_keys, layer_values, attention, B, H, H_kv, D, S_max, held + 1, window, scale,
+                                scores, attention_threads);
+        q4_1_attention_output_and_mlp(x, attention, w[10], w[11], w[12], w[13], eps, w[14], w[15], w[16], w[17], w[18],
+                                      w[19], w[20], w[21], w[22], mid, normed, mlp, hidden, partial, mq, mf, x, B,
+                                      H * D, E, F, o_threads, mlp_threads);
+    }
 }

@@ -13,6 +13,9 @@
  * into a scratch row, their maximum, exp and sum, then the values weighted by them. The result equals
  * SDPA's to float32 rounding (the sums run in another order). The threads split the B * H tasks.
  *
+ * `cached_decode_attention` does the same over one layer of a contiguous KVCache
+ * [B, H_kv, S_max, D] (`q4_1_decode_layers` in gguf_gemv.c calls it between a layer's two halves).
+ *
  * Plain C with AVX2/FMA intrinsics and OpenMP; no torch headers (called through ctypes).
  */
 #include <immintrin.h>
@@ -42,6 +45,35 @@ static inline void add_scaled(float *acc, const float *v, float w, int64_t n) {
     for (; i < n; i++) acc[i] += w * v[i];
 }
 
+/* One task: a query [D] over the keys and values of positions [start, length), position p at
+ * keys + slot(p) * row_stride (values alike), slot(p) = table[p / block_size] * block_size + p % block_size,
+ * or p itself without a table. Softmax(scale * q . k) into `scores` (scratch), then the values
+ * weighted by it into o [D]. */
+static void attend_one(const float *query, const float *keys, const float *values, const int64_t *table,
+                       int64_t block_size, int64_t row_stride, int64_t start, int64_t length, int64_t D, float scale,
+                       float *scores, float *o) {
+    float top = -INFINITY;
+    for (int64_t p = start; p < length; p++) {
+        const int64_t slot = table ? table[p / block_size] * block_size + p % block_size : p;
+        const float s = dot(query, keys + slot * row_stride, D) * scale;
+        scores[p - start] = s;
+        if (s > top) top = s;
+    }
+    float total = 0.0f;
+    for (int64_t p = start; p < length; p++) {
+        const float e = expf(scores[p - start] - top);
+        scores[p - start] = e;
+        total += e;
+    }
+    for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
+    for (int64_t p = start; p < length; p++) {
+        const int64_t slot = table ? table[p / block_size] * block_size + p % block_size : p;
+        add_scaled(o, values + slot * row_stride, scores[p - start], D);
+    }
+    const float inverse = 1.0f / total;
+    for (int64_t i = 0; i < D; i++) o[i] *= inverse;
+}
+
 /* scratch: [threads, max_blocks * block_size] floats, one row of scores per thread. */
 void paged_decode_attention(const float *q, const float *keys, const float *values, const int64_t *tables,
                             const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t H_kv, int64_t D,
@@ -52,29 +84,23 @@ void paged_decode_attention(const float *q, const float *keys, const float *valu
     for (int64_t task = 0; task < B * H; task++) {
         const int64_t b = task / H, h = task % H, kv_head = h / group, length = lengths[b];
         const int64_t start = window > 0 && length > window ? length - window : 0;
-        const int64_t *table = tables + b * max_blocks;
-        const float *query = q + task * D;
         float *scores = scratch + (int64_t)omp_get_thread_num() * max_blocks * block_size;
-        float *o = out + task * D;
-        float top = -INFINITY;
-        for (int64_t p = start; p < length; p++) {
-            const int64_t slot = table[p / block_size] * block_size + p % block_size;
-            const float s = dot(query, keys + slot * row_stride + kv_head * D, D) * scale;
-            scores[p - start] = s;
-            if (s > top) top = s;
-        }
-        float total = 0.0f;
-        for (int64_t p = start; p < length; p++) {
-            const float e = expf(scores[p - start] - top);
-            scores[p - start] = e;
-            total += e;
-        }
-        for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
-        for (int64_t p = start; p < length; p++) {
-            const int64_t slot = table[p / block_size] * block_size + p % block_size;
-            add_scaled(o, values + slot * row_stride + kv_head * D, scores[p - start], D);
-        }
-        const float inverse = 1.0f / total;
-        for (int64_t i = 0; i < D; i++) o[i] *= inverse;
+        attend_one(q + task * D, keys + kv_head * D, values + kv_head * D, tables + b * max_blocks, block_size,
+                   row_stride, start, length, D, scale, scores, out + task * D);
+    }
+}
+
+/* The same over one layer of a contiguous cache (`decodelab.model.kv_cache.KVCache`): keys, values
+ * [B, H_kv, S_max, D], every sequence holding `length` keys (the new one included). q, out [B, H, D];
+ * scratch [threads, S_max]. */
+void cached_decode_attention(const float *q, const float *keys, const float *values, float *out, int64_t B,
+                             int64_t H, int64_t H_kv, int64_t D, int64_t S_max, int64_t length, int64_t window,
+                             float scale, float *scratch, int threads) {
+    const int64_t group = H / H_kv, start = window > 0 && length > window ? length - window : 0;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < B * H; task++) {
+        const int64_t b = task / H, kv_head = (task % H) / group, at = (b * H_kv + kv_head) * S_max * D;
+        float *scores = scratch + (int64_t)omp_get_thread_num() * S_max;
+        attend_one(q + task * D, keys + at, values + at, 0, 1, D, start, length, D, scale, scores, out + task * D);
     }
 }

@@ -1,0 +1,116 @@
+"""A decode step through every Q4 decoder layer in one C call: `Q4Backbone`.
+
+Each `Q4DecoderLayer` runs as two C calls around its attention, but between them a token still
+crossed Python for each layer: the two wrappers' scratch and pointers, the views of q, k and v, the
+cache's append, SDPA, the module calls. That was ~100 µs a layer, some 3 ms of a SmolLM2 token,
+once the products had become fast. For the commonest call of all, a decode step (one new token per
+sequence over a `KVCache`), `Q4Backbone.run_layers` hands the whole stack to
+`q4_kernel.q4_1_decode_layers`: for each layer its two halves, and between them the cache write and
+the attention over the cache (`csrc/paged_decode.c`, `cached_decode_attention`), all in C.
+
+The result is the layers' own to rounding: the same C halves, and an attention that sums in another
+order than SDPA. Anything else runs `Backbone.run_layers` (each layer in turn): a prefill or several
+tokens, another cache (sliding, paged, the engine's), a full cache (whose error the modules raise),
+another device or dtype, autograd, torch.compile, a forward hook anywhere in a layer, or a layer
+that is not a `Q4DecoderLayer`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from decodelab.model import q4_kernel
+from decodelab.model.kv_cache import KVCache
+from decodelab.model.llama import Backbone
+from decodelab.model.q4_kernel import SWIGLU_MAX_ROWS
+from decodelab.model.q4_layer import Q4DecoderLayer
+
+
+class Q4Backbone(Backbone):
+    """A `Backbone` (embed_tokens, layers, norm: the same modules) whose layers are `Q4DecoderLayer`s
+    and whose decode steps run in one C call; built from one by `from_backbone`."""
+
+    @classmethod
+    def from_backbone(cls, backbone: Backbone) -> "Q4Backbone":
+        """The same modules (not copies) under a `Q4Backbone`; TypeError unless every layer is a
+        `Q4DecoderLayer` whose attention reads the cache layer of its own index, all of one shape."""
+        layers = list(backbone.layers)
+        if not layers or not all(isinstance(layer, Q4DecoderLayer) for layer in layers):
+            raise TypeError("Q4Backbone needs every layer to be a Q4DecoderLayer")
+        shapes = {
+            (
+                layer.self_attn.num_heads,
+                layer.self_attn.num_kv_heads,
+                layer.self_attn.head_dim,
+                layer.mlp.gate_proj.out_features,
+                layer.input_layernorm.eps,
+                layer.post_attention_layernorm.eps,
+            )
+            for layer in layers
+        }
+        if len(shapes) > 1 or any(layer.self_attn.layer_idx != index for index, layer in enumerate(layers)):
+            raise TypeError("Q4Backbone needs layers of one shape, each reading the cache layer of its own index")
+        stack = cls.__new__(cls)
+        nn.Module.__init__(stack)
+        stack.embed_tokens, stack.layers, stack.norm = backbone.embed_tokens, backbone.layers, backbone.norm
+        return stack
+
+    def decodes_in_one_call(self, x: torch.Tensor, cos: torch.Tensor, kv_cache) -> bool:
+        """Will run_layers make the one C call? x [B, 1, E] of up to SWIGLU_MAX_ROWS sequences, a
+        `KVCache` (exactly) of float32 CPU tensors with room for one more position in every layer,
+        every layer a `Q4DecoderLayer` that would fuse x (`Q4DecoderLayer.fused`: dtype, device,
+        autograd, compile, hooks, the kernel)."""
+        if type(kv_cache) is not KVCache or x.dim() != 3 or x.shape[1] != 1 or x.shape[0] > SWIGLU_MAX_ROWS:
+            return False
+        keys, values = kv_cache.keys, kv_cache.values
+        if keys.dtype != torch.float32 or not keys.is_cpu or keys.shape[:2] != (len(self.layers), x.shape[0]):
+            return False
+        if not (keys.is_contiguous() and values.is_contiguous() and values.dtype == keys.dtype and values.is_cpu):
+            return False
+        if max(kv_cache.lengths) >= kv_cache.max_seq_len:
+            return False
+        return all(isinstance(layer, Q4DecoderLayer) and layer.fused(x, cos) for layer in self.layers)
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        """x [B, T, E] -> [B, T, E], as `Backbone.run_layers`."""
+        if not self.decodes_in_one_call(x, cos, kv_cache):
+            return super().run_layers(x, cos, sin, kv_cache)
+        b, _, e = x.shape
+        first = self.layers[0]
+        attention = first.self_attn
+        weights = torch.tensor(
+            [tensor.data_ptr() for layer in self.layers for tensor in layer.c_weights()], dtype=torch.int64
+        )
+        rows = x.reshape(b, e).clone()  # updated in place, layer by layer
+        q4_kernel.q4_1_decode_layers(
+            rows,
+            weights,
+            first.input_layernorm.eps,
+            cos.contiguous(),
+            sin.contiguous(),
+            kv_cache.keys,
+            kv_cache.values,
+            kv_cache.lengths,
+            kv_cache.sliding_window,
+            attention.num_heads,
+            first.mlp.gate_proj.out_features,
+        )
+        kv_cache.lengths = [length + 1 for length in kv_cache.lengths]
+        return rows.view(b, 1, e)
+
+
+def use_q4_backbone(model: nn.Module) -> bool:
+    """Replace, in place, `model.model` (a `Backbone`) by a `Q4Backbone` holding its modules when
+    every layer is a `Q4DecoderLayer` (call `use_q4_layers` first); returns whether it did."""
+    backbone = getattr(model, "model", None)
+    if type(backbone) is not Backbone:
+        return False
+    try:
+        model.model = Q4Backbone.from_backbone(backbone)
+    except TypeError:
+        return False
+    return True
+
+
+__all__ = ["Q4Backbone", "use_q4_backbone"]
