@@ -1,11 +1,13 @@
-"""SmolLM2's q4 decode step with each layer fused into two C calls vs its modules one by one, and the
-engine's paged decode attention in C vs gathered blocks + SDPA.
+"""SmolLM2's q4 decode step with every layer in one C call vs each layer in two C calls vs its modules
+one by one, and the engine's paged decode attention in C vs gathered blocks + SDPA.
 
     .venv/bin/python bench/decode_layers.py [--rows 1,4,16] [--keys 16,128,512,1024] [--batch 1,8] [--calls 30]
 
 1. The model's forward for one new token per row over a KVCache holding 100 tokens (rows = batch
-   size B), with `Q4DecoderLayer`s running their two C calls (`decodelab.model.q4_layer`) and with
-   the same layers running `DecoderLayer.forward` (their Q4 modules one by one): ms per step.
+   size B): `Q4Backbone` handing the whole stack to one C call (`decodelab.model.q4_stack`); the
+   same layers one by one, each `Q4DecoderLayer` running its two C calls around torch's attention
+   (`decodelab.model.q4_layer`); and the same layers running `DecoderLayer.forward` (their Q4
+   modules one by one): ms per step.
 2. One layer's decode attention of `PagedBatch` (block size 16, B sequences of S keys each, SmolLM2's
    9 query heads over 3 KV heads): `engine.paged_decode_kernel` vs the torch path: us per call.
 Contenders alternate in blocks (7 each way, the order swapped halfway) so machine noise hits both
@@ -35,8 +37,10 @@ import torch  # noqa: E402
 from decodelab.engine import paged_decode_kernel  # noqa: E402
 from decodelab.engine.paged_attention import PagedBatch, PagedKVStore, SequenceSlice  # noqa: E402
 from decodelab.model.kv_cache import KVCache  # noqa: E402
+from decodelab.model.llama import Backbone  # noqa: E402
 from decodelab.model.q4_layer import Q4DecoderLayer  # noqa: E402
 from decodelab.model.q4_linear import use_gguf_q4_weights  # noqa: E402
+from decodelab.model.q4_stack import Q4Backbone  # noqa: E402
 from decodelab.model.registry import load, smollm2_gguf_path  # noqa: E402
 
 HELD = 100  # tokens in the cache before the timed step
@@ -114,15 +118,23 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         step = layer_steps(model, rows)
 
-        def modules(calls, step=step):
-            with patched(Q4DecoderLayer, "fused", lambda self, x, cos: False):
+        def layer_by_layer(calls, step=step):
+            with patched(Q4Backbone, "run_layers", Backbone.run_layers):
                 step(calls)
 
-        ms = {name: s * 1e3 for name, s in alternated({"fused": step, "modules": modules}, args.calls).items()}
-        ms["modules_over_fused"] = ms["modules"] / ms["fused"]
+        def modules(calls, step=step):
+            with patched(Q4Backbone, "run_layers", Backbone.run_layers):
+                with patched(Q4DecoderLayer, "fused", lambda self, x, cos: False):
+                    step(calls)
+
+        contenders = {"one_call": step, "fused_layers": layer_by_layer, "modules": modules}
+        ms = {name: s * 1e3 for name, s in alternated(contenders, args.calls).items()}
+        ms["fused_layers_over_one_call"] = ms["fused_layers"] / ms["one_call"]
+        ms["modules_over_one_call"] = ms["modules"] / ms["one_call"]
         steps[str(rows)] = ms
         print(
-            f"rows {rows:2d}: step {ms['fused']:6.2f} ms fused, {ms['modules']:6.2f} ms modules ({ms['modules_over_fused']:.2f}x)"
+            f"rows {rows:2d}: step {ms['one_call']:6.2f} ms in one call, {ms['fused_layers']:6.2f} ms layer by layer "
+            f"({ms['fused_layers_over_one_call']:.2f}x), {ms['modules']:6.2f} ms modules ({ms['modules_over_one_call']:.2f}x)"
         )
     store = PagedKVStore(model.config, num_blocks=8 * 64 + 8, block_size=16)
     store.keys.normal_()
@@ -151,8 +163,8 @@ def main() -> None:
     out = Path(__file__).parent / "results" / "decode_layers_cpu.json"
     result = {
         "command": "python bench/decode_layers.py " + " ".join(sys.argv[1:]),
-        "what": "SmolLM2 q4: a decode step's ms, layers fused vs modules (cache of 100 tokens); one layer's "
-        "paged decode attention in C vs gather + SDPA, us",
+        "what": "SmolLM2 q4: a decode step's ms, all layers in one C call vs two C calls per layer vs modules "
+        "(cache of 100 tokens); one layer's paged decode attention in C vs gather + SDPA, us",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),

@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_q4_linear import random_q4_llama, require_kernel
 
+from decodelab.engine.paged_attention import PagedBatch, PagedKVStore, SequenceSlice
 from decodelab.model import q4_kernel
 from decodelab.model.kv_cache import KVCache, SlidingWindowKVCache
 from decodelab.model.llama import Backbone
@@ -19,18 +20,23 @@ from decodelab.model.q4_stack import Q4Backbone, use_q4_backbone
 from decodelab.model.toy import random_llama
 
 
-@pytest.fixture
-def one_calls(monkeypatch):
-    """The list of batch sizes `q4_1_decode_layers` was called with, as the test runs."""
+def counted_calls(monkeypatch, name: str) -> list[int]:
+    """The list of batch sizes q4_kernel's `name` is called with from now on."""
     calls = []
-    original = q4_kernel.q4_1_decode_layers
+    original = getattr(q4_kernel, name)
 
     def counted(x, *args, **kwargs):
         calls.append(x.shape[0])
         return original(x, *args, **kwargs)
 
-    monkeypatch.setattr(q4_kernel, "q4_1_decode_layers", counted)
+    monkeypatch.setattr(q4_kernel, name, counted)
     return calls
+
+
+@pytest.fixture
+def one_calls(monkeypatch):
+    """The batch sizes of the one-call decode steps over a KVCache (`q4_1_decode_layers`)."""
+    return counted_calls(monkeypatch, "q4_1_decode_layers")
 
 
 def q4_stack(seed: int = 0, **config_overrides):
@@ -97,3 +103,51 @@ def test_only_a_stack_of_q4_layers_becomes_a_q4_backbone():
     with pytest.raises(TypeError, match="every layer to be a Q4DecoderLayer"):
         Q4Backbone.from_backbone(model.model)
     assert not use_q4_backbone(model)
+
+
+def engine_step(model, store: PagedKVStore, contexts: list[int], prefill: int = 0):
+    """Logits [1, N, V] of one packed engine step over `store` (block size 4, sequence i in blocks
+    4i .. 4i + 3): one new token for each sequence of `contexts` (its context with that token), and a
+    `prefill`-token prompt after them when prefill > 0."""
+    slices, slots, positions = [], [], []
+    for i, context in enumerate(contexts):
+        table = list(range(4 * i, 4 * i + 4))
+        slices.append(SequenceSlice(i, 1, context, table))
+        slots.append(table[(context - 1) // 4] * 4 + (context - 1) % 4)
+        positions.append(context - 1)
+    if prefill:
+        table = list(range(4 * len(contexts), 4 * len(contexts) + 4))
+        slices.append(SequenceSlice(len(contexts), prefill, prefill, table))
+        slots += [table[p // 4] * 4 + p % 4 for p in range(prefill)]
+        positions += range(prefill)
+    batch = PagedBatch(store, slices, torch.tensor(slots), model.config.sliding_window)
+    ids = torch.randint(0, model.config.vocab_size, (1, len(positions)), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        return model(ids, positions=torch.tensor(positions), kv_cache=batch)
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["all_keys", "window_5"])
+def test_the_engines_decode_step_in_one_call_is_the_layers_one_by_one(monkeypatch, window):
+    """Three sequences at contexts 3, 9 and 14 (their own positions, their own block tables) over the
+    engine's paged store: the one C call writes the same K/V into the same slots and gives the logits the
+    layers give one by one; a step with a prefill in it runs the layers."""
+    require_kernel()
+    paged_calls = counted_calls(monkeypatch, "q4_1_decode_layers_paged")
+    model = q4_stack(seed=4, sliding_window=window)
+    store = PagedKVStore(model.config, num_blocks=16, block_size=4)
+    store.keys.normal_(generator=torch.Generator().manual_seed(1))
+    store.values.normal_(generator=torch.Generator().manual_seed(2))
+    expected_store = PagedKVStore(model.config, num_blocks=16, block_size=4)
+    expected_store.keys.copy_(store.keys)
+    expected_store.values.copy_(store.values)
+    got = engine_step(model, store, [3, 9, 14])
+    assert paged_calls == [3]
+    with monkeypatch.context() as patched:
+        patched.setattr(Q4Backbone, "run_layers", Backbone.run_layers)
+        expected = engine_step(model, expected_store, [3, 9, 14])
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    scale = expected_store.keys.abs().max().item()
+    torch.testing.assert_close(store.keys, expected_store.keys, rtol=1e-4, atol=1e-4 * scale)
+    torch.testing.assert_close(store.values, expected_store.values, rtol=1e-4, atol=1e-4 * scale)
+    engine_step(model, store, [4, 10], prefill=3)
+    assert paged_calls == [3]

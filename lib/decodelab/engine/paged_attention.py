@@ -165,6 +165,7 @@ class PagedBatch:
         self.prefill_slices = [s for s in slices if s.q_len > 1]
         self.decode_only = not self.prefill_slices
         self.decode_groups: list[DecodeGroup] = []
+        self._decode_tables = None  # decode_tables(), built on first ask
         if self.decode_slices:
             block_size = store.block_size
             needed = [blocks_needed(s.context_len, block_size) for s in self.decode_slices]
@@ -172,6 +173,27 @@ class PagedBatch:
                 self.decode_groups.append(
                     self.decode_group([self.decode_slices[i] for i in members], slot_mapping.device)
                 )
+
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For a step of decodes only with the library's attention: (tables [B, max_blocks] of block
+        ids, padded with 0; lengths [B], each sequence's context with its new token; slots [B], where
+        its new K/V go), int64, sequences in row order; None otherwise (a prefill in the batch, an
+        attention hook). What `model.q4_stack.Q4Backbone` needs to run the whole step in one C call;
+        built once per batch."""
+        if not self.decode_only or self.attention_fn is not None or not self.decode_slices:
+            return None
+        if self._decode_tables is None:
+            block_size = self.store.block_size
+            slices = sorted(self.decode_slices, key=lambda s: s.q_start)
+            if [s.q_start for s in slices] != list(range(len(slices))):
+                return None
+            used = [s.block_table[: blocks_needed(s.context_len, block_size)] for s in slices]
+            tables = torch.zeros(len(slices), max(len(blocks) for blocks in used), dtype=torch.int64)
+            for row, blocks in enumerate(used):
+                tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+            lengths = torch.tensor([s.context_len for s in slices], dtype=torch.int64)
+            self._decode_tables = (tables, lengths, self.slot_mapping.to(torch.int64).contiguous())
+        return self._decode_tables
 
     def decode_group(self, slices: list[SequenceSlice], device) -> DecodeGroup:
         """The DecodeGroup of these decode slices (tables, mask and rows built once per step)."""

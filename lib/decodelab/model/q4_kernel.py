@@ -122,14 +122,10 @@ def _loaded_or_why() -> tuple[ctypes.CDLL | None, str]:
     library.q4_1_attention_output_and_mlp.argtypes = (
         [pointer] * 6 + [real] + [pointer] * 17 + [size] * 4 + [integer, integer]
     )
-    library.q4_1_decode_layers.argtypes = (
-        [pointer, pointer, size, real]
-        + [pointer] * 5
-        + [size, size, real]
-        + [pointer] * 15
-        + [size] * 6
-        + [integer] * 4
-    )
+    step_front, step_back = [pointer, pointer, size, real, pointer, pointer, size], [real] + [pointer] * 15 + [size] * 6
+    contiguous_cache, paged_cache = [pointer] * 3 + [size] * 2, [pointer, pointer, size] + [pointer] * 3 + [size] * 3
+    library.q4_1_decode_layers.argtypes = step_front + contiguous_cache + step_back + [integer] * 4
+    library.q4_1_decode_layers_paged.argtypes = step_front + paged_cache + step_back + [integer] * 4
     functions = (
         "q4_1_matmul",
         "q8_0_matmul",
@@ -139,6 +135,7 @@ def _loaded_or_why() -> tuple[ctypes.CDLL | None, str]:
         "q4_1_attention_inputs",
         "q4_1_attention_output_and_mlp",
         "q4_1_decode_layers",
+        "q4_1_decode_layers_paged",
         "paged_decode_attention",
     )
     for function in functions:
@@ -326,26 +323,77 @@ def q4_1_decode_layers(
     sin: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    lengths: list[int],
+    held: list[int],
     window: int | None,
     num_heads: int,
     intermediate_size: int,
 ) -> None:
     """One decode step through every decoder layer in one C call (`csrc/gguf_gemv.c`,
-    `q4_1_decode_layers`): x float32 [B, E] (one new token per sequence, contiguous) goes through the
-    layers in place; each layer writes its k, v at position lengths[l] of keys, values
-    [L, B, H_kv, S_max, D] (a KVCache's, contiguous; the caller advances its lengths) and attends over
-    the lengths[l] + 1 positions held (the last `window` of them, None: all). weights int64 [L, 23]:
-    each layer's addresses in `Q4DecoderLayer.c_weights`' order. cos, sin float32 [1, D] (the position
-    every sequence is at). B <= SWIGLU_MAX_ROWS. The kernel must be loaded."""
-    rows, e = x.shape
+    `q4_1_decode_layers`) over a KVCache: x float32 [B, E] (one new token per sequence, contiguous)
+    goes through the layers in place; layer l writes its k, v at position held[l] of keys, values
+    [L, B, H_kv, S_max, D] (contiguous; the caller advances the cache's lengths) and attends over the
+    held[l] + 1 positions (the last `window` of them, None: all). weights int64 [L, 23]: each layer's
+    addresses in `Q4DecoderLayer.c_weights`' order. cos, sin float32 [1, D] (the position every
+    sequence is at). B <= SWIGLU_MAX_ROWS. The kernel must be loaded."""
     layers, _, kv_heads, s_max, d = keys.shape
+    held_tensor = torch.tensor(held, dtype=torch.int64)
+    cache = [keys.data_ptr(), values.data_ptr(), held_tensor.data_ptr(), s_max, window or 0]
+    _decode_step(
+        "q4_1_decode_layers", x, weights, eps, cos, sin, cache, num_heads, kv_heads, d, intermediate_size, s_max
+    )
+
+
+def q4_1_decode_layers_paged(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    slots: torch.Tensor,
+    window: int | None,
+    num_heads: int,
+    intermediate_size: int,
+) -> None:
+    """`q4_1_decode_layers` over the engine's paged store instead: keys, values [L, num_blocks,
+    block_size, H_kv, D] (contiguous); sequence b writes its new k, v at slot slots[b] and attends over
+    its lengths[b] keys (the new one included) through tables [B, max_blocks] of block ids; all int64.
+    cos, sin float32 [B, D]: row b at sequence b's position."""
+    layers, num_blocks, block_size, kv_heads, d = keys.shape
+    max_blocks = tables.shape[1]
+    cache = [keys.data_ptr(), values.data_ptr(), num_blocks * block_size]
+    cache += [tensor.data_ptr() for tensor in (tables, lengths, slots)] + [block_size, max_blocks, window or 0]
+    context = max_blocks * block_size  # the padded table bounds the longest context
+    _decode_step(
+        "q4_1_decode_layers_paged", x, weights, eps, cos, sin, cache, num_heads, kv_heads, d, intermediate_size, context
+    )
+
+
+def _decode_step(
+    function: str,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: list[int],
+    num_heads: int,
+    kv_heads: int,
+    d: int,
+    intermediate_size: int,
+    context: int,
+) -> None:
+    """The C decode step `function` with its cache's arguments `cache`: the threads each part gets,
+    as the separate calls choose them, and the scratch, for B = x's rows and up to `context` keys."""
+    rows, e = x.shape
     f, a = intermediate_size, num_heads * d
     input_threads = threads_for(rows * (a + 2 * kv_heads * d) * e)
-    attention_threads = thread_team.threads_for(rows * a * (max(lengths) + 1), ATTENTION_ONE_THREAD_BELOW)
+    attention_threads = thread_team.threads_for(rows * a * context, ATTENTION_ONE_THREAD_BELOW)
     o_threads = threads_for(rows * e * a)
     mlp_threads = thread_team.threads_for(3 * rows * e * f, SWIGLU_ONE_THREAD_BELOW)
-    held = torch.tensor(lengths, dtype=torch.int64)
     scratch = (
         _floats(rows, e),  # h: the normed input
         *int16_scratch(rows, e),
@@ -353,21 +401,21 @@ def q4_1_decode_layers(
         _floats(rows, kv_heads * d),  # k
         _floats(rows, kv_heads * d),  # v
         _floats(rows, a),  # the attention's output
-        _floats(attention_threads, s_max),  # scores
+        _floats(attention_threads, context),  # scores
         *(_floats(rows, e) for _ in range(3)),  # mid, normed, mlp
         _floats(rows, f),  # the MLP's hidden units
         _floats(max(mlp_threads - 1, 1), rows, e),  # partial
         *int16_scratch(rows, a, e, f),
     )
-    front = [tensor.data_ptr() for tensor in (cos, sin, keys, values, held)]
-    _loaded().q4_1_decode_layers(
+    getattr(_loaded(), function)(
         x.data_ptr(),
         weights.data_ptr(),
-        layers,
+        weights.shape[0],
         eps,
-        *front,
-        s_max,
-        window or 0,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.shape[0],
+        *cache,
         d**-0.5,
         *[tensor.data_ptr() for tensor in scratch],
         rows,

@@ -11,8 +11,9 @@ rows, runs
     out = attention over the cache          the same `Attention.attend` as the module's
     x = q4_1_attention_output_and_mlp(...)  o_proj, residual, RMSNorm, the SwiGLU MLP, residual  (one C call)
 
-The result equals the modules' to float32 rounding (the norms' and products' sums run in another
-order; RoPE is the same operations). Anything else (more rows, another device or dtype, autograd,
+The result equals the modules' to rounding (the norms' and products' sums run in another order, so
+a value read as a 16-bit integer by the next product can land one step away; RoPE is the same
+operations). Anything else (more rows, another device or dtype, autograd,
 torch.compile, a forward hook on the layer or one of its modules) runs `DecoderLayer.forward` itself.
 """
 

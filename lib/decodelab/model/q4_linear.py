@@ -12,7 +12,9 @@ nibble weight j + 16; weight = d * q + m (`gguf.quants.Q4_1.dequantize_blocks`).
 float32 [N, K/32]. Its `forward` runs the C kernel (`q4_kernel`) for float32 CPU inputs of up to
 `KERNEL_MAX_ROWS` rows, else (another device or dtype, no kernel, or many rows, where dequantize
 + F.linear's blocked GEMM wins) the reference: `dequantized_weight()` then F.linear. Both see the
-same float32 weights bit for bit; the kernel sums in another order.
+same float32 weights bit for bit; the kernel reads x as 16-bit integers per block of 32 values
+(exact integer dot products, `csrc/gguf_gemv.c`), which moves each of x's values by at most
+1/65534 of its block's largest, and sums in another order.
 
 `use_gguf_q4_weights(model, gguf_path)` swaps every nn.Linear whose GGUF tensor is Q4_1 for a
 `Q4Linear` from that tensor's blocks, and a Q8_0 lm_head (SmolLM2's, tied to its Q8_0 token_embd)
@@ -138,7 +140,7 @@ def use_gguf_q4_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
     use_gguf_q8_lm_head(model, tensors)
     use_q4_swiglu(model)  # each MLP's three Q4 products in one C call
     use_q4_layers(model)  # each layer's norms, products, RoPE and residuals in two C calls around its attention
-    use_q4_backbone(model)  # a decode step over a KVCache: every layer, its cache write and attention, in one C call
+    use_q4_backbone(model)  # a decode step: every layer, its cache write and attention, in one C call
     return model
 
 
@@ -146,9 +148,10 @@ def q4_pays(model, device: str | torch.device | None = None, dtype: str | torch.
     """Should `model` run on its GGUF's Q4_1 blocks by default (the command line's `generate` and
     `serve` ask)? Yes for "smollm2" on the CPU in float32 where the C kernels load: the float32
     SmolLM2 is that GGUF dequantized, so Q4 weights are the same numbers bit for bit, read as 111 MB
-    a token instead of 538 (~3x the tokens/s: bench/decode_speed.py --end-to-end); only the order
-    of the sums changes. No elsewhere: another model has no such GGUF, a GPU or half precision
-    takes the float path, and without the kernels the Q4 path is slower than float32."""
+    a token instead of 538 (several times the tokens/s: bench/decode_speed.py --end-to-end); the
+    kernels' 16-bit activations and order of sums move the logits by ~3e-4 of their size. No
+    elsewhere: another model has no such GGUF, a GPU or half precision takes the float path, and
+    without the kernels the Q4 path is slower than float32."""
     if not isinstance(model, str) or model != "smollm2":
         return False
     device = check_device(device) if device is not None else default_device()

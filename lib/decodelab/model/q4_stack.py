@@ -6,11 +6,16 @@ cache's append, SDPA, the module calls. That was ~100 µs a layer, some 3 ms of 
 once the products had become fast. For the commonest call of all, a decode step (one new token per
 sequence over a `KVCache`), `Q4Backbone.run_layers` hands the whole stack to
 `q4_kernel.q4_1_decode_layers`: for each layer its two halves, and between them the cache write and
-the attention over the cache (`csrc/paged_decode.c`, `cached_decode_attention`), all in C.
+the attention over the cache (`csrc/paged_decode.c`, `cached_decode_attention`), all in C. The
+engine's decode step (`LLM`, the server) goes the same way over its paged store
+(`q4_1_decode_layers_paged`, `paged_decode_attention`) when its `PagedBatch` holds decodes only and
+the library's attention: the cache offers `decode_tables()`, the block tables, context lengths and
+slots of its sequences in row order (the model package names no engine class).
 
 The result is the layers' own to rounding: the same C halves, and an attention that sums in another
 order than SDPA. Anything else runs `Backbone.run_layers` (each layer in turn): a prefill or several
-tokens, another cache (sliding, paged, the engine's), a full cache (whose error the modules raise),
+tokens, another cache (the sliding ring, an engine step with a prefill or an attention hook), a full
+cache (whose error the modules raise),
 another device or dtype, autograd, torch.compile, a forward hook anywhere in a layer, or a layer
 that is not a `Q4DecoderLayer`.
 """
@@ -57,47 +62,69 @@ class Q4Backbone(Backbone):
         return stack
 
     def decodes_in_one_call(self, x: torch.Tensor, cos: torch.Tensor, kv_cache) -> bool:
-        """Will run_layers make the one C call? x [B, 1, E] of up to SWIGLU_MAX_ROWS sequences, a
-        `KVCache` (exactly) of float32 CPU tensors with room for one more position in every layer,
-        every layer a `Q4DecoderLayer` that would fuse x (`Q4DecoderLayer.fused`: dtype, device,
-        autograd, compile, hooks, the kernel)."""
+        """Will run_layers make the one C call over a KVCache? x [B, 1, E] of up to SWIGLU_MAX_ROWS
+        sequences, a `KVCache` (exactly) of float32 CPU tensors with room for one more position in
+        every layer, and every layer would fuse x (`fusable`)."""
         if type(kv_cache) is not KVCache or x.dim() != 3 or x.shape[1] != 1 or x.shape[0] > SWIGLU_MAX_ROWS:
             return False
         keys, values = kv_cache.keys, kv_cache.values
-        if keys.dtype != torch.float32 or not keys.is_cpu or keys.shape[:2] != (len(self.layers), x.shape[0]):
+        if keys.shape[:2] != (len(self.layers), x.shape[0]) or not _float32_cpu(keys, values):
             return False
-        if not (keys.is_contiguous() and values.is_contiguous() and values.dtype == keys.dtype and values.is_cpu):
-            return False
-        if max(kv_cache.lengths) >= kv_cache.max_seq_len:
-            return False
+        return max(kv_cache.lengths) < kv_cache.max_seq_len and self.fusable(x, cos)
+
+    def paged_decode_tables(self, x: torch.Tensor, cos: torch.Tensor, kv_cache) -> tuple | None:
+        """The engine's step in one C call: for a packed batch x [1, B, E] of B <= SWIGLU_MAX_ROWS
+        decoding sequences whose cache offers `decode_tables()` (`engine.paged_attention.PagedBatch`:
+        decodes only, the library's attention) over a float32 CPU store, with one cos row per
+        sequence and every layer fusing x: (tables, lengths, slots) as it gives them; else None."""
+        tables_of = getattr(kv_cache, "decode_tables", None)
+        if tables_of is None or x.dim() != 3 or x.shape[0] != 1 or x.shape[1] > SWIGLU_MAX_ROWS:
+            return None
+        store = kv_cache.store
+        if cos.dim() != 2 or cos.shape[0] != x.shape[1] or store.keys.shape[0] != len(self.layers):
+            return None
+        if not _float32_cpu(store.keys, store.values) or not self.fusable(x, cos):
+            return None
+        tables = tables_of()
+        return tables if tables is not None and tables[0].shape[0] == x.shape[1] else None
+
+    def fusable(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Is every layer a `Q4DecoderLayer` that would fuse x (`Q4DecoderLayer.fused`: dtype,
+        device, autograd, compile, hooks, the kernel)?"""
         return all(isinstance(layer, Q4DecoderLayer) and layer.fused(x, cos) for layer in self.layers)
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache=None) -> torch.Tensor:
         """x [B, T, E] -> [B, T, E], as `Backbone.run_layers`."""
-        if not self.decodes_in_one_call(x, cos, kv_cache):
+        contiguous = self.decodes_in_one_call(x, cos, kv_cache)
+        paged = None if contiguous else self.paged_decode_tables(x, cos, kv_cache)
+        if not contiguous and paged is None:
             return super().run_layers(x, cos, sin, kv_cache)
-        b, _, e = x.shape
         first = self.layers[0]
-        attention = first.self_attn
         weights = torch.tensor(
-            [tensor.data_ptr() for layer in self.layers for tensor in layer.c_weights()], dtype=torch.int64
+            [[tensor.data_ptr() for tensor in layer.c_weights()] for layer in self.layers], dtype=torch.int64
         )
-        rows = x.reshape(b, e).clone()  # updated in place, layer by layer
-        q4_kernel.q4_1_decode_layers(
-            rows,
-            weights,
-            first.input_layernorm.eps,
-            cos.contiguous(),
-            sin.contiguous(),
-            kv_cache.keys,
-            kv_cache.values,
-            kv_cache.lengths,
-            kv_cache.sliding_window,
-            attention.num_heads,
-            first.mlp.gate_proj.out_features,
-        )
-        kv_cache.lengths = [length + 1 for length in kv_cache.lengths]
-        return rows.view(b, 1, e)
+        rows = x.reshape(-1, x.shape[-1]).clone()  # updated in place, layer by layer
+        shared = (rows, weights, first.input_layernorm.eps, cos.contiguous(), sin.contiguous())
+        heads, hidden = first.self_attn.num_heads, first.mlp.gate_proj.out_features
+        if contiguous:
+            cache = (kv_cache.keys, kv_cache.values, kv_cache.lengths, kv_cache.sliding_window)
+            q4_kernel.q4_1_decode_layers(*shared, *cache, heads, hidden)
+            kv_cache.lengths = [length + 1 for length in kv_cache.lengths]
+        else:
+            store = kv_cache.store
+            cache = (store.keys, store.values, *paged, kv_cache.sliding_window)
+            q4_kernel.q4_1_decode_layers_paged(*shared, *cache, heads, hidden)
+        return rows.view(x.shape)
+
+
+def _float32_cpu(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    return (
+        keys.dtype == values.dtype == torch.float32
+        and keys.is_cpu
+        and values.is_cpu
+        and keys.is_contiguous()
+        and values.is_contiguous()
+    )
 
 
 def use_q4_backbone(model: nn.Module) -> bool:

@@ -442,44 +442,101 @@ void q4_1_attention_output_and_mlp(const float *x, const float *attention, const
     for (int64_t j = 0; j < M * E; j++) y[j] = mid[j] + mlp[j];
 }
 
-/* paged_decode.c: one new query per sequence over one layer of a contiguous cache. */
+/* paged_decode.c: one new query per sequence over one layer of a paged or a contiguous cache. */
+void paged_decode_attention(const float *q, const float *keys, const float *values, const int64_t *tables,
+                            const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t H_kv, int64_t D,
+                            int64_t block_size, int64_t max_blocks, int64_t window, float scale, float *scratch,
+                            int threads);
 void cached_decode_attention(const float *q, const float *keys, const float *values, float *out, int64_t B,
                              int64_t H, int64_t H_kv, int64_t D, int64_t S_max, int64_t length, int64_t window,
                              float scale, float *scratch, int threads);
 
-/* A decode step through all L decoder layers in one call: x [B, E] (one new token per sequence, every
- * sequence at the same position: cos, sin [1, D]) goes through each layer in turn, in place:
- *     q, k, v = q4_1_attention_inputs(x);  k, v written at position lengths[l] of the cache;
- *     attention of q over the lengths[l] + 1 positions held (the last `window` of them, 0: all);
+/* Where a decode step's keys and values go, and what each new query attends to. Contiguous (a KVCache):
+ * keys, values [L, B, H_kv, S_max, D], layer l holding held[l] positions of every sequence (tables NULL).
+ * Paged (the engine's store): keys, values [L, slots, H_kv, D], sequence b's new key written at slot
+ * slots[b], its lengths[b] keys (the new one included) read through tables [B, max_blocks] of block ids. */
+typedef struct {
+    float *keys, *values;
+    int64_t layer_size; /* floats per layer */
+    const int64_t *held;
+    int64_t S_max;
+    const int64_t *tables, *lengths, *slots;
+    int64_t block_size, max_blocks;
+    int64_t window; /* the last `window` keys only; 0: all */
+} decode_cache;
+
+/* Layer l: the new k, v [B, H_kv * D] into the cache, then q [B, H * D] over it into out [B, H * D]. */
+static void write_and_attend(decode_cache c, int64_t l, const float *q, const float *k, const float *v, float *out,
+                             int64_t B, int64_t H, int64_t H_kv, int64_t D, float scale, float *scores, int threads) {
+    float *keys = c.keys + l * c.layer_size, *values = c.values + l * c.layer_size;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t g = 0; g < H_kv; g++) {
+            const int64_t from = (b * H_kv + g) * D;
+            const int64_t at = c.tables ? (c.slots[b] * H_kv + g) * D : ((b * H_kv + g) * c.S_max + c.held[l]) * D;
+            for (int64_t i = 0; i < D; i++) keys[at + i] = k[from + i], values[at + i] = v[from + i];
+        }
+    if (c.tables)
+        paged_decode_attention(q, keys, values, c.tables, c.lengths, out, B, H, H_kv, D, c.block_size, c.max_blocks,
+                               c.window, scale, scores, threads);
+    else
+        cached_decode_attention(q, keys, values, out, B, H, H_kv, D, c.S_max, c.held[l] + 1, c.window, scale, scores,
+                                threads);
+}
+
+/* A decode step through all L decoder layers: x [B, E] (one new token per sequence; cos, sin [T, D]
+ * with T = 1, every sequence at one position, or T = B, row b at its own) goes through each layer
+ * in turn, in place:
+ *     q, k, v = q4_1_attention_inputs(x);  k, v into the cache;  attention of q over the cache;
  *     x = q4_1_attention_output_and_mlp(x, attention).
  * Each layer's 23 pointers are a row of weights [L, 23] (int64 addresses, `Q4DecoderLayer.c_weights`'
  * order): input_layernorm's weight; q_proj, k_proj, v_proj, o_proj as (nibbles, d, m);
- * post_attention_layernorm's weight; gate_proj, up_proj, down_proj as (nibbles, d, m). keys, values
- * [L, B, H_kv, S_max, D] (a KVCache's); the caller advances its lengths after. Scratch as the two
- * halves and cached_decode_attention take it: h, hq, hf; q, k, v; attention [B, H*D]; scores
- * [attention_threads, S_max]; mid, normed, mlp, hidden, partial, mq, mf. */
-void q4_1_decode_layers(float *x, const int64_t *weights, int64_t L, float eps, const float *cos, const float *sin,
-                        float *keys, float *values, const int64_t *lengths, int64_t S_max, int64_t window, float scale,
-                        float *h, int16_t *hq, float *hf, float *q, float *k, float *v, float *attention, float *scores,
-                        float *mid, float *normed, float *mlp, float *hidden, float *partial, int16_t *mq, float *mf,
-                        int64_t B, int64_t E, int64_t F, int64_t H, int64_t H_kv, int64_t D, int input_threads,
-                        int attention_threads, int o_threads, int mlp_threads) {
-    const int64_t layer_size = B * H_kv * S_max * D;
+ * post_attention_layernorm's weight; gate_proj, up_proj, down_proj as (nibbles, d, m). The caller
+ * advances the cache's lengths after. Scratch as the two halves and the attention take it: h, hq, hf;
+ * q, k, v; attention [B, H*D]; scores [attention_threads, the longest context]; mid, normed, mlp,
+ * hidden, partial, mq, mf. */
+static void decode_layers(float *x, const int64_t *weights, int64_t L, float eps, const float *cos, const float *sin,
+                          int64_t T, decode_cache cache, float scale, float *h, int16_t *hq, float *hf, float *q,
+                          float *k, float *v, float *attention, float *scores, float *mid, float *normed, float *mlp,
+                          float *hidden, float *partial, int16_t *mq, float *mf, int64_t B, int64_t E, int64_t F,
+                          int64_t H, int64_t H_kv, int64_t D, int input_threads, int attention_threads, int o_threads,
+                          int mlp_threads) {
     for (int64_t l = 0; l < L; l++) {
         const void *const *w = (const void *const *)(weights + 23 * l);
         q4_1_attention_inputs(x, w[0], eps, w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], cos, sin, h, hq, hf,
-                              q, k, v, B, 1, E, H, H_kv, D, input_threads);
-        float *layer_keys = keys + l * layer_size, *layer_values = values + l * layer_size;
-        const int64_t held = lengths[l];
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t g = 0; g < H_kv; g++) {
-                const int64_t at = ((b * H_kv + g) * S_max + held) * D, from = (b * H_kv + g) * D;
-                for (int64_t i = 0; i < D; i++) layer_keys[at + i] = k[from + i], layer_values[at + i] = v[from + i];
-            }
-        cached_decode_attention(q, layer_keys, layer_values, attention, B, H, H_kv, D, S_max, held + 1, window, scale,
-                                scores, attention_threads);
+                              q, k, v, B, T, E, H, H_kv, D, input_threads);
+        write_and_attend(cache, l, q, k, v, attention, B, H, H_kv, D, scale, scores, attention_threads);
         q4_1_attention_output_and_mlp(x, attention, w[10], w[11], w[12], w[13], eps, w[14], w[15], w[16], w[17], w[18],
                                       w[19], w[20], w[21], w[22], mid, normed, mlp, hidden, partial, mq, mf, x, B,
                                       H * D, E, F, o_threads, mlp_threads);
     }
+}
+
+/* Over a KVCache's keys, values [L, B, H_kv, S_max, D], layer l holding held[l] positions. */
+void q4_1_decode_layers(float *x, const int64_t *weights, int64_t L, float eps, const float *cos, const float *sin,
+                        int64_t T, float *keys, float *values, const int64_t *held, int64_t S_max, int64_t window,
+                        float scale, float *h, int16_t *hq, float *hf, float *q, float *k, float *v, float *attention,
+                        float *scores, float *mid, float *normed, float *mlp, float *hidden, float *partial,
+                        int16_t *mq, float *mf, int64_t B, int64_t E, int64_t F, int64_t H, int64_t H_kv, int64_t D,
+                        int input_threads, int attention_threads, int o_threads, int mlp_threads) {
+    decode_cache cache = {keys, values, B * H_kv * S_max * D, held, S_max, 0, 0, 0, 0, 0, window};
+    decode_layers(x, weights, L, eps, cos, sin, T, cache, scale, h, hq, hf, q, k, v, attention, scores, mid, normed,
+                  mlp, hidden, partial, mq, mf, B, E, F, H, H_kv, D, input_threads, attention_threads, o_threads,
+                  mlp_threads);
+}
+
+/* Over the engine's paged store: keys, values [L, num_slots, H_kv, D]; sequence b's new key at slot
+ * slots[b], its lengths[b] keys through tables [B, max_blocks]. */
+void q4_1_decode_layers_paged(float *x, const int64_t *weights, int64_t L, float eps, const float *cos,
+                              const float *sin, int64_t T, float *keys, float *values, int64_t num_slots,
+                              const int64_t *tables, const int64_t *lengths, const int64_t *slots, int64_t block_size,
+                              int64_t max_blocks, int64_t window, float scale, float *h, int16_t *hq, float *hf,
+                              float *q, float *k, float *v, float *attention, float *scores, float *mid, float *normed,
+                              float *mlp, float *hidden, float *partial, int16_t *mq, float *mf, int64_t B, int64_t E,
+                              int64_t F, int64_t H, int64_t H_kv, int64_t D, int input_threads, int attention_threads,
+                              int o_threads, int mlp_threads) {
+    decode_cache cache = {keys, values, num_slots * H_kv * D, 0, 0, tables, lengths, slots, block_size, max_blocks,
+                          window};
+    decode_layers(x, weights, L, eps, cos, sin, T, cache, scale, h, hq, hf, q, k, v, attention, scores, mid, normed,
+                  mlp, hidden, partial, mq, mf, B, E, F, H, H_kv, D, input_threads, attention_threads, o_threads,
+                  mlp_threads);
 }
