@@ -335,7 +335,7 @@ def q4_1_decode_layers(
     held[l] + 1 positions (the last `window` of them, None: all). weights int64 [L, 23]: each layer's
     addresses in `Q4DecoderLayer.c_weights`' order. cos, sin float32 [1, D] (the position every
     sequence is at). B <= SWIGLU_MAX_ROWS. The kernel must be loaded."""
-    layers, _, kv_heads, s_max, d = keys.shape
+    _, _, kv_heads, s_max, d = keys.shape
     held_tensor = torch.tensor(held, dtype=torch.int64)
     cache = [keys.data_ptr(), values.data_ptr(), held_tensor.data_ptr(), s_max, window or 0]
     _decode_step(
@@ -362,7 +362,7 @@ def q4_1_decode_layers_paged(
     block_size, H_kv, D] (contiguous); sequence b writes its new k, v at slot slots[b] and attends over
     its lengths[b] keys (the new one included) through tables [B, max_blocks] of block ids; all int64.
     cos, sin float32 [B, D]: row b at sequence b's position."""
-    layers, num_blocks, block_size, kv_heads, d = keys.shape
+    _, num_blocks, block_size, kv_heads, d = keys.shape
     max_blocks = tables.shape[1]
     cache = [keys.data_ptr(), values.data_ptr(), num_blocks * block_size]
     cache += [tensor.data_ptr() for tensor in (tables, lengths, slots)] + [block_size, max_blocks, window or 0]

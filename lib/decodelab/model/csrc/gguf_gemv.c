@@ -214,40 +214,69 @@ static inline __attribute__((always_inline)) __m256i sum_lanes_of_8(const __m256
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+/* Q4_1 block b against rows row0 .. row0 + R of x, R >= 2: the nibbles widened once for all R rows,
+ * acc[r][c] += (q . xq) * (d * scale), offset[r][c] += m * sum. `c` picks one of two chains. */
+static inline __attribute__((always_inline)) void q4_1_block_rows(const uint8_t *qs, const float *d, const float *m,
+                                                                  int16_rows x, int64_t row0, int64_t b, int R, int c,
+                                                                  __m256 acc[4][2], float offset[4][2]) {
+    const int64_t blocks = x.K / 32;
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16 * b)));
+    const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), hi = _mm256_srli_epi16(bytes, 4);
+    for (int r = 0; r < R; r++) {
+        const int64_t row = row0 + r;
+        const int16_t *xb = x.q + row * x.K + 32 * b;
+        const __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb)),
+                                              _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 16))));
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(d[b] * x.scale[row * blocks + b]),
+                                    acc[r][c]);
+        offset[r][c] += m[b] * x.sum[row * blocks + b];
+    }
+}
+
 /* Rows row0 .. row0 + R of x (R <= 4) against blocks [first, end) of one Q4_1 weight row: R dot
- * products into out. Eight blocks at a time: their integer dots summed into one vector (lane k: block
- * b + k), then acc += dots * (d * scale) + m * sum, 8 blocks per multiply-add; the last < 8 blocks one by one. */
+ * products into out. One row (a decode step at batch 1): eight blocks at a time, their integer dots
+ * summed into one vector (lane k: block b + k), then acc += dots * (d * scale) + m * sum, 8 blocks per
+ * multiply-add, the last < 8 blocks one by one. More rows: block by block, each block's nibbles widened
+ * once for all of them (measured faster there: bench/q4_products.py). */
 static inline __attribute__((always_inline)) void q4_1_dots(const uint8_t *qs, const float *d, const float *m,
                                                             int16_rows x, int64_t row0, int64_t first, int64_t end,
                                                             int R, float *out) {
     const int64_t blocks = x.K / 32;
-    __m256 acc[4];
-    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+    if (R > 1) {
+        __m256 acc[4][2];
+        float offset[4][2];
+        for (int r = 0; r < 4; r++)
+            for (int c = 0; c < 2; c++) acc[r][c] = _mm256_setzero_ps(), offset[r][c] = 0.0f;
+        int64_t b = first;
+        for (; b + 1 < end; b += 2) {
+            q4_1_block_rows(qs, d, m, x, row0, b, R, 0, acc, offset);
+            q4_1_block_rows(qs, d, m, x, row0, b + 1, R, 1, acc, offset);
+        }
+        if (b < end) q4_1_block_rows(qs, d, m, x, row0, b, R, 0, acc, offset);
+        for (int r = 0; r < R; r++)
+            out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + (offset[r][0] + offset[r][1]);
+        return;
+    }
+    const int16_t *xr = x.q + row0 * x.K;
+    const float *scale = x.scale + row0 * blocks, *sum = x.sum + row0 * blocks;
+    __m256 acc = _mm256_setzero_ps();
     int64_t b = first;
     for (; b + 8 <= end; b += 8) {
-        const __m256 dn = _mm256_loadu_ps(d + b), mn = _mm256_loadu_ps(m + b);
-        for (int r = 0; r < R; r++) {
-            const int64_t row = row0 + r;
-            const int16_t *xr = x.q + row * x.K;
-            __m256i p[8];
-            for (int k = 0; k < 8; k++) p[k] = q4_1_int_dot(qs, b + k, xr + 32 * (b + k));
-            const __m256 scale = _mm256_mul_ps(dn, _mm256_loadu_ps(x.scale + row * blocks + b));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes_of_8(p)), scale, acc[r]);
-            acc[r] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(x.sum + row * blocks + b), acc[r]);
-        }
+        __m256i p[8];
+        for (int k = 0; k < 8; k++) p[k] = q4_1_int_dot(qs, b + k, xr + 32 * (b + k));
+        const __m256 scales = _mm256_mul_ps(_mm256_loadu_ps(d + b), _mm256_loadu_ps(scale + b));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes_of_8(p)), scales, acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(sum + b), acc);
     }
-    for (int r = 0; r < R; r++) {
-        const int64_t row = row0 + r;
-        float total = hsum(acc[r]);
-        for (int64_t t = b; t < end; t++) {
-            const __m256i p = q4_1_int_dot(qs, t, x.q + row * x.K + 32 * t);
-            const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-            const __m128i pair = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
-            const int32_t dot = _mm_cvtsi128_si32(_mm_add_epi32(pair, _mm_shuffle_epi32(pair, 0xB1)));
-            total += (float)dot * (d[t] * x.scale[row * blocks + t]) + m[t] * x.sum[row * blocks + t];
-        }
-        out[r] = total;
+    float total = hsum(acc);
+    for (; b < end; b++) {
+        const __m256i p = q4_1_int_dot(qs, b, xr + 32 * b);
+        const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+        const __m128i pair = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
+        const int32_t dot = _mm_cvtsi128_si32(_mm_add_epi32(pair, _mm_shuffle_epi32(pair, 0xB1)));
+        total += (float)dot * (d[b] * scale[b]) + m[b] * sum[b];
     }
+    out[0] = total;
 }
 
 /* q4_1_dots with R = rows (1..4) made a constant, so each gets its unrolled loop. */
