@@ -15,9 +15,8 @@ slots of its sequences in row order (the model package names no engine class).
 The result is the layers' own to rounding: the same C halves, and an attention that sums in another
 order than SDPA. Anything else runs `Backbone.run_layers` (each layer in turn): a prefill or several
 tokens, another cache (the sliding ring, an engine step with a prefill or an attention hook), a full
-cache (whose error the modules raise),
-another device or dtype, autograd, torch.compile, a forward hook anywhere in a layer, or a layer
-that is not a `Q4DecoderLayer`.
+cache (whose error the modules raise), another device or dtype, autograd, torch.compile, a forward
+hook anywhere in a layer, or a layer that is not a `Q4DecoderLayer`.
 """
 
 from __future__ import annotations
