@@ -164,15 +164,20 @@ class PagedBatch:
         self.decode_slices = [s for s in slices if s.q_len == 1]
         self.prefill_slices = [s for s in slices if s.q_len > 1]
         self.decode_only = not self.prefill_slices
-        self.decode_groups: list[DecodeGroup] = []
-        self._decode_tables = None  # decode_tables(), built on first ask
-        if self.decode_slices:
-            block_size = store.block_size
+        self._decode_groups: list[DecodeGroup] | None = None  # decode_groups, built on first ask
+        self._decode_tables = None  # decode_tables(), likewise
+
+    @property
+    def decode_groups(self) -> list[DecodeGroup]:
+        """The decode sequences in groups of similar context length (`group_by_length`), built on the
+        first attention call: a step that `model.q4_stack` runs in one C call never needs them."""
+        if self._decode_groups is None:
+            block_size = self.store.block_size
             needed = [blocks_needed(s.context_len, block_size) for s in self.decode_slices]
-            for members in group_by_length(needed, block_size, self.DECODE_GROUP_COST):
-                self.decode_groups.append(
-                    self.decode_group([self.decode_slices[i] for i in members], slot_mapping.device)
-                )
+            members = group_by_length(needed, block_size, self.DECODE_GROUP_COST) if needed else []
+            device = self.slot_mapping.device
+            self._decode_groups = [self.decode_group([self.decode_slices[i] for i in m], device) for m in members]
+        return self._decode_groups
 
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """For a step of decodes only with the library's attention: (tables [B, max_blocks] of block
