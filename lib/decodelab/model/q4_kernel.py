@@ -182,6 +182,12 @@ def threads_for(multiply_adds: int) -> int:
     return thread_team.threads_for(multiply_adds, ONE_THREAD_BELOW)
 
 
+def swiglu_threads(rows: int, hidden: int, intermediate: int) -> int:
+    """The threads the fused SwiGLU gets for `rows` rows ([rows, hidden] through [hidden, intermediate]
+    products): one while the team sleeps and the MLP is small (SWIGLU_ONE_THREAD_BELOW), else all."""
+    return thread_team.threads_for(3 * rows * hidden * intermediate, SWIGLU_ONE_THREAD_BELOW)
+
+
 def _loaded():
     library = kernel()
     if library is None:
@@ -239,7 +245,7 @@ def q4_1_swiglu(
     x = x.contiguous()
     rows, e = x.shape
     f = gate[0].shape[0]
-    threads = thread_team.threads_for(3 * rows * e * f, SWIGLU_ONE_THREAD_BELOW)
+    threads = swiglu_threads(rows, e, f)
     h = torch.empty(rows, f, dtype=torch.float32)
     partial = torch.empty(max(threads - 1, 1), rows, e, dtype=torch.float32)
     y = torch.empty(rows, e, dtype=torch.float32)
@@ -304,7 +310,7 @@ def q4_1_attention_output_and_mlp(
     a = attention.shape[1]
     f = mlp[0][0].shape[0]
     o_threads = threads_for(rows * e * a)
-    mlp_threads = thread_team.threads_for(3 * rows * e * f, SWIGLU_ONE_THREAD_BELOW)
+    mlp_threads = swiglu_threads(rows, e, f)
     mid, normed, mlp_out, y = (torch.empty(rows, e, dtype=torch.float32) for _ in range(4))
     h = torch.empty(rows, f, dtype=torch.float32)
     partial = torch.empty(max(mlp_threads - 1, 1), rows, e, dtype=torch.float32)
@@ -393,7 +399,7 @@ def _decode_step(
     input_threads = threads_for(rows * (a + 2 * kv_heads * d) * e)
     attention_threads = thread_team.threads_for(rows * a * context, ATTENTION_ONE_THREAD_BELOW)
     o_threads = threads_for(rows * e * a)
-    mlp_threads = thread_team.threads_for(3 * rows * e * f, SWIGLU_ONE_THREAD_BELOW)
+    mlp_threads = swiglu_threads(rows, e, f)
     scratch = (
         _floats(rows, e),  # h: the normed input
         *int16_scratch(rows, e),

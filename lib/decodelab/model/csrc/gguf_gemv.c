@@ -29,7 +29,6 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -65,8 +64,8 @@ static inline void dequantize_q8_0(const uint8_t *qs, const float *d, int64_t b,
 }
 
 /* Rows [0, R) of x (R <= 4, row r at x + r * stride) against blocks [first, end) of one weight row
- * of format `f` (Q8_0 or F32): R dot products over those blocks' 32 * (end - first) columns. `f` and `R` are
- * constants after inlining, so each (format, R) gets its own unrolled loop. Each row sums into
+ * of format `f` (Q8_0 or F32): R dot products over those blocks' 32 * (end - first) columns. `f` and
+ * `R` are constants after inlining, so each (format, R) gets its own unrolled loop. Each row sums into
  * `chains` independent accumulators (4 for R <= 2, else 2): one chain would wait an FMA's latency
  * (4 cycles) per 8 weights. */
 static inline __attribute__((always_inline)) void block_dots(enum format f, const uint8_t *qs, const float *d,
@@ -196,14 +195,27 @@ static void quantize_rows(const float *x, int64_t M, int64_t first, int64_t end,
     }
 }
 
-/* The integer dot of Q4_1 block b's 32 nibbles with 32 int16 values xb: 8 int32 partial sums. The 16
- * bytes widen to 16-bit lanes, each holding two nibbles: its low nibble is weight j (j < 16), its high
- * nibble weight j + 16, so one mask and one shift give both halves. */
-static inline __attribute__((always_inline)) __m256i q4_1_int_dot(const uint8_t *qs, int64_t b, const int16_t *xb) {
+/* Q4_1 block b's 32 nibbles as 16-bit lanes: lo holds weights 0..15, hi weights 16..31. The 16 bytes
+ * widen to 16-bit lanes, each holding two nibbles (its low nibble weight j, its high nibble weight
+ * j + 16), so one mask and one shift give both halves. */
+static inline __attribute__((always_inline)) void q4_1_nibbles(const uint8_t *qs, int64_t b, __m256i *lo,
+                                                               __m256i *hi) {
     const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16 * b)));
-    const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), hi = _mm256_srli_epi16(bytes, 4);
+    *lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
+    *hi = _mm256_srli_epi16(bytes, 4);
+}
+
+/* The integer dot of a block's nibbles (lo, hi) with 32 int16 values xb: 8 int32 partial sums. */
+static inline __attribute__((always_inline)) __m256i nibble_dot(__m256i lo, __m256i hi, const int16_t *xb) {
     return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb)),
                             _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 16))));
+}
+
+/* nibble_dot of Q4_1 block b with xb. */
+static inline __attribute__((always_inline)) __m256i q4_1_int_dot(const uint8_t *qs, int64_t b, const int16_t *xb) {
+    __m256i lo, hi;
+    q4_1_nibbles(qs, b, &lo, &hi);
+    return nibble_dot(lo, hi, xb);
 }
 
 /* The 8 int32 lanes of each of p[0..8) summed: lane k of the result is p[k]'s total. */
@@ -220,13 +232,11 @@ static inline __attribute__((always_inline)) void q4_1_block_rows(const uint8_t 
                                                                   int16_rows x, int64_t row0, int64_t b, int R, int c,
                                                                   __m256 acc[4][2], float offset[4][2]) {
     const int64_t blocks = x.K / 32;
-    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16 * b)));
-    const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), hi = _mm256_srli_epi16(bytes, 4);
+    __m256i lo, hi;
+    q4_1_nibbles(qs, b, &lo, &hi);
     for (int r = 0; r < R; r++) {
         const int64_t row = row0 + r;
-        const int16_t *xb = x.q + row * x.K + 32 * b;
-        const __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb)),
-                                              _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 16))));
+        const __m256i dots = nibble_dot(lo, hi, x.q + row * x.K + 32 * b);
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(d[b] * x.scale[row * blocks + b]),
                                     acc[r][c]);
         offset[r][c] += m[b] * x.sum[row * blocks + b];

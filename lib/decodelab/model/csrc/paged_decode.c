@@ -74,6 +74,11 @@ static void attend_one(const float *query, const float *keys, const float *value
     for (int64_t i = 0; i < D; i++) o[i] *= inverse;
 }
 
+/* The first of `length` keys a query attends to: the last `window` only (window > 0), else all. */
+static inline int64_t first_key(int64_t length, int64_t window) {
+    return window > 0 && length > window ? length - window : 0;
+}
+
 /* scratch: [threads, max_blocks * block_size] floats, one row of scores per thread. */
 void paged_decode_attention(const float *q, const float *keys, const float *values, const int64_t *tables,
                             const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t H_kv, int64_t D,
@@ -83,7 +88,7 @@ void paged_decode_attention(const float *q, const float *keys, const float *valu
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < B * H; task++) {
         const int64_t b = task / H, h = task % H, kv_head = h / group, length = lengths[b];
-        const int64_t start = window > 0 && length > window ? length - window : 0;
+        const int64_t start = first_key(length, window);
         float *scores = scratch + (int64_t)omp_get_thread_num() * max_blocks * block_size;
         attend_one(q + task * D, keys + kv_head * D, values + kv_head * D, tables + b * max_blocks, block_size,
                    row_stride, start, length, D, scale, scores, out + task * D);
@@ -96,7 +101,7 @@ void paged_decode_attention(const float *q, const float *keys, const float *valu
 void cached_decode_attention(const float *q, const float *keys, const float *values, float *out, int64_t B,
                              int64_t H, int64_t H_kv, int64_t D, int64_t S_max, int64_t length, int64_t window,
                              float scale, float *scratch, int threads) {
-    const int64_t group = H / H_kv, start = window > 0 && length > window ? length - window : 0;
+    const int64_t group = H / H_kv, start = first_key(length, window);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < B * H; task++) {
         const int64_t b = task / H, kv_head = (task % H) / group, at = (b * H_kv + kv_head) * S_max * D;
