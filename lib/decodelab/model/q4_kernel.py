@@ -115,14 +115,14 @@ def _loaded_or_why() -> tuple[ctypes.CDLL | None, str]:
     library.q8_0_matmul.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
     library.q4_1_dequantize.argtypes = [pointer, pointer, pointer, pointer, size, size, ctypes.c_int]
     library.q8_0_dequantize.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_int]
-    library.q4_1_swiglu.argtypes = [pointer] * 15 + [size, size, size, ctypes.c_int]
+    library.q4_1_swiglu.argtypes = [pointer] * 14 + [size, size, size, ctypes.c_int]
     library.paged_decode_attention.argtypes = [pointer] * 6 + [size] * 7 + [ctypes.c_float, pointer, ctypes.c_int]
     real, integer = ctypes.c_float, ctypes.c_int
     library.q4_1_attention_inputs.argtypes = [pointer, pointer, real] + [pointer] * 17 + [size] * 6 + [integer]
     library.q4_1_attention_output_and_mlp.argtypes = (
-        [pointer] * 6 + [real] + [pointer] * 17 + [size] * 4 + [integer, integer]
+        [pointer] * 6 + [real] + [pointer] * 16 + [size] * 4 + [integer, integer]
     )
-    step_front, step_back = [pointer, pointer, size, real, pointer, pointer, size], [real] + [pointer] * 15 + [size] * 6
+    step_front, step_back = [pointer, pointer, size, real, pointer, pointer, size], [real] + [pointer] * 14 + [size] * 6
     contiguous_cache, paged_cache = [pointer] * 3 + [size] * 2, [pointer, pointer, size] + [pointer] * 3 + [size] * 3
     library.q4_1_decode_layers.argtypes = step_front + contiguous_cache + step_back + [integer] * 4
     library.q4_1_decode_layers_paged.argtypes = step_front + paged_cache + step_back + [integer] * 4
@@ -240,17 +240,17 @@ def q4_1_swiglu(
 ) -> torch.Tensor:
     """y [M, E] = (silu(x @ G.T) * (x @ U.T)) @ D.T for x float32 [M, E] (M <= SWIGLU_MAX_ROWS, CPU),
     G, U [F, E] and D [E, F] each Q4_1 blocks (nibbles, d, m), in one C call: one parallel region,
-    each thread a range of the F hidden units (`csrc/gguf_gemv.c`; x and the hidden activations read
-    as 16-bit integers, as `q4_1_matmul` reads x). The kernel must be loaded."""
+    each thread first a range of the F hidden units, then (past a spin barrier) a range of the E
+    outputs (`csrc/gguf_gemv.c`; x and the hidden activations read as 16-bit integers, as
+    `q4_1_matmul` reads x). The kernel must be loaded."""
     x = x.contiguous()
     rows, e = x.shape
     f = gate[0].shape[0]
     threads = swiglu_threads(rows, e, f)
     h = torch.empty(rows, f, dtype=torch.float32)
-    partial = torch.empty(max(threads - 1, 1), rows, e, dtype=torch.float32)
     y = torch.empty(rows, e, dtype=torch.float32)
     scratch = int16_scratch(rows, e, f)  # held here until the call returns
-    pointers = [tensor.data_ptr() for tensor in (x, *gate, *up, *down, h, partial, *scratch, y)]
+    pointers = [tensor.data_ptr() for tensor in (x, *gate, *up, *down, h, *scratch, y)]
     _loaded().q4_1_swiglu(*pointers, rows, e, f, threads)
     return y
 
@@ -313,10 +313,9 @@ def q4_1_attention_output_and_mlp(
     mlp_threads = swiglu_threads(rows, e, f)
     mid, normed, mlp_out, y = (torch.empty(rows, e, dtype=torch.float32) for _ in range(4))
     h = torch.empty(rows, f, dtype=torch.float32)
-    partial = torch.empty(max(mlp_threads - 1, 1), rows, e, dtype=torch.float32)
     first = [tensor.data_ptr() for tensor in (x, attention, *o_proj, norm_weight)]
     scratch = int16_scratch(rows, a, e, f)
-    rest = [tensor.data_ptr() for tensor in (*mlp[0], *mlp[1], *mlp[2], mid, normed, mlp_out, h, partial, *scratch, y)]
+    rest = [tensor.data_ptr() for tensor in (*mlp[0], *mlp[1], *mlp[2], mid, normed, mlp_out, h, *scratch, y)]
     _loaded().q4_1_attention_output_and_mlp(*first, eps, *rest, rows, a, e, f, o_threads, mlp_threads)
     return y
 
@@ -410,7 +409,6 @@ def _decode_step(
         _floats(attention_threads, context),  # scores
         *(_floats(rows, e) for _ in range(3)),  # mid, normed, mlp
         _floats(rows, f),  # the MLP's hidden units
-        _floats(max(mlp_threads - 1, 1), rows, e),  # partial
         *int16_scratch(rows, a, e, f),
     )
     getattr(_loaded(), function)(

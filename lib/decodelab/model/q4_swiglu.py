@@ -3,10 +3,11 @@
 `llama.MLP` computes down(silu(gate(x)) * up(x)): three products and two elementwise operations,
 five calls from Python for every layer and token. When its three linears are `Q4Linear`s
 (`use_gguf_q4_weights`), `Q4SwiGLU` does the same in one call of `q4_kernel.q4_1_swiglu` for up to
-`SWIGLU_MAX_ROWS` rows of x: one parallel region, each thread a range of the hidden units, so a
+`SWIGLU_MAX_ROWS` rows of x: one parallel region, each thread first a range of the hidden units
+(gate, up, silu · up), then past a spin barrier a range of the outputs (whole rows of down), so a
 sleeping OpenMP team (OMP_WAIT_POLICY=PASSIVE) wakes once for the MLP instead of once per product.
-The result equals the three `Q4Linear`s' up to rounding (silu through C's expf, the down product
-summed in per-thread ranges, which can move a hidden value by one 16-bit step where down reads it);
+The result equals the three `Q4Linear`s' up to rounding (silu through C's expf, which can move a
+hidden value by one 16-bit step where down reads it);
 more rows, another device or dtype, or a forward hook on one of the three take those three layers.
 """
 

@@ -28,6 +28,8 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 
 static inline float hsum(__m256 v) {
@@ -356,23 +358,49 @@ void q8_0_dequantize(const int8_t *qs, const float *d, float *w, int64_t N, int6
     }
 }
 
+/* A barrier for the threads of one parallel region that spins while it waits, whatever
+ * OMP_WAIT_POLICY says: OpenMP's own barrier puts a waiting thread to sleep under PASSIVE, and the
+ * wake-up (~20 µs here) cost more than the MLP's second half saved. The threads are all running in
+ * the region, so the wait is their imbalance, a few µs; past SPINS_BEFORE_YIELD pauses (a thread
+ * descheduled on a busy machine) a waiter yields its core instead of burning it. */
+#define SPINS_BEFORE_YIELD 100000
+typedef struct {
+    atomic_int arrived, phase;
+} spin_barrier;
+
+/* Returns once all `team` threads have called it; what each wrote before is visible to all after. */
+static void spin_barrier_wait(spin_barrier *barrier, int team) {
+    const int phase = atomic_load_explicit(&barrier->phase, memory_order_relaxed);
+    if (atomic_fetch_add_explicit(&barrier->arrived, 1, memory_order_acq_rel) == team - 1) {
+        atomic_store_explicit(&barrier->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&barrier->phase, phase + 1, memory_order_release);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&barrier->phase, memory_order_acquire) == phase; spins++) {
+        if (spins < SPINS_BEFORE_YIELD)
+            _mm_pause();
+        else
+            sched_yield();
+    }
+}
+
 /* A SwiGLU MLP whose three weights are Q4_1 blocks, for M rows of x (as int16_rows, 4 at a time):
  *     y [M, E] = (silu(x @ G^T) * (x @ U^T)) @ D^T,   G, U [F, E], D [E, F],
- * in one parallel region, so a sleeping OpenMP team wakes once instead of three times. Each thread
- * takes a range of the F hidden units (whole blocks of 32): their gate and up sums, h = silu(g) * u
- * there (and its blocks as int16 in hq), then that range's share of every output, D[:, range] @
- * h[range]; thread 0 writes its share into y, thread t > 0 into partial[t - 1], and the shares are
- * added after the region (so y's sums are in another order than three separate products'). h is
- * scratch [M, F], hq int16_rows [M, F], partial [threads - 1, M, E]. silu(g) = g / (1 + exp(-g)). */
+ * in one parallel region, so a sleeping OpenMP team wakes once instead of three times. First each
+ * thread takes a range of the F hidden units (whole blocks of 32): their gate and up sums, h =
+ * silu(g) * u there, and those blocks of h as int16 in hq. Then, past a spin barrier, each thread
+ * takes a range of the E outputs, whole rows of D over all of h. (Splitting D by the hidden units
+ * instead, which needs no barrier, had each thread read half of every row of D and add its share
+ * afterwards: 1.3x slower with the weights coming from memory, as a decode step's do.) h is scratch
+ * [M, F], hq int16_rows [M, F]. silu(g) = g / (1 + exp(-g)). */
 static void swiglu(int16_rows x, const uint8_t *gq, const float *gd, const float *gm, const uint8_t *uq,
                    const float *ud, const float *um, const uint8_t *dq, const float *dd, const float *dm, float *h,
-                   int16_rows hq, float *partial, float *y, int64_t M, int64_t F, int threads) {
+                   int16_rows hq, float *y, int64_t M, int64_t F, int threads) {
     const int64_t E = x.K, in_blocks = E / 32, hidden_blocks = F / 32;
-    int used = 1;
+    spin_barrier barrier = {0, 0};
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), team = omp_get_num_threads();
-        if (t == 0) used = team;
         const int64_t first = hidden_blocks * t / team, end = hidden_blocks * (t + 1) / team;
         for (int64_t n = 32 * first; n < 32 * end; n++) {
             for (int64_t i = 0; i < M; i += 4) {
@@ -383,30 +411,28 @@ static void swiglu(int16_rows x, const uint8_t *gq, const float *gd, const float
                 for (int r = 0; r < rows; r++) h[(i + r) * F + n] = g[r] / (1.0f + expf(-g[r])) * u[r];
             }
         }
-        quantize_rows(h, M, first, end, hq);  /* this thread's blocks of h: the only ones it reads below */
-        float *share = t == 0 ? y : partial + (int64_t)(t - 1) * M * E;
-        for (int64_t e = 0; e < E; e++) {
+        quantize_rows(h, M, first, end, hq);
+        spin_barrier_wait(&barrier, team);
+        for (int64_t e = E * t / team; e < E * (t + 1) / team; e++) {
             for (int64_t i = 0; i < M; i += 4) {
                 const int rows = M - i >= 4 ? 4 : (int)(M - i);
                 float s[4];
-                q4_1_dots_of(dq + e * (F / 2), dd + e * hidden_blocks, dm + e * hidden_blocks, hq, i, first, end, rows,
-                             s);
-                for (int r = 0; r < rows; r++) share[(i + r) * E + e] = s[r];
+                q4_1_dots_of(dq + e * (F / 2), dd + e * hidden_blocks, dm + e * hidden_blocks, hq, i, 0, hidden_blocks,
+                             rows, s);
+                for (int r = 0; r < rows; r++) y[(i + r) * E + e] = s[r];
             }
         }
     }
-    for (int t = 1; t < used; t++)
-        for (int64_t j = 0; j < M * E; j++) y[j] += partial[(int64_t)(t - 1) * M * E + j];
 }
 
-/* The MLP above for x float32 [M, E]. Scratch: h [M, F], partial [threads - 1, M, E], q int16
- * [M, E + F] and f float [2, M, (E + F) / 32] (x and h as int16_rows). */
+/* The MLP above for x float32 [M, E]. Scratch: h [M, F], q int16 [M, E + F] and f float
+ * [2, M, (E + F) / 32] (x and h as int16_rows). */
 void q4_1_swiglu(const float *x, const uint8_t *gq, const float *gd, const float *gm, const uint8_t *uq,
                  const float *ud, const float *um, const uint8_t *dq, const float *dd, const float *dm, float *h,
-                 float *partial, int16_t *q, float *f, float *y, int64_t M, int64_t E, int64_t F, int threads) {
+                 int16_t *q, float *f, float *y, int64_t M, int64_t E, int64_t F, int threads) {
     int16_rows xq = int16_rows_in(&q, &f, M, E), hq = int16_rows_in(&q, &f, M, F);
     quantize_rows(x, M, 0, E / 32, xq);
-    swiglu(xq, gq, gd, gm, uq, ud, um, dq, dd, dm, h, hq, partial, y, M, F, threads);
+    swiglu(xq, gq, gd, gm, uq, ud, um, dq, dd, dm, h, hq, y, M, F, threads);
 }
 
 /* A decoder layer's two halves around its attention, for M rows of x whose weights are all Q4_1:
@@ -463,13 +489,13 @@ void q4_1_attention_inputs(const float *x, const float *norm_weight, float eps, 
 
 /* The half after it: mid = x + attention [M, A] @ O^T (o_proj's Q4_1 blocks, [E, A]), then
  * y = mid + MLP(RMSNorm(mid)) through the SwiGLU above (M <= its 16 rows). Scratch: mid, normed
- * and mlp [M, E], the MLP's h [M, F] and partial [max(mlp_threads - 1, 1), M, E], and q int16
+ * and mlp [M, E], the MLP's h [M, F], and q int16
  * [M, A + E + F], f float [2, M, (A + E + F) / 32] (attention, normed and h as int16_rows). */
 void q4_1_attention_output_and_mlp(const float *x, const float *attention, const uint8_t *oq, const float *od,
                                    const float *om, const float *norm_weight, float eps, const uint8_t *gq,
                                    const float *gd, const float *gm, const uint8_t *uq, const float *ud,
                                    const float *um, const uint8_t *dq, const float *dd, const float *dm, float *mid,
-                                   float *normed, float *mlp, float *h, float *partial, int16_t *q, float *f, float *y,
+                                   float *normed, float *mlp, float *h, int16_t *q, float *f, float *y,
                                    int64_t M, int64_t A, int64_t E, int64_t F, int o_threads, int mlp_threads) {
     int16_rows aq = int16_rows_in(&q, &f, M, A), nq = int16_rows_in(&q, &f, M, E), hq = int16_rows_in(&q, &f, M, F);
     quantize_rows(attention, M, 0, A / 32, aq);
@@ -477,7 +503,7 @@ void q4_1_attention_output_and_mlp(const float *x, const float *attention, const
     for (int64_t j = 0; j < M * E; j++) mid[j] = x[j] + mid[j];
     rms_norm_rows(mid, norm_weight, eps, normed, M, E);
     quantize_rows(normed, M, 0, E / 32, nq);
-    swiglu(nq, gq, gd, gm, uq, ud, um, dq, dd, dm, h, hq, partial, mlp, M, F, mlp_threads);
+    swiglu(nq, gq, gd, gm, uq, ud, um, dq, dd, dm, h, hq, mlp, M, F, mlp_threads);
     for (int64_t j = 0; j < M * E; j++) y[j] = mid[j] + mlp[j];
 }
 
@@ -532,11 +558,11 @@ static void write_and_attend(decode_cache c, int64_t l, const float *q, const fl
  * post_attention_layernorm's weight; gate_proj, up_proj, down_proj as (nibbles, d, m). The caller
  * advances the cache's lengths after. Scratch as the two halves and the attention take it: h, hq, hf;
  * q, k, v; attention [B, H*D]; scores [attention_threads, the longest context]; mid, normed, mlp,
- * hidden, partial, mq, mf. */
+ * hidden, mq, mf. */
 static void decode_layers(float *x, const int64_t *weights, int64_t L, float eps, const float *cos, const float *sin,
                           int64_t T, decode_cache cache, float scale, float *h, int16_t *hq, float *hf, float *q,
                           float *k, float *v, float *attention, float *scores, float *mid, float *normed, float *mlp,
-                          float *hidden, float *partial, int16_t *mq, float *mf, int64_t B, int64_t E, int64_t F,
+                          float *hidden, int16_t *mq, float *mf, int64_t B, int64_t E, int64_t F,
                           int64_t H, int64_t H_kv, int64_t D, int input_threads, int attention_threads, int o_threads,
                           int mlp_threads) {
     for (int64_t l = 0; l < L; l++) {
@@ -545,7 +571,7 @@ static void decode_layers(float *x, const int64_t *weights, int64_t L, float eps
                               q, k, v, B, T, E, H, H_kv, D, input_threads);
         write_and_attend(cache, l, q, k, v, attention, B, H, H_kv, D, scale, scores, attention_threads);
         q4_1_attention_output_and_mlp(x, attention, w[10], w[11], w[12], w[13], eps, w[14], w[15], w[16], w[17], w[18],
-                                      w[19], w[20], w[21], w[22], mid, normed, mlp, hidden, partial, mq, mf, x, B,
+                                      w[19], w[20], w[21], w[22], mid, normed, mlp, hidden, mq, mf, x, B,
                                       H * D, E, F, o_threads, mlp_threads);
     }
 }
@@ -554,12 +580,12 @@ static void decode_layers(float *x, const int64_t *weights, int64_t L, float eps
 void q4_1_decode_layers(float *x, const int64_t *weights, int64_t L, float eps, const float *cos, const float *sin,
                         int64_t T, float *keys, float *values, const int64_t *held, int64_t S_max, int64_t window,
                         float scale, float *h, int16_t *hq, float *hf, float *q, float *k, float *v, float *attention,
-                        float *scores, float *mid, float *normed, float *mlp, float *hidden, float *partial,
+                        float *scores, float *mid, float *normed, float *mlp, float *hidden,
                         int16_t *mq, float *mf, int64_t B, int64_t E, int64_t F, int64_t H, int64_t H_kv, int64_t D,
                         int input_threads, int attention_threads, int o_threads, int mlp_threads) {
     decode_cache cache = {keys, values, B * H_kv * S_max * D, held, S_max, 0, 0, 0, 0, 0, window};
     decode_layers(x, weights, L, eps, cos, sin, T, cache, scale, h, hq, hf, q, k, v, attention, scores, mid, normed,
-                  mlp, hidden, partial, mq, mf, B, E, F, H, H_kv, D, input_threads, attention_threads, o_threads,
+                  mlp, hidden, mq, mf, B, E, F, H, H_kv, D, input_threads, attention_threads, o_threads,
                   mlp_threads);
 }
 
@@ -570,12 +596,12 @@ void q4_1_decode_layers_paged(float *x, const int64_t *weights, int64_t L, float
                               const int64_t *tables, const int64_t *lengths, const int64_t *slots, int64_t block_size,
                               int64_t max_blocks, int64_t window, float scale, float *h, int16_t *hq, float *hf,
                               float *q, float *k, float *v, float *attention, float *scores, float *mid, float *normed,
-                              float *mlp, float *hidden, float *partial, int16_t *mq, float *mf, int64_t B, int64_t E,
+                              float *mlp, float *hidden, int16_t *mq, float *mf, int64_t B, int64_t E,
                               int64_t F, int64_t H, int64_t H_kv, int64_t D, int input_threads, int attention_threads,
                               int o_threads, int mlp_threads) {
     decode_cache cache = {keys, values, num_slots * H_kv * D, 0, 0, tables, lengths, slots, block_size, max_blocks,
                           window};
     decode_layers(x, weights, L, eps, cos, sin, T, cache, scale, h, hq, hf, q, k, v, attention, scores, mid, normed,
-                  mlp, hidden, partial, mq, mf, B, E, F, H, H_kv, D, input_threads, attention_threads, o_threads,
+                  mlp, hidden, mq, mf, B, E, F, H, H_kv, D, input_threads, attention_threads, o_threads,
                   mlp_threads);
 }
