@@ -151,3 +151,79 @@ def test_the_engines_decode_step_in_one_call_is_the_layers_one_by_one(monkeypatc
     torch.testing.assert_close(store.values, expected_store.values, rtol=1e-4, atol=1e-4 * scale)
     engine_step(model, store, [4, 10], prefill=3)
     assert paged_calls == [3]
+
+
+def twice(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor * 2
+
+
+def replace_buffer(layer) -> None:  # setattr: a new tensor object registered in _buffers
+    layer.mlp.gate_proj.d = twice(layer.mlp.gate_proj.d)
+
+
+def repoint_storage(layer) -> None:  # the same tensor object, another storage
+    layer.self_attn.v_proj.m.data = twice(layer.self_attn.v_proj.m)
+
+
+def scale_in_place(layer) -> None:  # the same storage, other values
+    layer.mlp.down_proj.d.mul_(2)
+
+
+def convert_and_back(layer) -> None:  # _apply: new tensors put in _buffers, no registration
+    layer.mlp.up_proj.half().float()
+    layer.mlp.up_proj.d.mul_(2)  # on the new tensor only: a table of the old ones would miss it
+
+
+def replace_norm(layer) -> None:  # a new Parameter
+    layer.post_attention_layernorm.weight = torch.nn.Parameter(twice(layer.post_attention_layernorm.weight))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [replace_buffer, repoint_storage, scale_in_place, convert_and_back, replace_norm],
+    ids=lambda f: f.__name__,
+)
+def test_the_one_call_step_reads_the_weights_the_modules_hold_now(monkeypatch, one_calls, change):
+    """The step keeps its table of weight addresses between tokens (`Q4Backbone.layout`); after any
+    way of changing a layer's weights the next step must compute with the new ones, as the modules do."""
+    require_kernel()
+    model = q4_stack(seed=5)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(3))
+    cache = KVCache(model.config, max_seq_len=9)
+    decode(model, ids[:, :7], cache)
+    assert one_calls == [1, 1]
+    with torch.no_grad():
+        change(model.model.layers[1])
+    expected_cache = KVCache(model.config, max_seq_len=9)
+    expected_cache.keys.copy_(cache.keys)
+    expected_cache.values.copy_(cache.values)
+    expected_cache.lengths = list(cache.lengths)
+    with torch.inference_mode():
+        got = model(ids[:, 7:], kv_cache=cache)
+        with monkeypatch.context() as patched:
+            patched.setattr(Q4Backbone, "run_layers", Backbone.run_layers)
+            expected = model(ids[:, 7:], kv_cache=expected_cache)
+    assert one_calls == [1, 1, 1]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def test_decode_steps_keep_one_table_and_a_hook_added_between_them_is_seen(one_calls):
+    require_kernel()
+    model = q4_stack(seed=6)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+    cache = KVCache(model.config, max_seq_len=10)
+    decode(model, ids[:, :6], cache)
+    layout = model.model.layout()
+    table = layout.table
+    with torch.inference_mode():
+        model(ids[:, 6:7], kv_cache=cache)
+        model(ids[:, 7:8], kv_cache=cache)
+    assert one_calls == [1, 1, 1] and model.model.layout() is layout and layout.table is table
+    seen = []
+    handle = model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(lambda *_: seen.append(1))
+    try:
+        with torch.inference_mode():
+            model(ids[:, 8:9], kv_cache=cache)
+    finally:
+        handle.remove()
+    assert one_calls == [1, 1, 1] and seen == [1]  # the step ran the modules, so the hook saw it

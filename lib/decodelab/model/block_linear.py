@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodelab.model import weight_moves
 from decodelab.model.q4_kernel import dequantizes_here, runs_on_kernel
 
 
@@ -54,6 +55,12 @@ class BlockLinear(nn.Module):
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn, *args, **kwargs):
+        """nn.Module's (`.to()`, `.half()`, ...), counted by `weight_moves`: it puts new tensors in
+        `_buffers` without registering them, and a table of the blocks' addresses must see it."""
+        weight_moves.moved()
+        return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decodelab.model import q4_kernel
+from decodelab.model import q4_kernel, weight_moves
 from decodelab.model.llama import DecoderLayer
 from decodelab.model.q4_kernel import SWIGLU_MAX_ROWS
 from decodelab.model.q4_swiglu import Q4SwiGLU, is_q4
@@ -47,13 +47,18 @@ class Q4DecoderLayer(DecoderLayer):
         return fused
 
     def fused(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
-        """Will forward run the two C calls? Float32 CPU x [B, T, E] of up to SWIGLU_MAX_ROWS rows,
-        cos [T, D] (positions shared by the batch), no autograd, not compiling, no hooks, kernel loaded."""
+        """Will forward run the two C calls? `takes(x, cos)`, and no forward hook expects the modules."""
+        return self.takes(x, cos) and not self._hooked()
+
+    @staticmethod
+    def takes(x: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Would the C calls take these inputs? Float32 CPU x [B, T, E] of up to SWIGLU_MAX_ROWS rows,
+        cos [T, D], no autograd, not compiling, the kernel loaded."""
         if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 3 or cos.dim() != 2 or cos.dtype != torch.float32:
             return False
         if x.shape[0] * x.shape[1] > SWIGLU_MAX_ROWS or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return False
-        return not self._hooked() and q4_kernel.kernel_loads()
+        return q4_kernel.kernel_loads()
 
     def c_weights(self) -> tuple[torch.Tensor, ...]:
         """The 23 tensors `q4_kernel.q4_1_decode_layers` reads for this layer, in its order:
@@ -70,11 +75,22 @@ class Q4DecoderLayer(DecoderLayer):
             tensors += mlp[name].blocks()
         return tuple(tensors)
 
+    def hook_dicts(self) -> tuple[dict, ...]:
+        """The forward hook and pre-hook dicts of this layer and of each of its modules, now: a hook
+        registered later lands in one of them (torch adds to the dict, never replaces it)."""
+        return tuple(hooks for module in self.modules() for hooks in (module._forward_hooks, module._forward_pre_hooks))
+
     def _hooked(self) -> bool:
         """Does a forward hook (global, or on this layer or one of its modules) expect the modules to run?"""
-        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        if global_forward_hooks():
             return True
         return any(module._forward_hooks or module._forward_pre_hooks for module in self._watched)
+
+    def _apply(self, fn, *args, **kwargs):
+        """nn.Module's (`.to()`, `.half()`, ...), counted by `weight_moves`: the norms' weights may be
+        new tensors after it, which no registration hook announces."""
+        weight_moves.moved()
+        return super()._apply(fn, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache=None) -> torch.Tensor:
         """x [B, T, E] -> [B, T, E], as `DecoderLayer.forward`."""
@@ -110,6 +126,11 @@ class Q4DecoderLayer(DecoderLayer):
             (mlp.gate_proj.blocks(), mlp.up_proj.blocks(), mlp.down_proj.blocks()),
         )
         return y.view(b, t, e)
+
+
+def global_forward_hooks() -> bool:
+    """Is a forward hook or pre-hook registered for every module (`nn.modules.module`'s global ones)?"""
+    return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
 
 
 def use_q4_layers(model: nn.Module) -> int:

@@ -24,11 +24,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decodelab.model import q4_kernel
+from decodelab.model import q4_kernel, weight_moves
 from decodelab.model.kv_cache import KVCache
 from decodelab.model.llama import Backbone
 from decodelab.model.q4_kernel import SWIGLU_MAX_ROWS
-from decodelab.model.q4_layer import Q4DecoderLayer
+from decodelab.model.q4_layer import Q4DecoderLayer, global_forward_hooks
 
 
 class Q4Backbone(Backbone):
@@ -58,6 +58,7 @@ class Q4Backbone(Backbone):
         stack = cls.__new__(cls)
         nn.Module.__init__(stack)
         stack.embed_tokens, stack.layers, stack.norm = backbone.embed_tokens, backbone.layers, backbone.norm
+        stack._layout = None
         return stack
 
     def decodes_in_one_call(self, x: torch.Tensor, cos: torch.Tensor, kv_cache) -> bool:
@@ -88,9 +89,29 @@ class Q4Backbone(Backbone):
         return tables if tables is not None and tables[0].shape[0] == x.shape[1] else None
 
     def fusable(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
-        """Is every layer a `Q4DecoderLayer` that would fuse x (`Q4DecoderLayer.fused`: dtype,
-        device, autograd, compile, hooks, the kernel)?"""
-        return all(isinstance(layer, Q4DecoderLayer) and layer.fused(x, cos) for layer in self.layers)
+        """Would every layer fuse x (`Q4DecoderLayer.fused`: dtype, device, autograd, compile, the
+        kernel, no forward hook on the layer or one of its modules, all layers Q4DecoderLayers)?"""
+        layout = self.layout()
+        if layout is None or not Q4DecoderLayer.takes(x, cos) or global_forward_hooks():
+            return False
+        return not any(layout.hook_dicts)
+
+    def layout(self) -> "_Layout | None":
+        """What the one-call step reads of the layers, kept while `weight_moves.moves()` stands still
+        (nothing registered or assigned a module, parameter or buffer, no `.to()`): their weight
+        tensors, the table of addresses of these, and their forward hook dicts. Walking 30 layers'
+        modules for them cost ~1 ms a token, most of it cache misses: the step streams 110 MB of
+        weights past the module objects. None while a layer is not a `Q4DecoderLayer`."""
+        layout = self._layout
+        if layout is not None and layout.moves == weight_moves.moves():
+            return layout
+        moves, layers = weight_moves.moves(), list(self.layers)
+        if not all(isinstance(layer, Q4DecoderLayer) for layer in layers):
+            return None
+        tensors = tuple(tensor for layer in layers for tensor in layer.c_weights())
+        hook_dicts = tuple(hooks for layer in layers for hooks in layer.hook_dicts())
+        self._layout = _Layout(moves, len(layers), tensors, hook_dicts)
+        return self._layout
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache=None) -> torch.Tensor:
         """x [B, T, E] -> [B, T, E], as `Backbone.run_layers`."""
@@ -99,11 +120,8 @@ class Q4Backbone(Backbone):
         if not contiguous and paged is None:
             return super().run_layers(x, cos, sin, kv_cache)
         first = self.layers[0]
-        weights = torch.tensor(
-            [[tensor.data_ptr() for tensor in layer.c_weights()] for layer in self.layers], dtype=torch.int64
-        )
         rows = x.reshape(-1, x.shape[-1]).clone()  # updated in place, layer by layer
-        shared = (rows, weights, first.input_layernorm.eps, cos.contiguous(), sin.contiguous())
+        shared = (rows, self._layout.addresses(), first.input_layernorm.eps, cos.contiguous(), sin.contiguous())
         heads, hidden = first.self_attn.num_heads, first.mlp.gate_proj.out_features
         if contiguous:
             cache = (kv_cache.keys, kv_cache.values, kv_cache.lengths, kv_cache.sliding_window)
@@ -114,6 +132,25 @@ class Q4Backbone(Backbone):
             cache = (store.keys, store.values, *paged, kv_cache.sliding_window)
             q4_kernel.q4_1_decode_layers_paged(*shared, *cache, heads, hidden)
         return rows.view(x.shape)
+
+
+class _Layout:
+    """A `Q4Backbone`'s layers as the one-call step reads them (`Q4Backbone.layout`), at the count
+    `moves` of `weight_moves`: the L layers' weight tensors in `Q4DecoderLayer.c_weights`' order, and
+    their forward hook dicts (a hook registered since lands in one of them)."""
+
+    def __init__(self, moves: int, layers: int, tensors: tuple[torch.Tensor, ...], hook_dicts: tuple[dict, ...]):
+        self.moves, self.layers, self.tensors, self.hook_dicts = moves, layers, tensors, hook_dicts
+        self.pointers: list[int] = []
+        self.table = torch.empty(0, dtype=torch.int64)
+
+    def addresses(self) -> torch.Tensor:
+        """int64 [L, 23], the tensors' addresses, read again every call: `tensor.data = other` or
+        `set_()` moves a tensor's storage without registering anything."""
+        pointers = [tensor.data_ptr() for tensor in self.tensors]
+        if pointers != self.pointers:
+            self.pointers, self.table = pointers, torch.tensor(pointers, dtype=torch.int64).view(self.layers, -1)
+        return self.table
 
 
 def _float32_cpu(keys: torch.Tensor, values: torch.Tensor) -> bool:
