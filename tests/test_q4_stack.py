@@ -13,7 +13,7 @@ import torch
 from test_q4_linear import random_q4_llama, require_kernel
 
 from decodelab.engine.paged_attention import PagedBatch, PagedKVStore, SequenceSlice
-from decodelab.model import q4_kernel
+from decodelab.model import q4_kernel, thread_team
 from decodelab.model.kv_cache import KVCache, SlidingWindowKVCache
 from decodelab.model.llama import Backbone
 from decodelab.model.q4_stack import Q4Backbone, use_q4_backbone
@@ -31,6 +31,13 @@ def counted_calls(monkeypatch, name: str) -> list[int]:
 
     monkeypatch.setattr(q4_kernel, name, counted)
     return calls
+
+
+@pytest.fixture(params=[1, 2, 3], ids=lambda n: f"team_{n}")
+def team(request, monkeypatch) -> int:
+    """The threads of the one-call step's parallel region (3: an uneven split of every phase)."""
+    monkeypatch.setattr(thread_team, "threads_for", lambda work, below: request.param)
+    return request.param
 
 
 @pytest.fixture
@@ -55,7 +62,7 @@ def decode(model, ids: torch.Tensor, cache) -> torch.Tensor:
 
 @pytest.mark.parametrize("window", [None, 4], ids=["all_keys", "window_4"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_one_call_decode_is_the_layers_one_by_one(monkeypatch, one_calls, batch, window):
+def test_one_call_decode_is_the_layers_one_by_one(monkeypatch, one_calls, team, batch, window):
     require_kernel()
     model = q4_stack(seed=2, sliding_window=window)
     ids = torch.randint(0, model.config.vocab_size, (batch, 10), generator=torch.Generator().manual_seed(batch))
@@ -127,7 +134,7 @@ def engine_step(model, store: PagedKVStore, contexts: list[int], prefill: int = 
 
 
 @pytest.mark.parametrize("window", [None, 5], ids=["all_keys", "window_5"])
-def test_the_engines_decode_step_in_one_call_is_the_layers_one_by_one(monkeypatch, window):
+def test_the_engines_decode_step_in_one_call_is_the_layers_one_by_one(monkeypatch, team, window):
     """Three sequences at contexts 3, 9 and 14 (their own positions, their own block tables) over the
     engine's paged store: the one C call writes the same K/V into the same slots and gives the logits the
     layers give one by one; a step with a prefill in it runs the layers."""

@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from decodelab.model import thread_team
-from decodelab.model.attention import ATTENTION_ONE_THREAD_BELOW
 from decodelab.paths import cache_dir
 
 # The GGUF block products, and the paged decode attention the engine uses (`engine.paged_decode_kernel`):
@@ -124,8 +123,8 @@ def _loaded_or_why() -> tuple[ctypes.CDLL | None, str]:
     )
     step_front, step_back = [pointer, pointer, size, real, pointer, pointer, size], [real] + [pointer] * 14 + [size] * 6
     contiguous_cache, paged_cache = [pointer] * 3 + [size] * 2, [pointer, pointer, size] + [pointer] * 3 + [size] * 3
-    library.q4_1_decode_layers.argtypes = step_front + contiguous_cache + step_back + [integer] * 4
-    library.q4_1_decode_layers_paged.argtypes = step_front + paged_cache + step_back + [integer] * 4
+    library.q4_1_decode_layers.argtypes = step_front + contiguous_cache + step_back + [integer]
+    library.q4_1_decode_layers_paged.argtypes = step_front + paged_cache + step_back + [integer]
     functions = (
         "q4_1_matmul",
         "q8_0_matmul",
@@ -391,22 +390,21 @@ def _decode_step(
     intermediate_size: int,
     context: int,
 ) -> None:
-    """The C decode step `function` with its cache's arguments `cache`: the threads each part gets,
-    as the separate calls choose them, and the scratch, for B = x's rows and up to `context` keys."""
+    """The C decode step `function` with its cache's arguments `cache`, and its scratch for B = x's
+    rows and up to `context` keys. The whole step is one parallel region (the team wakes once), so it
+    gets the threads its whole work asks for (`thread_team.threads_for`, the SwiGLU's one-wake threshold)."""
     rows, e = x.shape
-    f, a = intermediate_size, num_heads * d
-    input_threads = threads_for(rows * (a + 2 * kv_heads * d) * e)
-    attention_threads = thread_team.threads_for(rows * a * context, ATTENTION_ONE_THREAD_BELOW)
-    o_threads = threads_for(rows * e * a)
-    mlp_threads = swiglu_threads(rows, e, f)
+    f, a, kv = intermediate_size, num_heads * d, kv_heads * d
+    work = rows * ((a + 2 * kv) * e + a * context + e * a + 3 * e * f)  # multiply-adds of one layer
+    threads = thread_team.threads_for(work, SWIGLU_ONE_THREAD_BELOW)
     scratch = (
         _floats(rows, e),  # h: the normed input
         *int16_scratch(rows, e),
         _floats(rows, a),  # q
-        _floats(rows, kv_heads * d),  # k
-        _floats(rows, kv_heads * d),  # v
+        _floats(rows, kv),  # k
+        _floats(rows, kv),  # v
         _floats(rows, a),  # the attention's output
-        _floats(attention_threads, context),  # scores
+        _floats(threads, context),  # scores
         *(_floats(rows, e) for _ in range(3)),  # mid, normed, mlp
         _floats(rows, f),  # the MLP's hidden units
         *int16_scratch(rows, a, e, f),
@@ -428,10 +426,7 @@ def _decode_step(
         num_heads,
         kv_heads,
         d,
-        input_threads,
-        attention_threads,
-        o_threads,
-        mlp_threads,
+        threads,
     )
 
 

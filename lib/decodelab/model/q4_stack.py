@@ -5,10 +5,11 @@ crossed Python for each layer: the two wrappers' scratch and pointers, the views
 cache's append, SDPA, the module calls. That was ~100 µs a layer, some 3 ms of a SmolLM2 token,
 once the products had become fast. For the commonest call of all, a decode step (one new token per
 sequence over a `KVCache`), `Q4Backbone.run_layers` hands the whole stack to
-`q4_kernel.q4_1_decode_layers`: for each layer its two halves, and between them the cache write and
-the attention over the cache (`csrc/paged_decode.c`, `cached_decode_attention`), all in C. The
+`q4_kernel.q4_1_decode_layers`: for each layer the operations of its two halves, and between them
+the cache write and the attention over the cache (`csrc/paged_decode.c`), all in C, in one parallel
+region (a sleeping OpenMP team wakes once a token). The
 engine's decode step (`LLM`, the server) goes the same way over its paged store
-(`q4_1_decode_layers_paged`, `paged_decode_attention`) when its `PagedBatch` holds decodes only and
+(`q4_1_decode_layers_paged`) when its `PagedBatch` holds decodes only and
 the library's attention: the cache offers `decode_tables()`, the block tables, context lengths and
 slots of its sequences in row order (the model package names no engine class).
 

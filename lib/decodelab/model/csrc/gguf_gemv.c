@@ -302,19 +302,28 @@ static inline void q4_1_dots_of(const uint8_t *qs, const float *d, const float *
     }
 }
 
-/* y [M, N] = x @ W^T for x's M rows as int16_rows and W's N rows of Q4_1 blocks (K = x.K); the
- * threads split W's rows, and each weight block is read once for up to 4 rows of x. */
-static void q4_1_rows(int16_rows x, const uint8_t *qs, const float *d, const float *m, float *y, int64_t M,
-                      int64_t N, int threads) {
+/* Columns [first, end) of y [M, N] = x @ W^T, for x's M rows as int16_rows and W's N rows of Q4_1
+ * blocks (K = x.K), on the calling thread; each weight block is read once for up to 4 rows of x. */
+static void q4_1_rows_range(int16_rows x, const uint8_t *qs, const float *d, const float *m, float *y, int64_t M,
+                            int64_t N, int64_t first, int64_t end) {
     const int64_t K = x.K, blocks = K / 32;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = first; n < end; n++) {
         float out[4];
         for (int64_t i = 0; i < M; i += 4) {
             const int rows = M - i >= 4 ? 4 : (int)(M - i);
             q4_1_dots_of(qs + n * (K / 2), d + n * blocks, m + n * blocks, x, i, 0, blocks, rows, out);
             for (int r = 0; r < rows; r++) y[(i + r) * N + n] = out[r];
         }
+    }
+}
+
+/* All of y [M, N] = x @ W^T, the threads splitting W's rows. */
+static void q4_1_rows(int16_rows x, const uint8_t *qs, const float *d, const float *m, float *y, int64_t M,
+                      int64_t N, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
+        q4_1_rows_range(x, qs, d, m, y, M, N, N * t / team, N * (t + 1) / team);
     }
 }
 
@@ -392,37 +401,42 @@ static void spin_barrier_wait(spin_barrier *barrier, int team) {
  * takes a range of the E outputs, whole rows of D over all of h. (Splitting D by the hidden units
  * instead, which needs no barrier, had each thread read half of every row of D and add its share
  * afterwards: 1.3x slower with the weights coming from memory, as a decode step's do.) h is scratch
- * [M, F], hq int16_rows [M, F]. silu(g) = g / (1 + exp(-g)). */
+ * [M, F], hq int16_rows [M, F]. silu(g) = g / (1 + exp(-g)). `swiglu_share` is thread t's part, inside a
+ * parallel region of `team` threads (the decode step's); `swiglu` opens the region. */
+static void swiglu_share(int16_rows x, const uint8_t *gq, const float *gd, const float *gm, const uint8_t *uq,
+                         const float *ud, const float *um, const uint8_t *dq, const float *dd, const float *dm, float *h,
+                         int16_rows hq, float *y, int64_t M, int64_t F, int t, int team, spin_barrier *barrier) {
+    const int64_t E = x.K, in_blocks = E / 32, hidden_blocks = F / 32;
+    const int64_t first = hidden_blocks * t / team, end = hidden_blocks * (t + 1) / team;
+    for (int64_t n = 32 * first; n < 32 * end; n++) {
+        for (int64_t i = 0; i < M; i += 4) {
+            const int rows = M - i >= 4 ? 4 : (int)(M - i);
+            float g[4], u[4];
+            q4_1_dots_of(gq + n * (E / 2), gd + n * in_blocks, gm + n * in_blocks, x, i, 0, in_blocks, rows, g);
+            q4_1_dots_of(uq + n * (E / 2), ud + n * in_blocks, um + n * in_blocks, x, i, 0, in_blocks, rows, u);
+            for (int r = 0; r < rows; r++) h[(i + r) * F + n] = g[r] / (1.0f + expf(-g[r])) * u[r];
+        }
+    }
+    quantize_rows(h, M, first, end, hq);
+    spin_barrier_wait(barrier, team);
+    for (int64_t e = E * t / team; e < E * (t + 1) / team; e++) {
+        for (int64_t i = 0; i < M; i += 4) {
+            const int rows = M - i >= 4 ? 4 : (int)(M - i);
+            float s[4];
+            q4_1_dots_of(dq + e * (F / 2), dd + e * hidden_blocks, dm + e * hidden_blocks, hq, i, 0, hidden_blocks,
+                         rows, s);
+            for (int r = 0; r < rows; r++) y[(i + r) * E + e] = s[r];
+        }
+    }
+}
+
 static void swiglu(int16_rows x, const uint8_t *gq, const float *gd, const float *gm, const uint8_t *uq,
                    const float *ud, const float *um, const uint8_t *dq, const float *dd, const float *dm, float *h,
                    int16_rows hq, float *y, int64_t M, int64_t F, int threads) {
-    const int64_t E = x.K, in_blocks = E / 32, hidden_blocks = F / 32;
     spin_barrier barrier = {0, 0};
 #pragma omp parallel num_threads(threads)
-    {
-        const int t = omp_get_thread_num(), team = omp_get_num_threads();
-        const int64_t first = hidden_blocks * t / team, end = hidden_blocks * (t + 1) / team;
-        for (int64_t n = 32 * first; n < 32 * end; n++) {
-            for (int64_t i = 0; i < M; i += 4) {
-                const int rows = M - i >= 4 ? 4 : (int)(M - i);
-                float g[4], u[4];
-                q4_1_dots_of(gq + n * (E / 2), gd + n * in_blocks, gm + n * in_blocks, x, i, 0, in_blocks, rows, g);
-                q4_1_dots_of(uq + n * (E / 2), ud + n * in_blocks, um + n * in_blocks, x, i, 0, in_blocks, rows, u);
-                for (int r = 0; r < rows; r++) h[(i + r) * F + n] = g[r] / (1.0f + expf(-g[r])) * u[r];
-            }
-        }
-        quantize_rows(h, M, first, end, hq);
-        spin_barrier_wait(&barrier, team);
-        for (int64_t e = E * t / team; e < E * (t + 1) / team; e++) {
-            for (int64_t i = 0; i < M; i += 4) {
-                const int rows = M - i >= 4 ? 4 : (int)(M - i);
-                float s[4];
-                q4_1_dots_of(dq + e * (F / 2), dd + e * hidden_blocks, dm + e * hidden_blocks, hq, i, 0, hidden_blocks,
-                             rows, s);
-                for (int r = 0; r < rows; r++) y[(i + r) * E + e] = s[r];
-            }
-        }
-    }
+    swiglu_share(x, gq, gd, gm, uq, ud, um, dq, dd, dm, h, hq, y, M, F, omp_get_thread_num(), omp_get_num_threads(),
+                 &barrier);
 }
 
 /* The MLP above for x float32 [M, E]. Scratch: h [M, F], q int16 [M, E + F] and f float
@@ -507,14 +521,15 @@ void q4_1_attention_output_and_mlp(const float *x, const float *attention, const
     for (int64_t j = 0; j < M * E; j++) y[j] = mid[j] + mlp[j];
 }
 
-/* paged_decode.c: one new query per sequence over one layer of a paged or a contiguous cache. */
-void paged_decode_attention(const float *q, const float *keys, const float *values, const int64_t *tables,
-                            const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t H_kv, int64_t D,
-                            int64_t block_size, int64_t max_blocks, int64_t window, float scale, float *scratch,
-                            int threads);
-void cached_decode_attention(const float *q, const float *keys, const float *values, float *out, int64_t B,
-                             int64_t H, int64_t H_kv, int64_t D, int64_t S_max, int64_t length, int64_t window,
-                             float scale, float *scratch, int threads);
+/* paged_decode.c: some of the tasks (b * H + h) of one new query per sequence over one layer of a paged
+ * or a contiguous cache, on the calling thread. */
+void paged_decode_attention_tasks(const float *q, const float *keys, const float *values, const int64_t *tables,
+                                  const int64_t *lengths, float *out, int64_t H, int64_t H_kv, int64_t D,
+                                  int64_t block_size, int64_t max_blocks, int64_t window, float scale, float *scores,
+                                  int64_t first, int64_t end);
+void cached_decode_attention_tasks(const float *q, const float *keys, const float *values, float *out, int64_t H,
+                                   int64_t H_kv, int64_t D, int64_t S_max, int64_t length, int64_t window, float scale,
+                                   float *scores, int64_t first, int64_t end);
 
 /* Where a decode step's keys and values go, and what each new query attends to. Contiguous (a KVCache):
  * keys, values [L, B, H_kv, S_max, D], layer l holding held[l] positions of every sequence (tables NULL).
@@ -530,9 +545,9 @@ typedef struct {
     int64_t window; /* the last `window` keys only; 0: all */
 } decode_cache;
 
-/* Layer l: the new k, v [B, H_kv * D] into the cache, then q [B, H * D] over it into out [B, H * D]. */
-static void write_and_attend(decode_cache c, int64_t l, const float *q, const float *k, const float *v, float *out,
-                             int64_t B, int64_t H, int64_t H_kv, int64_t D, float scale, float *scores, int threads) {
+/* Layer l's new k, v [B, H_kv * D] into the cache. */
+static void write_keys_values(decode_cache c, int64_t l, const float *k, const float *v, int64_t B, int64_t H_kv,
+                              int64_t D) {
     float *keys = c.keys + l * c.layer_size, *values = c.values + l * c.layer_size;
     for (int64_t b = 0; b < B; b++)
         for (int64_t g = 0; g < H_kv; g++) {
@@ -540,39 +555,96 @@ static void write_and_attend(decode_cache c, int64_t l, const float *q, const fl
             const int64_t at = c.tables ? (c.slots[b] * H_kv + g) * D : ((b * H_kv + g) * c.S_max + c.held[l]) * D;
             for (int64_t i = 0; i < D; i++) keys[at + i] = k[from + i], values[at + i] = v[from + i];
         }
+}
+
+/* Tasks [first, end) (task = b * H + h) of layer l's attention: q [B, H * D] over the cache into out. */
+static void attend_tasks(decode_cache c, int64_t l, const float *q, float *out, int64_t H, int64_t H_kv, int64_t D,
+                         float scale, float *scores, int64_t first, int64_t end) {
+    const float *keys = c.keys + l * c.layer_size, *values = c.values + l * c.layer_size;
     if (c.tables)
-        paged_decode_attention(q, keys, values, c.tables, c.lengths, out, B, H, H_kv, D, c.block_size, c.max_blocks,
-                               c.window, scale, scores, threads);
+        paged_decode_attention_tasks(q, keys, values, c.tables, c.lengths, out, H, H_kv, D, c.block_size, c.max_blocks,
+                                     c.window, scale, scores, first, end);
     else
-        cached_decode_attention(q, keys, values, out, B, H, H_kv, D, c.S_max, c.held[l] + 1, c.window, scale, scores,
-                                threads);
+        cached_decode_attention_tasks(q, keys, values, out, H, H_kv, D, c.S_max, c.held[l] + 1, c.window, scale, scores,
+                                      first, end);
+}
+
+/* Rows [first, end) of the stacked outputs of several products, on the calling thread: the product
+ * whose outputs are rows [offset, offset + n) of the stack, y [M, n] = x @ W^T (W: qs, d, m), gets
+ * the part of the range that falls on it. */
+static void stacked_range(int16_rows x, const void *const *w, float *y, int64_t M, int64_t n, int64_t offset,
+                          int64_t first, int64_t end) {
+    const int64_t lo = first > offset ? first - offset : 0, hi = end < offset + n ? end - offset : n;
+    if (lo < hi) q4_1_rows_range(x, w[0], w[1], w[2], y, M, n, lo, hi);
 }
 
 /* A decode step through all L decoder layers: x [B, E] (one new token per sequence; cos, sin [T, D]
  * with T = 1, every sequence at one position, or T = B, row b at its own) goes through each layer
  * in turn, in place:
- *     q, k, v = q4_1_attention_inputs(x);  k, v into the cache;  attention of q over the cache;
- *     x = q4_1_attention_output_and_mlp(x, attention).
+ *     h = RMSNorm(x);  q, k, v = h @ W^T;  RoPE on q and k;  k, v into the cache;
+ *     attention of q over the cache;  mid = x + attention @ O^T;  x = mid + MLP(RMSNorm(mid)),
+ * the same operations as the two halves `q4_1_attention_inputs` and `q4_1_attention_output_and_mlp`.
+ * All of it runs in ONE parallel region of `threads` threads, each phase split between them (the
+ * products by output rows, the attention by (sequence, head), the MLP as `swiglu_share`) and a spin
+ * barrier between phases; the small serial parts (norms, RoPE, the cache write, the int16 rows) run
+ * on thread 0. A sleeping OpenMP team (OMP_WAIT_POLICY=PASSIVE) then wakes once a step, not some six
+ * times a layer, and every product of the layer runs on all the threads.
  * Each layer's 23 pointers are a row of weights [L, 23] (int64 addresses, `Q4DecoderLayer.c_weights`'
  * order): input_layernorm's weight; q_proj, k_proj, v_proj, o_proj as (nibbles, d, m);
  * post_attention_layernorm's weight; gate_proj, up_proj, down_proj as (nibbles, d, m). The caller
- * advances the cache's lengths after. Scratch as the two halves and the attention take it: h, hq, hf;
- * q, k, v; attention [B, H*D]; scores [attention_threads, the longest context]; mid, normed, mlp,
- * hidden, mq, mf. */
+ * advances the cache's lengths after. Scratch: h [B, E], hq int16 [B, E], hf [2, B, E/32]; q [B, H*D],
+ * k, v [B, H_kv*D]; attention [B, H*D]; scores [threads, context] (context: the most keys a query
+ * reads); mid, normed, mlp [B, E]; hidden [B, F]; mq int16 [B, H*D + E + F], mf [2, B, (H*D + E + F)/32]. */
 static void decode_layers(float *x, const int64_t *weights, int64_t L, float eps, const float *cos, const float *sin,
                           int64_t T, decode_cache cache, float scale, float *h, int16_t *hq, float *hf, float *q,
                           float *k, float *v, float *attention, float *scores, float *mid, float *normed, float *mlp,
-                          float *hidden, int16_t *mq, float *mf, int64_t B, int64_t E, int64_t F,
-                          int64_t H, int64_t H_kv, int64_t D, int input_threads, int attention_threads, int o_threads,
-                          int mlp_threads) {
-    for (int64_t l = 0; l < L; l++) {
-        const void *const *w = (const void *const *)(weights + 23 * l);
-        q4_1_attention_inputs(x, w[0], eps, w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], cos, sin, h, hq, hf,
-                              q, k, v, B, T, E, H, H_kv, D, input_threads);
-        write_and_attend(cache, l, q, k, v, attention, B, H, H_kv, D, scale, scores, attention_threads);
-        q4_1_attention_output_and_mlp(x, attention, w[10], w[11], w[12], w[13], eps, w[14], w[15], w[16], w[17], w[18],
-                                      w[19], w[20], w[21], w[22], mid, normed, mlp, hidden, mq, mf, x, B,
-                                      H * D, E, F, o_threads, mlp_threads);
+                          float *hidden, int16_t *mq, float *mf, int64_t B, int64_t E, int64_t F, int64_t H,
+                          int64_t H_kv, int64_t D, int64_t context, int threads) {
+    const int64_t A = H * D, KV = H_kv * D;
+    const int16_rows h_rows = int16_rows_in(&hq, &hf, B, E), attention_rows = int16_rows_in(&mq, &mf, B, A);
+    const int16_rows normed_rows = int16_rows_in(&mq, &mf, B, E), hidden_rows = int16_rows_in(&mq, &mf, B, F);
+    spin_barrier barrier = {0, 0};
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
+        float *my_scores = scores + (int64_t)t * context;
+        const int64_t qkv_first = (A + 2 * KV) * t / team, qkv_end = (A + 2 * KV) * (t + 1) / team;
+        const int64_t e_first = E * t / team, e_end = E * (t + 1) / team;
+        for (int64_t l = 0; l < L; l++) {
+            const void *const *w = (const void *const *)(weights + 23 * l);
+            if (t == 0) {
+                rms_norm_rows(x, w[0], eps, h, B, E);
+                quantize_rows(h, B, 0, E / 32, h_rows);
+            }
+            spin_barrier_wait(&barrier, team);
+            stacked_range(h_rows, w + 1, q, B, A, 0, qkv_first, qkv_end);
+            stacked_range(h_rows, w + 4, k, B, KV, A, qkv_first, qkv_end);
+            stacked_range(h_rows, w + 7, v, B, KV, A + KV, qkv_first, qkv_end);
+            spin_barrier_wait(&barrier, team);
+            if (t == 0) {
+                rope_rows(q, cos, sin, B, T, H, D);
+                rope_rows(k, cos, sin, B, T, H_kv, D);
+                write_keys_values(cache, l, k, v, B, H_kv, D);
+            }
+            spin_barrier_wait(&barrier, team);
+            attend_tasks(cache, l, q, attention, H, H_kv, D, scale, my_scores, B * H * t / team, B * H * (t + 1) / team);
+            spin_barrier_wait(&barrier, team);
+            if (t == 0) quantize_rows(attention, B, 0, A / 32, attention_rows);
+            spin_barrier_wait(&barrier, team);
+            q4_1_rows_range(attention_rows, w[10], w[11], w[12], mid, B, E, e_first, e_end);
+            spin_barrier_wait(&barrier, team);
+            if (t == 0) {
+                for (int64_t j = 0; j < B * E; j++) mid[j] = x[j] + mid[j];
+                rms_norm_rows(mid, w[13], eps, normed, B, E);
+                quantize_rows(normed, B, 0, E / 32, normed_rows);
+            }
+            spin_barrier_wait(&barrier, team);
+            swiglu_share(normed_rows, w[14], w[15], w[16], w[17], w[18], w[19], w[20], w[21], w[22], hidden,
+                         hidden_rows, mlp, B, F, t, team, &barrier);
+            for (int64_t i = 0; i < B; i++) /* this thread's outputs of the MLP */
+                for (int64_t e = e_first; e < e_end; e++) x[i * E + e] = mid[i * E + e] + mlp[i * E + e];
+            spin_barrier_wait(&barrier, team);
+        }
     }
 }
 
@@ -580,13 +652,11 @@ static void decode_layers(float *x, const int64_t *weights, int64_t L, float eps
 void q4_1_decode_layers(float *x, const int64_t *weights, int64_t L, float eps, const float *cos, const float *sin,
                         int64_t T, float *keys, float *values, const int64_t *held, int64_t S_max, int64_t window,
                         float scale, float *h, int16_t *hq, float *hf, float *q, float *k, float *v, float *attention,
-                        float *scores, float *mid, float *normed, float *mlp, float *hidden,
-                        int16_t *mq, float *mf, int64_t B, int64_t E, int64_t F, int64_t H, int64_t H_kv, int64_t D,
-                        int input_threads, int attention_threads, int o_threads, int mlp_threads) {
+                        float *scores, float *mid, float *normed, float *mlp, float *hidden, int16_t *mq, float *mf,
+                        int64_t B, int64_t E, int64_t F, int64_t H, int64_t H_kv, int64_t D, int threads) {
     decode_cache cache = {keys, values, B * H_kv * S_max * D, held, S_max, 0, 0, 0, 0, 0, window};
     decode_layers(x, weights, L, eps, cos, sin, T, cache, scale, h, hq, hf, q, k, v, attention, scores, mid, normed,
-                  mlp, hidden, mq, mf, B, E, F, H, H_kv, D, input_threads, attention_threads, o_threads,
-                  mlp_threads);
+                  mlp, hidden, mq, mf, B, E, F, H, H_kv, D, S_max, threads);
 }
 
 /* Over the engine's paged store: keys, values [L, num_slots, H_kv, D]; sequence b's new key at slot
@@ -596,12 +666,10 @@ void q4_1_decode_layers_paged(float *x, const int64_t *weights, int64_t L, float
                               const int64_t *tables, const int64_t *lengths, const int64_t *slots, int64_t block_size,
                               int64_t max_blocks, int64_t window, float scale, float *h, int16_t *hq, float *hf,
                               float *q, float *k, float *v, float *attention, float *scores, float *mid, float *normed,
-                              float *mlp, float *hidden, int16_t *mq, float *mf, int64_t B, int64_t E,
-                              int64_t F, int64_t H, int64_t H_kv, int64_t D, int input_threads, int attention_threads,
-                              int o_threads, int mlp_threads) {
+                              float *mlp, float *hidden, int16_t *mq, float *mf, int64_t B, int64_t E, int64_t F,
+                              int64_t H, int64_t H_kv, int64_t D, int threads) {
     decode_cache cache = {keys, values, num_slots * H_kv * D, 0, 0, tables, lengths, slots, block_size, max_blocks,
                           window};
     decode_layers(x, weights, L, eps, cos, sin, T, cache, scale, h, hq, hf, q, k, v, attention, scores, mid, normed,
-                  mlp, hidden, mq, mf, B, E, F, H, H_kv, D, input_threads, attention_threads, o_threads,
-                  mlp_threads);
+                  mlp, hidden, mq, mf, B, E, F, H, H_kv, D, max_blocks * block_size, threads);
 }

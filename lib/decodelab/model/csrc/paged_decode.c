@@ -13,8 +13,9 @@
  * into a scratch row, their maximum, exp and sum, then the values weighted by them. The result equals
  * SDPA's to float32 rounding (the sums run in another order). The threads split the B * H tasks.
  *
- * `cached_decode_attention` does the same over one layer of a contiguous KVCache
- * [B, H_kv, S_max, D] (`q4_1_decode_layers` in gguf_gemv.c calls it between a layer's two halves).
+ * The `_tasks` functions run some of the tasks on the calling thread, inside a parallel region of the
+ * caller's: `q4_1_decode_layers` in gguf_gemv.c, whose whole decode step is one region, over the paged
+ * store or over one layer of a contiguous KVCache [B, H_kv, S_max, D] (`cached_decode_attention_tasks`).
  *
  * Plain C with AVX2/FMA intrinsics and OpenMP; no torch headers (called through ctypes).
  */
@@ -79,33 +80,43 @@ static inline int64_t first_key(int64_t length, int64_t window) {
     return window > 0 && length > window ? length - window : 0;
 }
 
+/* Tasks [first, end) of `paged_decode_attention` (task = b * H + h) on the calling thread, its scores
+ * in `scores` [max_blocks * block_size]. */
+void paged_decode_attention_tasks(const float *q, const float *keys, const float *values, const int64_t *tables,
+                                  const int64_t *lengths, float *out, int64_t H, int64_t H_kv, int64_t D,
+                                  int64_t block_size, int64_t max_blocks, int64_t window, float scale, float *scores,
+                                  int64_t first, int64_t end) {
+    const int64_t group = H / H_kv, row_stride = H_kv * D;
+    for (int64_t task = first; task < end; task++) {
+        const int64_t b = task / H, h = task % H, kv_head = h / group, length = lengths[b];
+        attend_one(q + task * D, keys + kv_head * D, values + kv_head * D, tables + b * max_blocks, block_size,
+                   row_stride, first_key(length, window), length, D, scale, scores, out + task * D);
+    }
+}
+
 /* scratch: [threads, max_blocks * block_size] floats, one row of scores per thread. */
 void paged_decode_attention(const float *q, const float *keys, const float *values, const int64_t *tables,
                             const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t H_kv, int64_t D,
                             int64_t block_size, int64_t max_blocks, int64_t window, float scale, float *scratch,
                             int threads) {
-    const int64_t group = H / H_kv, row_stride = H_kv * D;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t task = 0; task < B * H; task++) {
-        const int64_t b = task / H, h = task % H, kv_head = h / group, length = lengths[b];
-        const int64_t start = first_key(length, window);
-        float *scores = scratch + (int64_t)omp_get_thread_num() * max_blocks * block_size;
-        attend_one(q + task * D, keys + kv_head * D, values + kv_head * D, tables + b * max_blocks, block_size,
-                   row_stride, start, length, D, scale, scores, out + task * D);
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
+        paged_decode_attention_tasks(q, keys, values, tables, lengths, out, H, H_kv, D, block_size, max_blocks, window,
+                                     scale, scratch + (int64_t)t * max_blocks * block_size, B * H * t / team,
+                                     B * H * (t + 1) / team);
     }
 }
 
-/* The same over one layer of a contiguous cache (`decodelab.model.kv_cache.KVCache`): keys, values
- * [B, H_kv, S_max, D], every sequence holding `length` keys (the new one included). q, out [B, H, D];
- * scratch [threads, S_max]. */
-void cached_decode_attention(const float *q, const float *keys, const float *values, float *out, int64_t B,
-                             int64_t H, int64_t H_kv, int64_t D, int64_t S_max, int64_t length, int64_t window,
-                             float scale, float *scratch, int threads) {
+/* Tasks [first, end) of the same over one layer of a contiguous cache (`decodelab.model.kv_cache.KVCache`):
+ * keys, values [B, H_kv, S_max, D], every sequence holding `length` keys (the new one included); q, out
+ * [B, H, D]. On the calling thread, its scores in `scores` [S_max]. */
+void cached_decode_attention_tasks(const float *q, const float *keys, const float *values, float *out, int64_t H,
+                                   int64_t H_kv, int64_t D, int64_t S_max, int64_t length, int64_t window, float scale,
+                                   float *scores, int64_t first, int64_t end) {
     const int64_t group = H / H_kv, start = first_key(length, window);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t task = 0; task < B * H; task++) {
+    for (int64_t task = first; task < end; task++) {
         const int64_t b = task / H, kv_head = (task % H) / group, at = (b * H_kv + kv_head) * S_max * D;
-        float *scores = scratch + (int64_t)omp_get_thread_num() * S_max;
         attend_one(q + task * D, keys + at, values + at, 0, 1, D, start, length, D, scale, scores, out + task * D);
     }
 }
