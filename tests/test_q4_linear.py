@@ -127,6 +127,27 @@ def test_c_dequantization_is_the_torch_reference_bit_for_bit():
     assert torch.equal(q8.dequantized_weight(), dequantize_q8_0(q8.q, q8.d))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_a_dtype_conversion_leaves_the_blocks_in_their_format(dtype):
+    """`model.to(dtype)` converts every floating buffer; the blocks are a format (Q4_1's fp16 d and m,
+    Q8_0's float32 d), which the C kernels read as such: they stay, and so do the weights."""
+    q4, q8 = random_q4(n=9, k=64, seed=8), random_q8(n=5, k=64, seed=9)
+    weights = q4.dequantized_weight(), q8.dequantized_weight()
+    q4.to(dtype), q8.to(dtype)
+    assert [block.dtype for block in q4.blocks()] == [torch.uint8, torch.float16, torch.float16]
+    assert [block.dtype for block in q8.blocks()] == [torch.int8, torch.float32]
+    assert torch.equal(q4.dequantized_weight(), weights[0]) and torch.equal(q8.dequantized_weight(), weights[1])
+
+
+def test_the_kernel_refuses_q4_1_blocks_of_another_dtype():
+    require_kernel()
+    layer = random_q4(n=4, k=32, seed=10)
+    with pytest.raises(TypeError, match="d float16, m float16"):
+        q4_kernel.q4_1_matmul(torch.randn(1, 32), layer.nibbles, layer.d.float(), layer.m)
+    with pytest.raises(TypeError, match="d float16, m float16"):
+        q4_kernel.q4_1_dequantize(layer.nibbles, layer.d, layer.m.float())
+
+
 def test_many_rows_take_the_float_gemm_on_the_same_weights():
     layer = random_q4(n=13, k=64, seed=7)
     x = torch.randn(q4_kernel.KERNEL_MAX_ROWS + 1, 64)

@@ -25,6 +25,8 @@ class BlockLinear(nn.Module):
     (None or [N]) set by the subclass."""
 
     FORMAT: str  # the GGUF type name, "Q4_1" or "Q8_0"
+    BLOCK_NAMES: tuple[str, ...]  # the buffers `blocks()` returns, in its order
+    BLOCK_DTYPES: tuple[torch.dtype, ...]  # their dtypes, the format's: the C kernels read them as these
     reference_dequantize: Callable[..., torch.Tensor]  # torch: blocks -> W float32 [N, K]
     c_dequantize: Callable[..., torch.Tensor]  # the C kernels' version, bit for bit the same
     c_product: Callable[..., torch.Tensor]  # x [M, K], blocks -> y [M, N]
@@ -57,10 +59,18 @@ class BlockLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _apply(self, fn, *args, **kwargs):
-        """nn.Module's (`.to()`, `.half()`, ...), counted by `weight_moves`: it puts new tensors in
-        `_buffers` without registering them, and a table of the blocks' addresses must see it."""
+        """nn.Module's (`.to()`, `.half()`, ...), but the blocks keep their format's dtypes: a model's
+        `.float()` or `.to(torch.bfloat16)` converts every floating buffer, and these are the block
+        format, not the model's dtype. Counted by `weight_moves`: it puts new tensors in `_buffers`
+        without registering them, and a table of the blocks' addresses must see it."""
         weight_moves.moved()
-        return super()._apply(fn, *args, **kwargs)
+        originals = [self._buffers[name] for name in self.BLOCK_NAMES]
+        module = super()._apply(fn, *args, **kwargs)
+        for name, dtype, original in zip(self.BLOCK_NAMES, self.BLOCK_DTYPES, originals):
+            block = self._buffers[name]
+            if block is not None and block.dtype != dtype:  # converted: the original's values, where fn put them
+                self._buffers[name] = original.to(device=block.device, dtype=dtype)
+        return module
 
     def extra_repr(self) -> str:
         return (

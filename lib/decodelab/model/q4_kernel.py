@@ -8,7 +8,7 @@ paged decode attention (`decodelab.engine.paged_decode_kernel`).
 
 The C source is shipped with the package and compiled on first use into the user cache
 (`decodelab.paths.cache_dir() / "kernels"`), under a name keyed by the source's hash and the
-compiler command, then loaded with ctypes. It needs an x86-64 CPU with AVX2 and FMA, a C
+compiler command, then loaded with ctypes. It needs an x86-64 CPU with AVX2, FMA and F16C, a C
 compiler (`$CC`, else `cc`) and OpenMP. Where any of these is missing, or
 ``DECODELAB_Q4_KERNEL=0`` is set, `kernel()` returns None after one line on stderr (once per
 process) saying why, and `Q4Linear` takes its pure-torch path instead.
@@ -47,7 +47,7 @@ ONE_THREAD_BELOW = 1 << 22
 SWIGLU_MAX_ROWS = 16
 SWIGLU_ONE_THREAD_BELOW = 1 << 20
 KERNEL_MAX_ROWS = 64  # more rows: dequantize + F.linear (one GEMM) wins; measured by bench/q4_products.py
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 LIBRARIES = ["-lm"]  # after the source: expf
 
 
@@ -65,7 +65,7 @@ def _check_cpu() -> None:
             if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
                 break
-        missing = [flag for flag in ("avx2", "fma") if flag not in flags]
+        missing = [flag for flag in ("avx2", "fma", "f16c") if flag not in flags]
         if missing:
             raise KernelUnavailable(f"the CPU lacks {', '.join(missing)}")
 
@@ -205,6 +205,18 @@ def _product(function: str, x: torch.Tensor, blocks: tuple[torch.Tensor, ...], *
     return y
 
 
+Q4_1_DTYPES = (torch.uint8, torch.float16, torch.float16)  # nibbles, d, m: what the C reads them as
+
+
+def q4_1_checked(blocks: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Q4_1 blocks (nibbles, d, m) as they are, once their dtypes are the C kernels' (`Q4_1_DTYPES`);
+    else a TypeError, since the kernels would read another dtype's bytes as these."""
+    if tuple(block.dtype for block in blocks) != Q4_1_DTYPES:
+        got = ", ".join(str(block.dtype) for block in blocks)
+        raise TypeError(f"Q4_1 blocks must be (nibbles uint8, d float16, m float16), got ({got})")
+    return blocks
+
+
 def _floats(*shape: int) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32)
 
@@ -219,12 +231,12 @@ def int16_scratch(rows: int, *lengths: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def q4_1_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """y [M, N] ~ x [M, K] @ W.T, W the Q4_1 weight of nibbles `qs` uint8 [N, K/2] and per-block
-    scales `d`, offsets `m` float32 [N, K/32], through the C kernel (which must be loaded: `kernel()`).
+    scales `d`, offsets `m` float16 [N, K/32], through the C kernel (which must be loaded: `kernel()`).
     The kernel reads each block of 32 of x's values as 16-bit integers times a scale (`csrc/gguf_gemv.c`):
     within sum |W| * max|x_block| / 65534 of the float product. x float32 on the CPU, made contiguous
-    here; qs, d, m contiguous."""
+    here; qs, d, m contiguous. TypeError for blocks of other dtypes (the C reads raw memory)."""
     x = x.contiguous()
-    return _product("q4_1_matmul", x, (qs, d, m), *int16_scratch(*x.shape))
+    return _product("q4_1_matmul", x, q4_1_checked((qs, d, m)), *int16_scratch(*x.shape))
 
 
 def q8_0_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -444,9 +456,9 @@ def _dequantized(function: str, n: int, k: int, blocks: tuple[torch.Tensor, ...]
 
 
 def q4_1_dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """qs uint8 [N, K/2], d and m float32 [N, K/32] (contiguous, CPU) -> W float32 [N, K], bit for
-    bit `q4_linear.dequantize_q4_1`'s, in C."""
-    return _dequantized("q4_1_dequantize", qs.shape[0], qs.shape[1] * 2, (qs, d, m))
+    """qs uint8 [N, K/2], d and m float16 [N, K/32] (contiguous, CPU) -> W float32 [N, K], bit for
+    bit `q4_linear.dequantize_q4_1`'s, in C. TypeError for blocks of other dtypes."""
+    return _dequantized("q4_1_dequantize", qs.shape[0], qs.shape[1] * 2, q4_1_checked((qs, d, m)))
 
 
 def q8_0_dequantize(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

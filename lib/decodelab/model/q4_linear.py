@@ -9,7 +9,8 @@ offset m, then 16 bytes of nibbles, byte j's low nibble the block's weight j and
 nibble weight j + 16; weight = d * q + m (`gguf.quants.Q4_1.dequantize_blocks`).
 
 `Q4Linear` holds them as nibbles uint8 [N, K/2] (row n's block b at bytes 16b..16b+15) and d, m
-float32 [N, K/32]. Its `forward` runs the C kernel (`q4_kernel`) for float32 CPU inputs of up to
+float16 [N, K/32], as the file does (20 bytes a block; float32 scales made it 24, and a decode step
+reads every block once). Its `forward` runs the C kernel (`q4_kernel`) for float32 CPU inputs of up to
 `KERNEL_MAX_ROWS` rows, else (another device or dtype, no kernel, or many rows, where dequantize
 + F.linear's blocked GEMM wins) the reference: `dequantized_weight()` then F.linear. Both see the
 same float32 weights bit for bit; the kernel reads x as 16-bit integers per block of 32 values
@@ -32,7 +33,7 @@ from torch import nn
 from decodelab.model.block_linear import BlockLinear
 from decodelab.model.gguf_import import hf_tensor_name, unpermute_rows
 from decodelab.model.gguf_tensors import read_gguf_tensors
-from decodelab.model.q4_kernel import KERNEL_MAX_ROWS, kernel_loads, q4_1_dequantize, q4_1_matmul
+from decodelab.model.q4_kernel import KERNEL_MAX_ROWS, Q4_1_DTYPES, kernel_loads, q4_1_dequantize, q4_1_matmul
 from decodelab.model.q4_layer import use_q4_layers
 from decodelab.model.q4_stack import use_q4_backbone
 from decodelab.model.q4_swiglu import use_q4_swiglu
@@ -46,26 +47,27 @@ BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 
 def q4_1_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A GGUF tensor (`read_gguf_tensors` / `GGUFReader.tensors`) of type Q4_1, [N, K] in PyTorch's
-    order -> (nibbles uint8 [N, K/2], d float32 [N, K/32], m float32 [N, K/32]), in the file's row
+    order -> (nibbles uint8 [N, K/2], d float16 [N, K/32], m float16 [N, K/32]), in the file's row
     order. ValueError for any other type."""
     kind = tensor.tensor_type.name
     if kind != "Q4_1":
         raise ValueError(f"tensor {tensor.name!r} is {kind}, not Q4_1: only Q4_1 tensors become a Q4Linear")
     n, k = (int(size) for size in reversed(tensor.shape))  # GGUF lists dims innermost first
     raw = np.asarray(tensor.data, dtype=np.uint8).reshape(n, k // BLOCK, BLOCK_BYTES)
-    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))  # [N, K/32]
-    m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))  # [N, K/32]
+    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0])  # [N, K/32]
+    m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0])  # [N, K/32]
     nibbles = torch.from_numpy(raw[..., 4:].reshape(n, k // 2).copy())  # [N, K/2]
     return nibbles, d, m
 
 
 def dequantize_q4_1(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """nibbles uint8 [N, K/2], d and m float32 [N, K/32] -> weight float32 [N, K], d * q + m
-    rounded as gguf rounds it (a float32 multiply, then a float32 add)."""
+    """nibbles uint8 [N, K/2], d and m [N, K/32] (float16, or any float) -> weight float32 [N, K],
+    d * q + m rounded as gguf rounds it (d and m widened to float32, a float32 multiply, then a
+    float32 add)."""
     n, blocks = d.shape
     packed = nibbles.reshape(n, blocks, BLOCK // 2)  # [N, K/32, 16]
     levels = torch.cat([packed & 0x0F, packed >> 4], dim=-1).to(torch.float32)  # [N, K/32, 32]
-    return (levels * d[..., None] + m[..., None]).reshape(n, blocks * BLOCK)
+    return (levels * d.float()[..., None] + m.float()[..., None]).reshape(n, blocks * BLOCK)
 
 
 class Q4Linear(BlockLinear):
@@ -73,6 +75,7 @@ class Q4Linear(BlockLinear):
     `uses_kernel` and `dequantized_weight` from `BlockLinear`."""
 
     FORMAT = "Q4_1"
+    BLOCK_NAMES, BLOCK_DTYPES = ("nibbles", "d", "m"), Q4_1_DTYPES
     reference_dequantize = staticmethod(dequantize_q4_1)
     c_dequantize = staticmethod(q4_1_dequantize)
     c_product = staticmethod(q4_1_matmul)
@@ -87,8 +90,8 @@ class Q4Linear(BlockLinear):
             )
         self.in_features, self.out_features = half * 2, n
         self.register_buffer("nibbles", nibbles.contiguous())  # [N, K/2] uint8
-        self.register_buffer("d", d.to(torch.float32).contiguous())  # [N, K/32]
-        self.register_buffer("m", m.to(torch.float32).contiguous())  # [N, K/32]
+        self.register_buffer("d", d.to(torch.float16).contiguous())  # [N, K/32], Q4_1's own fp16
+        self.register_buffer("m", m.to(torch.float16).contiguous())  # [N, K/32]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

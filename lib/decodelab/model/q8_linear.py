@@ -51,6 +51,7 @@ class Q8Linear(BlockLinear):
     `forward`, `uses_kernel` and `dequantized_weight` from `BlockLinear`."""
 
     FORMAT = "Q8_0"
+    BLOCK_NAMES, BLOCK_DTYPES = ("q", "d"), (torch.int8, torch.float32)
     reference_dequantize = staticmethod(dequantize_q8_0)
     c_dequantize = staticmethod(q8_0_dequantize)
     c_product = staticmethod(q8_0_matmul)

@@ -1,7 +1,8 @@
 /* y[M, N] = x[M, K] @ W^T for W stored as llama.cpp's blocks of 32 weights, float32 activations:
  * `q4_1_matmul` for Q4_1 blocks, `q8_0_matmul` for Q8_0 blocks.
  *
- * Q4_1: W's row n, block b is d[n, b], m[n, b] (float32) and 16 bytes qs[n, 16*b ..]: byte j's
+ * Q4_1: W's row n, block b is d[n, b], m[n, b] (fp16, as the GGUF stores them) and 16 bytes
+ * qs[n, 16*b ..]: byte j's
  * low nibble is weight j of the block, its high nibble weight j + 16 (gguf's order);
  * weight = d * q + m.
  * Q8_0: W's row n, block b is d[n, b] (float32) and 32 signed bytes qs[n, 32*b ..];
@@ -32,6 +33,9 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+/* An IEEE half (fp16) as its 16 bits: Q4_1's d and m, stored as the GGUF stores them (F16C widens them). */
+typedef uint16_t half_bits;
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -42,12 +46,12 @@ static inline float hsum(__m256 v) {
 enum format { Q8_0, F32 };  /* F32: a weight row already dequantized (below) */
 
 /* Q4_1 block b: 16 bytes of nibbles -> 32 weights d * q + m, as 4 vectors of 8. */
-static inline void dequantize_q4_1(const uint8_t *qs, const float *d, const float *m, int64_t b, __m256 w[4]) {
+static inline void dequantize_q4_1(const uint8_t *qs, const half_bits *d, const half_bits *m, int64_t b, __m256 w[4]) {
     const __m128i low_mask = _mm_set1_epi8(0x0F);
     __m128i bytes = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
     __m128i lo = _mm_and_si128(bytes, low_mask);                     /* weights 0..15 */
     __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);  /* weights 16..31 */
-    __m256 scale = _mm256_set1_ps(d[b]), offset = _mm256_set1_ps(m[b]);
+    __m256 scale = _mm256_set1_ps(_cvtsh_ss(d[b])), offset = _mm256_set1_ps(_cvtsh_ss(m[b]));
     w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
     w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
     w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
@@ -197,6 +201,11 @@ static void quantize_rows(const float *x, int64_t M, int64_t first, int64_t end,
     }
 }
 
+/* h[0..8) widened to floats. */
+static inline __attribute__((always_inline)) __m256 eight_halves(const half_bits *h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
 /* Q4_1 block b's 32 nibbles as 16-bit lanes: lo holds weights 0..15, hi weights 16..31. The 16 bytes
  * widen to 16-bit lanes, each holding two nibbles (its low nibble weight j, its high nibble weight
  * j + 16), so one mask and one shift give both halves. */
@@ -230,7 +239,7 @@ static inline __attribute__((always_inline)) __m256i sum_lanes_of_8(const __m256
 
 /* Q4_1 block b against rows row0 .. row0 + R of x, R >= 2: the nibbles widened once for all R rows,
  * acc[r][c] += (q . xq) * (d * scale), offset[r][c] += m * sum. `c` picks one of two chains. */
-static inline __attribute__((always_inline)) void q4_1_block_rows(const uint8_t *qs, const float *d, const float *m,
+static inline __attribute__((always_inline)) void q4_1_block_rows(const uint8_t *qs, const half_bits *d, const half_bits *m,
                                                                   int16_rows x, int64_t row0, int64_t b, int R, int c,
                                                                   __m256 acc[4][2], float offset[4][2]) {
     const int64_t blocks = x.K / 32;
@@ -239,9 +248,9 @@ static inline __attribute__((always_inline)) void q4_1_block_rows(const uint8_t 
     for (int r = 0; r < R; r++) {
         const int64_t row = row0 + r;
         const __m256i dots = nibble_dot(lo, hi, x.q + row * x.K + 32 * b);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(d[b] * x.scale[row * blocks + b]),
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(_cvtsh_ss(d[b]) * x.scale[row * blocks + b]),
                                     acc[r][c]);
-        offset[r][c] += m[b] * x.sum[row * blocks + b];
+        offset[r][c] += _cvtsh_ss(m[b]) * x.sum[row * blocks + b];
     }
 }
 
@@ -250,7 +259,7 @@ static inline __attribute__((always_inline)) void q4_1_block_rows(const uint8_t 
  * summed into one vector (lane k: block b + k), then acc += dots * (d * scale) + m * sum, 8 blocks per
  * multiply-add, the last < 8 blocks one by one. More rows: block by block, each block's nibbles widened
  * once for all of them (measured faster there: bench/q4_products.py). */
-static inline __attribute__((always_inline)) void q4_1_dots(const uint8_t *qs, const float *d, const float *m,
+static inline __attribute__((always_inline)) void q4_1_dots(const uint8_t *qs, const half_bits *d, const half_bits *m,
                                                             int16_rows x, int64_t row0, int64_t first, int64_t end,
                                                             int R, float *out) {
     const int64_t blocks = x.K / 32;
@@ -276,9 +285,9 @@ static inline __attribute__((always_inline)) void q4_1_dots(const uint8_t *qs, c
     for (; b + 8 <= end; b += 8) {
         __m256i p[8];
         for (int k = 0; k < 8; k++) p[k] = q4_1_int_dot(qs, b + k, xr + 32 * (b + k));
-        const __m256 scales = _mm256_mul_ps(_mm256_loadu_ps(d + b), _mm256_loadu_ps(scale + b));
+        const __m256 scales = _mm256_mul_ps(eight_halves(d + b), _mm256_loadu_ps(scale + b));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes_of_8(p)), scales, acc);
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(sum + b), acc);
+        acc = _mm256_fmadd_ps(eight_halves(m + b), _mm256_loadu_ps(sum + b), acc);
     }
     float total = hsum(acc);
     for (; b < end; b++) {
@@ -286,13 +295,13 @@ static inline __attribute__((always_inline)) void q4_1_dots(const uint8_t *qs, c
         const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
         const __m128i pair = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
         const int32_t dot = _mm_cvtsi128_si32(_mm_add_epi32(pair, _mm_shuffle_epi32(pair, 0xB1)));
-        total += (float)dot * (d[b] * scale[b]) + m[b] * sum[b];
+        total += (float)dot * (_cvtsh_ss(d[b]) * scale[b]) + _cvtsh_ss(m[b]) * sum[b];
     }
     out[0] = total;
 }
 
 /* q4_1_dots with R = rows (1..4) made a constant, so each gets its unrolled loop. */
-static inline void q4_1_dots_of(const uint8_t *qs, const float *d, const float *m, int16_rows x, int64_t row0,
+static inline void q4_1_dots_of(const uint8_t *qs, const half_bits *d, const half_bits *m, int16_rows x, int64_t row0,
                                 int64_t first, int64_t end, int rows, float *out) {
     switch (rows) {
         case 4: q4_1_dots(qs, d, m, x, row0, first, end, 4, out); break;
@@ -304,7 +313,7 @@ static inline void q4_1_dots_of(const uint8_t *qs, const float *d, const float *
 
 /* Columns [first, end) of y [M, N] = x @ W^T, for x's M rows as int16_rows and W's N rows of Q4_1
  * blocks (K = x.K), on the calling thread; each weight block is read once for up to 4 rows of x. */
-static void q4_1_rows_range(int16_rows x, const uint8_t *qs, const float *d, const float *m, float *y, int64_t M,
+static void q4_1_rows_range(int16_rows x, const uint8_t *qs, const half_bits *d, const half_bits *m, float *y, int64_t M,
                             int64_t N, int64_t first, int64_t end) {
     const int64_t K = x.K, blocks = K / 32;
     for (int64_t n = first; n < end; n++) {
@@ -318,7 +327,7 @@ static void q4_1_rows_range(int16_rows x, const uint8_t *qs, const float *d, con
 }
 
 /* All of y [M, N] = x @ W^T, the threads splitting W's rows. */
-static void q4_1_rows(int16_rows x, const uint8_t *qs, const float *d, const float *m, float *y, int64_t M,
+static void q4_1_rows(int16_rows x, const uint8_t *qs, const half_bits *d, const half_bits *m, float *y, int64_t M,
                       int64_t N, int threads) {
 #pragma omp parallel num_threads(threads)
     {
@@ -329,7 +338,7 @@ static void q4_1_rows(int16_rows x, const uint8_t *qs, const float *d, const flo
 
 /* x [M, K], qs uint8 [N, K/2], d and m [N, K/32], y [M, N]; all contiguous. K a multiple of 32.
  * Scratch: xq int16 [M, K], xf float [2, M, K/32] (x as int16_rows). */
-void q4_1_matmul(const float *x, const uint8_t *qs, const float *d, const float *m, float *y, int16_t *xq,
+void q4_1_matmul(const float *x, const uint8_t *qs, const half_bits *d, const half_bits *m, float *y, int16_t *xq,
                  float *xf, int64_t M, int64_t N, int64_t K, int threads) {
     int16_rows rows = int16_rows_in(&xq, &xf, M, K);
     quantize_rows(x, M, 0, K / 32, rows);
@@ -345,7 +354,7 @@ void q8_0_matmul(const float *x, const int8_t *qs, const float *d, float *y,
 /* The float32 weights themselves, w [N, K], for products of many rows (a prefill), which a
  * float GEMM does faster than the row kernel: the same operations as above, so bit for bit
  * gguf's dequantization. qs uint8 [N, K/2], d and m [N, K/32]. */
-void q4_1_dequantize(const uint8_t *qs, const float *d, const float *m, float *w, int64_t N, int64_t K,
+void q4_1_dequantize(const uint8_t *qs, const half_bits *d, const half_bits *m, float *w, int64_t N, int64_t K,
                      int threads) {
     const int64_t blocks = N * (K / 32);
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -403,8 +412,8 @@ static void spin_barrier_wait(spin_barrier *barrier, int team) {
  * afterwards: 1.3x slower with the weights coming from memory, as a decode step's do.) h is scratch
  * [M, F], hq int16_rows [M, F]. silu(g) = g / (1 + exp(-g)). `swiglu_share` is thread t's part, inside a
  * parallel region of `team` threads (the decode step's); `swiglu` opens the region. */
-static void swiglu_share(int16_rows x, const uint8_t *gq, const float *gd, const float *gm, const uint8_t *uq,
-                         const float *ud, const float *um, const uint8_t *dq, const float *dd, const float *dm, float *h,
+static void swiglu_share(int16_rows x, const uint8_t *gq, const half_bits *gd, const half_bits *gm, const uint8_t *uq,
+                         const half_bits *ud, const half_bits *um, const uint8_t *dq, const half_bits *dd, const half_bits *dm, float *h,
                          int16_rows hq, float *y, int64_t M, int64_t F, int t, int team, spin_barrier *barrier) {
     const int64_t E = x.K, in_blocks = E / 32, hidden_blocks = F / 32;
     const int64_t first = hidden_blocks * t / team, end = hidden_blocks * (t + 1) / team;
@@ -430,8 +439,8 @@ static void swiglu_share(int16_rows x, const uint8_t *gq, const float *gd, const
     }
 }
 
-static void swiglu(int16_rows x, const uint8_t *gq, const float *gd, const float *gm, const uint8_t *uq,
-                   const float *ud, const float *um, const uint8_t *dq, const float *dd, const float *dm, float *h,
+static void swiglu(int16_rows x, const uint8_t *gq, const half_bits *gd, const half_bits *gm, const uint8_t *uq,
+                   const half_bits *ud, const half_bits *um, const uint8_t *dq, const half_bits *dd, const half_bits *dm, float *h,
                    int16_rows hq, float *y, int64_t M, int64_t F, int threads) {
     spin_barrier barrier = {0, 0};
 #pragma omp parallel num_threads(threads)
@@ -441,8 +450,8 @@ static void swiglu(int16_rows x, const uint8_t *gq, const float *gd, const float
 
 /* The MLP above for x float32 [M, E]. Scratch: h [M, F], q int16 [M, E + F] and f float
  * [2, M, (E + F) / 32] (x and h as int16_rows). */
-void q4_1_swiglu(const float *x, const uint8_t *gq, const float *gd, const float *gm, const uint8_t *uq,
-                 const float *ud, const float *um, const uint8_t *dq, const float *dd, const float *dm, float *h,
+void q4_1_swiglu(const float *x, const uint8_t *gq, const half_bits *gd, const half_bits *gm, const uint8_t *uq,
+                 const half_bits *ud, const half_bits *um, const uint8_t *dq, const half_bits *dd, const half_bits *dm, float *h,
                  int16_t *q, float *f, float *y, int64_t M, int64_t E, int64_t F, int threads) {
     int16_rows xq = int16_rows_in(&q, &f, M, E), hq = int16_rows_in(&q, &f, M, F);
     quantize_rows(x, M, 0, E / 32, xq);
@@ -486,9 +495,9 @@ static void rope_rows(float *x, const float *cos, const float *sin, int64_t M, i
 /* The half before the attention: h = RMSNorm(x) (scratch [M, E]), then q [M, H*D], k and v
  * [M, H_kv*D] = h @ W^T of the Q4_1 blocks of q_proj, k_proj, v_proj, with RoPE applied to q and k.
  * Scratch: hq int16 [M, E], hf float [2, M, E/32] (h as int16_rows, shared by the three products). */
-void q4_1_attention_inputs(const float *x, const float *norm_weight, float eps, const uint8_t *qq, const float *qd,
-                           const float *qm, const uint8_t *kq, const float *kd, const float *km, const uint8_t *vq,
-                           const float *vd, const float *vm, const float *cos, const float *sin, float *h, int16_t *hq,
+void q4_1_attention_inputs(const float *x, const float *norm_weight, float eps, const uint8_t *qq, const half_bits *qd,
+                           const half_bits *qm, const uint8_t *kq, const half_bits *kd, const half_bits *km, const uint8_t *vq,
+                           const half_bits *vd, const half_bits *vm, const float *cos, const float *sin, float *h, int16_t *hq,
                            float *hf, float *q, float *k, float *v, int64_t M, int64_t T, int64_t E, int64_t H,
                            int64_t H_kv, int64_t D, int threads) {
     rms_norm_rows(x, norm_weight, eps, h, M, E);
@@ -505,10 +514,10 @@ void q4_1_attention_inputs(const float *x, const float *norm_weight, float eps, 
  * y = mid + MLP(RMSNorm(mid)) through the SwiGLU above (M <= its 16 rows). Scratch: mid, normed
  * and mlp [M, E], the MLP's h [M, F], and q int16
  * [M, A + E + F], f float [2, M, (A + E + F) / 32] (attention, normed and h as int16_rows). */
-void q4_1_attention_output_and_mlp(const float *x, const float *attention, const uint8_t *oq, const float *od,
-                                   const float *om, const float *norm_weight, float eps, const uint8_t *gq,
-                                   const float *gd, const float *gm, const uint8_t *uq, const float *ud,
-                                   const float *um, const uint8_t *dq, const float *dd, const float *dm, float *mid,
+void q4_1_attention_output_and_mlp(const float *x, const float *attention, const uint8_t *oq, const half_bits *od,
+                                   const half_bits *om, const float *norm_weight, float eps, const uint8_t *gq,
+                                   const half_bits *gd, const half_bits *gm, const uint8_t *uq, const half_bits *ud,
+                                   const half_bits *um, const uint8_t *dq, const half_bits *dd, const half_bits *dm, float *mid,
                                    float *normed, float *mlp, float *h, int16_t *q, float *f, float *y,
                                    int64_t M, int64_t A, int64_t E, int64_t F, int o_threads, int mlp_threads) {
     int16_rows aq = int16_rows_in(&q, &f, M, A), nq = int16_rows_in(&q, &f, M, E), hq = int16_rows_in(&q, &f, M, F);
