@@ -29,6 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from omp_settings import omp_settings  # noqa: E402  (bench/omp_settings.py)
 
 from decodelab.model.attention import ATTENTION_ONE_THREAD_BELOW  # noqa: E402
 from decodelab.model.thread_team import team_sleeps  # noqa: E402
@@ -93,8 +94,7 @@ def main() -> None:
         "command": "python bench/attention_threads.py " + " ".join(sys.argv[1:]),
         "what": "one SDPA call of B one-token queries over S keys (SmolLM2's heads), torch's team vs one thread",
         "torch": torch.__version__,
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
+        **omp_settings(),
         "team_threads": team,
         "ATTENTION_ONE_THREAD_BELOW": ATTENTION_ONE_THREAD_BELOW,
         "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},

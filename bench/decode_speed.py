@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from omp_settings import omp_settings, spin_prefix  # noqa: E402  (bench/omp_settings.py)
 
 from decodelab.decoding.compiled import CompiledDecoder  # noqa: E402
 from decodelab.decoding.generate import stream_token_ids  # noqa: E402
@@ -71,12 +72,6 @@ from decodelab.model.registry import load, resolve_model, smollm2_gguf_path  # n
 from decodelab.params import SamplingParams  # noqa: E402
 
 BASE_TOKENS = 16  # the warm-up run's length
-
-
-def spin_prefix() -> str:
-    """`GOMP_SPINCOUNT=N ` when the run let OpenMP's threads spin, for the recorded command."""
-    spincount = os.environ.get("GOMP_SPINCOUNT")
-    return f"GOMP_SPINCOUNT={spincount} " if spincount is not None else ""
 
 
 def bytes_read_per_token(model) -> int:
@@ -262,8 +257,7 @@ def main():
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
+        **omp_settings(),
         "load_average_1_5_15_min": {"before": load_average_before, "after": os.getloadavg()},
         "cpu_count": os.cpu_count(),
         "bandwidth_GBps": bandwidth / 1e9,
@@ -547,8 +541,7 @@ def end_to_end(args):
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
+        **omp_settings(),
         "load_average_1_5_15_min": {"before": load_average_before, "after": os.getloadavg()},
         "prompt": E2E_PROMPT,
         "prompt_tokens": len(prompt_ids),

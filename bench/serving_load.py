@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT / "lib"))
 from decodelab.lessons.perplexity import heldout_text  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
+from omp_settings import omp_settings, spin_prefix  # noqa: E402  (bench/omp_settings.py)
 from serving_report import Outcome, PlannedRequest, plot, print_table, summarize  # noqa: E402
 from serving_servers import (  # noqa: E402  (bench/serving_servers.py)
     LLAMA_CPP_KINDS,
@@ -274,7 +275,7 @@ def main() -> None:
             print(f"wrote {plotted}")
         return
     rates = [float(r) for r in args.rates.split(",")]
-    command = "python bench/serving_load.py " + shlex.join(sys.argv[1:])
+    command = spin_prefix() + "python bench/serving_load.py " + shlex.join(sys.argv[1:])
     print(command, flush=True)
     load_before = _load_average()
     result = {
@@ -288,7 +289,7 @@ def main() -> None:
         "streamed; the same requests at every rate",
         "client": "the openai package's AsyncOpenAI, on the same machine as the server (it takes CPU too)",
         "cpus": os.cpu_count(),
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),  # the servers inherit it (decodelab sets PASSIVE)
+        **omp_settings(),  # the servers inherit them (decodelab sets PASSIVE)
         "load_average_before": load_before,
     }
     if args.llama_cpp:

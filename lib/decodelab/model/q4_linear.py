@@ -150,7 +150,7 @@ def use_gguf_q4_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
 def q4_pays(model, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> bool:
     """Should `model` run on its GGUF's Q4_1 blocks by default (the command line's `generate` and
     `serve` ask)? Yes for "smollm2" on the CPU in float32 where the C kernels load: the float32
-    SmolLM2 is that GGUF dequantized, so Q4 weights are the same numbers bit for bit, read as 111 MB
+    SmolLM2 is that GGUF dequantized, so Q4 weights are the same numbers bit for bit, read as 98 MB
     a token instead of 538 (several times the tokens/s: bench/decode_speed.py --end-to-end); the
     kernels' 16-bit activations and order of sums move the logits by ~3e-4 of their size. No
     elsewhere: another model has no such GGUF, a GPU or half precision takes the float path, and

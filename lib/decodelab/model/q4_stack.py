@@ -101,7 +101,7 @@ class Q4Backbone(Backbone):
         """What the one-call step reads of the layers, kept while `weight_moves.moves()` stands still
         (nothing registered or assigned a module, parameter or buffer, no `.to()`): their weight
         tensors, the table of addresses of these, and their forward hook dicts. Walking 30 layers'
-        modules for them cost ~1 ms a token, most of it cache misses: the step streams 110 MB of
+        modules for them cost ~1 ms a token, most of it cache misses: the step streams ~100 MB of
         weights past the module objects. None while a layer is not a `Q4DecoderLayer`."""
         layout = self._layout
         if layout is not None and layout.moves == weight_moves.moves():
