@@ -24,7 +24,7 @@
  * (plus the float32 rounding of the sums): a relative 1.5e-5 of the block's largest value, 256 times
  * finer than llama.cpp's 8-bit activations (Q8_1).
  *
- * Plain C with AVX2/FMA intrinsics and OpenMP; no torch headers (called through ctypes).
+ * Plain C with AVX2/FMA/F16C intrinsics and OpenMP; no torch headers (called through ctypes).
  */
 #include <immintrin.h>
 #include <math.h>
