@@ -32,7 +32,9 @@ class BlockLinear(nn.Module):
     c_product: Callable[..., torch.Tensor]  # x [M, K], blocks -> y [M, N]
 
     def blocks(self) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
+        """The buffers named in BLOCK_NAMES, in that order (read from `_buffers` directly: nn.Module's
+        attribute lookup costs ~0.5 us a buffer, per token)."""
+        return tuple(map(self._buffers.__getitem__, self.BLOCK_NAMES))
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight float32 [N, K], equal bit for bit to gguf's dequantization of the blocks."""

@@ -69,10 +69,6 @@ class Q8Linear(BlockLinear):
         self.register_buffer("d", d.to(torch.float32).contiguous())  # [N, K/32]
         self.bias = None
 
-    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        buffers = self._buffers  # read directly, as Q4Linear.blocks does
-        return buffers["q"], buffers["d"]
-
 
 def use_gguf_q8_lm_head(model: nn.Module, tensors) -> bool:
     """Give `model` (the one the GGUF converts to) an lm_head of Q8_0 blocks, in place, when the

@@ -239,17 +239,18 @@ static inline __attribute__((always_inline)) __m256i sum_lanes_of_8(const __m256
 
 /* Q4_1 block b against rows row0 .. row0 + R of x, R >= 2: the nibbles widened once for all R rows,
  * acc[r][c] += (q . xq) * (d * scale), offset[r][c] += m * sum. `c` picks one of two chains. */
-static inline __attribute__((always_inline)) void q4_1_block_rows(const uint8_t *qs, const half_bits *d, const half_bits *m,
-                                                                  int16_rows x, int64_t row0, int64_t b, int R, int c,
-                                                                  __m256 acc[4][2], float offset[4][2]) {
+static inline __attribute__((always_inline)) void q4_1_block_rows(const uint8_t *qs, const half_bits *d,
+                                                                  const half_bits *m, int16_rows x, int64_t row0,
+                                                                  int64_t b, int R, int c, __m256 acc[4][2],
+                                                                  float offset[4][2]) {
     const int64_t blocks = x.K / 32;
     __m256i lo, hi;
     q4_1_nibbles(qs, b, &lo, &hi);
     for (int r = 0; r < R; r++) {
         const int64_t row = row0 + r;
         const __m256i dots = nibble_dot(lo, hi, x.q + row * x.K + 32 * b);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(_cvtsh_ss(d[b]) * x.scale[row * blocks + b]),
-                                    acc[r][c]);
+        const __m256 scale = _mm256_set1_ps(_cvtsh_ss(d[b]) * x.scale[row * blocks + b]);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[r][c]);
         offset[r][c] += _cvtsh_ss(m[b]) * x.sum[row * blocks + b];
     }
 }
@@ -313,8 +314,8 @@ static inline void q4_1_dots_of(const uint8_t *qs, const half_bits *d, const hal
 
 /* Columns [first, end) of y [M, N] = x @ W^T, for x's M rows as int16_rows and W's N rows of Q4_1
  * blocks (K = x.K), on the calling thread; each weight block is read once for up to 4 rows of x. */
-static void q4_1_rows_range(int16_rows x, const uint8_t *qs, const half_bits *d, const half_bits *m, float *y, int64_t M,
-                            int64_t N, int64_t first, int64_t end) {
+static void q4_1_rows_range(int16_rows x, const uint8_t *qs, const half_bits *d, const half_bits *m, float *y,
+                            int64_t M, int64_t N, int64_t first, int64_t end) {
     const int64_t K = x.K, blocks = K / 32;
     for (int64_t n = first; n < end; n++) {
         float out[4];
@@ -413,8 +414,9 @@ static void spin_barrier_wait(spin_barrier *barrier, int team) {
  * [M, F], hq int16_rows [M, F]. silu(g) = g / (1 + exp(-g)). `swiglu_share` is thread t's part, inside a
  * parallel region of `team` threads (the decode step's); `swiglu` opens the region. */
 static void swiglu_share(int16_rows x, const uint8_t *gq, const half_bits *gd, const half_bits *gm, const uint8_t *uq,
-                         const half_bits *ud, const half_bits *um, const uint8_t *dq, const half_bits *dd, const half_bits *dm, float *h,
-                         int16_rows hq, float *y, int64_t M, int64_t F, int t, int team, spin_barrier *barrier) {
+                         const half_bits *ud, const half_bits *um, const uint8_t *dq, const half_bits *dd,
+                         const half_bits *dm, float *h, int16_rows hq, float *y, int64_t M, int64_t F, int t, int team,
+                         spin_barrier *barrier) {
     const int64_t E = x.K, in_blocks = E / 32, hidden_blocks = F / 32;
     const int64_t first = hidden_blocks * t / team, end = hidden_blocks * (t + 1) / team;
     for (int64_t n = 32 * first; n < 32 * end; n++) {
@@ -440,8 +442,8 @@ static void swiglu_share(int16_rows x, const uint8_t *gq, const half_bits *gd, c
 }
 
 static void swiglu(int16_rows x, const uint8_t *gq, const half_bits *gd, const half_bits *gm, const uint8_t *uq,
-                   const half_bits *ud, const half_bits *um, const uint8_t *dq, const half_bits *dd, const half_bits *dm, float *h,
-                   int16_rows hq, float *y, int64_t M, int64_t F, int threads) {
+                   const half_bits *ud, const half_bits *um, const uint8_t *dq, const half_bits *dd,
+                   const half_bits *dm, float *h, int16_rows hq, float *y, int64_t M, int64_t F, int threads) {
     spin_barrier barrier = {0, 0};
 #pragma omp parallel num_threads(threads)
     swiglu_share(x, gq, gd, gm, uq, ud, um, dq, dd, dm, h, hq, y, M, F, omp_get_thread_num(), omp_get_num_threads(),
@@ -451,8 +453,8 @@ static void swiglu(int16_rows x, const uint8_t *gq, const half_bits *gd, const h
 /* The MLP above for x float32 [M, E]. Scratch: h [M, F], q int16 [M, E + F] and f float
  * [2, M, (E + F) / 32] (x and h as int16_rows). */
 void q4_1_swiglu(const float *x, const uint8_t *gq, const half_bits *gd, const half_bits *gm, const uint8_t *uq,
-                 const half_bits *ud, const half_bits *um, const uint8_t *dq, const half_bits *dd, const half_bits *dm, float *h,
-                 int16_t *q, float *f, float *y, int64_t M, int64_t E, int64_t F, int threads) {
+                 const half_bits *ud, const half_bits *um, const uint8_t *dq, const half_bits *dd, const half_bits *dm,
+                 float *h, int16_t *q, float *f, float *y, int64_t M, int64_t E, int64_t F, int threads) {
     int16_rows xq = int16_rows_in(&q, &f, M, E), hq = int16_rows_in(&q, &f, M, F);
     quantize_rows(x, M, 0, E / 32, xq);
     swiglu(xq, gq, gd, gm, uq, ud, um, dq, dd, dm, h, hq, y, M, F, threads);
@@ -496,9 +498,10 @@ static void rope_rows(float *x, const float *cos, const float *sin, int64_t M, i
  * [M, H_kv*D] = h @ W^T of the Q4_1 blocks of q_proj, k_proj, v_proj, with RoPE applied to q and k.
  * Scratch: hq int16 [M, E], hf float [2, M, E/32] (h as int16_rows, shared by the three products). */
 void q4_1_attention_inputs(const float *x, const float *norm_weight, float eps, const uint8_t *qq, const half_bits *qd,
-                           const half_bits *qm, const uint8_t *kq, const half_bits *kd, const half_bits *km, const uint8_t *vq,
-                           const half_bits *vd, const half_bits *vm, const float *cos, const float *sin, float *h, int16_t *hq,
-                           float *hf, float *q, float *k, float *v, int64_t M, int64_t T, int64_t E, int64_t H,
+                           const half_bits *qm, const uint8_t *kq, const half_bits *kd, const half_bits *km,
+                           const uint8_t *vq, const half_bits *vd, const half_bits *vm, const float *cos,
+                           const float *sin, float *h, int16_t *hq, float *hf, float *q, float *k, float *v, int64_t M,
+                           int64_t T, int64_t E, int64_t H,
                            int64_t H_kv, int64_t D, int threads) {
     rms_norm_rows(x, norm_weight, eps, h, M, E);
     int16_rows rows = int16_rows_in(&hq, &hf, M, E);
@@ -517,8 +520,8 @@ void q4_1_attention_inputs(const float *x, const float *norm_weight, float eps, 
 void q4_1_attention_output_and_mlp(const float *x, const float *attention, const uint8_t *oq, const half_bits *od,
                                    const half_bits *om, const float *norm_weight, float eps, const uint8_t *gq,
                                    const half_bits *gd, const half_bits *gm, const uint8_t *uq, const half_bits *ud,
-                                   const half_bits *um, const uint8_t *dq, const half_bits *dd, const half_bits *dm, float *mid,
-                                   float *normed, float *mlp, float *h, int16_t *q, float *f, float *y,
+                                   const half_bits *um, const uint8_t *dq, const half_bits *dd, const half_bits *dm,
+                                   float *mid, float *normed, float *mlp, float *h, int16_t *q, float *f, float *y,
                                    int64_t M, int64_t A, int64_t E, int64_t F, int o_threads, int mlp_threads) {
     int16_rows aq = int16_rows_in(&q, &f, M, A), nq = int16_rows_in(&q, &f, M, E), hq = int16_rows_in(&q, &f, M, F);
     quantize_rows(attention, M, 0, A / 32, aq);
