@@ -44,22 +44,32 @@ def median(values) -> float:
 
 
 def memory_bandwidth(device="cpu", megabytes: int = 512, repeats: int = 5, method: str = "read") -> float:
-    """Bytes per second streamed from memory, with a buffer larger than the caches.
+    """Bytes per second streamed from memory: the fastest of `repeats` timed passes over a buffer
+    of `megabytes` MiB (after one untimed pass).
+
+    The fastest pass, as STREAM reports its best rate: other work on the machine (another
+    process, a test beside this one) only slows a pass down, so the best one is the nearest to
+    what this memory can deliver, and a decode that reads the same bytes cannot beat it. Make
+    the buffer at least as large as the bytes the workload you compare with reads: a smaller
+    one may sit in a large last-level cache (hundreds of MB on some servers) and measure the
+    cache instead.
 
     method="read": a matrix-vector product over a [rows, 4096] float32 matrix, the access
     pattern of batch-1 decode (each weight byte read once); bytes = the matrix's size.
     method="copy": dst.copy_(src); bytes = read + written.
     """
+    check_int("megabytes", megabytes, minimum=1)
+    check_int("repeats", repeats, minimum=1)
     device = torch.device(device)
-    if method == "read":
-        matrix = torch.randn(megabytes * 2**20 // (4 * 4096), 4096, device=device)
-        vector = torch.randn(4096, device=device)
-        seconds = median(time_call(lambda: matrix @ vector, device, repeats))
+    if method == "read":  # the values do not matter, only the bytes: full() fills faster than randn()
+        matrix = torch.full((max(1, megabytes * 2**20 // (4 * 4096)), 4096), 0.5, device=device)
+        vector = torch.full((4096,), 0.5, device=device)
+        seconds = min(time_call(lambda: matrix @ vector, device, repeats))
         return matrix.numel() * matrix.element_size() / seconds
     if method == "copy":
-        src = torch.randn(megabytes * 2**20 // 4, device=device)
+        src = torch.full((megabytes * 2**20 // 4,), 0.5, device=device)
         dst = torch.empty_like(src)
-        seconds = median(time_call(lambda: dst.copy_(src), device, repeats))
+        seconds = min(time_call(lambda: dst.copy_(src), device, repeats))
         return 2 * src.numel() * src.element_size() / seconds
     raise ValueError(f"method must be 'read' or 'copy', got {method!r}")
 
