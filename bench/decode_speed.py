@@ -48,7 +48,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -61,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from omp_settings import omp_settings, spin_prefix  # noqa: E402  (bench/omp_settings.py)
+from omp_settings import cpu_name, omp_settings, spin_prefix  # noqa: E402  (bench/omp_settings.py)
 
 from decodelab.decoding.compiled import CompiledDecoder  # noqa: E402
 from decodelab.decoding.generate import stream_token_ids  # noqa: E402
@@ -256,7 +255,7 @@ def main():
         "device": str(device),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         **omp_settings(),
         "load_average_1_5_15_min": {"before": load_average_before, "after": os.getloadavg()},
         "cpu_count": os.cpu_count(),

@@ -1,6 +1,6 @@
 """SmolLM2's 211 matrix products per forward pass: float32 F.linear vs the GGUF block kernels, side by side.
 
-    .venv/bin/python bench/q4_products.py [--rows 1,4,16,64,256] [--rounds 5]
+    .venv/bin/python bench/q4_products.py [--rows 1,4,16,64,256] [--rounds 5] [--out FILE]
 
 For each row count M (1: a batch-1 decode step; more: batched decode or a prefill chunk), the
 milliseconds of one pass over every linear of SmolLM2 on inputs x [M, K]:
@@ -12,7 +12,7 @@ milliseconds of one pass over every linear of SmolLM2 on inputs x [M, K]:
 * `dequantize + F.linear`: their pure-torch path (the fallback, and their choice above
   `KERNEL_MAX_ROWS` rows, forced here at every M), the same 210 + lm_head.
 Interleaved, best of the rounds; the weight bytes each reads and the ratios are printed. Writes
-bench/results/q4_products_smollm2_cpu.json with the load average.
+bench/results/q4_products_smollm2_cpu.json (or --out) with the load average and the CPU's name.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from omp_settings import cpu_name  # noqa: E402  (bench/omp_settings.py)
 
 from decodelab.model import q4_kernel  # noqa: E402
 from decodelab.model.llama import MLP  # noqa: E402
@@ -98,6 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,4,16,64,256", help="comma-separated row counts M")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "q4_products_smollm2_cpu.json")
     args = parser.parse_args()
     if kernel() is None:
         sys.exit("the Q4_1 kernel cannot run here (see the line above): nothing to compare")
@@ -144,6 +146,7 @@ def main() -> None:
         "what": "ms of one pass over SmolLM2's 211 linears on x [M, K], best of the rounds, interleaved",
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_name(),
         "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
         "weight_bytes_per_pass": {"float32": float_bytes, "q4 (Q4_1 linears, Q8_0 lm_head)": q4_bytes},
         "ms_per_pass_by_rows": results,
@@ -152,7 +155,7 @@ def main() -> None:
         "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
         "swiglu_ms_per_pass_by_rows (the 30 MLPs)": swiglu,
     }
-    out = Path(__file__).parent / "results" / "q4_products_smollm2_cpu.json"
+    out = args.out
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -46,7 +46,11 @@ ONE_THREAD_BELOW = 1 << 22
 # pays already at one row of SmolLM2's: bench/q4_products.py).
 SWIGLU_MAX_ROWS = 16
 SWIGLU_ONE_THREAD_BELOW = 1 << 20
-KERNEL_MAX_ROWS = 64  # more rows: dequantize + F.linear (one GEMM) wins; measured by bench/q4_products.py
+# More rows: dequantize + F.linear (one GEMM) is faster. bench/q4_products.py times the 211 products of a
+# SmolLM2 pass: the kernel's time grows ~3 ms a row and the GEMM's ~1.5, so they cross at 32-40 rows on
+# an AVX-512 Xeon with a 480 MiB L3 (two runs) and at ~52 on a 2-core EPYC (interpolated; the GEMM was
+# 8% faster there at 64 rows). 48 sits between the two.
+KERNEL_MAX_ROWS = 48
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 LIBRARIES = ["-lm"]  # after the source: expf
 
