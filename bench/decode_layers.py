@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from omp_settings import omp_settings  # noqa: E402  (bench/omp_settings.py)
 
 from decodelab.engine import paged_decode_kernel  # noqa: E402
 from decodelab.engine.paged_attention import PagedBatch, PagedKVStore, SequenceSlice  # noqa: E402
@@ -167,8 +168,7 @@ def main() -> None:
         "(cache of 100 tokens); one layer's paged decode attention in C vs gather + SDPA, us",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
+        **omp_settings(),
         "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
         "decode_step_ms_by_rows": steps,
         "paged_decode_attention": attention,

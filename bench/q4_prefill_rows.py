@@ -67,11 +67,10 @@ def main() -> None:
         q4_kernel.KERNEL_MAX_ROWS = shipped
     results = {}
     for n in lengths:
-        row = {
+        results[n] = {
             f"cap {cap}": {"median_ms": statistics.median(times[n, cap]), "best_ms": min(times[n, cap])} for cap in caps
         }
-        results[n] = row
-        cells = "  ".join(f"cap {cap}: {row[f'cap {cap}']['median_ms']:6.1f} ms" for cap in caps)
+        cells = "  ".join(f"{name}: {cell['median_ms']:6.1f} ms" for name, cell in results[n].items())
         print(f"{n:3d} tokens, TTFT median  {cells}")
     result = {
         "command": spin_prefix() + "python bench/q4_prefill_rows.py " + " ".join(sys.argv[1:]),

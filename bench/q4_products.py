@@ -32,7 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from omp_settings import cpu_name  # noqa: E402  (bench/omp_settings.py)
+from omp_settings import cpu_name, omp_settings  # noqa: E402  (bench/omp_settings.py)
 
 from decodelab.model import q4_kernel  # noqa: E402
 from decodelab.model.llama import MLP  # noqa: E402
@@ -151,13 +151,11 @@ def main() -> None:
         "weight_bytes_per_pass": {"float32": float_bytes, "q4 (Q4_1 linears, Q8_0 lm_head)": q4_bytes},
         "ms_per_pass_by_rows": results,
         "float32_over_Q4Linear": {rows: r["float32"] / r["Q4Linear"] for rows, r in results.items()},
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
+        **omp_settings(),
         "swiglu_ms_per_pass_by_rows (the 30 MLPs)": swiglu,
     }
-    out = args.out
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
